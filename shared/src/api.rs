@@ -1,0 +1,351 @@
+//! The request/response vocabulary shared by every interface (direct invoke, HTTP, CLI
+//! `--json`), the direct-invoke dispatcher and the framework-neutral HTTP router. The Lambda
+//! functions and the local server are thin adapters over [`invoke`] and [`handle_http`].
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Map, Value};
+
+use crate::error::{Error, Result};
+use crate::model::Keepalive;
+use crate::protocol::{AcquireOptions, Coordinator};
+use crate::validate;
+
+/// Body of an acquire (direct invoke, `POST /leases/{key}/acquire`, CLI).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AcquireRequest {
+    /// Required for direct invoke; over HTTP the key comes from the path (a body key must match).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    pub holder: String,
+    /// Lease duration; the configured default when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_ms: Option<u64>,
+    /// A lease without expiry, freed only by release or force-release.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub fail_closed: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_hold_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<Map<String, Value>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keepalive: Option<Keepalive>,
+    /// Caller-chosen secret (22..=128 of `[A-Za-z0-9_-]`) that makes a retried acquire return
+    /// the lease its lost first attempt took. Generated (128 random bits) when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_id: Option<String>,
+}
+
+/// Body of a heartbeat.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HeartbeatRequest {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    pub lease_id: String,
+    /// New duration from now; the lease's own duration when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_ms: Option<u64>,
+}
+
+/// Body of a release.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseRequest {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    pub lease_id: String,
+}
+
+/// Body of a get (direct invoke only; HTTP uses `GET /leases/{key}`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GetRequest {
+    pub key: String,
+}
+
+/// The operations reachable by direct invoke.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Operation {
+    Acquire,
+    Heartbeat,
+    Release,
+    Get,
+}
+
+impl Operation {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Operation::Acquire => "acquire",
+            Operation::Heartbeat => "heartbeat",
+            Operation::Release => "release",
+            Operation::Get => "get",
+        }
+    }
+}
+
+/// How much of a Lambda invocation's remaining time an acquire may spend waiting: the rest is
+/// kept to answer `LeaseHeld` before the function times out.
+pub const INVOKE_SAFETY_MARGIN: Duration = Duration::from_millis(1500);
+
+/// Parses a JSON payload, turning every serde complaint into a clear `InvalidRequest`.
+pub fn parse<T: serde::de::DeserializeOwned>(payload: Value) -> Result<T> {
+    if !payload.is_object() {
+        return Err(Error::invalid(format!("the request must be a JSON object, not {}", kind(&payload))));
+    }
+    serde_json::from_value(payload).map_err(|e| Error::invalid(format!("invalid request: {e}")))
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn ms(v: u64) -> Duration {
+    Duration::from_millis(v)
+}
+
+/// The key of a request: from the path (HTTP) or the body (direct invoke).
+fn pick_key(path_key: Option<&str>, body_key: Option<String>) -> Result<String> {
+    match (path_key, body_key) {
+        (Some(p), Some(b)) if p != b => {
+            Err(Error::invalid(format!("the key in the body ({b:?}) differs from the key in the path ({p:?})")))
+        }
+        (Some(p), _) => Ok(p.to_string()),
+        (None, Some(b)) => Ok(b),
+        (None, None) => Err(Error::invalid("missing field `key`")),
+    }
+}
+
+/// Runs one operation. `remaining`: time left before the caller gives up (the Lambda
+/// deadline); an acquire's wait is cut to fit inside it with [`INVOKE_SAFETY_MARGIN`] to spare.
+pub async fn run(
+    coord: &Coordinator,
+    op: Operation,
+    path_key: Option<&str>,
+    payload: Value,
+    remaining: Option<Duration>,
+) -> Result<Value> {
+    match op {
+        Operation::Acquire => {
+            let r: AcquireRequest = parse(payload)?;
+            let key = pick_key(path_key, r.key)?;
+            let duration = match (r.fail_closed, r.duration_ms) {
+                (true, Some(_)) => return Err(Error::invalid("fail_closed leases take no duration_ms")),
+                (true, None) => None,
+                (false, d) => Some(d.map(ms).unwrap_or(coord.config().default_duration)),
+            };
+            let mut wait = r.wait_ms.map(ms);
+            if let (Some(w), Some(rem)) = (wait, remaining) {
+                coord.config().limits.wait(w)?;
+                wait = Some(w.min(rem.saturating_sub(INVOKE_SAFETY_MARGIN)));
+            }
+            let opts = AcquireOptions {
+                wait,
+                min_hold: r.min_hold_ms.map(ms),
+                metadata: r.metadata,
+                keepalive: r.keepalive,
+                lease_id: r.lease_id.as_deref().map(validate::lease_id).transpose()?,
+            };
+            let lease = coord.acquire(&key, &r.holder, duration, opts).await?;
+            Ok(serde_json::to_value(lease).expect("lease serialises"))
+        }
+        Operation::Heartbeat => {
+            let r: HeartbeatRequest = parse(payload)?;
+            let key = pick_key(path_key, r.key)?;
+            let id = validate::lease_id(&r.lease_id)?;
+            let lease = coord.heartbeat(&key, &id, r.duration_ms.map(ms)).await?;
+            Ok(serde_json::to_value(lease).expect("lease serialises"))
+        }
+        Operation::Release => {
+            let r: ReleaseRequest = parse(payload)?;
+            let key = pick_key(path_key, r.key)?;
+            let id = validate::lease_id(&r.lease_id)?;
+            let released = coord.release(&key, &id).await?;
+            Ok(serde_json::to_value(released).expect("release serialises"))
+        }
+        Operation::Get => {
+            let key = match path_key {
+                Some(k) => k.to_string(),
+                None => parse::<GetRequest>(payload)?.key,
+            };
+            let state = coord.get(&key).await?;
+            Ok(serde_json::to_value(state).expect("state serialises"))
+        }
+    }
+}
+
+/// A framework-neutral HTTP request: what API Gateway and the local server both provide.
+#[derive(Debug, Clone)]
+pub struct HttpRequest {
+    pub method: String,
+    /// The path as sent, still percent-encoded.
+    pub path: String,
+    pub body: Vec<u8>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct HttpResponse {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl HttpResponse {
+    pub fn json(status: u16, body: &Value) -> Self {
+        HttpResponse {
+            status,
+            headers: vec![("content-type".into(), "application/json".into())],
+            body: body.to_string(),
+        }
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+    }
+
+    /// The response for an error: status, `Retry-After` where retrying makes sense, JSON body.
+    pub fn error(e: &Error, now_ms: u64) -> Self {
+        let mut r = HttpResponse::json(http_status(e), &e.to_json());
+        let retry_after = match e {
+            Error::LeaseHeld { expires_at_ms: Some(exp), .. } => Some(exp.saturating_sub(now_ms).div_ceil(1000).max(1)),
+            Error::LeaseHeld { expires_at_ms: None, .. } => Some(1),
+            Error::StoreUnavailable(_) | Error::Throttled(_) => Some(1),
+            _ => None,
+        };
+        if let Some(s) = retry_after {
+            r.headers.push(("retry-after".into(), s.to_string()));
+        }
+        r
+    }
+}
+
+/// HTTP status of each error: 400 invalid, 404 unknown lease, 409 held or wrong lease_id,
+/// 410 lease lost (expired, released, swept), 503 store unavailable or throttled.
+pub fn http_status(e: &Error) -> u16 {
+    match e {
+        Error::InvalidRequest(_) => 400,
+        Error::NotFound { .. } => 404,
+        Error::LeaseHeld { .. } => 409,
+        Error::NotHolder { reason, .. } => {
+            if reason.is_lost() {
+                410
+            } else {
+                409
+            }
+        }
+        Error::StoreUnavailable(_) | Error::Throttled(_) => 503,
+    }
+}
+
+/// Largest request body accepted over HTTP.
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
+
+/// A route of the HTTP API.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Route {
+    Op(Operation, String),
+    OpenApi,
+    Health,
+}
+
+fn route_error(status: u16, name: &str, message: String) -> HttpResponse {
+    HttpResponse::json(status, &json!({ "error": name, "message": message }))
+}
+
+/// Maps method + path to a route. Keys are percent-decoded from the path; a key containing
+/// `/` must be sent as `%2F`.
+pub fn route(method: &str, raw_path: &str) -> std::result::Result<Route, HttpResponse> {
+    let path = raw_path.split('?').next().unwrap_or("");
+    if path == "/openapi.json" {
+        return if method == "GET" {
+            Ok(Route::OpenApi)
+        } else {
+            Err(route_error(405, "MethodNotAllowed", format!("{method} is not allowed on {path}")))
+        };
+    }
+    if path == "/health" && method == "GET" {
+        return Ok(Route::Health);
+    }
+    let Some(rest) = path.find("/leases/").map(|i| &path[i + "/leases/".len()..]) else {
+        return Err(route_error(404, "UnknownRoute", format!("no route for {method} {path}")));
+    };
+    let (encoded_key, action) = match rest.rsplit_once('/') {
+        Some((k, a @ ("acquire" | "heartbeat" | "release"))) => (k, Some(a)),
+        _ => (rest, None),
+    };
+    let key = percent_encoding::percent_decode_str(encoded_key)
+        .decode_utf8()
+        .map_err(|_| route_error(400, "InvalidRequest", "the key in the path is not valid UTF-8 once percent-decoded".into()))?
+        .into_owned();
+    let op = match (method, action) {
+        ("POST", Some("acquire")) => Operation::Acquire,
+        ("POST", Some("heartbeat")) => Operation::Heartbeat,
+        ("POST", Some("release")) => Operation::Release,
+        ("GET", None) => Operation::Get,
+        (_, Some(a)) => {
+            return Err(route_error(405, "MethodNotAllowed", format!("use POST for /leases/{{key}}/{a}, not {method}")))
+        }
+        (_, None) => return Err(route_error(405, "MethodNotAllowed", format!("use GET for /leases/{{key}}, not {method}"))),
+    };
+    Ok(Route::Op(op, key))
+}
+
+/// The OpenAPI 3 description of the HTTP API (committed as shared/openapi.json).
+pub const OPENAPI_JSON: &str = include_str!("../openapi.json");
+
+/// Handles one HTTP request. Never panics on input and never answers 500: every failure is
+/// a typed JSON error.
+pub async fn handle_http(coord: &Coordinator, req: HttpRequest, remaining: Option<Duration>) -> HttpResponse {
+    let route = match route(&req.method, &req.path) {
+        Ok(r) => r,
+        Err(resp) => return resp,
+    };
+    let (op, key) = match route {
+        Route::OpenApi => {
+            return HttpResponse {
+                status: 200,
+                headers: vec![("content-type".into(), "application/json".into())],
+                body: OPENAPI_JSON.to_string(),
+            }
+        }
+        Route::Health => return HttpResponse::json(200, &json!({"status": "ok", "store": coord.store().name()})),
+        Route::Op(op, key) => (op, key),
+    };
+    if req.body.len() > MAX_BODY_BYTES {
+        return HttpResponse::error(
+            &Error::invalid(format!("the body is {} bytes; the limit is {MAX_BODY_BYTES}", req.body.len())),
+            coord.now_ms(),
+        )
+        .with_status(413);
+    }
+    let payload = if op == Operation::Get {
+        Value::Object(Map::new())
+    } else {
+        match serde_json::from_slice::<Value>(&req.body) {
+            Ok(v) => v,
+            Err(e) => return HttpResponse::error(&Error::invalid(format!("the body is not valid JSON: {e}")), coord.now_ms()),
+        }
+    };
+    match run(coord, op, Some(&key), payload, remaining).await {
+        Ok(v) => HttpResponse::json(200, &v),
+        Err(e) => HttpResponse::error(&e, coord.now_ms()),
+    }
+}
+
+impl HttpResponse {
+    fn with_status(mut self, status: u16) -> Self {
+        self.status = status;
+        self
+    }
+}

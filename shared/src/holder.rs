@@ -1,0 +1,221 @@
+//! Holding a lease from a long-running Rust process: background renewal, loss notification,
+//! self-fencing and release on drop.
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::error::{Error, NotHolderReason, Result};
+use crate::model::{Lease, LeaseId, Released};
+use crate::protocol::{AcquireOptions, Coordinator};
+
+/// Why a held lease ended without the holder releasing it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Lost {
+    /// The coordinator says the lease is no longer ours (expired, released, taken over).
+    NotHolder(NotHolderReason),
+    /// Renewals kept failing (store unavailable or throttled) until the safe time ran out.
+    SafeTimeExpired,
+}
+
+impl std::fmt::Display for Lost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Lost::NotHolder(r) => write!(f, "lease lost: {}", r.as_str()),
+            Lost::SafeTimeExpired => f.write_str("lease lost: renewals failed until the safe time ran out"),
+        }
+    }
+}
+
+impl std::error::Error for Lost {}
+
+/// State published by the renewal task.
+#[derive(Debug, Clone)]
+pub enum HoldState {
+    Held(Lease),
+    Lost(Lost),
+}
+
+/// A lease held by this process and renewed in the background (every third of its duration).
+/// Dropping it releases the lease in the background; [`HeldLease::release`] does so and waits.
+pub struct HeldLease {
+    coord: Coordinator,
+    key: String,
+    lease_id: LeaseId,
+    first: Lease,
+    state: watch::Receiver<HoldState>,
+    task: Option<JoinHandle<()>>,
+    released: bool,
+}
+
+impl std::fmt::Debug for HeldLease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HeldLease").field("key", &self.key).field("fence", &self.first.fence).finish()
+    }
+}
+
+impl Coordinator {
+    /// Acquires `key` and keeps it renewed until the returned handle is released or dropped.
+    pub async fn hold(
+        &self,
+        key: &str,
+        holder: &str,
+        duration: Duration,
+        opts: AcquireOptions,
+    ) -> Result<HeldLease> {
+        let lease = self.acquire(key, holder, Some(duration), opts).await?;
+        let (tx, rx) = watch::channel(HoldState::Held(lease.clone()));
+        let task = tokio::spawn(renew_loop(self.clone(), lease.clone(), tx));
+        Ok(HeldLease {
+            coord: self.clone(),
+            key: key.to_string(),
+            lease_id: lease.lease_id.clone(),
+            first: lease,
+            state: rx,
+            task: Some(task),
+            released: false,
+        })
+    }
+}
+
+async fn renew_loop(coord: Coordinator, mut lease: Lease, tx: watch::Sender<HoldState>) {
+    let Some(duration_ms) = lease.duration_ms else { return };
+    let interval = Duration::from_millis((duration_ms / 3).max(1));
+    loop {
+        let Some(safe_until) = lease.safe_until else { return };
+        let next = (Instant::now() + interval).min(safe_until);
+        tokio::time::sleep_until(next.into()).await;
+        if tx.is_closed() {
+            return;
+        }
+        let renewal = coord.heartbeat_until(&lease.key, &lease.lease_id, None, safe_until);
+        let outcome = tokio::select! {
+            r = renewal => Some(r),
+            _ = tokio::time::sleep_until(safe_until.into()) => None,
+        };
+        match outcome {
+            Some(Ok(l)) => {
+                lease = l;
+                let _ = tx.send(HoldState::Held(lease.clone()));
+            }
+            Some(Err(Error::NotHolder { reason, .. })) => {
+                tracing::warn!(key = %lease.key, fence = lease.fence, reason = reason.as_str(), "lease lost");
+                let _ = tx.send(HoldState::Lost(Lost::NotHolder(reason)));
+                return;
+            }
+            Some(Err(e)) if e.is_transient() || Instant::now() >= safe_until => {
+                tracing::warn!(key = %lease.key, fence = lease.fence, error = e.name(), "renewals failed until safe time");
+                let _ = tx.send(HoldState::Lost(Lost::SafeTimeExpired));
+                return;
+            }
+            Some(Err(e)) => {
+                // Not transient and not a loss: keep trying until the safe time ends.
+                tracing::warn!(key = %lease.key, error = e.name(), "renewal failed");
+            }
+            None => {
+                tracing::warn!(key = %lease.key, fence = lease.fence, "renewal did not finish before safe time");
+                let _ = tx.send(HoldState::Lost(Lost::SafeTimeExpired));
+                return;
+            }
+        }
+    }
+}
+
+impl HeldLease {
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The fencing token: pass it with every write to the guarded resource.
+    pub fn fence(&self) -> u64 {
+        self.first.fence
+    }
+
+    /// The lease as last renewed, or `None` once lost.
+    pub fn lease(&self) -> Option<Lease> {
+        match &*self.state.borrow() {
+            HoldState::Held(l) => Some(l.clone()),
+            HoldState::Lost(_) => None,
+        }
+    }
+
+    /// Work must stop before this instant unless a renewal moves it. `None`: fail-closed lease,
+    /// or the lease is lost (check [`HeldLease::is_lost`]).
+    pub fn safe_until(&self) -> Option<Instant> {
+        self.lease().and_then(|l| l.safe_until)
+    }
+
+    pub fn is_lost(&self) -> bool {
+        matches!(&*self.state.borrow(), HoldState::Lost(_))
+    }
+
+    /// A receiver of every state change (renewed lease, or loss).
+    pub fn watch(&self) -> watch::Receiver<HoldState> {
+        self.state.clone()
+    }
+
+    /// Resolves when the lease is lost, or when its safe time passes without a renewal.
+    pub async fn lost(&self) -> Lost {
+        let mut rx = self.state.clone();
+        loop {
+            let safe_until = match &*rx.borrow_and_update() {
+                HoldState::Lost(l) => return l.clone(),
+                HoldState::Held(l) => l.safe_until,
+            };
+            let expired = async {
+                match safe_until {
+                    Some(t) => tokio::time::sleep_until(t.into()).await,
+                    None => std::future::pending::<()>().await,
+                }
+            };
+            tokio::select! {
+                changed = rx.changed() => {
+                    if changed.is_err() {
+                        // The renewal task ended without a verdict (fail-closed lease): wait on safe time only.
+                        if safe_until.is_none() { return std::future::pending().await; }
+                    }
+                }
+                _ = expired => return Lost::SafeTimeExpired,
+            }
+        }
+    }
+
+    /// Runs `work`, cancelling it (dropping the future) if the lease is lost or its safe time
+    /// passes first: self-fencing for holders that cannot pass the fence to their resource.
+    pub async fn run<F: Future>(&self, work: F) -> std::result::Result<F::Output, Lost> {
+        tokio::select! {
+            out = work => Ok(out),
+            lost = self.lost() => Err(lost),
+        }
+    }
+
+    /// Stops renewing and releases the lease.
+    pub async fn release(mut self) -> Result<Released> {
+        if let Some(t) = self.task.take() {
+            t.abort();
+        }
+        self.released = true;
+        self.coord.release(&self.key, &self.lease_id).await
+    }
+}
+
+impl Drop for HeldLease {
+    fn drop(&mut self) {
+        if let Some(t) = self.task.take() {
+            t.abort();
+        }
+        if self.released || self.is_lost() {
+            return;
+        }
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            let (coord, key, id) = (self.coord.clone(), self.key.clone(), self.lease_id.clone());
+            handle.spawn(async move {
+                if let Err(e) = coord.release(&key, &id).await {
+                    tracing::warn!(key = %key, error = e.name(), "background release failed");
+                }
+            });
+        }
+    }
+}

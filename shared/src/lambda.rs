@@ -1,0 +1,265 @@
+//! Lambda adapters: runtime wiring shared by the three functions. Each function's `main.rs`
+//! calls [`run`] with its [`Function`]; the event shape decides the path:
+//! - API Gateway HTTP API (payload 2.0) events go through the HTTP router and always answer
+//!   an HTTP response (never a function error);
+//! - EventBridge scheduled events run the keep-alive sweep (heartbeat function);
+//! - anything else is a direct invoke of the function's operation; failures are function
+//!   errors whose `errorType` is the stable error name, so Step Functions can `Retry` on
+//!   `LeaseHeld` and `Catch` the rest.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use async_trait::async_trait;
+use aws_lambda_events::apigw::{ApiGatewayV2httpRequest, ApiGatewayV2httpResponse};
+use aws_lambda_events::encodings::Body;
+use lambda_runtime::{service_fn, Diagnostic, LambdaEvent};
+use serde_json::{json, Value};
+use tracing::Instrument;
+
+use crate::api::{self, HttpRequest, Operation};
+use crate::env::{config_from_env, init_tracing, StoreChoice};
+use crate::error::Error;
+use crate::keepalive::{ExecutionState, Executions};
+use crate::protocol::Coordinator;
+
+/// The three deployed functions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Function {
+    Acquire,
+    Heartbeat,
+    Release,
+}
+
+impl Function {
+    pub fn name(self) -> &'static str {
+        match self {
+            Function::Acquire => "acquire",
+            Function::Heartbeat => "heartbeat",
+            Function::Release => "release",
+        }
+    }
+    fn operation(self) -> Operation {
+        match self {
+            Function::Acquire => Operation::Acquire,
+            Function::Heartbeat => Operation::Heartbeat,
+            Function::Release => Operation::Release,
+        }
+    }
+}
+
+/// What kind of event arrived.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventKind {
+    Http,
+    Schedule,
+    Direct,
+}
+
+pub fn classify(event: &Value) -> EventKind {
+    let obj = match event.as_object() {
+        Some(o) => o,
+        None => return EventKind::Direct,
+    };
+    if obj.get("requestContext").map_or(false, |c| c.get("http").is_some()) && obj.contains_key("rawPath") {
+        return EventKind::Http;
+    }
+    let detail_type = obj.get("detail-type").and_then(Value::as_str);
+    let source = obj.get("source").and_then(Value::as_str);
+    if detail_type == Some("Scheduled Event") || matches!(source, Some("aws.events" | "aws.scheduler")) {
+        return EventKind::Schedule;
+    }
+    EventKind::Direct
+}
+
+/// Step Functions DescribeExecution as an [`Executions`] source.
+pub struct StepFunctions(pub aws_sdk_sfn::Client);
+
+#[async_trait]
+impl Executions for StepFunctions {
+    async fn state(&self, execution_arn: &str) -> ExecutionState {
+        use aws_sdk_sfn::types::ExecutionStatus;
+        match self.0.describe_execution().execution_arn(execution_arn).send().await {
+            Ok(out) => match out.status() {
+                ExecutionStatus::Running | ExecutionStatus::PendingRedrive => ExecutionState::Running,
+                ExecutionStatus::Succeeded
+                | ExecutionStatus::Failed
+                | ExecutionStatus::TimedOut
+                | ExecutionStatus::Aborted => ExecutionState::Ended,
+                _ => ExecutionState::Unknown,
+            },
+            Err(e) => {
+                let gone = e.as_service_error().map_or(false, |s| s.is_execution_does_not_exist());
+                if gone {
+                    ExecutionState::Ended
+                } else {
+                    tracing::warn!(error = %aws_smithy_types::error::display::DisplayErrorContext(&e), "DescribeExecution failed");
+                    ExecutionState::Unknown
+                }
+            }
+        }
+    }
+}
+
+/// Everything a function needs, built once at init.
+pub struct Handler {
+    pub function: Function,
+    pub coord: Coordinator,
+    pub executions: Option<Arc<dyn Executions>>,
+    /// Most keep-alive leases one scheduled run reads.
+    pub sweep_max_items: u32,
+}
+
+/// The error of a direct invoke: `errorType` = stable name, `errorMessage` = the JSON error
+/// body (a state machine can read its fields with `States.StringToJson($.Cause)`).
+pub fn diagnostic(e: &Error) -> Diagnostic {
+    Diagnostic { error_type: e.name().to_string(), error_message: e.to_json().to_string() }
+}
+
+fn emit_metric(function: &str, outcome: &str, latency_ms: f64) {
+    // CloudWatch Embedded Metric Format: one JSON line on stdout per invocation.
+    let ts = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+    let line = json!({
+        "_aws": {
+            "Timestamp": ts,
+            "CloudWatchMetrics": [{
+                "Namespace": "leasehold",
+                "Dimensions": [["Function", "Outcome"]],
+                "Metrics": [{"Name": "Latency", "Unit": "Milliseconds"}, {"Name": "Invocations", "Unit": "Count"}]
+            }]
+        },
+        "Function": function,
+        "Outcome": outcome,
+        "Latency": latency_ms,
+        "Invocations": 1
+    });
+    println!("{line}");
+}
+
+fn http_request(event: Value) -> Result<HttpRequest, Error> {
+    let req: ApiGatewayV2httpRequest =
+        serde_json::from_value(event).map_err(|e| Error::invalid(format!("malformed HTTP API event: {e}")))?;
+    let body = match req.body {
+        None => Vec::new(),
+        Some(b) if req.is_base64_encoded => aws_smithy_types::base64::decode(&b)
+            .map_err(|_| Error::invalid("the body is marked base64 but does not decode"))?,
+        Some(b) => b.into_bytes(),
+    };
+    Ok(HttpRequest {
+        method: req.request_context.http.method.as_str().to_string(),
+        path: req.raw_path.unwrap_or_default(),
+        body,
+    })
+}
+
+fn http_response(r: api::HttpResponse) -> Value {
+    let mut out = ApiGatewayV2httpResponse::default();
+    out.status_code = r.status as i64;
+    for (k, v) in &r.headers {
+        if let (Ok(name), Ok(value)) = (
+            aws_lambda_events::http::HeaderName::from_bytes(k.as_bytes()),
+            aws_lambda_events::http::HeaderValue::from_str(v),
+        ) {
+            out.headers.insert(name, value);
+        }
+    }
+    out.body = Some(Body::Text(r.body));
+    serde_json::to_value(out).expect("response serialises")
+}
+
+impl Handler {
+    /// Handles one event. `remaining`: time left in the invocation.
+    pub async fn handle(&self, event: Value, remaining: Duration) -> Result<Value, Error> {
+        let started = Instant::now();
+        let kind = classify(&event);
+        let (result, outcome) = match kind {
+            EventKind::Http => {
+                let resp = match http_request(event) {
+                    Ok(req) => api::handle_http(&self.coord, req, Some(remaining)).await,
+                    Err(e) => api::HttpResponse::error(&e, self.coord.now_ms()),
+                };
+                let outcome = if resp.status == 200 {
+                    "ok".to_string()
+                } else {
+                    serde_json::from_str::<Value>(&resp.body)
+                        .ok()
+                        .and_then(|v| v.get("error").and_then(Value::as_str).map(str::to_string))
+                        .unwrap_or_else(|| resp.status.to_string())
+                };
+                (Ok(http_response(resp)), outcome)
+            }
+            EventKind::Schedule if self.function == Function::Heartbeat => {
+                let deadline = Instant::now() + remaining.saturating_sub(api::INVOKE_SAFETY_MARGIN);
+                let report = self.coord.keepalive_sweep(self.executions.clone(), self.sweep_max_items, deadline).await;
+                tracing::info!(
+                    scanned = report.scanned, renewed = report.renewed, released = report.released,
+                    skipped = report.skipped, raced = report.raced, errors = report.errors,
+                    complete = report.complete, "keep-alive sweep"
+                );
+                (Ok(serde_json::to_value(&report).expect("report serialises")), "sweep".to_string())
+            }
+            EventKind::Schedule => (
+                Err(Error::invalid(format!("the {} function does not take scheduled events", self.function.name()))),
+                "InvalidRequest".to_string(),
+            ),
+            EventKind::Direct => {
+                let key = event.get("key").and_then(Value::as_str).map(str::to_string);
+                let holder = event.get("holder").and_then(Value::as_str).map(str::to_string);
+                let r = api::run(&self.coord, self.function.operation(), None, event, Some(remaining)).await;
+                let outcome = match &r {
+                    Ok(_) => "ok".to_string(),
+                    Err(e) => e.name().to_string(),
+                };
+                let fence = r.as_ref().ok().and_then(|v| v.get("fence")).and_then(Value::as_u64);
+                tracing::info!(
+                    key = key.as_deref().unwrap_or(""), holder = holder.as_deref().unwrap_or(""),
+                    fence, outcome = %outcome, latency_ms = started.elapsed().as_secs_f64() * 1000.0,
+                    "direct invoke"
+                );
+                (r, outcome)
+            }
+        };
+        emit_metric(self.function.name(), &outcome, started.elapsed().as_secs_f64() * 1000.0);
+        result
+    }
+}
+
+/// Builds the handler from the environment: `LEASEHOLD_TABLE` (the DynamoDB table; without
+/// it, an embedded store under `LEASEHOLD_DB` or /tmp, for local emulation), the bounds of
+/// [`config_from_env`], and `LEASEHOLD_SWEEP_MAX_ITEMS` (default 1000).
+pub async fn handler_from_env(function: Function) -> Result<Handler, Error> {
+    let config = config_from_env()?;
+    let db = std::env::var_os("LEASEHOLD_DB")
+        .map(Into::into)
+        .unwrap_or_else(|| std::env::temp_dir().join("leasehold.db"));
+    let choice = StoreChoice::resolve(None, Some(db));
+    if let StoreChoice::Embedded { .. } = &choice {
+        tracing::warn!(store = %choice.describe(), "LEASEHOLD_TABLE is not set: using the embedded store");
+    }
+    let store = choice.open().await?;
+    let executions: Option<Arc<dyn Executions>> = if function == Function::Heartbeat {
+        let conf = crate::store::dynamo::load_sdk_config(Duration::from_secs(3)).await;
+        Some(Arc::new(StepFunctions(aws_sdk_sfn::Client::new(&conf))))
+    } else {
+        None
+    };
+    let sweep_max_items = std::env::var("LEASEHOLD_SWEEP_MAX_ITEMS").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
+    Ok(Handler { function, coord: Coordinator::new(store, config), executions, sweep_max_items })
+}
+
+/// The whole `main` of a function: logging, clients built once, then the runtime loop.
+pub async fn run(function: Function) -> Result<(), lambda_runtime::Error> {
+    init_tracing(true);
+    let handler = Arc::new(handler_from_env(function).await.map_err(|e| format!("{}: {e}", e.name()))?);
+    tracing::info!(function = function.name(), "ready");
+    lambda_runtime::run(service_fn(move |ev: LambdaEvent<Value>| {
+        let handler = handler.clone();
+        async move {
+            let remaining = ev.context.deadline().duration_since(SystemTime::now()).unwrap_or(Duration::ZERO);
+            let remaining = if remaining.is_zero() { Duration::from_secs(3) } else { remaining };
+            let span = tracing::info_span!("invocation", request_id = %ev.context.request_id);
+            handler.handle(ev.payload, remaining).instrument(span).await.map_err(|e| diagnostic(&e))
+        }
+    }))
+    .await
+}

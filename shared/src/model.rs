@@ -1,0 +1,179 @@
+//! The lease record as stored, and the views of it handed to holders and observers.
+
+use std::fmt;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// The holder's secret. Serialised as a plain string; never printed by `Debug`/`Display`, so
+/// a lease_id cannot reach a log line through formatting.
+#[derive(Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct LeaseId(String);
+
+impl LeaseId {
+    /// 128 bits from the operating system's CSPRNG, as 32 lowercase hex characters.
+    pub fn generate() -> Self {
+        let mut bytes = [0u8; 16];
+        getrandom::fill(&mut bytes).expect("the operating system CSPRNG is unavailable");
+        let mut s = String::with_capacity(32);
+        for b in bytes {
+            s.push_str(&format!("{b:02x}"));
+        }
+        LeaseId(s)
+    }
+
+    /// Wraps a caller-supplied id; validate it with [`crate::validate::lease_id`] first.
+    pub fn from_string(s: impl Into<String>) -> Self {
+        LeaseId(s.into())
+    }
+
+    /// The secret itself, for storage and for handing back to the holder.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for LeaseId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("LeaseId(<redacted>)")
+    }
+}
+
+/// "Renew me until `until_ms`, and only while this Step Functions execution is RUNNING."
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Keepalive {
+    pub until_ms: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub execution_arn: Option<String>,
+}
+
+/// One item of the lease table, exactly as both stores keep it. See DESIGN.md for the schema.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Record {
+    pub key: String,
+    /// Last fencing token issued for this key (kept after release).
+    pub fence: u64,
+    /// Holder of the current or last lease.
+    pub holder: String,
+    /// Secret of the current or last lease (kept after release so a retried release is idempotent).
+    pub lease_id: LeaseId,
+    pub acquired_at_ms: u64,
+    /// `None`: fail-closed lease, held until released or force-released.
+    pub expires_at_ms: Option<u64>,
+    /// The lease's duration (`None` for fail-closed leases); heartbeats extend by it by default.
+    pub duration_ms: Option<u64>,
+    /// A release never frees the key before this instant (acquired_at + min_hold).
+    pub min_hold_until_ms: u64,
+    pub released_at_ms: Option<u64>,
+    pub metadata: Option<Map<String, Value>>,
+    pub keepalive: Option<Keepalive>,
+    /// DynamoDB TTL attribute (epoch seconds); `None` while a fail-closed lease is held.
+    pub ttl: Option<u64>,
+}
+
+impl Record {
+    /// Is the key unavailable to others at `now_ms` (by the coordinator's clock)?
+    pub fn is_held(&self, now_ms: u64) -> bool {
+        match self.expires_at_ms {
+            None => true,
+            Some(e) => e > now_ms,
+        }
+    }
+
+    /// Does the lease `lease_id` still hold this key at `now_ms`?
+    pub fn is_live_for(&self, lease_id: &LeaseId, now_ms: u64) -> bool {
+        &self.lease_id == lease_id && self.released_at_ms.is_none() && self.is_held(now_ms)
+    }
+
+    /// The public view (no lease_id).
+    pub fn state(&self, now_ms: u64) -> LeaseState {
+        LeaseState {
+            key: self.key.clone(),
+            held: self.is_held(now_ms),
+            holder: self.holder.clone(),
+            fence: self.fence,
+            acquired_at_ms: self.acquired_at_ms,
+            expires_at_ms: self.expires_at_ms,
+            duration_ms: self.duration_ms,
+            released_at_ms: self.released_at_ms,
+            metadata: self.metadata.clone(),
+            keepalive: self.keepalive.clone(),
+        }
+    }
+
+    /// The holder's view, with `safe_until` measured on the holder's monotonic clock from the
+    /// instant the request was sent (`sent`, when the coordinator clock read `now_ms`).
+    pub fn lease(&self, sent: Instant, now_ms: u64, skew_margin_ms: u64) -> Lease {
+        let safe_until = self.expires_at_ms.map(|e| {
+            let remaining = e.saturating_sub(now_ms).saturating_sub(skew_margin_ms);
+            sent + std::time::Duration::from_millis(remaining)
+        });
+        Lease {
+            key: self.key.clone(),
+            holder: self.holder.clone(),
+            lease_id: self.lease_id.clone(),
+            fence: self.fence,
+            acquired_at_ms: self.acquired_at_ms,
+            expires_at_ms: self.expires_at_ms,
+            duration_ms: self.duration_ms,
+            min_hold_until_ms: self.min_hold_until_ms,
+            metadata: self.metadata.clone(),
+            keepalive: self.keepalive.clone(),
+            safe_until,
+        }
+    }
+}
+
+/// What a successful acquire or heartbeat hands to the holder.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Lease {
+    pub key: String,
+    pub holder: String,
+    pub lease_id: LeaseId,
+    pub fence: u64,
+    pub acquired_at_ms: u64,
+    /// `null` for a fail-closed lease.
+    pub expires_at_ms: Option<u64>,
+    pub duration_ms: Option<u64>,
+    pub min_hold_until_ms: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<Map<String, Value>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keepalive: Option<Keepalive>,
+    /// Holder-side monotonic deadline: stop working before it. `None` for fail-closed leases.
+    #[serde(skip)]
+    pub safe_until: Option<Instant>,
+}
+
+/// The public state of a key: what `get` and `list` return. Never carries the lease_id.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LeaseState {
+    pub key: String,
+    /// Whether the key is unavailable to others right now.
+    pub held: bool,
+    /// Holder of the current or, when `held` is false, the last lease.
+    pub holder: String,
+    pub fence: u64,
+    pub acquired_at_ms: u64,
+    pub expires_at_ms: Option<u64>,
+    pub duration_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub released_at_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<Map<String, Value>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keepalive: Option<Keepalive>,
+}
+
+/// The answer to a release.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Released {
+    pub key: String,
+    pub fence: u64,
+    pub released_at_ms: u64,
+    /// When others can take the key: the release instant, or acquired_at + min_hold if later.
+    pub free_at_ms: u64,
+}

@@ -1,0 +1,553 @@
+//! The production store: one DynamoDB table, one request per conditional write.
+//!
+//! Conditions and mutations are translated into `ConditionExpression` / `UpdateExpression`
+//! (the exact texts are in DESIGN.md). Every write asks for
+//! `ReturnValuesOnConditionCheckFailure = ALL_OLD`, so a rejected write reports the current
+//! item without a second request, and `ReturnValues = ALL_NEW`, so a successful one reports
+//! the fence it issued.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use aws_sdk_dynamodb::error::{ProvideErrorMetadata, SdkError};
+use aws_sdk_dynamodb::types::{
+    AttributeDefinition, AttributeValue, BillingMode, GlobalSecondaryIndex, KeySchemaElement, KeyType,
+    Projection, ProjectionType, ReturnValue, ReturnValuesOnConditionCheckFailure, ScalarAttributeType,
+    TimeToLiveSpecification,
+};
+use aws_sdk_dynamodb::Client;
+
+use super::{keepalive_shard, Condition, Mutation, Page, ScanKind, Store, Write, KEEPALIVE_SHARDS};
+use crate::error::{Error, Result};
+use crate::model::{Keepalive, LeaseId, Record};
+
+/// Attribute names of the lease table (see DESIGN.md, "Item schema").
+pub mod attr {
+    pub const KEY: &str = "key";
+    pub const FENCE: &str = "fence";
+    pub const HOLDER: &str = "holder";
+    pub const LEASE_ID: &str = "lease_id";
+    pub const ACQUIRED_AT: &str = "acquired_at_ms";
+    pub const EXPIRES_AT: &str = "expires_at_ms";
+    pub const DURATION: &str = "duration_ms";
+    pub const MIN_HOLD_UNTIL: &str = "min_hold_until_ms";
+    pub const RELEASED_AT: &str = "released_at_ms";
+    pub const METADATA: &str = "metadata";
+    pub const KA_SHARD: &str = "ka_shard";
+    pub const KA_UNTIL: &str = "ka_until_ms";
+    pub const KA_EXECUTION_ARN: &str = "ka_execution_arn";
+    pub const TTL: &str = "ttl";
+}
+
+/// Name of the sparse keep-alive index (partition `ka_shard`, sort `ka_until_ms`).
+pub const KEEPALIVE_INDEX: &str = "keepalive";
+
+#[derive(Clone, Debug)]
+pub struct DynamoStore {
+    client: Client,
+    table: String,
+}
+
+/// Builds an SDK config from the standard AWS environment (credentials chain, region,
+/// `AWS_ENDPOINT_URL_DYNAMODB` / `AWS_ENDPOINT_URL`), with rustls on ring, SDK retries off
+/// (the protocol retries itself, with the same lease_id, within the caller's deadline) and
+/// bounded timeouts so a stalled store cannot outlive a lease.
+pub async fn load_sdk_config(attempt_timeout: Duration) -> aws_config::SdkConfig {
+    use aws_smithy_http_client::tls;
+    let http = aws_smithy_http_client::Builder::new()
+        .tls_provider(tls::Provider::Rustls(tls::rustls_provider::CryptoMode::Ring))
+        .build_https();
+    aws_config::defaults(aws_config::BehaviorVersion::latest())
+        .http_client(http)
+        .retry_config(aws_config::retry::RetryConfig::disabled())
+        .timeout_config(
+            aws_config::timeout::TimeoutConfig::builder()
+                .connect_timeout(Duration::from_secs(2))
+                .operation_attempt_timeout(attempt_timeout)
+                .operation_timeout(attempt_timeout)
+                .build(),
+        )
+        .load()
+        .await
+}
+
+impl DynamoStore {
+    pub fn new(client: Client, table: impl Into<String>) -> Self {
+        DynamoStore { client, table: table.into() }
+    }
+
+    /// A store on `table` configured from the standard AWS environment.
+    pub async fn from_env(table: impl Into<String>, attempt_timeout: Duration) -> Self {
+        let conf = load_sdk_config(attempt_timeout).await;
+        DynamoStore::new(Client::new(&conf), table)
+    }
+
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+
+    /// Creates the lease table (on-demand, key schema, keep-alive index) and enables TTL.
+    /// For local use and tests: production tables come from template.yaml. Idempotent.
+    pub async fn create_table(&self) -> Result<()> {
+        self.create_table_with(true).await
+    }
+
+    /// [`DynamoStore::create_table`], optionally without the keep-alive index (DynamoDB Local's
+    /// TTL sweeper skips tables that have a global secondary index).
+    pub async fn create_table_with(&self, keepalive_index: bool) -> Result<()> {
+        let s = |n: &str| AttributeDefinition::builder().attribute_name(n).attribute_type(ScalarAttributeType::S).build();
+        let n = |n: &str| AttributeDefinition::builder().attribute_name(n).attribute_type(ScalarAttributeType::N).build();
+        let ks = |n: &str, t: KeyType| KeySchemaElement::builder().attribute_name(n).key_type(t).build();
+        let gsi = GlobalSecondaryIndex::builder()
+            .index_name(KEEPALIVE_INDEX)
+            .key_schema(built(ks(attr::KA_SHARD, KeyType::Hash))?)
+            .key_schema(built(ks(attr::KA_UNTIL, KeyType::Range))?)
+            .projection(Projection::builder().projection_type(ProjectionType::All).build())
+            .build();
+        let mut req = self
+            .client
+            .create_table()
+            .table_name(&self.table)
+            .billing_mode(BillingMode::PayPerRequest)
+            .attribute_definitions(built(s(attr::KEY))?)
+            .key_schema(built(ks(attr::KEY, KeyType::Hash))?);
+        if keepalive_index {
+            req = req
+                .attribute_definitions(built(n(attr::KA_SHARD))?)
+                .attribute_definitions(built(n(attr::KA_UNTIL))?)
+                .global_secondary_indexes(built(gsi)?);
+        }
+        let res = req.send().await;
+        match res {
+            Ok(_) => {}
+            Err(e) if e.code() == Some("ResourceInUseException") => {}
+            Err(e) => return Err(map_err(e)),
+        }
+        let ttl = TimeToLiveSpecification::builder().attribute_name(attr::TTL).enabled(true).build();
+        let res = self
+            .client
+            .update_time_to_live()
+            .table_name(&self.table)
+            .time_to_live_specification(built(ttl)?)
+            .send()
+            .await;
+        match res {
+            Ok(_) => Ok(()),
+            // Already enabled.
+            Err(e) if e.code() == Some("ValidationException") => Ok(()),
+            Err(e) => Err(map_err(e)),
+        }
+    }
+}
+
+fn built<T>(r: std::result::Result<T, aws_sdk_dynamodb::error::BuildError>) -> Result<T> {
+    r.map_err(|e| Error::StoreUnavailable(format!("create table: {e}")))
+}
+
+/// Classifies SDK failures into the protocol's error names.
+fn map_err<E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static, R: std::fmt::Debug>(
+    e: SdkError<E, R>,
+) -> Error {
+    match &e {
+        SdkError::ServiceError(se) => {
+            let code = se.err().code().unwrap_or("Unknown");
+            let msg = se.err().message().unwrap_or("");
+            match code {
+                "ProvisionedThroughputExceededException"
+                | "ThrottlingException"
+                | "RequestLimitExceeded"
+                | "LimitExceededException" => Error::Throttled(format!("{code}: {msg}")),
+                _ => Error::StoreUnavailable(format!("{code}: {msg}")),
+            }
+        }
+        SdkError::TimeoutError(_) => Error::StoreUnavailable("request to DynamoDB timed out".into()),
+        SdkError::DispatchFailure(d) => {
+            Error::StoreUnavailable(format!("could not reach DynamoDB: {}", aws_smithy_types::error::display::DisplayErrorContext(d.as_connector_error().map(|c| c as &dyn std::error::Error).unwrap_or(&e))))
+        }
+        SdkError::ResponseError(_) => Error::StoreUnavailable("malformed or cut response from DynamoDB".into()),
+        _ => Error::StoreUnavailable(format!(
+            "DynamoDB: {}",
+            aws_smithy_types::error::display::DisplayErrorContext(&e)
+        )),
+    }
+}
+
+fn num(v: u64) -> AttributeValue {
+    AttributeValue::N(v.to_string())
+}
+
+fn str_(v: &str) -> AttributeValue {
+    AttributeValue::S(v.to_string())
+}
+
+fn get_n(item: &HashMap<String, AttributeValue>, name: &str) -> Result<Option<u64>> {
+    match item.get(name) {
+        None | Some(AttributeValue::Null(_)) => Ok(None),
+        Some(AttributeValue::N(n)) => n
+            .parse::<u64>()
+            .map(Some)
+            .map_err(|_| Error::StoreUnavailable(format!("lease item: attribute {name} is not a u64: {n}"))),
+        Some(other) => Err(Error::StoreUnavailable(format!("lease item: attribute {name} has type {other:?}"))),
+    }
+}
+
+fn get_s(item: &HashMap<String, AttributeValue>, name: &str) -> Result<Option<String>> {
+    match item.get(name) {
+        None | Some(AttributeValue::Null(_)) => Ok(None),
+        Some(AttributeValue::S(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(Error::StoreUnavailable(format!("lease item: attribute {name} is not a string"))),
+    }
+}
+
+fn need<T>(v: Option<T>, name: &str) -> Result<T> {
+    v.ok_or_else(|| Error::StoreUnavailable(format!("lease item: attribute {name} is missing")))
+}
+
+/// Decodes a lease item. Public for tests and tools that inspect the table.
+pub fn record_from_item(item: &HashMap<String, AttributeValue>) -> Result<Record> {
+    let metadata = match get_s(item, attr::METADATA)? {
+        None => None,
+        Some(s) => Some(serde_json::from_str(&s).map_err(|e| {
+            Error::StoreUnavailable(format!("lease item: metadata is not a JSON object: {e}"))
+        })?),
+    };
+    let keepalive = match get_n(item, attr::KA_UNTIL)? {
+        None => None,
+        Some(until_ms) => Some(Keepalive { until_ms, execution_arn: get_s(item, attr::KA_EXECUTION_ARN)? }),
+    };
+    Ok(Record {
+        key: need(get_s(item, attr::KEY)?, attr::KEY)?,
+        fence: need(get_n(item, attr::FENCE)?, attr::FENCE)?,
+        holder: need(get_s(item, attr::HOLDER)?, attr::HOLDER)?,
+        lease_id: LeaseId::from_string(need(get_s(item, attr::LEASE_ID)?, attr::LEASE_ID)?),
+        acquired_at_ms: need(get_n(item, attr::ACQUIRED_AT)?, attr::ACQUIRED_AT)?,
+        expires_at_ms: get_n(item, attr::EXPIRES_AT)?,
+        duration_ms: get_n(item, attr::DURATION)?,
+        min_hold_until_ms: get_n(item, attr::MIN_HOLD_UNTIL)?.unwrap_or(0),
+        released_at_ms: get_n(item, attr::RELEASED_AT)?,
+        metadata,
+        keepalive,
+        ttl: get_n(item, attr::TTL)?,
+    })
+}
+
+/// An expression under construction: `#name` placeholders for every attribute (several are
+/// reserved words), `:value` placeholders for every value.
+#[derive(Default)]
+struct Expr {
+    set: Vec<String>,
+    remove: Vec<String>,
+    names: HashMap<String, String>,
+    values: HashMap<String, AttributeValue>,
+}
+
+impl Expr {
+    fn n(&mut self, attribute: &str) -> String {
+        let p = format!("#{attribute}");
+        self.names.insert(p.clone(), attribute.to_string());
+        p
+    }
+    fn v(&mut self, name: &str, value: AttributeValue) -> String {
+        let p = format!(":{name}");
+        self.values.insert(p.clone(), value);
+        p
+    }
+    fn set(&mut self, attribute: &str, rhs: String) {
+        let a = self.n(attribute);
+        self.set.push(format!("{a} = {rhs}"));
+    }
+    fn set_value(&mut self, attribute: &str, value: AttributeValue) {
+        let v = self.v(attribute, value);
+        self.set(attribute, v);
+    }
+    fn set_or_remove(&mut self, attribute: &str, value: Option<AttributeValue>) {
+        match value {
+            Some(v) => self.set_value(attribute, v),
+            None => self.remove(attribute),
+        }
+    }
+    fn remove(&mut self, attribute: &str) {
+        let a = self.n(attribute);
+        self.remove.push(a);
+    }
+    fn remove_keepalive(&mut self) {
+        for a in [attr::KA_SHARD, attr::KA_UNTIL, attr::KA_EXECUTION_ARN] {
+            self.remove(a);
+        }
+    }
+    fn update_expression(&self) -> String {
+        let mut parts = Vec::new();
+        if !self.set.is_empty() {
+            parts.push(format!("SET {}", self.set.join(", ")));
+        }
+        if !self.remove.is_empty() {
+            parts.push(format!("REMOVE {}", self.remove.join(", ")));
+        }
+        parts.join(" ")
+    }
+
+    fn condition(&mut self, c: &Condition) -> String {
+        match c {
+            Condition::Free { now_ms } => {
+                let (k, e) = (self.n(attr::KEY), self.n(attr::EXPIRES_AT));
+                let now = self.v("now", num(*now_ms));
+                format!("attribute_not_exists({k}) OR {e} <= {now}")
+            }
+            Condition::Live { lease_id, now_ms, timed } => {
+                let (l, r, e) = (self.n(attr::LEASE_ID), self.n(attr::RELEASED_AT), self.n(attr::EXPIRES_AT));
+                let lid = self.v("lease_id", str_(lease_id.expose()));
+                let now = self.v("now", num(*now_ms));
+                let mut s = format!(
+                    "{l} = {lid} AND attribute_not_exists({r}) AND (attribute_not_exists({e}) OR {e} > {now})"
+                );
+                if *timed {
+                    let d = self.n(attr::DURATION);
+                    s.push_str(&format!(" AND attribute_exists({d})"));
+                }
+                s
+            }
+            Condition::Owns { lease_id } => {
+                let l = self.n(attr::LEASE_ID);
+                let lid = self.v("lease_id", str_(lease_id.expose()));
+                format!("{l} = {lid}")
+            }
+            Condition::Exists => {
+                let k = self.n(attr::KEY);
+                format!("attribute_exists({k})")
+            }
+            Condition::FenceIs(f) => {
+                let a = self.n(attr::FENCE);
+                let v = self.v("expected_fence", num(*f));
+                format!("{a} = {v}")
+            }
+        }
+    }
+
+    fn mutation(&mut self, key: &str, m: &Mutation) {
+        match m {
+            Mutation::Acquire(n) => {
+                self.set_value(attr::HOLDER, str_(&n.holder));
+                self.set_value(attr::LEASE_ID, str_(n.lease_id.expose()));
+                self.set_value(attr::ACQUIRED_AT, num(n.now_ms));
+                self.set_value(attr::MIN_HOLD_UNTIL, num(n.now_ms + n.min_hold_ms));
+                let f = self.n(attr::FENCE);
+                let f0 = self.v("fence0", num(n.first_fence - 1));
+                let one = self.v("one", num(1));
+                self.set(attr::FENCE, format!("if_not_exists({f}, {f0}) + {one}"));
+                self.set_or_remove(attr::EXPIRES_AT, n.duration_ms.map(|d| num(n.now_ms + d)));
+                self.set_or_remove(attr::DURATION, n.duration_ms.map(num));
+                self.set_or_remove(
+                    attr::METADATA,
+                    n.metadata.as_ref().map(|m| AttributeValue::S(serde_json::Value::Object(m.clone()).to_string())),
+                );
+                match &n.keepalive {
+                    Some(k) => {
+                        self.set_value(attr::KA_SHARD, num(keepalive_shard(key, KEEPALIVE_SHARDS) as u64));
+                        self.set_value(attr::KA_UNTIL, num(k.until_ms));
+                        self.set_or_remove(attr::KA_EXECUTION_ARN, k.execution_arn.as_deref().map(str_));
+                    }
+                    None => self.remove_keepalive(),
+                }
+                self.set_or_remove(attr::TTL, n.ttl.map(num));
+                self.remove(attr::RELEASED_AT);
+            }
+            Mutation::Extend { now_ms, duration_ms, ttl } => {
+                match duration_ms {
+                    Some(d) => {
+                        self.set_value(attr::EXPIRES_AT, num(now_ms + d));
+                        self.set_value(attr::DURATION, num(*d));
+                    }
+                    None => {
+                        let d = self.n(attr::DURATION);
+                        let now = self.v("now_ext", num(*now_ms));
+                        self.set(attr::EXPIRES_AT, format!("{d} + {now}"));
+                    }
+                }
+                self.set_or_remove(attr::TTL, ttl.map(num));
+            }
+            Mutation::Release { now_ms, ttl } => {
+                let mh = self.n(attr::MIN_HOLD_UNTIL);
+                self.set(attr::EXPIRES_AT, mh);
+                self.set_value(attr::RELEASED_AT, num(*now_ms));
+                self.set_value(attr::TTL, num(*ttl));
+                self.remove_keepalive();
+            }
+            Mutation::ForceRelease { now_ms, ttl } => {
+                let f = self.n(attr::FENCE);
+                let one = self.v("one", num(1));
+                self.set(attr::FENCE, format!("{f} + {one}"));
+                self.set_value(attr::EXPIRES_AT, num(0));
+                self.set_value(attr::RELEASED_AT, num(*now_ms));
+                self.set_value(attr::TTL, num(*ttl));
+                self.remove_keepalive();
+            }
+            Mutation::ClearKeepalive => self.remove_keepalive(),
+        }
+    }
+}
+
+fn key_map(key: &str) -> HashMap<String, AttributeValue> {
+    HashMap::from([(attr::KEY.to_string(), str_(key))])
+}
+
+#[async_trait]
+impl Store for DynamoStore {
+    fn name(&self) -> &'static str {
+        "dynamodb"
+    }
+
+    async fn get(&self, key: &str) -> Result<Option<Record>> {
+        let out = self
+            .client
+            .get_item()
+            .table_name(&self.table)
+            .set_key(Some(key_map(key)))
+            .consistent_read(true)
+            .send()
+            .await
+            .map_err(map_err)?;
+        out.item().map(record_from_item).transpose()
+    }
+
+    async fn update(&self, key: &str, condition: &Condition, mutation: &Mutation) -> Result<Write> {
+        let mut x = Expr::default();
+        let cond = x.condition(condition);
+        x.mutation(key, mutation);
+        let res = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .set_key(Some(key_map(key)))
+            .update_expression(x.update_expression())
+            .condition_expression(cond)
+            .set_expression_attribute_names(Some(x.names))
+            .set_expression_attribute_values(if x.values.is_empty() { None } else { Some(x.values) })
+            .return_values(ReturnValue::AllNew)
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+            .send()
+            .await;
+        match res {
+            Ok(out) => {
+                let item = out.attributes().ok_or_else(|| {
+                    Error::StoreUnavailable("UpdateItem returned no attributes".into())
+                })?;
+                Ok(Write::Applied(record_from_item(item)?))
+            }
+            Err(e) => {
+                if let Some(aws_sdk_dynamodb::operation::update_item::UpdateItemError::ConditionalCheckFailedException(ccf)) = e.as_service_error() {
+                    return Ok(Write::Rejected(ccf.item().map(record_from_item).transpose()?));
+                }
+                Err(map_err(e))
+            }
+        }
+    }
+
+    async fn delete(&self, key: &str, condition: &Condition) -> Result<Write> {
+        let mut x = Expr::default();
+        let cond = x.condition(condition);
+        let res = self
+            .client
+            .delete_item()
+            .table_name(&self.table)
+            .set_key(Some(key_map(key)))
+            .condition_expression(cond)
+            .set_expression_attribute_names(Some(x.names))
+            .set_expression_attribute_values(if x.values.is_empty() { None } else { Some(x.values) })
+            .return_values(ReturnValue::AllOld)
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+            .send()
+            .await;
+        match res {
+            Ok(out) => match out.attributes() {
+                Some(item) => Ok(Write::Applied(record_from_item(item)?)),
+                None => Err(Error::StoreUnavailable("DeleteItem returned no attributes".into())),
+            },
+            Err(e) => {
+                if let Some(aws_sdk_dynamodb::operation::delete_item::DeleteItemError::ConditionalCheckFailedException(ccf)) = e.as_service_error() {
+                    return Ok(Write::Rejected(ccf.item().map(record_from_item).transpose()?));
+                }
+                Err(map_err(e))
+            }
+        }
+    }
+
+    async fn scan(&self, kind: &ScanKind, start: Option<&str>, limit: u32) -> Result<Page> {
+        let start_key = match start {
+            None => None,
+            Some(token) => Some(decode_token(token)?),
+        };
+        let (items, last) = match kind {
+            ScanKind::All => {
+                let out = self
+                    .client
+                    .scan()
+                    .table_name(&self.table)
+                    .consistent_read(true)
+                    .limit(limit.max(1) as i32)
+                    .set_exclusive_start_key(start_key)
+                    .send()
+                    .await
+                    .map_err(map_err)?;
+                (out.items().to_vec(), out.last_evaluated_key().cloned())
+            }
+            ScanKind::Keepalive { shard, after_ms } => {
+                let out = self
+                    .client
+                    .query()
+                    .table_name(&self.table)
+                    .index_name(KEEPALIVE_INDEX)
+                    .key_condition_expression("#s = :s AND #u > :after")
+                    .expression_attribute_names("#s", attr::KA_SHARD)
+                    .expression_attribute_names("#u", attr::KA_UNTIL)
+                    .expression_attribute_values(":s", num(*shard as u64))
+                    .expression_attribute_values(":after", num(*after_ms))
+                    .limit(limit.max(1) as i32)
+                    .set_exclusive_start_key(start_key)
+                    .send()
+                    .await
+                    .map_err(map_err)?;
+                (out.items().to_vec(), out.last_evaluated_key().cloned())
+            }
+        };
+        Ok(Page {
+            items: items.iter().map(record_from_item).collect::<Result<_>>()?,
+            next: last.as_ref().map(encode_token),
+        })
+    }
+}
+
+/// Page tokens are DynamoDB's LastEvaluatedKey as a JSON object of attribute -> ["S"|"N", value].
+fn encode_token(k: &HashMap<String, AttributeValue>) -> String {
+    let mut m = serde_json::Map::new();
+    for (name, v) in k {
+        let enc = match v {
+            AttributeValue::S(s) => serde_json::json!(["S", s]),
+            AttributeValue::N(n) => serde_json::json!(["N", n]),
+            _ => continue,
+        };
+        m.insert(name.clone(), enc);
+    }
+    serde_json::Value::Object(m).to_string()
+}
+
+fn decode_token(token: &str) -> Result<HashMap<String, AttributeValue>> {
+    let bad = || Error::invalid("invalid page token");
+    let v: serde_json::Value = serde_json::from_str(token).map_err(|_| bad())?;
+    let mut out = HashMap::new();
+    for (name, enc) in v.as_object().ok_or_else(bad)? {
+        let pair = enc.as_array().filter(|a| a.len() == 2).ok_or_else(bad)?;
+        let val = pair[1].as_str().ok_or_else(bad)?.to_string();
+        let av = match pair[0].as_str() {
+            Some("S") => AttributeValue::S(val),
+            Some("N") => AttributeValue::N(val),
+            _ => return Err(bad()),
+        };
+        out.insert(name.clone(), av);
+    }
+    Ok(out)
+}

@@ -1,0 +1,203 @@
+//! The narrow storage interface: conditional update, conditional delete, get, and paged scans.
+//!
+//! The protocol (see `protocol.rs`) decides *what* to write and *under which condition*; a
+//! store only evaluates a [`Condition`] against the current item and applies a [`Mutation`]
+//! atomically, in one request. Both are plain data so that each backend translates them once:
+//! DynamoDB into a `ConditionExpression`/`UpdateExpression`, the embedded store into the
+//! reference evaluation below ([`Condition::holds`], [`Mutation::apply`]) inside one
+//! SQLite write transaction. The shared protocol test suite runs against both.
+
+use async_trait::async_trait;
+use serde_json::{Map, Value};
+
+use crate::error::Result;
+use crate::model::{Keepalive, LeaseId, Record};
+
+pub mod dynamo;
+pub mod sqlite;
+
+pub use dynamo::DynamoStore;
+pub use sqlite::SqliteStore;
+
+/// Conditions a write is made under. Semantics are defined by [`Condition::holds`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Condition {
+    /// The key can be taken: no item, or an item whose expiry is present and `<= now_ms`.
+    /// DynamoDB: `attribute_not_exists(#key) OR #expires_at_ms <= :now`
+    Free { now_ms: u64 },
+    /// `lease_id` holds the key: same lease_id, not released, no expiry or expiry `> now_ms`.
+    /// With `timed`, the lease must also have a stored duration (heartbeat without a duration).
+    /// DynamoDB: `#lease_id = :lease_id AND attribute_not_exists(#released_at_ms) AND
+    /// (attribute_not_exists(#expires_at_ms) OR #expires_at_ms > :now)`
+    /// [`AND attribute_exists(#duration_ms)`]
+    Live { lease_id: LeaseId, now_ms: u64, timed: bool },
+    /// The item carries `lease_id`, whatever its state. DynamoDB: `#lease_id = :lease_id`
+    Owns { lease_id: LeaseId },
+    /// The item exists. DynamoDB: `attribute_exists(#key)`
+    Exists,
+    /// The item exists and its last fence is `fence` (compare-and-set).
+    /// DynamoDB: `#fence = :fence`
+    FenceIs(u64),
+}
+
+impl Condition {
+    /// Reference semantics: does the condition hold for the current item (`None`: no item)?
+    pub fn holds(&self, item: Option<&Record>) -> bool {
+        match (self, item) {
+            (Condition::Free { .. }, None) => true,
+            (Condition::Free { now_ms }, Some(r)) => matches!(r.expires_at_ms, Some(e) if e <= *now_ms),
+            (Condition::Live { lease_id, now_ms, timed }, Some(r)) => {
+                r.is_live_for(lease_id, *now_ms) && (!timed || r.duration_ms.is_some())
+            }
+            (Condition::Owns { lease_id }, Some(r)) => &r.lease_id == lease_id,
+            (Condition::Exists, Some(_)) => true,
+            (Condition::FenceIs(f), Some(r)) => r.fence == *f,
+            (_, None) => false,
+        }
+    }
+}
+
+/// Everything an acquire writes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewLease {
+    pub holder: String,
+    pub lease_id: LeaseId,
+    pub now_ms: u64,
+    /// `None`: fail-closed.
+    pub duration_ms: Option<u64>,
+    pub min_hold_ms: u64,
+    pub metadata: Option<Map<String, Value>>,
+    pub keepalive: Option<Keepalive>,
+    pub ttl: Option<u64>,
+    /// Fence of a brand-new item (no item, or one swept by TTL): the current time in ms.
+    pub first_fence: u64,
+}
+
+/// The writes of the protocol. Semantics are defined by [`Mutation::apply`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Mutation {
+    /// Take the key: fence = (existing fence, or first_fence - 1) + 1; every other attribute
+    /// replaced; released_at removed.
+    Acquire(NewLease),
+    /// Extend a live lease: expires_at = now + (duration, or the stored duration_ms).
+    /// A given duration replaces the stored one.
+    Extend { now_ms: u64, duration_ms: Option<u64>, ttl: Option<u64> },
+    /// Release: expires_at = min_hold_until (never earlier than acquired_at + min_hold),
+    /// released_at = now, keep-alive removed. Fence, holder and lease_id stay.
+    Release { now_ms: u64, ttl: u64 },
+    /// Operator release: fence + 1, expires_at = 0 (free at once, min_hold ignored),
+    /// released_at = now, keep-alive removed.
+    ForceRelease { now_ms: u64, ttl: u64 },
+    /// Stop renewing on the holder's behalf (keep-alive deadline passed or execution gone).
+    ClearKeepalive,
+}
+
+impl Mutation {
+    /// Reference semantics: the item after the write. `old` is the item the condition held for.
+    pub fn apply(&self, key: &str, old: Option<&Record>) -> Record {
+        match self {
+            Mutation::Acquire(n) => Record {
+                key: key.to_string(),
+                fence: old.map_or(n.first_fence, |r| r.fence + 1),
+                holder: n.holder.clone(),
+                lease_id: n.lease_id.clone(),
+                acquired_at_ms: n.now_ms,
+                expires_at_ms: n.duration_ms.map(|d| n.now_ms + d),
+                duration_ms: n.duration_ms,
+                min_hold_until_ms: n.now_ms + n.min_hold_ms,
+                released_at_ms: None,
+                metadata: n.metadata.clone(),
+                keepalive: n.keepalive.clone(),
+                ttl: n.ttl,
+            },
+            Mutation::Extend { now_ms, duration_ms, ttl } => {
+                let mut r = old.expect("extend applies to an existing item").clone();
+                let d = duration_ms.or(r.duration_ms).expect("extend needs a duration");
+                r.expires_at_ms = Some(now_ms + d);
+                r.duration_ms = Some(d);
+                r.ttl = *ttl;
+                r
+            }
+            Mutation::Release { now_ms, ttl } => {
+                let mut r = old.expect("release applies to an existing item").clone();
+                r.expires_at_ms = Some(r.min_hold_until_ms);
+                r.released_at_ms = Some(*now_ms);
+                r.keepalive = None;
+                r.ttl = Some(*ttl);
+                r
+            }
+            Mutation::ForceRelease { now_ms, ttl } => {
+                let mut r = old.expect("force-release applies to an existing item").clone();
+                r.fence += 1;
+                r.expires_at_ms = Some(0);
+                r.released_at_ms = Some(*now_ms);
+                r.keepalive = None;
+                r.ttl = Some(*ttl);
+                r
+            }
+            Mutation::ClearKeepalive => {
+                let mut r = old.expect("clear-keepalive applies to an existing item").clone();
+                r.keepalive = None;
+                r
+            }
+        }
+    }
+}
+
+/// The result of a conditional write.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Write {
+    /// The condition held; the item as written.
+    Applied(Record),
+    /// The condition failed; the item as it was (`None`: no item), read in the same request.
+    Rejected(Option<Record>),
+}
+
+/// Which items a scan returns.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ScanKind {
+    /// Every item (operator listing).
+    All,
+    /// Items of one keep-alive shard whose keep-alive deadline is after `after_ms`
+    /// (DynamoDB: a Query on the sparse `keepalive` index).
+    Keepalive { shard: u32, after_ms: u64 },
+}
+
+/// One page of a scan; pass `next` back as `start` to continue.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Page {
+    pub items: Vec<Record>,
+    pub next: Option<String>,
+}
+
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// A short name for logs and metrics ("dynamodb", "sqlite").
+    fn name(&self) -> &'static str;
+
+    /// Read one item (strongly consistent).
+    async fn get(&self, key: &str) -> Result<Option<Record>>;
+
+    /// Apply `mutation` if `condition` holds, in one atomic request.
+    async fn update(&self, key: &str, condition: &Condition, mutation: &Mutation) -> Result<Write>;
+
+    /// Delete the item if `condition` holds.
+    async fn delete(&self, key: &str, condition: &Condition) -> Result<Write>;
+
+    /// One page of at most `limit` items after `start`.
+    async fn scan(&self, kind: &ScanKind, start: Option<&str>, limit: u32) -> Result<Page>;
+}
+
+/// Number of keep-alive shards (partitions of the sparse keep-alive index).
+pub const KEEPALIVE_SHARDS: u32 = 8;
+
+/// Keep-alive shard of a key: spreads the sparse index over several partitions.
+pub fn keepalive_shard(key: &str, shards: u32) -> u32 {
+    // FNV-1a: stable across processes and releases (unlike std's RandomState).
+    let mut h: u32 = 0x811c9dc5;
+    for b in key.as_bytes() {
+        h ^= *b as u32;
+        h = h.wrapping_mul(0x01000193);
+    }
+    h % shards.max(1)
+}

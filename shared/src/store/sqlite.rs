@@ -1,0 +1,220 @@
+//! The embedded store: one SQLite file that several processes on one machine can share.
+//!
+//! Every write is one `BEGIN IMMEDIATE` transaction (SQLite's database-wide write lock, held
+//! across processes) that reads the item, evaluates the [`Condition`] and applies the
+//! [`Mutation`] with their reference semantics, so the embedded store is linearizable for
+//! every process that opens the same file. WAL mode lets readers proceed during writes.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
+
+use super::{keepalive_shard, Condition, Mutation, Page, ScanKind, Store, Write, KEEPALIVE_SHARDS};
+use crate::error::{Error, Result};
+use crate::model::Record;
+
+#[derive(Clone)]
+pub struct SqliteStore {
+    conn: Arc<Mutex<Connection>>,
+    path: PathBuf,
+}
+
+impl std::fmt::Debug for SqliteStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqliteStore").field("path", &self.path).finish()
+    }
+}
+
+fn store_err(e: rusqlite::Error) -> Error {
+    Error::StoreUnavailable(format!("embedded store: {e}"))
+}
+
+fn decode(json: &str) -> Result<Record> {
+    serde_json::from_str(json)
+        .map_err(|e| Error::StoreUnavailable(format!("embedded store: corrupt record: {e}")))
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) the store file at `path`.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        if let Some(dir) = path.parent() {
+            if !dir.as_os_str().is_empty() {
+                std::fs::create_dir_all(dir).map_err(|e| {
+                    Error::StoreUnavailable(format!("cannot create {}: {e}", dir.display()))
+                })?;
+            }
+        }
+        let conn = Connection::open(&path).map_err(store_err)?;
+        conn.busy_timeout(Duration::from_secs(5)).map_err(store_err)?;
+        conn.pragma_update(None, "journal_mode", "WAL").map_err(store_err)?;
+        conn.pragma_update(None, "synchronous", "NORMAL").map_err(store_err)?;
+        conn.execute_batch(
+            "CREATE TABLE IF NOT EXISTS leases (
+                key TEXT PRIMARY KEY NOT NULL,
+                record TEXT NOT NULL,
+                fence INTEGER NOT NULL,
+                ka_shard INTEGER,
+                ka_until_ms INTEGER,
+                ttl INTEGER
+            );
+            CREATE INDEX IF NOT EXISTS leases_keepalive ON leases(ka_shard, ka_until_ms)
+                WHERE ka_shard IS NOT NULL;",
+        )
+        .map_err(store_err)?;
+        Ok(SqliteStore { conn: Arc::new(Mutex::new(conn)), path })
+    }
+
+    /// The default store file: `$LEASEHOLD_DB`, else `$XDG_DATA_HOME/leasehold/leases.db`,
+    /// else `~/.local/share/leasehold/leases.db`, else `./leasehold.db`.
+    pub fn default_path() -> PathBuf {
+        if let Some(p) = std::env::var_os("LEASEHOLD_DB") {
+            return PathBuf::from(p);
+        }
+        if let Some(d) = std::env::var_os("XDG_DATA_HOME") {
+            return PathBuf::from(d).join("leasehold").join("leases.db");
+        }
+        if let Some(h) = std::env::var_os("HOME") {
+            return PathBuf::from(h).join(".local/share/leasehold/leases.db");
+        }
+        PathBuf::from("leasehold.db")
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The embedded store's TTL sweeper: deletes items whose TTL (epoch s) has passed and whose
+    /// fence is below the current time in ms, so that a later acquire, which starts a fresh
+    /// item at the current time in ms, always issues a higher fence. Returns how many it deleted.
+    pub async fn purge_expired(&self, now_ms: u64) -> Result<usize> {
+        self.blocking(move |c| {
+            c.execute(
+                "DELETE FROM leases WHERE ttl IS NOT NULL AND ttl < ?1 AND fence < ?2",
+                params![(now_ms / 1000) as i64, now_ms as i64],
+            )
+            .map_err(store_err)
+        })
+        .await
+    }
+
+    async fn blocking<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Connection) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        let conn = self.conn.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut guard = conn.lock().unwrap_or_else(|p| p.into_inner());
+            f(&mut guard)
+        })
+        .await
+        .map_err(|e| Error::StoreUnavailable(format!("embedded store task failed: {e}")))?
+    }
+}
+
+fn read(c: &Connection, key: &str) -> Result<Option<Record>> {
+    let json: Option<String> = c
+        .query_row("SELECT record FROM leases WHERE key = ?1", [key], |r| r.get(0))
+        .optional()
+        .map_err(store_err)?;
+    json.as_deref().map(decode).transpose()
+}
+
+fn write(c: &Connection, r: &Record) -> Result<()> {
+    let json = serde_json::to_string(r).expect("record serialises");
+    let (shard, until) = match &r.keepalive {
+        Some(k) => (Some(keepalive_shard(&r.key, KEEPALIVE_SHARDS) as i64), Some(k.until_ms as i64)),
+        None => (None, None),
+    };
+    c.execute(
+        "INSERT INTO leases (key, record, fence, ka_shard, ka_until_ms, ttl)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+         ON CONFLICT(key) DO UPDATE SET record = excluded.record, fence = excluded.fence,
+           ka_shard = excluded.ka_shard, ka_until_ms = excluded.ka_until_ms, ttl = excluded.ttl",
+        params![r.key, json, r.fence as i64, shard, until, r.ttl.map(|t| t as i64)],
+    )
+    .map_err(store_err)?;
+    Ok(())
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    fn name(&self) -> &'static str {
+        "sqlite"
+    }
+
+    async fn get(&self, key: &str) -> Result<Option<Record>> {
+        let key = key.to_string();
+        self.blocking(move |c| read(c, &key)).await
+    }
+
+    async fn update(&self, key: &str, condition: &Condition, mutation: &Mutation) -> Result<Write> {
+        let (key, condition, mutation) = (key.to_string(), condition.clone(), mutation.clone());
+        self.blocking(move |c| {
+            let tx = c.transaction_with_behavior(TransactionBehavior::Immediate).map_err(store_err)?;
+            let old = read(&tx, &key)?;
+            if !condition.holds(old.as_ref()) {
+                return Ok(Write::Rejected(old));
+            }
+            let new = mutation.apply(&key, old.as_ref());
+            write(&tx, &new)?;
+            tx.commit().map_err(store_err)?;
+            Ok(Write::Applied(new))
+        })
+        .await
+    }
+
+    async fn delete(&self, key: &str, condition: &Condition) -> Result<Write> {
+        let (key, condition) = (key.to_string(), condition.clone());
+        self.blocking(move |c| {
+            let tx = c.transaction_with_behavior(TransactionBehavior::Immediate).map_err(store_err)?;
+            let old = read(&tx, &key)?;
+            if !condition.holds(old.as_ref()) {
+                return Ok(Write::Rejected(old));
+            }
+            tx.execute("DELETE FROM leases WHERE key = ?1", [&key]).map_err(store_err)?;
+            tx.commit().map_err(store_err)?;
+            Ok(Write::Applied(old.expect("condition held on an existing item")))
+        })
+        .await
+    }
+
+    async fn scan(&self, kind: &ScanKind, start: Option<&str>, limit: u32) -> Result<Page> {
+        let (kind, start) = (kind.clone(), start.unwrap_or("").to_string());
+        self.blocking(move |c| {
+            let limit = limit.max(1) as i64;
+            let rows: Vec<(String, String)> = match kind {
+                ScanKind::All => {
+                    let mut st = c
+                        .prepare_cached("SELECT key, record FROM leases WHERE key > ?1 ORDER BY key LIMIT ?2")
+                        .map_err(store_err)?;
+                    let it = st
+                        .query_map(params![start, limit], |r| Ok((r.get(0)?, r.get(1)?)))
+                        .map_err(store_err)?;
+                    it.collect::<rusqlite::Result<_>>().map_err(store_err)?
+                }
+                ScanKind::Keepalive { shard, after_ms } => {
+                    let mut st = c
+                        .prepare_cached(
+                            "SELECT key, record FROM leases WHERE ka_shard = ?1 AND ka_until_ms > ?2
+                             AND key > ?3 ORDER BY key LIMIT ?4",
+                        )
+                        .map_err(store_err)?;
+                    let it = st
+                        .query_map(params![shard as i64, after_ms as i64, start, limit], |r| {
+                            Ok((r.get(0)?, r.get(1)?))
+                        })
+                        .map_err(store_err)?;
+                    it.collect::<rusqlite::Result<_>>().map_err(store_err)?
+                }
+            };
+            let next = if rows.len() as i64 == limit { rows.last().map(|(k, _)| k.clone()) } else { None };
+            let items = rows.iter().map(|(_, j)| decode(j)).collect::<Result<Vec<_>>>()?;
+            Ok(Page { items, next })
+        })
+        .await
+    }
+}

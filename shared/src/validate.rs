@@ -1,0 +1,156 @@
+//! Input bounds and validation. Every violation is an `InvalidRequest` naming the field.
+
+use std::time::Duration;
+
+use serde_json::{Map, Value};
+
+use crate::error::{Error, Result};
+use crate::model::{Keepalive, LeaseId};
+
+/// Bounds on every input. The defaults are those documented in DESIGN.md.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    pub max_key_bytes: usize,
+    pub max_holder_bytes: usize,
+    pub min_duration: Duration,
+    pub max_duration: Duration,
+    pub max_wait: Duration,
+    pub max_metadata_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_key_bytes: 1024,
+            max_holder_bytes: 256,
+            min_duration: Duration::from_secs(1),
+            max_duration: Duration::from_secs(12 * 3600),
+            max_wait: Duration::from_secs(12 * 3600),
+            max_metadata_bytes: 4096,
+        }
+    }
+}
+
+/// Smallest and largest length of a lease_id a caller may supply (32 hex chars are generated;
+/// a UUID, 36 chars, is accepted so that `States.UUID()` can make one in a state machine).
+pub const LEASE_ID_MIN_LEN: usize = 22;
+pub const LEASE_ID_MAX_LEN: usize = 128;
+/// Longest Step Functions execution ARN accepted for keep-alive.
+pub const MAX_EXECUTION_ARN_LEN: usize = 2048;
+
+fn text(field: &str, value: &str, max: usize) -> Result<()> {
+    if value.is_empty() {
+        return Err(Error::invalid(format!("{field} must not be empty")));
+    }
+    if value.len() > max {
+        return Err(Error::invalid(format!(
+            "{field} is {} bytes long; the limit is {max} bytes of UTF-8",
+            value.len()
+        )));
+    }
+    if let Some(c) = value.chars().find(|c| c.is_control()) {
+        return Err(Error::invalid(format!(
+            "{field} contains the control character U+{:04X}",
+            c as u32
+        )));
+    }
+    Ok(())
+}
+
+impl Limits {
+    pub fn key(&self, key: &str) -> Result<()> {
+        text("key", key, self.max_key_bytes)
+    }
+
+    pub fn holder(&self, holder: &str) -> Result<()> {
+        text("holder", holder, self.max_holder_bytes)
+    }
+
+    pub fn duration(&self, field: &str, d: Duration) -> Result<()> {
+        if d < self.min_duration || d > self.max_duration {
+            return Err(Error::invalid(format!(
+                "{field} is {} ms; it must be between {} and {} ms",
+                d.as_millis(),
+                self.min_duration.as_millis(),
+                self.max_duration.as_millis()
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn wait(&self, d: Duration) -> Result<()> {
+        if d > self.max_wait {
+            return Err(Error::invalid(format!(
+                "wait_ms is {} ms; the limit is {} ms",
+                d.as_millis(),
+                self.max_wait.as_millis()
+            )));
+        }
+        Ok(())
+    }
+
+    /// min_hold may not exceed the lease's duration (a release would otherwise extend it).
+    pub fn min_hold(&self, min_hold: Duration, duration: Option<Duration>) -> Result<()> {
+        if let Some(d) = duration {
+            if min_hold > d {
+                return Err(Error::invalid(format!(
+                    "min_hold_ms ({} ms) must not exceed duration_ms ({} ms)",
+                    min_hold.as_millis(),
+                    d.as_millis()
+                )));
+            }
+        } else if min_hold > self.max_duration {
+            return Err(Error::invalid(format!(
+                "min_hold_ms ({} ms) must not exceed {} ms",
+                min_hold.as_millis(),
+                self.max_duration.as_millis()
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn metadata(&self, m: &Map<String, Value>) -> Result<()> {
+        let size = serde_json::to_vec(m).map(|v| v.len()).unwrap_or(usize::MAX);
+        if size > self.max_metadata_bytes {
+            return Err(Error::invalid(format!(
+                "metadata is {size} bytes as JSON; the limit is {} bytes",
+                self.max_metadata_bytes
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn keepalive(&self, k: &Keepalive, now_ms: u64, duration: Option<Duration>) -> Result<()> {
+        if duration.is_none() {
+            return Err(Error::invalid("keepalive needs a lease with a duration (not fail_closed)"));
+        }
+        if k.until_ms <= now_ms {
+            return Err(Error::invalid(format!("keepalive.until_ms ({}) is in the past", k.until_ms)));
+        }
+        let horizon = now_ms + 366 * 24 * 3600 * 1000;
+        if k.until_ms > horizon {
+            return Err(Error::invalid("keepalive.until_ms is more than a year away"));
+        }
+        if let Some(arn) = &k.execution_arn {
+            if !arn.starts_with("arn:") || arn.len() > MAX_EXECUTION_ARN_LEN || arn.chars().any(char::is_control) {
+                return Err(Error::invalid(
+                    "keepalive.execution_arn must be a Step Functions execution ARN (arn:...:execution:...)",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A lease_id from a request: 22..=128 characters of `[A-Za-z0-9_-]`.
+pub fn lease_id(s: &str) -> Result<LeaseId> {
+    if s.len() < LEASE_ID_MIN_LEN || s.len() > LEASE_ID_MAX_LEN {
+        return Err(Error::invalid(format!(
+            "lease_id must be {LEASE_ID_MIN_LEN} to {LEASE_ID_MAX_LEN} characters long"
+        )));
+    }
+    if !s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+        return Err(Error::invalid("lease_id may contain only A-Z, a-z, 0-9, '-' and '_'"));
+    }
+    Ok(LeaseId::from_string(s))
+}

@@ -1,0 +1,565 @@
+//! The protocol suite: every case runs against the embedded store and against DynamoDB Local.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use leasehold::store::{Condition, Write};
+use leasehold::{AcquireOptions, Coordinator, Error, Keepalive, LeaseId, Lost, NotHolderReason};
+use leasehold_tests::{test_config, Backend, Counting, Fault, Faulty, GuardedResource};
+use serde_json::json;
+
+macro_rules! both_backends {
+    ($($case:ident),* $(,)?) => {$(
+        mod $case {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn sqlite() {
+                super::$case(leasehold_tests::Backend::sqlite().await).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn dynamodb() {
+                super::$case(leasehold_tests::Backend::dynamo().await).await
+            }
+        }
+    )*};
+}
+
+both_backends!(
+    acquire_get_release,
+    held_key_reports_holder_and_expiry,
+    fences_strictly_increase,
+    wrong_lease_id_changes_nothing,
+    expired_lease_is_lost_and_taken_over,
+    lost_responses_are_idempotent,
+    swept_item_restarts_fence_higher,
+    validation_rules,
+    min_hold_blocks_early_release,
+    fail_closed_lease,
+    wait_for_release,
+    one_request_per_uncontended_operation,
+    transient_errors_are_retried_then_reported,
+    contenders_never_overlap,
+    crash_handover_within_bound,
+    held_lease_renews_and_notices_loss,
+    keepalive_and_metadata_round_trip,
+    two_handles_on_one_store,
+);
+
+fn secs(s: u64) -> Option<Duration> {
+    Some(Duration::from_secs(s))
+}
+
+fn ms(m: u64) -> Option<Duration> {
+    Some(Duration::from_millis(m))
+}
+
+async fn acquire_get_release(b: Backend) {
+    let c = b.coordinator(test_config());
+    let lease = c.acquire("jobs/nightly", "worker-1", secs(30), AcquireOptions::default()).await.unwrap();
+    assert_eq!(lease.key, "jobs/nightly");
+    assert_eq!(lease.holder, "worker-1");
+    assert_eq!(lease.lease_id.expose().len(), 32, "128-bit hex lease_id");
+    assert_eq!(lease.expires_at_ms, Some(lease.acquired_at_ms + 30_000));
+    let now = c.now_ms();
+    assert!(lease.fence >= now - 5_000 && lease.fence <= now, "fresh key starts its fence at the clock");
+    let safe = lease.safe_until.expect("timed lease");
+    assert!(safe > Instant::now() + Duration::from_secs(29) && safe < Instant::now() + Duration::from_secs(30));
+
+    let state = c.get("jobs/nightly").await.unwrap();
+    assert!(state.held);
+    assert_eq!(state.fence, lease.fence);
+    assert_eq!(state.holder, "worker-1");
+    let json = serde_json::to_string(&state).unwrap();
+    assert!(!json.contains("lease_id") && !json.contains(lease.lease_id.expose()), "get never reveals the lease_id: {json}");
+
+    let rel = c.release("jobs/nightly", &lease.lease_id).await.unwrap();
+    assert_eq!(rel.fence, lease.fence);
+    let state = c.get("jobs/nightly").await.unwrap();
+    assert!(!state.held);
+    assert!(state.released_at_ms.is_some());
+    // Released: the next acquire succeeds at once.
+    let next = c.acquire("jobs/nightly", "worker-2", secs(30), AcquireOptions::default()).await.unwrap();
+    assert_eq!(next.fence, lease.fence + 1);
+    assert!(matches!(c.get("never/taken").await, Err(Error::NotFound { .. })));
+}
+
+async fn held_key_reports_holder_and_expiry(b: Backend) {
+    let c = b.coordinator(test_config());
+    let l = c.acquire("k", "alice", secs(20), AcquireOptions::default()).await.unwrap();
+    match c.acquire("k", "bob", secs(20), AcquireOptions::default()).await {
+        Err(Error::LeaseHeld { key, holder, expires_at_ms }) => {
+            assert_eq!(key, "k");
+            assert_eq!(holder, "alice");
+            assert_eq!(expires_at_ms, l.expires_at_ms);
+        }
+        other => panic!("expected LeaseHeld, got {other:?}"),
+    }
+    // The failed attempt changed nothing.
+    let s = c.get("k").await.unwrap();
+    assert_eq!((s.holder.as_str(), s.fence, s.expires_at_ms), ("alice", l.fence, l.expires_at_ms));
+}
+
+async fn fences_strictly_increase(b: Backend) {
+    let c = b.coordinator(test_config());
+    let mut last = 0;
+    for i in 0..5 {
+        let l = c.acquire("f", "h", secs(10), AcquireOptions::default()).await.unwrap();
+        assert!(l.fence > last, "round {i}: {} after {last}", l.fence);
+        last = l.fence;
+        if i % 2 == 0 {
+            c.release("f", &l.lease_id).await.unwrap();
+        } else {
+            let s = c.force_release("f").await.unwrap();
+            assert_eq!(s.fence, l.fence + 1, "force-release advances the fence");
+            assert!(!s.held);
+            last = s.fence;
+        }
+    }
+    assert!(matches!(c.force_release("nothing-here").await, Err(Error::NotFound { .. })));
+}
+
+async fn wrong_lease_id_changes_nothing(b: Backend) {
+    let c = b.coordinator(test_config());
+    let l = c.acquire("w", "owner", secs(30), AcquireOptions::default()).await.unwrap();
+    let forged = LeaseId::generate();
+    for r in [
+        c.heartbeat("w", &forged, None).await.map(|_| ()),
+        c.release("w", &forged).await.map(|_| ()),
+    ] {
+        assert!(
+            matches!(r, Err(Error::NotHolder { reason: NotHolderReason::WrongLeaseId, .. })),
+            "{r:?}"
+        );
+    }
+    let s = c.get("w").await.unwrap();
+    assert!(s.held);
+    assert_eq!((s.fence, s.expires_at_ms, s.released_at_ms), (l.fence, l.expires_at_ms, None));
+    let missing = c.release("nope", &forged).await;
+    assert!(matches!(missing, Err(Error::NotHolder { reason: NotHolderReason::Missing, .. })), "{missing:?}");
+}
+
+async fn expired_lease_is_lost_and_taken_over(b: Backend) {
+    let c = b.coordinator(test_config());
+    let old = c.acquire("e", "slow", ms(300), AcquireOptions::default()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let r = c.heartbeat("e", &old.lease_id, None).await;
+    assert!(matches!(r, Err(Error::NotHolder { reason: NotHolderReason::Expired, .. })), "{r:?}");
+    let new = c.acquire("e", "fast", secs(30), AcquireOptions::default()).await.unwrap();
+    assert_eq!(new.fence, old.fence + 1);
+    let r = c.heartbeat("e", &old.lease_id, None).await;
+    assert!(matches!(r, Err(Error::NotHolder { reason: NotHolderReason::WrongLeaseId, .. })), "{r:?}");
+    let r = c.release("e", &old.lease_id).await;
+    assert!(matches!(r, Err(Error::NotHolder { .. })), "{r:?}");
+    assert_eq!(c.get("e").await.unwrap().holder, "fast");
+    // A heartbeat of a released lease says so.
+    c.release("e", &new.lease_id).await.unwrap();
+    let r = c.heartbeat("e", &new.lease_id, None).await;
+    assert!(matches!(r, Err(Error::NotHolder { reason: NotHolderReason::Released, .. })), "{r:?}");
+}
+
+async fn lost_responses_are_idempotent(b: Backend) {
+    let faulty = Faulty::new(b.store());
+    let c = Coordinator::new(faulty.clone(), test_config());
+    // Acquire: the write lands, the answer is lost twice; the retry returns the same lease.
+    faulty.inject(&[Fault::LoseResponse, Fault::LoseResponse]);
+    let l = c.acquire("i", "h", secs(30), AcquireOptions::default()).await.unwrap();
+    assert_eq!(faulty.injected.load(Ordering::SeqCst), 2);
+    let s = c.get("i").await.unwrap();
+    assert_eq!(s.fence, l.fence, "no second fence was issued");
+    // A caller-side retry with the same lease_id (a new request) also gets the same lease.
+    let again = c
+        .acquire("i", "h", secs(30), AcquireOptions { lease_id: Some(l.lease_id.clone()), ..Default::default() })
+        .await
+        .unwrap();
+    assert_eq!(again.fence, l.fence);
+    // Heartbeat with a lost answer: retried, same outcome (extended).
+    faulty.inject(&[Fault::LoseResponse]);
+    let h = c.heartbeat("i", &l.lease_id, Some(Duration::from_secs(40))).await.unwrap();
+    assert_eq!(h.fence, l.fence);
+    assert_eq!(h.duration_ms, Some(40_000));
+    // Release with a lost answer: retried, succeeds; nothing is stranded.
+    faulty.inject(&[Fault::LoseResponse]);
+    c.release("i", &l.lease_id).await.unwrap();
+    let s = c.get("i").await.unwrap();
+    assert!(!s.held);
+    let next = c.acquire("i", "other", secs(30), AcquireOptions::default()).await.unwrap();
+    assert_eq!(next.fence, l.fence + 1);
+    // Ambiguous failure with no retry budget left is reported, and the lease still exists
+    // for the caller to retry with its lease_id.
+    let id = LeaseId::generate();
+    c.release("i", &next.lease_id).await.unwrap();
+    faulty.inject(&[Fault::LoseResponse; 50]);
+    let mut cfg = test_config();
+    cfg.retry_budget = Duration::from_millis(1);
+    let impatient = Coordinator::new(faulty.clone(), cfg);
+    let r = impatient
+        .acquire("i", "h2", secs(30), AcquireOptions { lease_id: Some(id.clone()), ..Default::default() })
+        .await;
+    assert!(matches!(r, Err(Error::StoreUnavailable(_))), "{r:?}");
+    faulty.plan.lock().unwrap().clear();
+    let recovered = c
+        .acquire("i", "h2", secs(30), AcquireOptions { lease_id: Some(id.clone()), ..Default::default() })
+        .await
+        .unwrap();
+    assert_eq!(recovered.fence, next.fence + 1, "the landed write is found, not repeated");
+}
+
+async fn swept_item_restarts_fence_higher(b: Backend) {
+    let c = b.coordinator(test_config());
+    let l = c.acquire("ttl", "h", secs(10), AcquireOptions::default()).await.unwrap();
+    c.release("ttl", &l.lease_id).await.unwrap();
+    // Push the fence ahead of the clock as far as a busy key could, then sweep the item.
+    for _ in 0..20 {
+        let l = c.acquire("ttl", "h", secs(10), AcquireOptions::default()).await.unwrap();
+        c.release("ttl", &l.lease_id).await.unwrap();
+    }
+    let last = c.get("ttl").await.unwrap().fence;
+    // Simulate the TTL sweeper deleting the item (the real sweeper runs in dynamo_ttl.rs).
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    assert!(matches!(b.store().delete("ttl", &Condition::Exists).await.unwrap(), Write::Applied(_)));
+    assert!(matches!(c.get("ttl").await, Err(Error::NotFound { .. })));
+    let fresh = c.acquire("ttl", "h", secs(10), AcquireOptions::default()).await.unwrap();
+    assert!(fresh.fence > last, "fresh item fence {} must exceed the swept item's {last}", fresh.fence);
+}
+
+async fn validation_rules(b: Backend) {
+    let c = b.coordinator(leasehold::Config::default());
+    let d = secs(30);
+    let o = AcquireOptions::default;
+    let cases: Vec<(&str, leasehold::Result<leasehold::Lease>)> = vec![
+        ("empty key", c.acquire("", "h", d, o()).await),
+        ("long key", c.acquire(&"k".repeat(1025), "h", d, o()).await),
+        ("control char key", c.acquire("a\nb", "h", d, o()).await),
+        ("nul key", c.acquire("a\0b", "h", d, o()).await),
+        ("empty holder", c.acquire("k", "", d, o()).await),
+        ("long holder", c.acquire("k", &"h".repeat(257), d, o()).await),
+        ("short duration", c.acquire("k", "h", ms(999), o()).await),
+        ("long duration", c.acquire("k", "h", Some(Duration::from_secs(12 * 3600 + 1)), o()).await),
+        ("min_hold > duration", c.acquire("k", "h", d, AcquireOptions { min_hold: secs(31), ..o() }).await),
+        (
+            "metadata > 4 KiB",
+            c.acquire("k", "h", d, AcquireOptions {
+                metadata: Some(json!({"x": "y".repeat(4100)}).as_object().unwrap().clone()),
+                ..o()
+            })
+            .await,
+        ),
+        ("wait too long", c.acquire("k", "h", d, AcquireOptions { wait: Some(Duration::from_secs(13 * 3600)), ..o() }).await),
+        (
+            "keepalive in the past",
+            c.acquire("k", "h", d, AcquireOptions { keepalive: Some(Keepalive { until_ms: 1, execution_arn: None }), ..o() }).await,
+        ),
+        (
+            "keepalive bad arn",
+            c.acquire("k", "h", d, AcquireOptions {
+                keepalive: Some(Keepalive { until_ms: c.now_ms() + 60_000, execution_arn: Some("not-an-arn".into()) }),
+                ..o()
+            })
+            .await,
+        ),
+        (
+            "keepalive on fail-closed",
+            c.acquire("k", "h", None, AcquireOptions {
+                keepalive: Some(Keepalive { until_ms: c.now_ms() + 60_000, execution_arn: None }),
+                ..o()
+            })
+            .await,
+        ),
+    ];
+    for (what, r) in cases {
+        assert!(matches!(r, Err(Error::InvalidRequest(_))), "{what}: {r:?}");
+    }
+    // Exactly at the bounds is fine.
+    c.acquire(&"k".repeat(1024), &"h".repeat(256), secs(1), o()).await.unwrap();
+    c.acquire("ключ/🔒", "держатель", Some(Duration::from_secs(12 * 3600)), o()).await.unwrap();
+    assert!(matches!(leasehold::validate::lease_id("short"), Err(Error::InvalidRequest(_))));
+    assert!(matches!(leasehold::validate::lease_id(&"a".repeat(22)), Ok(_)));
+    assert!(matches!(leasehold::validate::lease_id("0123456789abcdef0123456789abcdef!"), Err(Error::InvalidRequest(_))));
+    let r = c.heartbeat("k", &LeaseId::generate(), Some(Duration::from_secs(0))).await;
+    assert!(matches!(r, Err(Error::InvalidRequest(_))), "{r:?}");
+    // Nothing was written by any rejected request.
+    assert!(matches!(c.get("k").await, Err(Error::NotFound { .. })));
+}
+
+async fn min_hold_blocks_early_release(b: Backend) {
+    let c = b.coordinator(test_config());
+    let l = c
+        .acquire("mh", "h", secs(10), AcquireOptions { min_hold: ms(800), ..Default::default() })
+        .await
+        .unwrap();
+    let rel = c.release("mh", &l.lease_id).await.unwrap();
+    assert_eq!(rel.free_at_ms, l.acquired_at_ms + 800);
+    let r = c.acquire("mh", "other", secs(10), AcquireOptions::default()).await;
+    match r {
+        Err(Error::LeaseHeld { expires_at_ms, .. }) => assert_eq!(expires_at_ms, Some(l.acquired_at_ms + 800)),
+        other => panic!("expected LeaseHeld during min_hold, got {other:?}"),
+    }
+    let t = Instant::now();
+    let next = c
+        .acquire("mh", "other", secs(10), AcquireOptions { wait: secs(5), ..Default::default() })
+        .await
+        .unwrap();
+    assert!(c.now_ms() >= l.acquired_at_ms + 800);
+    assert!(t.elapsed() < Duration::from_secs(2), "the waiter slept until the min_hold end, {:?}", t.elapsed());
+    assert_eq!(next.fence, l.fence + 1);
+}
+
+async fn fail_closed_lease(b: Backend) {
+    let c = b.coordinator(test_config());
+    let l = c.acquire("fc", "h", None, AcquireOptions::default()).await.unwrap();
+    assert_eq!(l.expires_at_ms, None);
+    assert_eq!(l.safe_until, None);
+    let s = c.get("fc").await.unwrap();
+    assert!(s.held && s.expires_at_ms.is_none());
+    // Heartbeat is a no-op for a fail-closed lease; it stays held.
+    let h = c.heartbeat("fc", &l.lease_id, None).await.unwrap();
+    assert_eq!((h.fence, h.expires_at_ms), (l.fence, None));
+    assert!(matches!(c.acquire("fc", "x", secs(1), AcquireOptions::default()).await, Err(Error::LeaseHeld { expires_at_ms: None, .. })));
+    // Operators free it, and the fence moves on.
+    let s = c.force_release("fc").await.unwrap();
+    assert_eq!(s.fence, l.fence + 1);
+    let r = c.heartbeat("fc", &l.lease_id, None).await;
+    assert!(matches!(r, Err(Error::NotHolder { reason: NotHolderReason::Released, .. })), "{r:?}");
+    let n = c.acquire("fc", "x", secs(1), AcquireOptions::default()).await.unwrap();
+    assert_eq!(n.fence, l.fence + 2);
+}
+
+async fn wait_for_release(b: Backend) {
+    let c = b.coordinator(test_config());
+    let l = c.acquire("wr", "a", secs(30), AcquireOptions::default()).await.unwrap();
+    let c2 = c.clone();
+    let waiter = tokio::spawn(async move {
+        let t = Instant::now();
+        let r = c2.acquire("wr", "b", secs(30), AcquireOptions { wait: secs(10), ..Default::default() }).await;
+        (r, t.elapsed())
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    c.release("wr", &l.lease_id).await.unwrap();
+    let (r, waited) = waiter.await.unwrap();
+    let got = r.unwrap();
+    assert_eq!(got.holder, "b");
+    assert_eq!(got.fence, l.fence + 1);
+    assert!(waited >= Duration::from_millis(300) && waited < Duration::from_secs(3), "{waited:?}");
+    // A wait that runs out reports LeaseHeld.
+    let t = Instant::now();
+    let r = c.acquire("wr", "c", secs(30), AcquireOptions { wait: ms(400), ..Default::default() }).await;
+    assert!(matches!(r, Err(Error::LeaseHeld { .. })), "{r:?}");
+    assert!(t.elapsed() >= Duration::from_millis(400) && t.elapsed() < Duration::from_secs(3));
+}
+
+async fn one_request_per_uncontended_operation(b: Backend) {
+    let counting = Counting::new(b.store());
+    let c = Coordinator::new(counting.clone(), test_config());
+    let l = c.acquire("one", "h", secs(30), AcquireOptions::default()).await.unwrap();
+    assert_eq!(counting.total(), 1, "acquire");
+    c.heartbeat("one", &l.lease_id, None).await.unwrap();
+    assert_eq!(counting.total(), 2, "heartbeat");
+    c.release("one", &l.lease_id).await.unwrap();
+    assert_eq!(counting.total(), 3, "release");
+    // A failed acquire learns holder and expiry from the rejected write itself: no GetItem.
+    let _held = c.acquire("one", "h", secs(30), AcquireOptions::default()).await.unwrap();
+    let before = counting.total();
+    assert!(matches!(c.acquire("one", "x", secs(30), AcquireOptions::default()).await, Err(Error::LeaseHeld { .. })));
+    assert_eq!(counting.total() - before, 1, "failed acquire");
+    assert_eq!(counting.gets.load(Ordering::SeqCst), 0);
+}
+
+async fn transient_errors_are_retried_then_reported(b: Backend) {
+    let faulty = Faulty::new(b.store());
+    let c = Coordinator::new(faulty.clone(), test_config());
+    faulty.inject(&[Fault::Throttle, Fault::Unavailable, Fault::Throttle]);
+    let l = c.acquire("t", "h", secs(30), AcquireOptions::default()).await.unwrap();
+    assert_eq!(faulty.injected.load(Ordering::SeqCst), 3);
+    faulty.inject(&[Fault::Throttle; 1000]);
+    let mut cfg = test_config();
+    cfg.retry_budget = Duration::from_millis(300);
+    let c = Coordinator::new(faulty.clone(), cfg);
+    let t = Instant::now();
+    let r = c.heartbeat("t", &l.lease_id, None).await;
+    assert!(matches!(r, Err(Error::Throttled(_))), "{r:?}");
+    assert!(t.elapsed() < Duration::from_millis(1500), "bounded by the deadline: {:?}", t.elapsed());
+    faulty.plan.lock().unwrap().clear();
+    faulty.inject(&[Fault::Unavailable; 1000]);
+    let r = c.release("t", &l.lease_id).await;
+    assert!(matches!(r, Err(Error::StoreUnavailable(_))), "{r:?}");
+    faulty.plan.lock().unwrap().clear();
+    // Nothing was lost: the lease is intact and releasable.
+    c.release("t", &l.lease_id).await.unwrap();
+}
+
+/// >= 8 contenders on one key for several seconds, each writing to a resource guarded by
+/// fences while it believes it holds the lease.
+async fn contenders_never_overlap(b: Backend) {
+    let c = b.coordinator(test_config());
+    let resource = Arc::new(GuardedResource::default());
+    let in_hold = Arc::new(AtomicU64::new(0));
+    let overlaps = Arc::new(AtomicU64::new(0));
+    let fences = Arc::new(Mutex::new(Vec::<u64>::new()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for w in 0..8 {
+        let (c, resource, in_hold, overlaps, fences, stop) =
+            (c.clone(), resource.clone(), in_hold.clone(), overlaps.clone(), fences.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut mine = 0u32;
+            while !stop.load(Ordering::SeqCst) {
+                let opts = AcquireOptions { wait: ms(500), ..Default::default() };
+                let l = match c.acquire("hot", &format!("w{w}"), secs(5), opts).await {
+                    Ok(l) => l,
+                    Err(Error::LeaseHeld { .. }) => continue,
+                    Err(e) => panic!("worker {w}: {e}"),
+                };
+                if in_hold.fetch_add(1, Ordering::SeqCst) != 0 {
+                    overlaps.fetch_add(1, Ordering::SeqCst);
+                }
+                fences.lock().unwrap().push(l.fence);
+                assert!(resource.write(l.fence), "current holder {w} was rejected at fence {}", l.fence);
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                assert!(resource.write(l.fence), "current holder {w} was rejected at fence {}", l.fence);
+                in_hold.fetch_sub(1, Ordering::SeqCst);
+                c.release("hot", &l.lease_id).await.unwrap();
+                mine += 1;
+            }
+            mine
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    stop.store(true, Ordering::SeqCst);
+    let mut per_worker = Vec::new();
+    for t in tasks {
+        per_worker.push(t.await.unwrap());
+    }
+    let fences = fences.lock().unwrap().clone();
+    assert_eq!(overlaps.load(Ordering::SeqCst), 0, "two holds overlapped");
+    assert!(fences.len() >= 20, "too few acquisitions to mean anything: {}", fences.len());
+    assert!(fences.windows(2).all(|w| w[1] > w[0]), "fences did not strictly increase in grant order");
+    assert_eq!(fences.iter().collect::<HashSet<_>>().len(), fences.len());
+    assert_eq!(resource.rejected(), 0);
+    assert_eq!(resource.accepted(), 2 * fences.len() as u64);
+    assert!(per_worker.iter().filter(|n| **n > 0).count() >= 4, "work spread: {per_worker:?}");
+}
+
+/// A holder that stops renewing is replaced within duration + skew margin + 100 ms of its
+/// last write, and never before its duration.
+async fn crash_handover_within_bound(b: Backend) {
+    let cfg = test_config();
+    let margin = cfg.skew_margin;
+    let c = b.coordinator(cfg);
+    for trial in 0..3 {
+        let key = format!("crash-{trial}");
+        let before_write = c.now_ms();
+        let l = c.acquire(&key, "doomed", Some(Duration::from_millis(1000)), AcquireOptions::default()).await.unwrap();
+        // The holder "crashes": it never renews. A waiter is already waiting.
+        let taken = c
+            .acquire(&key, "heir", secs(10), AcquireOptions { wait: secs(5), ..Default::default() })
+            .await
+            .unwrap();
+        let gap = taken.acquired_at_ms - l.acquired_at_ms;
+        assert!(taken.acquired_at_ms >= l.expires_at_ms.unwrap(), "trial {trial}: taken before expiry");
+        assert!(gap >= 1000, "trial {trial}: handover after {gap} ms, before the 1000 ms duration");
+        let bound = 1000 + margin.as_millis() as u64 + 100;
+        assert!(gap <= bound, "trial {trial}: handover after {gap} ms > {bound} ms");
+        assert!(l.acquired_at_ms >= before_write);
+        assert_eq!(taken.fence, l.fence + 1);
+    }
+}
+
+async fn held_lease_renews_and_notices_loss(b: Backend) {
+    let c = b.coordinator(test_config());
+    let held = c.hold("bg", "h", Duration::from_millis(600), AcquireOptions::default()).await.unwrap();
+    let fence = held.fence();
+    // Survives well past its duration thanks to renewals.
+    let out = held.run(tokio::time::sleep(Duration::from_millis(1500))).await;
+    assert!(out.is_ok(), "{out:?}");
+    let s = c.get("bg").await.unwrap();
+    assert!(s.held && s.fence == fence);
+    assert!(held.safe_until().unwrap() > Instant::now());
+    // An operator evicts it: the holder is told and its work is cancelled.
+    c.force_release("bg").await.unwrap();
+    let out = held.run(tokio::time::sleep(Duration::from_secs(10))).await;
+    assert_eq!(out, Err(Lost::NotHolder(NotHolderReason::Released)));
+    assert!(held.is_lost());
+    drop(held);
+    // Dropping a live handle releases it in the background.
+    let held = c.hold("bg2", "h", Duration::from_secs(30), AcquireOptions::default()).await.unwrap();
+    drop(held);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while c.get("bg2").await.unwrap().held {
+        assert!(Instant::now() < deadline, "drop did not release");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Renewals that keep failing end the hold before its safe time runs out.
+    let faulty = Faulty::new(b.store());
+    let fc = Coordinator::new(faulty.clone(), test_config());
+    let held = fc.hold("bg3", "h", Duration::from_millis(600), AcquireOptions::default()).await.unwrap();
+    let safe = held.safe_until().unwrap();
+    faulty.inject(&[Fault::Unavailable; 10_000]);
+    let lost = held.lost().await;
+    assert_eq!(lost, Lost::SafeTimeExpired);
+    assert!(Instant::now() <= safe + Duration::from_millis(50), "told late: {:?} after safe time", Instant::now() - safe);
+    faulty.plan.lock().unwrap().clear();
+}
+
+async fn keepalive_and_metadata_round_trip(b: Backend) {
+    let c = b.coordinator(test_config());
+    let meta = json!({"job": "reindex", "attempt": 3, "tags": ["a", "b"]}).as_object().unwrap().clone();
+    let ka = Keepalive { until_ms: c.now_ms() + 3_600_000, execution_arn: Some("arn:aws:states:us-east-1:123456789012:execution:sm:run-1".into()) };
+    let l = c
+        .acquire("meta", "h", secs(30), AcquireOptions { metadata: Some(meta.clone()), keepalive: Some(ka.clone()), ..Default::default() })
+        .await
+        .unwrap();
+    assert_eq!(l.metadata.as_ref(), Some(&meta));
+    let s = c.get("meta").await.unwrap();
+    assert_eq!(s.metadata, Some(meta));
+    assert_eq!(s.keepalive, Some(ka.clone()));
+    // The keep-alive index finds it; after release it is gone from the index.
+    let shard = leasehold::store::keepalive_shard("meta", leasehold::store::KEEPALIVE_SHARDS);
+    let page = b.store().scan(&leasehold::store::ScanKind::Keepalive { shard, after_ms: c.now_ms() }, None, 10).await.unwrap();
+    assert_eq!(page.items.iter().filter(|r| r.key == "meta").count(), 1);
+    c.release("meta", &l.lease_id).await.unwrap();
+    let page = b.store().scan(&leasehold::store::ScanKind::Keepalive { shard, after_ms: c.now_ms() }, None, 10).await.unwrap();
+    assert_eq!(page.items.iter().filter(|r| r.key == "meta").count(), 0);
+    assert_eq!(c.get("meta").await.unwrap().keepalive, None);
+    let listed = c.list(100).await.unwrap();
+    assert!(listed.iter().all(|s| s.key != "meta"), "released keys are not listed as held");
+}
+
+async fn two_handles_on_one_store(b: Backend) {
+    // Two coordinators over separate handles (two processes for the embedded store).
+    let c1 = Coordinator::new(b.store(), test_config());
+    let c2 = Coordinator::new(b.reopen(), test_config());
+    let l = c1.acquire("shared", "p1", secs(30), AcquireOptions::default()).await.unwrap();
+    assert!(matches!(c2.acquire("shared", "p2", secs(30), AcquireOptions::default()).await, Err(Error::LeaseHeld { .. })));
+    c1.release("shared", &l.lease_id).await.unwrap();
+    let l2 = c2.acquire("shared", "p2", secs(30), AcquireOptions::default()).await.unwrap();
+    assert_eq!(l2.fence, l.fence + 1);
+    let listed = c1.list(100).await.unwrap();
+    assert_eq!(listed.iter().map(|s| s.key.as_str()).collect::<Vec<_>>(), vec!["shared"]);
+}
+
+#[test]
+fn lease_id_never_formats() {
+    let id = LeaseId::generate();
+    let secret = id.expose().to_string();
+    assert_eq!(secret.len(), 32);
+    assert!(secret.bytes().all(|b| b.is_ascii_hexdigit()));
+    assert_ne!(LeaseId::generate(), id);
+    assert!(!format!("{id:?}").contains(&secret));
+    let r = leasehold::Record {
+        key: "k".into(),
+        fence: 1,
+        holder: "h".into(),
+        lease_id: id,
+        acquired_at_ms: 0,
+        expires_at_ms: Some(1),
+        duration_ms: Some(1),
+        min_hold_until_ms: 0,
+        released_at_ms: None,
+        metadata: None,
+        keepalive: None,
+        ttl: None,
+    };
+    assert!(!format!("{r:?}").contains(&secret));
+    assert!(!format!("{:?}", r.lease(Instant::now(), 0, 0)).contains(&secret));
+}

@@ -1,0 +1,70 @@
+//! TTL deletion for real: DynamoDB Local's sweeper and the embedded store's purge delete a
+//! released item, and the next acquire still issues a higher fence.
+
+use std::time::{Duration, Instant};
+
+use leasehold::store::SqliteStore;
+use leasehold::{AcquireOptions, Coordinator, Error};
+use leasehold_tests::{dynamo_local, test_config, TempDir};
+
+fn short_ttl_config() -> leasehold::Config {
+    let mut c = test_config();
+    c.ttl_grace = Duration::ZERO;
+    c.limits.max_duration = Duration::from_secs(2);
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamodb_ttl_sweep_then_reacquire_with_higher_fence() {
+    let local = tokio::task::spawn_blocking(dynamo_local).await.unwrap();
+    // DynamoDB Local's TTL sweeper ignores tables with a global secondary index, so this table
+    // is made without the keep-alive index; the items and their TTL are exactly the same.
+    let store = leasehold::store::DynamoStore::new(local.client().await, "ttl-sweep");
+    store.create_table_with(false).await.unwrap();
+    let ttl = store
+        .client()
+        .describe_time_to_live()
+        .table_name(store.table())
+        .send()
+        .await
+        .unwrap();
+    let desc = ttl.time_to_live_description().expect("ttl description");
+    assert_eq!(desc.attribute_name(), Some("ttl"));
+    let c = Coordinator::new(std::sync::Arc::new(store), short_ttl_config());
+    let l = c.acquire("swept", "h", Some(Duration::from_secs(1)), AcquireOptions::default()).await.unwrap();
+    c.release("swept", &l.lease_id).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        match c.get("swept").await {
+            Err(Error::NotFound { .. }) => break,
+            Ok(_) => {
+                assert!(Instant::now() < deadline, "DynamoDB Local never swept the expired item");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    let again = c.acquire("swept", "h", Some(Duration::from_secs(1)), AcquireOptions::default()).await.unwrap();
+    assert!(again.fence > l.fence, "{} after {}", again.fence, l.fence);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_purge_keeps_fences_monotonic() {
+    let dir = TempDir::new("purge");
+    let store = SqliteStore::open(dir.path().join("l.db")).unwrap();
+    let c = Coordinator::new(std::sync::Arc::new(store.clone()), short_ttl_config());
+    let l = c.acquire("p", "h", Some(Duration::from_secs(1)), AcquireOptions::default()).await.unwrap();
+    // Held: never purged.
+    assert_eq!(store.purge_expired(c.now_ms()).await.unwrap(), 0);
+    c.release("p", &l.lease_id).await.unwrap();
+    // Not yet past its TTL (now + max_duration).
+    assert_eq!(store.purge_expired(c.now_ms()).await.unwrap(), 0);
+    assert_eq!(store.purge_expired(c.now_ms() + 4_000).await.unwrap(), 1);
+    assert!(matches!(c.get("p").await, Err(Error::NotFound { .. })));
+    let again = c.acquire("p", "h", Some(Duration::from_secs(1)), AcquireOptions::default()).await.unwrap();
+    assert!(again.fence > l.fence);
+    // A fail-closed lease carries no TTL and is never purged.
+    let fc = c.acquire("forever", "h", None, AcquireOptions::default()).await.unwrap();
+    assert_eq!(store.purge_expired(c.now_ms() + 10_000_000).await.unwrap(), 1, "only the timed item 'p' goes");
+    assert_eq!(c.get("forever").await.unwrap().fence, fc.fence);
+}
