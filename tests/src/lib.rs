@@ -13,6 +13,9 @@ use async_trait::async_trait;
 use leasehold::store::{Condition, DynamoStore, Mutation, Page, ScanKind, SqliteStore, Store, Write};
 use leasehold::{Config, Coordinator, Error, Record, Result};
 
+pub mod emulator;
+pub mod http;
+
 /// The repository root.
 pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().expect("repo root").to_path_buf()
@@ -27,13 +30,75 @@ pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
 }
 
-/// A DynamoDB Local server owned by this test process. It is started under a small shell
-/// watchdog that kills it when this process's end of a pipe closes, so no server outlives
-/// the tests even when they panic or are killed.
+/// A server process owned by this test process. It runs in its own process group under a
+/// small shell watchdog that kills the whole group when this process's end of a pipe
+/// closes, so no server (nor its children) outlives the tests, even when they panic or are
+/// killed.
+pub struct Guarded {
+    pub name: String,
+    child: Child,
+    pub log: PathBuf,
+}
+
+impl Guarded {
+    /// Runs `cmd` (a bash command line) in `cwd` with extra `env`; output goes to a log file.
+    pub fn spawn(name: &str, cmd: &str, cwd: &std::path::Path, env: &[(String, String)]) -> Guarded {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let log = std::env::temp_dir().join(format!(
+            "leasehold-{name}-{}-{}.log",
+            std::process::id(),
+            N.fetch_add(1, Ordering::SeqCst)
+        ));
+        let script = format!(
+            "set -m; ( {cmd} ) >'{log}' 2>&1 & pid=$!; echo started; cat >/dev/null; \
+             kill -TERM -- -$pid 2>/dev/null; for i in 1 2 3 4 5 6 7 8 9 10; do kill -0 -- -$pid 2>/dev/null || exit 0; sleep 0.2; done; \
+             kill -KILL -- -$pid 2>/dev/null; exit 0",
+            log = log.display()
+        );
+        let mut command = Command::new("bash");
+        command.arg("-c").arg(script).current_dir(cwd).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::null());
+        for (k, v) in env {
+            command.env(k, v);
+        }
+        let mut child = command.spawn().unwrap_or_else(|e| panic!("start {name}: {e}"));
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("watchdog");
+        Guarded { name: name.to_string(), child, log }
+    }
+
+    /// The server's output so far (for failure messages).
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Stops the server and its children and waits for the watchdog.
+    pub fn stop(&mut self) {
+        drop(self.child.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Guarded {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Waits until something accepts TCP connections on `port` (without sending a byte: any
+/// request to the Lambda emulator's port may trigger an invocation).
+pub fn wait_for_port(port: u16, timeout: Duration, what: &str) {
+    let deadline = Instant::now() + timeout;
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "{what} did not listen on port {port} within {timeout:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A DynamoDB Local server owned by this test process.
 pub struct DynamoLocal {
     pub endpoint: String,
     pub port: u16,
-    child: Mutex<Child>,
+    child: Mutex<Guarded>,
 }
 
 impl DynamoLocal {
@@ -52,22 +117,12 @@ impl DynamoLocal {
         };
         let work = std::env::temp_dir().join(format!("leasehold-ddb-{port}"));
         std::fs::create_dir_all(&work).expect("workdir");
-        let script = format!(
-            "java -Djava.library.path='{lib}' -jar '{jar}' {storage} -port {port} -disableTelemetry >/dev/null 2>&1 & pid=$!; \
-             echo started; cat >/dev/null; kill $pid 2>/dev/null; sleep 0.5; kill -9 $pid 2>/dev/null",
+        let cmd = format!(
+            "exec java -Djava.library.path='{lib}' -jar '{jar}' {storage} -port {port} -disableTelemetry",
             lib = dir.join("DynamoDBLocal_lib").display(),
             jar = jar.display(),
         );
-        let mut child = Command::new("bash")
-            .arg("-c")
-            .arg(script)
-            .current_dir(&work)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("start DynamoDB Local");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("watchdog");
+        let child = Guarded::spawn("dynamodb-local", &cmd, &work, &[]);
         let me = DynamoLocal { endpoint: format!("http://127.0.0.1:{port}"), port, child: Mutex::new(child) };
         me.wait_ready();
         me
@@ -86,11 +141,9 @@ impl DynamoLocal {
         }
     }
 
-    /// Stops the server (the watchdog kills java when its stdin closes).
+    /// Stops the server.
     pub fn stop(&self) {
-        let mut child = self.child.lock().unwrap();
-        drop(child.stdin.take());
-        let _ = child.wait();
+        self.child.lock().unwrap().stop();
     }
 
     pub async fn sdk_config(&self) -> aws_config::SdkConfig {

@@ -1,0 +1,109 @@
+//! The real Lambda runtime emulator (`cargo lambda watch`, installed into .tools/venv by
+//! scripts/install-test-deps.sh) running this workspace's functions, and moto's Step
+//! Functions server whose Lambda tasks reach the emulator.
+
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::{free_port, http, repo_root, tools_dir, wait_for_port, Guarded};
+
+/// The answer of one invocation through the emulator's Invoke API.
+#[derive(Debug, Clone)]
+pub struct Invocation {
+    /// The function's result, or for a function error the `{errorType, errorMessage}` object.
+    pub body: Value,
+    /// `Some(errorType)` when the function returned an error.
+    pub error_type: Option<String>,
+}
+
+impl Invocation {
+    /// The JSON error body carried in `errorMessage` of a function error.
+    pub fn error_body(&self) -> Value {
+        let msg = self.body.get("errorMessage").and_then(Value::as_str).unwrap_or("null");
+        serde_json::from_str(msg).unwrap_or(Value::Null)
+    }
+}
+
+/// `cargo lambda watch` on a free port, serving the functions of this workspace.
+pub struct Emulator {
+    pub port: u16,
+    pub server: Guarded,
+}
+
+impl Emulator {
+    /// Starts the emulator with extra environment for the functions (LEASEHOLD_TABLE,
+    /// AWS_ENDPOINT_URL_DYNAMODB, ...). Functions are compiled on first invoke (debug).
+    pub fn start(env: &[(String, String)]) -> Emulator {
+        Self::start_on(free_port(), env)
+    }
+
+    pub fn start_on(port: u16, env: &[(String, String)]) -> Emulator {
+        let venv_bin = tools_dir().join("venv/bin");
+        assert!(
+            venv_bin.join("cargo-lambda").exists(),
+            "cargo-lambda is not installed in {}: run scripts/install-test-deps.sh",
+            venv_bin.display()
+        );
+        let mut env = env.to_vec();
+        let path = format!("{}:{}", venv_bin.display(), std::env::var("PATH").unwrap_or_default());
+        env.push(("PATH".into(), path));
+        env.push(("RUST_LOG".into(), std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into())));
+        let cmd = format!("exec cargo lambda watch -A 127.0.0.1 -P {port} --only-lambda-apis --ignore-changes");
+        let server = Guarded::spawn("lambda-emulator", &cmd, &repo_root(), &env);
+        wait_for_port(port, Duration::from_secs(120), "cargo lambda watch");
+        Emulator { port, server }
+    }
+
+    pub fn invoke_url(&self, function: &str) -> String {
+        format!("http://127.0.0.1:{}/2015-03-31/functions/{function}/invocations", self.port)
+    }
+
+    /// Invokes `function` with a raw payload (bytes, so malformed JSON can be sent too).
+    pub async fn invoke_raw(&self, function: &str, payload: &[u8]) -> Invocation {
+        let resp = http::request("POST", &self.invoke_url(function), Some(payload))
+            .await
+            .unwrap_or_else(|e| panic!("invoke {function}: {e}\nemulator log:\n{}", self.server.log_text()));
+        let body: Value = serde_json::from_slice(&resp.body).unwrap_or_else(|_| Value::String(resp.text()));
+        let error_type = if resp.status >= 400 || resp.header("x-amz-function-error").is_some() {
+            Some(body.get("errorType").and_then(Value::as_str).unwrap_or("<none>").to_string())
+        } else {
+            None
+        };
+        Invocation { body, error_type }
+    }
+
+    pub async fn invoke(&self, function: &str, payload: &Value) -> Invocation {
+        self.invoke_raw(function, payload.to_string().as_bytes()).await
+    }
+}
+
+/// moto's server with its Step Functions interpreter switched on. `lambda_port`: where the
+/// state machines' Lambda tasks go (moto sends them to `localhost:$MOTO_PORT`).
+pub struct Moto {
+    pub port: u16,
+    pub server: Guarded,
+}
+
+impl Moto {
+    pub fn start(port: u16, lambda_port: u16) -> Moto {
+        let bin = tools_dir().join("venv/bin/moto_server");
+        assert!(bin.exists(), "moto is not installed at {}: run scripts/install-test-deps.sh", bin.display());
+        let cmd = format!("exec '{}' -H 127.0.0.1 -p {port}", bin.display());
+        let env = vec![("MOTO_PORT".to_string(), lambda_port.to_string())];
+        let server = Guarded::spawn("moto", &cmd, &repo_root(), &env);
+        wait_for_port(port, Duration::from_secs(60), "moto_server");
+        Moto { port, server }
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Turns on execution of state machine definitions.
+    pub async fn enable_execution(&self) {
+        let body = serde_json::json!({"stepfunctions": {"execute_state_machine": true}});
+        let r = http::post_json(&format!("{}/moto-api/config", self.endpoint()), &body).await.expect("moto config");
+        assert!(r.status < 300, "moto config: {} {}", r.status, r.text());
+    }
+}
