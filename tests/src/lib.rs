@@ -15,6 +15,7 @@ use leasehold::{Config, Coordinator, Error, Record, Result};
 
 pub mod emulator;
 pub mod http;
+pub mod proxy;
 
 /// The repository root.
 pub fn repo_root() -> PathBuf {

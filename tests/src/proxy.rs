@@ -1,0 +1,290 @@
+//! An HTTP proxy between a DynamoDB client and DynamoDB Local that counts requests per
+//! `X-Amz-Target` and injects faults: added latency, a response dropped after the request was
+//! forwarded (an ambiguous write), connection resets, stalls, and throttling / 5xx answers.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+use tokio::net::{TcpListener, TcpStream};
+
+/// One fault, applied to one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProxyFault {
+    /// Wait, then forward normally.
+    Delay(Duration),
+    /// Forward the request, then close the connection instead of answering: the write landed,
+    /// the client cannot know.
+    DropResponse,
+    /// Close the connection without forwarding.
+    Reset,
+    /// Hold the request this long before forwarding (longer than a lease, or than the client's
+    /// timeout).
+    Stall(Duration),
+    /// Answer 400 ProvisionedThroughputExceededException without forwarding.
+    Throttle,
+    /// Answer 500 InternalServerError without forwarding.
+    ServerError,
+}
+
+/// One forwarded (or faulted) request, for tests that reason about timing.
+#[derive(Debug, Clone)]
+pub struct ProxyEvent {
+    /// Epoch ms when the upstream answered (or the fault was applied).
+    pub at_ms: u64,
+    pub target: String,
+    /// HTTP status returned to the client (0: connection closed).
+    pub status: u16,
+    pub fault: Option<ProxyFault>,
+    pub request: String,
+}
+
+#[derive(Default)]
+struct State {
+    counts: BTreeMap<String, u64>,
+    queue: VecDeque<ProxyFault>,
+    /// Each request draws a fault with this probability (per mille) from `random_faults`.
+    random_per_mille: u32,
+    random_faults: Vec<ProxyFault>,
+    rng: u64,
+    injected: u64,
+    record: bool,
+    events: Vec<ProxyEvent>,
+}
+
+impl State {
+    fn next_random(&mut self) -> u64 {
+        // xorshift64*: deterministic for a seed, good enough to pick faults.
+        let mut x = self.rng.max(1);
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.rng = x;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    fn pick(&mut self) -> Option<ProxyFault> {
+        if let Some(f) = self.queue.pop_front() {
+            self.injected += 1;
+            return Some(f);
+        }
+        if self.random_per_mille > 0 && !self.random_faults.is_empty() {
+            let r = self.next_random();
+            if (r % 1000) < self.random_per_mille as u64 {
+                let f = self.random_faults[(r / 1000) as usize % self.random_faults.len()];
+                self.injected += 1;
+                return Some(f);
+            }
+        }
+        None
+    }
+}
+
+/// A running proxy on 127.0.0.1; dropped, it stops accepting.
+pub struct Proxy {
+    pub port: u16,
+    state: Arc<Mutex<State>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+impl Proxy {
+    /// Starts a proxy in front of `upstream` (`127.0.0.1:PORT`).
+    pub async fn start(upstream: SocketAddr) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+        let port = listener.local_addr().expect("addr").port();
+        let state = Arc::new(Mutex::new(State { rng: 0x9E37_79B9_7F4A_7C15, ..Default::default() }));
+        let st = state.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else { continue };
+                let _ = stream.set_nodelay(true);
+                let st = st.clone();
+                tokio::spawn(async move {
+                    let upstream_conn: Arc<tokio::sync::Mutex<Option<hyper::client::conn::http1::SendRequest<Full<Bytes>>>>> =
+                        Arc::new(tokio::sync::Mutex::new(None));
+                    let svc = service_fn(move |req: Request<Incoming>| {
+                        let (st, up) = (st.clone(), upstream_conn.clone());
+                        async move { handle(st, up, upstream, req).await }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .keep_alive(true)
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        Proxy { port, state, task }
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Faults for the next requests, in order.
+    pub fn inject(&self, faults: &[ProxyFault]) {
+        self.state.lock().unwrap().queue.extend(faults.iter().copied());
+    }
+
+    /// From now on each request gets one of `faults` with probability `per_mille`/1000
+    /// (deterministic for `seed`).
+    pub fn random_faults(&self, per_mille: u32, faults: &[ProxyFault], seed: u64) {
+        let mut s = self.state.lock().unwrap();
+        s.random_per_mille = per_mille;
+        s.random_faults = faults.to_vec();
+        s.rng = seed.max(1);
+    }
+
+    pub fn clear_faults(&self) {
+        let mut s = self.state.lock().unwrap();
+        s.queue.clear();
+        s.random_per_mille = 0;
+    }
+
+    pub fn injected(&self) -> u64 {
+        self.state.lock().unwrap().injected
+    }
+
+    /// Requests seen per `X-Amz-Target` operation name (e.g. "UpdateItem").
+    pub fn counts(&self) -> BTreeMap<String, u64> {
+        self.state.lock().unwrap().counts.clone()
+    }
+
+    pub fn total(&self) -> u64 {
+        self.state.lock().unwrap().counts.values().sum()
+    }
+
+    pub fn reset_counts(&self) {
+        self.state.lock().unwrap().counts.clear();
+    }
+
+    /// Keep a log of every request (with its body) from now on.
+    pub fn record(&self, on: bool) {
+        let mut s = self.state.lock().unwrap();
+        s.record = on;
+        if on {
+            s.events.clear();
+        }
+    }
+
+    pub fn events(&self) -> Vec<ProxyEvent> {
+        self.state.lock().unwrap().events.clone()
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+type Upstream = Arc<tokio::sync::Mutex<Option<hyper::client::conn::http1::SendRequest<Full<Bytes>>>>>;
+
+fn json_error(status: u16, ty: &str, msg: &str) -> Response<Full<Bytes>> {
+    let body = serde_json::json!({"__type": ty, "message": msg}).to_string();
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/x-amz-json-1.0")
+        .header("x-amzn-requestid", "proxy")
+        .body(Full::new(Bytes::from(body)))
+        .expect("response")
+}
+
+async fn handle(
+    st: Arc<Mutex<State>>,
+    up: Upstream,
+    upstream: SocketAddr,
+    req: Request<Incoming>,
+) -> Result<Response<Full<Bytes>>, std::io::Error> {
+    let target = req
+        .headers()
+        .get("x-amz-target")
+        .and_then(|v| v.to_str().ok())
+        .map(|t| t.rsplit('.').next().unwrap_or(t).to_string())
+        .unwrap_or_else(|| "-".into());
+    let (parts, body) = req.into_parts();
+    let body = body.collect().await.map_err(std::io::Error::other)?.to_bytes();
+    let (fault, record) = {
+        let mut s = st.lock().unwrap();
+        *s.counts.entry(target.clone()).or_default() += 1;
+        (s.pick(), s.record)
+    };
+    let log = |status: u16| {
+        if record {
+            let mut s = st.lock().unwrap();
+            s.events.push(ProxyEvent {
+                at_ms: now_ms(),
+                target: target.clone(),
+                status,
+                fault,
+                request: String::from_utf8_lossy(&body).into_owned(),
+            });
+        }
+    };
+    match fault {
+        Some(ProxyFault::Reset) => {
+            log(0);
+            return Err(std::io::Error::other("injected reset"));
+        }
+        Some(ProxyFault::Throttle) => {
+            log(400);
+            return Ok(json_error(
+                400,
+                "com.amazonaws.dynamodb.v20120810#ProvisionedThroughputExceededException",
+                "injected throttle",
+            ));
+        }
+        Some(ProxyFault::ServerError) => {
+            log(500);
+            return Ok(json_error(500, "com.amazonaws.dynamodb.v20120810#InternalServerError", "injected 5xx"));
+        }
+        Some(ProxyFault::Delay(d)) | Some(ProxyFault::Stall(d)) => tokio::time::sleep(d).await,
+        _ => {}
+    }
+    let mut fwd = Request::builder().method(parts.method).uri(parts.uri.path());
+    for (k, v) in parts.headers.iter() {
+        fwd = fwd.header(k, v);
+    }
+    let fwd = fwd.body(Full::new(body.clone())).map_err(std::io::Error::other)?;
+    let resp = forward(&up, upstream, fwd).await?;
+    let status = resp.status().as_u16();
+    let (rparts, rbody) = resp.into_parts();
+    let rbody = rbody.collect().await.map_err(std::io::Error::other)?.to_bytes();
+    if fault == Some(ProxyFault::DropResponse) {
+        log(0);
+        return Err(std::io::Error::other("injected: response dropped after forwarding"));
+    }
+    log(status);
+    Ok(Response::from_parts(rparts, Full::new(rbody)))
+}
+
+async fn forward(up: &Upstream, upstream: SocketAddr, req: Request<Full<Bytes>>) -> Result<Response<Incoming>, std::io::Error> {
+    let mut guard = up.lock().await;
+    let need_new = match guard.as_ref() {
+        None => true,
+        Some(s) => s.is_closed(),
+    };
+    if need_new {
+        let stream = TcpStream::connect(upstream).await?;
+        let _ = stream.set_nodelay(true);
+        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(std::io::Error::other)?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        *guard = Some(sender);
+    }
+    let sender = guard.as_mut().expect("sender");
+    sender.ready().await.map_err(std::io::Error::other)?;
+    sender.send_request(req).await.map_err(std::io::Error::other)
+}
+
