@@ -248,7 +248,7 @@ async fn handle(
             log(500);
             return Ok(json_error(500, "com.amazonaws.dynamodb.v20120810#InternalServerError", "injected 5xx"));
         }
-        Some(ProxyFault::Delay(d)) | Some(ProxyFault::Stall(d)) => tokio::time::sleep(d).await,
+        Some(ProxyFault::Delay(d)) => tokio::time::sleep(d).await,
         _ => {}
     }
     let mut fwd = Request::builder().method(parts.method).uri(parts.uri.path());
@@ -256,7 +256,18 @@ async fn handle(
         fwd = fwd.header(k, v);
     }
     let fwd = fwd.body(Full::new(body.clone())).map_err(std::io::Error::other)?;
-    let resp = forward(&up, upstream, fwd).await?;
+    let resp = if let Some(ProxyFault::Stall(d)) = fault {
+        // The stalled request is forwarded by a task of its own, so it still lands after the
+        // client gave up and closed its connection (as a request stuck in a network would).
+        let up = up.clone();
+        let landed = tokio::spawn(async move {
+            tokio::time::sleep(d).await;
+            forward(&up, upstream, fwd).await
+        });
+        landed.await.map_err(std::io::Error::other)??
+    } else {
+        forward(&up, upstream, fwd).await?
+    };
     let status = resp.status().as_u16();
     let (rparts, rbody) = resp.into_parts();
     let rbody = rbody.collect().await.map_err(std::io::Error::other)?.to_bytes();

@@ -1,0 +1,129 @@
+//! Faults between the DynamoDB store and DynamoDB Local, injected by the proxy (so the real
+//! SDK error paths run), and DynamoDB Local restarted mid-run with its data on disk.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use leasehold::store::DynamoStore;
+use leasehold::{AcquireOptions, Coordinator, Error, Lost};
+use leasehold_tests::proxy::{Proxy, ProxyFault};
+use leasehold_tests::{dynamo_local, free_port, sdk_config_for, test_config, DynamoLocal, TempDir};
+
+async fn through_proxy() -> (Arc<Proxy>, Coordinator, Coordinator) {
+    let local = tokio::task::spawn_blocking(dynamo_local).await.unwrap();
+    let table = local.store().await.table().to_string();
+    let proxy = Arc::new(Proxy::start(format!("127.0.0.1:{}", local.port).parse().unwrap()).await);
+    let conf = sdk_config_for(&proxy.endpoint()).await;
+    let mut cfg = test_config();
+    cfg.retry_budget = Duration::from_millis(800);
+    let faulty = Coordinator::new(Arc::new(DynamoStore::new(aws_sdk_dynamodb::Client::new(&conf), table.clone())), cfg);
+    let direct = Coordinator::new(Arc::new(DynamoStore::new(local.client().await, table)), test_config());
+    (proxy, faulty, direct)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sdk_faults_are_classified_and_retried() {
+    let (proxy, c, direct) = through_proxy().await;
+    let d = Some(Duration::from_secs(30));
+    // A few throttles and 5xx answers are retried away.
+    proxy.inject(&[ProxyFault::Throttle, ProxyFault::ServerError, ProxyFault::Reset]);
+    let l = c.acquire("p1", "h", d, AcquireOptions::default()).await.unwrap();
+    assert_eq!(proxy.injected(), 3);
+    // Persistent throttling ends as Throttled, persistent 5xx as StoreUnavailable, both
+    // within the retry budget.
+    proxy.inject(&[ProxyFault::Throttle; 200]);
+    let t = Instant::now();
+    let r = c.heartbeat("p1", &l.lease_id, None).await;
+    assert!(matches!(r, Err(Error::Throttled(_))), "{r:?}");
+    assert!(t.elapsed() < Duration::from_secs(3));
+    proxy.clear_faults();
+    proxy.inject(&[ProxyFault::ServerError; 200]);
+    let r = c.heartbeat("p1", &l.lease_id, None).await;
+    assert!(matches!(r, Err(Error::StoreUnavailable(_))), "{r:?}");
+    proxy.clear_faults();
+    // The lease is intact.
+    assert_eq!(direct.get("p1").await.unwrap().fence, l.fence);
+
+    // A response dropped after DynamoDB applied the acquire: the retry finds the same lease.
+    proxy.inject(&[ProxyFault::DropResponse]);
+    let l2 = c.acquire("p2", "h", d, AcquireOptions::default()).await.unwrap();
+    assert_eq!(direct.get("p2").await.unwrap().fence, l2.fence, "one grant, one fence");
+    // Dropped release answer: the retry succeeds, nothing stranded.
+    proxy.inject(&[ProxyFault::DropResponse]);
+    c.release("p2", &l2.lease_id).await.unwrap();
+    assert!(!direct.get("p2").await.unwrap().held);
+
+    // Added latency is absorbed.
+    proxy.inject(&[ProxyFault::Delay(Duration::from_millis(200))]);
+    let l3 = c.acquire("p3", "h", d, AcquireOptions::default()).await.unwrap();
+    assert_eq!(direct.get("p3").await.unwrap().fence, l3.fence);
+
+    // A stall longer than the client's 3 s attempt timeout: the caller gets StoreUnavailable,
+    // the stalled write lands afterwards, and a retry with the same lease_id gets that lease.
+    let id = leasehold::LeaseId::generate();
+    let with_id = || AcquireOptions { lease_id: Some(id.clone()), ..Default::default() };
+    proxy.inject(&[ProxyFault::Stall(Duration::from_millis(3500))]);
+    let r = c.acquire("p4", "h", d, with_id()).await;
+    assert!(matches!(r, Err(Error::StoreUnavailable(_))), "{r:?}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !matches!(direct.get("p4").await, Ok(ref s) if s.held) {
+        assert!(Instant::now() < deadline, "the stalled write never landed");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let fence = direct.get("p4").await.unwrap().fence;
+    let again = c.acquire("p4", "h", d, with_id()).await.unwrap();
+    assert_eq!(again.fence, fence, "the retry found the landed write: no second fence");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewals_failing_until_safe_time_are_reported() {
+    let (proxy, c, direct) = through_proxy().await;
+    let held = c.hold("r1", "h", Duration::from_millis(900), AcquireOptions::default()).await.unwrap();
+    let safe = held.safe_until().unwrap();
+    proxy.inject(&[ProxyFault::Reset; 10_000]);
+    let lost = held.lost().await;
+    assert_eq!(lost, Lost::SafeTimeExpired);
+    assert!(Instant::now() <= safe + Duration::from_millis(100), "told {:?} after the safe time", Instant::now() - safe);
+    proxy.clear_faults();
+    // Nobody else could take the key before its expiry, which is after the safe time.
+    let s = direct.get("r1").await.unwrap();
+    assert!(s.expires_at_ms.unwrap() >= direct.now_ms() - 1000);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamodb_local_restart_keeps_leases() {
+    let dir = TempDir::new("ddb-data");
+    let port = free_port();
+    let path = dir.path().to_path_buf();
+    let first = tokio::task::spawn_blocking(move || DynamoLocal::start_on(port, Some(&path))).await.unwrap();
+    let store = first.store().await;
+    let table = store.table().to_string();
+    let conf = sdk_config_for(&first.endpoint).await;
+    let mut cfg = test_config();
+    cfg.retry_budget = Duration::from_millis(500);
+    let c = Coordinator::new(Arc::new(DynamoStore::new(aws_sdk_dynamodb::Client::new(&conf), table.clone())), cfg);
+    let long = c.hold("survivor", "h", Duration::from_secs(60), AcquireOptions::default()).await.unwrap();
+    let plain = c.acquire("plain", "h", Some(Duration::from_secs(60)), AcquireOptions::default()).await.unwrap();
+
+    // Outage: every operation fails fast with a typed error, and changes nothing.
+    tokio::task::spawn_blocking(move || drop(first)).await.unwrap();
+    let t = Instant::now();
+    let r = c.acquire("plain", "other", Some(Duration::from_secs(5)), AcquireOptions::default()).await;
+    assert!(matches!(r, Err(Error::StoreUnavailable(_))), "{r:?}");
+    assert!(t.elapsed() < Duration::from_secs(5), "bounded by the retry budget: {:?}", t.elapsed());
+    assert!(matches!(c.get("plain").await, Err(Error::StoreUnavailable(_))));
+
+    // Restart on the same port with the same data directory.
+    let path = dir.path().to_path_buf();
+    let _second = tokio::task::spawn_blocking(move || DynamoLocal::start_on(port, Some(&path))).await.unwrap();
+    let s = c.get("plain").await.unwrap();
+    assert!(s.held);
+    assert_eq!(s.fence, plain.fence);
+    assert!(!long.is_lost(), "a 60 s lease survives an outage shorter than its safe time");
+    let renewed = c.heartbeat("survivor", &long.lease().unwrap().lease_id, None).await.unwrap();
+    assert_eq!(renewed.fence, long.fence());
+    c.release("plain", &plain.lease_id).await.unwrap();
+    let next = c.acquire("plain", "other", Some(Duration::from_secs(5)), AcquireOptions::default()).await.unwrap();
+    assert_eq!(next.fence, plain.fence + 1);
+    long.release().await.unwrap();
+}
