@@ -1,1 +1,285 @@
-fn main() {}
+//! The `leasehold` command: a local HTTP server, one subcommand per lease operation, and
+//! `run`, which executes a command while holding a lease.
+//!
+//! Exit codes (every subcommand):
+//!
+//! | code | meaning |
+//! |------|---------|
+//! | 0    | success |
+//! | 1    | not the holder, or no such lease (`NotHolder`, `NotFound`) |
+//! | 2    | usage error: bad flag, bad duration, invalid request (`InvalidRequest`) |
+//! | 75   | the lease is held by someone else (`LeaseHeld`) |
+//! | 76   | `run` only: the lease was lost while the command ran; the command was stopped |
+//! | 77   | the store or the API could not be reached (`StoreUnavailable`, `Throttled`) |
+//!
+//! `run` otherwise exits with its command's status (128 + N when the command was killed by
+//! signal N; 126 when it cannot be executed, 127 when it is not found).
+
+mod client;
+mod duration;
+mod output;
+mod run;
+mod serve;
+mod target;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use serde_json::{Map, Value};
+
+/// Exit codes, documented in the module comment and in `--help`.
+pub mod exit {
+    pub const OK: i32 = 0;
+    pub const FAILED: i32 = 1;
+    pub const USAGE: i32 = 2;
+    pub const HELD: i32 = 75;
+    pub const LOST: i32 = 76;
+    pub const STORE: i32 = 77;
+}
+
+const MAIN_HELP: &str = "\
+Stores (flags over environment over default):
+  --url URL     a running `leasehold serve` or other leasehold HTTP API  [env: LEASEHOLD_URL]
+  --table NAME  a DynamoDB table (standard AWS configuration, AWS_ENDPOINT_URL_DYNAMODB) [env: LEASEHOLD_TABLE]
+  --db PATH     the embedded store file (default ~/.local/share/leasehold/leases.db) [env: LEASEHOLD_DB]
+
+Durations: 500ms, 30s, 5m, 2h, or plain milliseconds.
+
+Examples:
+  leasehold acquire jobs/nightly --duration 5m --wait 30s
+  leasehold heartbeat jobs/nightly --lease-id \"$LEASE_ID\"
+  leasehold release jobs/nightly --lease-id \"$LEASE_ID\"
+  leasehold get jobs/nightly --json
+  leasehold run jobs/nightly --skip-if-held -- ./nightly.sh
+  leasehold serve --addr 127.0.0.1:7878
+  leasehold --url http://127.0.0.1:7878 acquire jobs/nightly --holder worker-1
+
+Exit codes:
+  0 success, 1 not the holder or no such lease, 2 usage error or invalid request,
+  75 lease held by someone else, 76 lease lost while `run` ran its command,
+  77 store or API unreachable. `run` otherwise exits with its command's status.";
+
+#[derive(Parser, Debug)]
+#[command(name = "leasehold", version, about = "Distributed leases with fencing tokens", after_help = MAIN_HELP)]
+struct Cli {
+    #[command(flatten)]
+    global: Global,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct Global {
+    /// Base URL of a leasehold HTTP API, e.g. http://127.0.0.1:7878 [env: LEASEHOLD_URL]
+    #[arg(long, global = true, value_name = "URL")]
+    pub url: Option<String>,
+    /// DynamoDB table [env: LEASEHOLD_TABLE]
+    #[arg(long, global = true, value_name = "NAME")]
+    pub table: Option<String>,
+    /// Embedded store file [env: LEASEHOLD_DB]
+    #[arg(long, global = true, value_name = "PATH")]
+    pub db: Option<PathBuf>,
+    /// Print the API's JSON (results and errors) on stdout instead of text
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Serve the HTTP API (embedded store by default, DynamoDB with --table)
+    #[command(after_help = serve::HELP)]
+    Serve(serve::ServeArgs),
+    /// Take the lease on KEY; prints the lease_id needed to renew and release it
+    #[command(after_help = "Examples:\n  leasehold acquire jobs/nightly --holder worker-1 --duration 5m\n  leasehold acquire jobs/nightly --wait 30s --min-hold 10s --metadata '{\"run\":42}'\n  LEASE_ID=$(leasehold acquire jobs/nightly --json | jq -r .lease_id)\n\nExit codes: 0 acquired, 75 held by someone else (after --wait), 2 invalid, 77 store unreachable.")]
+    Acquire(AcquireArgs),
+    /// Extend a lease you hold
+    #[command(after_help = "Examples:\n  leasehold heartbeat jobs/nightly --lease-id \"$LEASE_ID\"\n  LEASEHOLD_LEASE_ID=... leasehold heartbeat jobs/nightly --duration 10m\n\nExit codes: 0 renewed, 1 not the holder (lost, released, taken over), 2 invalid, 77 store unreachable.")]
+    Heartbeat(HeartbeatArgs),
+    /// Release a lease you hold
+    #[command(after_help = "Examples:\n  leasehold release jobs/nightly --lease-id \"$LEASE_ID\"\n\nExit codes: 0 released, 1 not the holder, 2 invalid, 77 store unreachable.")]
+    Release(ReleaseArgs),
+    /// Show the state of KEY (never its lease_id)
+    #[command(after_help = "Examples:\n  leasehold get jobs/nightly\n  leasehold get jobs/nightly --json | jq .fence\n\nExit codes: 0 found, 1 no lease on KEY, 77 store unreachable.")]
+    Get(KeyArg),
+    /// List the keys held right now (embedded store or DynamoDB)
+    #[command(after_help = "Examples:\n  leasehold list\n  leasehold --table leases list --limit 10 --json")]
+    List(ListArgs),
+    /// Operator release: free KEY at once whoever holds it, advancing its fence
+    #[command(
+        name = "force-release",
+        after_help = "Examples:\n  leasehold force-release jobs/nightly\n\nThe evicted holder's next heartbeat fails; its fence is below every later one.\nExit codes: 0 freed, 1 no lease on KEY, 77 store unreachable."
+    )]
+    ForceRelease(KeyArg),
+    /// Run a command while holding the lease on KEY (renewed in the background)
+    #[command(after_help = run::HELP)]
+    Run(run::RunArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct KeyArg {
+    /// The lease key
+    pub key: String,
+}
+
+#[derive(Args, Debug)]
+pub struct AcquireArgs {
+    /// The lease key
+    pub key: String,
+    /// Who holds the lease (shown to others) [default: user@hostname]
+    #[arg(long, env = "LEASEHOLD_HOLDER")]
+    pub holder: Option<String>,
+    /// Lease duration [default: the coordinator's, 60s]
+    #[arg(long, value_parser = duration::parse, value_name = "D", conflicts_with = "fail_closed")]
+    pub duration: Option<Duration>,
+    /// Keep trying this long while the key is held
+    #[arg(long, value_parser = duration::parse, value_name = "D")]
+    pub wait: Option<Duration>,
+    /// A release never frees the key before this much time after the acquire
+    #[arg(long = "min-hold", value_parser = duration::parse, value_name = "D")]
+    pub min_hold: Option<Duration>,
+    /// A lease without expiry, freed only by release or force-release
+    #[arg(long = "fail-closed")]
+    pub fail_closed: bool,
+    /// JSON object stored with the lease (<= 4 KiB)
+    #[arg(long, value_parser = parse_metadata, value_name = "JSON")]
+    pub metadata: Option<Map<String, Value>>,
+    /// Your own lease_id (22..128 of [A-Za-z0-9_-]), so a retried acquire gets the same lease
+    #[arg(long = "lease-id", value_name = "ID")]
+    pub lease_id: Option<String>,
+}
+
+#[derive(Args, Debug)]
+pub struct HeartbeatArgs {
+    /// The lease key
+    pub key: String,
+    /// The lease_id printed by acquire
+    #[arg(long = "lease-id", env = "LEASEHOLD_LEASE_ID", hide_env_values = true, value_name = "ID")]
+    pub lease_id: String,
+    /// New duration from now [default: the lease's own]
+    #[arg(long, value_parser = duration::parse, value_name = "D")]
+    pub duration: Option<Duration>,
+}
+
+#[derive(Args, Debug)]
+pub struct ReleaseArgs {
+    /// The lease key
+    pub key: String,
+    /// The lease_id printed by acquire
+    #[arg(long = "lease-id", env = "LEASEHOLD_LEASE_ID", hide_env_values = true, value_name = "ID")]
+    pub lease_id: String,
+}
+
+#[derive(Args, Debug)]
+pub struct ListArgs {
+    /// At most this many keys
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub limit: u32,
+}
+
+fn parse_metadata(s: &str) -> Result<Map<String, Value>, String> {
+    match serde_json::from_str::<Value>(s) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err("metadata must be a JSON object, e.g. '{\"run\": 42}'".into()),
+        Err(e) => Err(format!("metadata is not valid JSON: {e}")),
+    }
+}
+
+/// `user@hostname`, the default holder.
+pub fn default_holder() -> String {
+    let user = std::env::var("USER")
+        .or_else(|_| std::env::var("LOGNAME"))
+        .ok()
+        .filter(|u| !u.is_empty())
+        .unwrap_or_else(|| "user".into());
+    format!("{user}@{}", hostname())
+}
+
+fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for its length; gethostname NUL-terminates on success.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc == 0 {
+        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        if let Ok(s) = std::str::from_utf8(&buf[..end]) {
+            if !s.is_empty() {
+                return s.to_string();
+            }
+        }
+    }
+    "localhost".into()
+}
+
+/// Prints a usage error the way clap does and exits 2.
+pub fn usage_error(msg: impl std::fmt::Display) -> ! {
+    use clap::CommandFactory;
+    Cli::command().error(clap::error::ErrorKind::ArgumentConflict, msg).exit()
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let is_serve = matches!(cli.cmd, Cmd::Serve(_));
+    if std::env::var_os("RUST_LOG").is_none() && !is_serve {
+        // Commands report what happens themselves (a lost lease, a failed release). The
+        // variable is set for the logger only, so `run` does not hand it to its command.
+        std::env::set_var("RUST_LOG", "error");
+        leasehold::env::init_tracing(false);
+        std::env::remove_var("RUST_LOG");
+    } else {
+        leasehold::env::init_tracing(false);
+    }
+    let code = match cli.cmd {
+        Cmd::Serve(args) => serve::main(&cli.global, args),
+        Cmd::Run(args) => run::main(&cli.global, args),
+        cmd => {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
+            rt.block_on(lease_command(&cli.global, cmd))
+        }
+    };
+    std::process::exit(code);
+}
+
+async fn lease_command(g: &Global, cmd: Cmd) -> i32 {
+    let target = match target::Target::open(g, true).await {
+        Ok(t) => t,
+        Err(f) => return output::failure(g, &f),
+    };
+    let result = match &cmd {
+        Cmd::Acquire(a) => {
+            let req = leasehold::api::AcquireRequest {
+                key: None,
+                holder: a.holder.clone().filter(|h| !h.is_empty()).unwrap_or_else(default_holder),
+                duration_ms: a.duration.map(|d| d.as_millis() as u64),
+                fail_closed: a.fail_closed,
+                wait_ms: a.wait.map(|d| d.as_millis() as u64),
+                min_hold_ms: a.min_hold.map(|d| d.as_millis() as u64),
+                metadata: a.metadata.clone(),
+                keepalive: None,
+                lease_id: a.lease_id.clone(),
+            };
+            target.acquire(&a.key, req).await
+        }
+        Cmd::Heartbeat(h) => {
+            let req = leasehold::api::HeartbeatRequest {
+                key: None,
+                lease_id: h.lease_id.clone(),
+                duration_ms: h.duration.map(|d| d.as_millis() as u64),
+            };
+            target.heartbeat(&h.key, req).await
+        }
+        Cmd::Release(r) => {
+            target.release(&r.key, leasehold::api::ReleaseRequest { key: None, lease_id: r.lease_id.clone() }).await
+        }
+        Cmd::Get(k) => target.get(&k.key).await,
+        Cmd::List(l) => target.list(l.limit as usize).await,
+        Cmd::ForceRelease(k) => target.force_release(&k.key).await,
+        Cmd::Serve(_) | Cmd::Run(_) => unreachable!("handled in main"),
+    };
+    match result {
+        Ok(v) => {
+            output::success(g, &cmd, v);
+            exit::OK
+        }
+        Err(f) => output::failure(g, &f),
+    }
+}

@@ -1,0 +1,166 @@
+//! What commands print: the API's JSON with `--json`, short text otherwise.
+
+use std::io::Write;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde_json::Value;
+
+use crate::duration::{human, rfc3339};
+use crate::target::Failure;
+use crate::{Cmd, Global};
+
+pub fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+fn print(s: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{s}");
+    let _ = out.flush();
+}
+
+/// Prints a failure (JSON on stdout with `--json`, a message on stderr otherwise); returns its exit code.
+pub fn failure(g: &Global, f: &Failure) -> i32 {
+    if g.json {
+        print(&f.json.to_string());
+    } else {
+        eprintln!("leasehold: error: {}", f.message());
+    }
+    f.code
+}
+
+/// `2026-01-02T03:04:05.678Z (in 29.9s)` / `(2.0s ago)` / `never (fail-closed)`.
+pub fn when(expires_at_ms: Option<u64>) -> String {
+    match expires_at_ms {
+        None => "never (fail-closed: held until released)".to_string(),
+        Some(e) => {
+            let now = now_ms();
+            if e >= now {
+                format!("{} (in {})", rfc3339(e), human(Duration::from_millis(e - now)))
+            } else {
+                format!("{} ({} ago)", rfc3339(e), human(Duration::from_millis(now - e)))
+            }
+        }
+    }
+}
+
+fn s<'a>(v: &'a Value, k: &str) -> &'a str {
+    v.get(k).and_then(Value::as_str).unwrap_or("?")
+}
+
+fn n(v: &Value, k: &str) -> Option<u64> {
+    v.get(k).and_then(Value::as_u64)
+}
+
+pub fn success(g: &Global, cmd: &Cmd, mut v: Value) {
+    if matches!(cmd, Cmd::Heartbeat(_)) {
+        // The lease_id is printed by acquire only; the holder already has it.
+        if let Some(o) = v.as_object_mut() {
+            o.remove("lease_id");
+        }
+    }
+    if g.json {
+        print(&v.to_string());
+        return;
+    }
+    let text = match cmd {
+        Cmd::Acquire(_) => format!(
+            "acquired {:?} as {}\n  fence     {}\n  expires   {}\n  lease_id  {}\n(pass the lease_id to heartbeat and release; keep it secret)",
+            s(&v, "key"),
+            s(&v, "holder"),
+            n(&v, "fence").unwrap_or(0),
+            when(n(&v, "expires_at_ms")),
+            s(&v, "lease_id"),
+        ),
+        Cmd::Heartbeat(_) => format!(
+            "renewed {:?} (fence {})\n  expires   {}",
+            s(&v, "key"),
+            n(&v, "fence").unwrap_or(0),
+            when(n(&v, "expires_at_ms"))
+        ),
+        Cmd::Release(_) => {
+            let free = n(&v, "free_at_ms").unwrap_or(0);
+            let released = n(&v, "released_at_ms").unwrap_or(0);
+            let mut t = format!("released {:?} (fence {})", s(&v, "key"), n(&v, "fence").unwrap_or(0));
+            if free > released {
+                t.push_str(&format!("\n  free at   {} (min-hold)", when(Some(free))));
+            }
+            t
+        }
+        Cmd::Get(_) => state(&v),
+        Cmd::ForceRelease(_) => format!(
+            "force-released {:?}: the lease of {} ended; fence is now {}",
+            s(&v, "key"),
+            s(&v, "holder"),
+            n(&v, "fence").unwrap_or(0)
+        ),
+        Cmd::List(_) => list(&v),
+        Cmd::Serve(_) | Cmd::Run(_) => String::new(),
+    };
+    print(&text);
+}
+
+fn state(v: &Value) -> String {
+    let held = v.get("held").and_then(Value::as_bool).unwrap_or(false);
+    let mut t = if held {
+        format!(
+            "{:?} is held by {}\n  fence     {}\n  acquired  {}\n  expires   {}",
+            s(v, "key"),
+            s(v, "holder"),
+            n(v, "fence").unwrap_or(0),
+            rfc3339(n(v, "acquired_at_ms").unwrap_or(0)),
+            when(n(v, "expires_at_ms"))
+        )
+    } else {
+        let ended = match n(v, "released_at_ms") {
+            Some(r) => format!("released {}", rfc3339(r)),
+            None => format!("expired {}", when(n(v, "expires_at_ms"))),
+        };
+        format!(
+            "{:?} is free (last holder {}, fence {}, {ended})",
+            s(v, "key"),
+            s(v, "holder"),
+            n(v, "fence").unwrap_or(0)
+        )
+    };
+    if let Some(m) = v.get("metadata").filter(|m| !m.is_null()) {
+        t.push_str(&format!("\n  metadata  {m}"));
+    }
+    t
+}
+
+fn list(v: &Value) -> String {
+    let items = v.get("leases").and_then(Value::as_array).cloned().unwrap_or_default();
+    if items.is_empty() {
+        return "no keys are held".to_string();
+    }
+    let rows: Vec<[String; 4]> = items
+        .iter()
+        .map(|i| {
+            [
+                s(i, "key").to_string(),
+                s(i, "holder").to_string(),
+                n(i, "fence").unwrap_or(0).to_string(),
+                match n(i, "expires_at_ms") {
+                    Some(e) => rfc3339(e),
+                    None => "never (fail-closed)".into(),
+                },
+            ]
+        })
+        .collect();
+    let head = ["KEY", "HOLDER", "FENCE", "EXPIRES"];
+    let mut width = head.map(str::len);
+    for r in &rows {
+        for (w, c) in width.iter_mut().zip(r) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    let line = |r: [&str; 4]| {
+        format!("{:<w0$}  {:<w1$}  {:>w2$}  {}", r[0], r[1], r[2], r[3], w0 = width[0], w1 = width[1], w2 = width[2])
+            .trim_end()
+            .to_string()
+    };
+    let mut out = vec![line(head)];
+    out.extend(rows.iter().map(|r| line([&r[0], &r[1], &r[2], &r[3]])));
+    out.join("\n")
+}

@@ -1,0 +1,203 @@
+//! `leasehold serve`: the HTTP API ([`leasehold::api::handle_http`]) on hyper, over the
+//! embedded store or DynamoDB.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use leasehold::api::{self, HttpRequest, HttpResponse, MAX_BODY_BYTES};
+use leasehold::env::StoreChoice;
+use leasehold::store::{SqliteStore, Store};
+use leasehold::{Coordinator, Error};
+
+use crate::target::{choose, Either, Failure};
+use crate::{duration, exit, output, Global};
+
+pub const HELP: &str = "\
+Routes:
+  POST /leases/{key}/acquire | heartbeat | release   (JSON bodies, see /openapi.json)
+  GET  /leases/{key}    GET /openapi.json    GET /health
+A key containing '/' is sent as %2F. Bodies over 64 KiB are refused with 413.
+
+Examples:
+  leasehold serve                                   # embedded store, 127.0.0.1:7878
+  leasehold serve --addr 0.0.0.0:8080 --db /var/lib/leasehold/leases.db
+  AWS_ENDPOINT_URL_DYNAMODB=http://localhost:8000 leasehold serve --table leases
+
+Stops cleanly on SIGINT/SIGTERM (exit 0). Exit 1: cannot listen; 2: usage; 77: store unavailable.";
+
+#[derive(clap::Args, Debug)]
+pub struct ServeArgs {
+    /// Address to listen on
+    #[arg(long, default_value = "127.0.0.1:7878", value_name = "HOST:PORT")]
+    pub addr: SocketAddr,
+    /// How often expired items of the embedded store are purged
+    #[arg(long = "purge-every", default_value = "60s", value_parser = duration::parse, value_name = "D", hide = true)]
+    pub purge_every: Duration,
+}
+
+pub fn main(g: &Global, args: ServeArgs) -> i32 {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .max_blocking_threads(4)
+        .build()
+        .expect("tokio runtime");
+    let code = rt.block_on(serve(g, args));
+    rt.shutdown_timeout(Duration::from_millis(500));
+    code
+}
+
+async fn serve(g: &Global, args: ServeArgs) -> i32 {
+    let choice = match choose(g, false) {
+        Ok(Either::Store(c)) => c,
+        Ok(Either::Http(_)) => unreachable!("choose refuses URLs here"),
+        Err(f) => return output::failure(g, &f),
+    };
+    let config = match leasehold::env::config_from_env() {
+        Ok(c) => c,
+        Err(e) => return output::failure(g, &Failure::usage(e.to_string())),
+    };
+    let (store, sqlite): (Arc<dyn Store>, Option<SqliteStore>) = match &choice {
+        StoreChoice::Embedded { path } => match SqliteStore::open(path) {
+            Ok(s) => (Arc::new(s.clone()), Some(s)),
+            Err(e) => return output::failure(g, &Failure::unreachable(format!("{}: {e}", choice.describe()))),
+        },
+        StoreChoice::Dynamo { .. } => match choice.open().await {
+            Ok(s) => (s, None),
+            Err(e) => return output::failure(g, &Failure::unreachable(format!("{}: {e}", choice.describe()))),
+        },
+    };
+    let coord = Coordinator::new(store, config);
+    let listener = match tokio::net::TcpListener::bind(args.addr).await {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("leasehold: error: cannot listen on {}: {e}", args.addr);
+            return exit::FAILED;
+        }
+    };
+    let addr = listener.local_addr().unwrap_or(args.addr);
+    {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "leasehold: serving the HTTP API on http://{addr} ({})", choice.describe());
+        let _ = writeln!(
+            out,
+            "try: curl -s -X POST http://{addr}/leases/demo/acquire -H 'content-type: application/json' -d '{{\"holder\":\"me\",\"duration_ms\":30000}}'"
+        );
+        let _ = out.flush();
+    }
+
+    if let Some(s) = sqlite {
+        let (c, every) = (coord.clone(), args.purge_every.max(Duration::from_secs(1)));
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                match s.purge_expired(c.now_ms()).await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::debug!(purged = n, "purged expired items"),
+                    Err(e) => tracing::warn!(error = %e, "purge of expired items failed"),
+                }
+            }
+        });
+    }
+
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder.timer(TokioTimer::new()).header_read_timeout(Duration::from_secs(30)).keep_alive(true);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let shutdown = shutdown_signal();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    let _ = stream.set_nodelay(true);
+                    let coord = coord.clone();
+                    let service = hyper::service::service_fn(move |req| handle(coord.clone(), req));
+                    let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), service));
+                    tokio::spawn(async move {
+                        if let Err(e) = conn.await {
+                            tracing::debug!(error = %e, "connection ended with an error");
+                        }
+                    });
+                }
+                Err(e) => {
+                    // Out of file descriptors and the like: pause instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            _ = &mut shutdown => break,
+        }
+    }
+    drop(listener);
+    eprintln!("leasehold: shutting down");
+    tokio::select! {
+        _ = graceful.shutdown() => {}
+        _ = tokio::time::sleep(Duration::from_secs(5)) => {
+            eprintln!("leasehold: requests still running after 5s; closing them");
+        }
+    }
+    exit::OK
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}
+
+fn too_large() -> HttpResponse {
+    let e = Error::invalid(format!("the body is larger than {MAX_BODY_BYTES} bytes"));
+    let mut r = HttpResponse::json(413, &e.to_json());
+    r.headers.push(("connection".into(), "close".into()));
+    r
+}
+
+async fn handle(coord: Coordinator, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
+    let method = req.method().as_str().to_string();
+    let path = req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or_else(|| "/".into());
+    let declared = req
+        .headers()
+        .get(hyper::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    let resp = if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+        too_large()
+    } else {
+        match Limited::new(req.into_body(), MAX_BODY_BYTES).collect().await {
+            Ok(body) => {
+                let req = HttpRequest { method, path, body: body.to_bytes().to_vec() };
+                api::handle_http(&coord, req, None).await
+            }
+            Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => too_large(),
+            Err(e) => HttpResponse::json(400, &Error::invalid(format!("could not read the request body: {e}")).to_json()),
+        }
+    };
+    Ok(to_hyper(resp))
+}
+
+fn to_hyper(r: HttpResponse) -> Response<Full<Bytes>> {
+    let mut resp = Response::new(Full::new(Bytes::from(r.body)));
+    *resp.status_mut() = StatusCode::from_u16(r.status).unwrap_or(StatusCode::BAD_REQUEST);
+    let headers = resp.headers_mut();
+    for (name, value) in r.headers {
+        if let (Ok(n), Ok(v)) =
+            (hyper::header::HeaderName::from_bytes(name.as_bytes()), hyper::header::HeaderValue::from_str(&value))
+        {
+            headers.append(n, v);
+        }
+    }
+    resp
+}

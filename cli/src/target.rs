@@ -1,0 +1,174 @@
+//! Where lease commands go: a coordinator over the embedded store or DynamoDB, or a running
+//! HTTP API. Both answer with the API's JSON, so `--json` output is the same everywhere.
+
+use std::sync::Arc;
+
+use leasehold::api::{self, AcquireRequest, HeartbeatRequest, Operation, ReleaseRequest};
+use leasehold::env::StoreChoice;
+use leasehold::store::Store;
+use leasehold::{Coordinator, Error};
+use serde_json::{json, Value};
+
+use crate::client::{encode_key, Endpoint};
+use crate::{exit, Global};
+
+/// A failed command: the API's error JSON (`{"error": NAME, "message": ...}`) and an exit code.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    pub json: Value,
+    pub code: i32,
+}
+
+impl Failure {
+    pub fn new(name: &str, message: impl Into<String>, code: i32) -> Failure {
+        Failure { json: json!({ "error": name, "message": message.into() }), code }
+    }
+
+    pub fn usage(message: impl Into<String>) -> Failure {
+        Failure::new("InvalidRequest", message, exit::USAGE)
+    }
+
+    pub fn unreachable(message: impl Into<String>) -> Failure {
+        Failure::new("StoreUnavailable", message, exit::STORE)
+    }
+
+    pub fn message(&self) -> String {
+        self.json.get("message").and_then(Value::as_str).unwrap_or("unknown error").to_string()
+    }
+
+    /// From an error JSON body (local error or HTTP answer).
+    pub fn from_json(json: Value) -> Failure {
+        let code = code_of(json.get("error").and_then(Value::as_str).unwrap_or(""));
+        Failure { json, code }
+    }
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Failure {
+        Failure::from_json(e.to_json())
+    }
+}
+
+/// The exit code of an error name.
+pub fn code_of(name: &str) -> i32 {
+    match name {
+        "LeaseHeld" => exit::HELD,
+        "NotHolder" | "NotFound" => exit::FAILED,
+        "InvalidRequest" | "MethodNotAllowed" | "UnknownRoute" => exit::USAGE,
+        "StoreUnavailable" | "Throttled" => exit::STORE,
+        _ => exit::FAILED,
+    }
+}
+
+/// The store a command uses when it needs a coordinator: flags over environment over default.
+/// `Ok(None)`: the HTTP API (`--url` or `LEASEHOLD_URL`), when `allow_url`.
+pub fn choose(g: &Global, allow_url: bool) -> Result<Either, Failure> {
+    let flags = [g.url.is_some(), g.table.is_some(), g.db.is_some()].iter().filter(|b| **b).count();
+    if flags > 1 {
+        return Err(Failure::usage("--url, --table and --db each name a different store: give at most one"));
+    }
+    let from_env = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+    let url = if flags == 0 { from_env("LEASEHOLD_URL") } else { g.url.clone() };
+    if let Some(url) = url {
+        if !allow_url {
+            return Err(Failure::usage(
+                "this command works on the embedded store (--db) or DynamoDB (--table), not over --url/LEASEHOLD_URL",
+            ));
+        }
+        return Endpoint::parse(&url).map(Either::Http).map_err(Failure::usage);
+    }
+    Ok(Either::Store(match (&g.table, &g.db) {
+        (Some(t), _) => StoreChoice::Dynamo { table: t.clone() },
+        (None, Some(p)) => StoreChoice::Embedded { path: p.clone() },
+        (None, None) => StoreChoice::resolve(None, None),
+    }))
+}
+
+pub enum Either {
+    Store(StoreChoice),
+    Http(Endpoint),
+}
+
+/// Opens a coordinator on `choice` with the configuration from the environment.
+pub async fn coordinator(choice: &StoreChoice) -> Result<(Coordinator, Arc<dyn Store>), Failure> {
+    let config = leasehold::env::config_from_env().map_err(|e| Failure::usage(e.to_string()))?;
+    let store = choice.open().await.map_err(|e| Failure::unreachable(format!("{}: {e}", choice.describe())))?;
+    Ok((Coordinator::new(store.clone(), config), store))
+}
+
+pub enum Target {
+    Local(Coordinator),
+    Http(Endpoint),
+}
+
+impl Target {
+    pub async fn open(g: &Global, allow_url: bool) -> Result<Target, Failure> {
+        match choose(g, allow_url)? {
+            Either::Http(e) => Ok(Target::Http(e)),
+            Either::Store(choice) => Ok(Target::Local(coordinator(&choice).await?.0)),
+        }
+    }
+
+    async fn op(&self, op: Operation, key: &str, body: Value) -> Result<Value, Failure> {
+        match self {
+            Target::Local(c) => Ok(api::run(c, op, Some(key), body, None).await?),
+            Target::Http(e) => {
+                let (method, path, body) = match op {
+                    Operation::Acquire => ("POST", format!("/leases/{}/acquire", encode_key(key)), Some(body)),
+                    Operation::Heartbeat => ("POST", format!("/leases/{}/heartbeat", encode_key(key)), Some(body)),
+                    Operation::Release => ("POST", format!("/leases/{}/release", encode_key(key)), Some(body)),
+                    Operation::Get => ("GET", format!("/leases/{}", encode_key(key)), None),
+                };
+                let mut conn = e.connect().await.map_err(Failure::unreachable)?;
+                let body = body.map(|b| serde_json::to_vec(&b).expect("request serialises"));
+                let (status, answer) = conn.request(method, &path, body).await.map_err(Failure::unreachable)?;
+                let json: Option<Value> = serde_json::from_slice(&answer).ok();
+                match (status, json) {
+                    (200, Some(v)) => Ok(v),
+                    (_, Some(v)) if v.get("error").is_some_and(Value::is_string) => Err(Failure::from_json(v)),
+                    (s, _) => Err(Failure::unreachable(format!(
+                        "{} answered HTTP {s}: {}",
+                        e.url(),
+                        String::from_utf8_lossy(&answer[..answer.len().min(200)])
+                    ))),
+                }
+            }
+        }
+    }
+
+    pub async fn acquire(&self, key: &str, req: AcquireRequest) -> Result<Value, Failure> {
+        self.op(Operation::Acquire, key, serde_json::to_value(req).expect("serialises")).await
+    }
+
+    pub async fn heartbeat(&self, key: &str, req: HeartbeatRequest) -> Result<Value, Failure> {
+        self.op(Operation::Heartbeat, key, serde_json::to_value(req).expect("serialises")).await
+    }
+
+    pub async fn release(&self, key: &str, req: ReleaseRequest) -> Result<Value, Failure> {
+        self.op(Operation::Release, key, serde_json::to_value(req).expect("serialises")).await
+    }
+
+    pub async fn get(&self, key: &str) -> Result<Value, Failure> {
+        self.op(Operation::Get, key, json!({})).await
+    }
+
+    pub async fn list(&self, limit: usize) -> Result<Value, Failure> {
+        match self {
+            Target::Local(c) => Ok(json!({ "leases": c.list(limit).await? })),
+            Target::Http(_) => Err(not_over_http("list")),
+        }
+    }
+
+    pub async fn force_release(&self, key: &str) -> Result<Value, Failure> {
+        match self {
+            Target::Local(c) => Ok(serde_json::to_value(c.force_release(key).await?).expect("serialises")),
+            Target::Http(_) => Err(not_over_http("force-release")),
+        }
+    }
+}
+
+fn not_over_http(cmd: &str) -> Failure {
+    Failure::usage(format!(
+        "{cmd} is not supported over the HTTP API (it has no route for it): use --db or --table on the store the server uses"
+    ))
+}

@@ -1,0 +1,287 @@
+//! The lease subcommands of the built `leasehold` binary, end to end, on the embedded store,
+//! on DynamoDB Local (`--table`) and over the HTTP API of a `leasehold serve` (`--url`).
+
+mod cli_support;
+
+use cli_support::{clean_command, output, Target};
+use serde_json::Value;
+
+const LEASE_FIELDS: &[&str] =
+    &["key", "holder", "lease_id", "fence", "acquired_at_ms", "expires_at_ms", "duration_ms", "min_hold_until_ms"];
+
+fn u(v: &Value, k: &str) -> u64 {
+    v[k].as_u64().unwrap_or_else(|| panic!("{k} is not a number in {v}"))
+}
+
+/// Every subcommand against one store, checking exit codes, `--json` vocabulary and text.
+fn every_subcommand(t: &Target) {
+    // acquire --json: the API's Lease, with the holder's lease_id.
+    let a = t.run(&["acquire", "jobs/nightly", "--holder", "w1", "--duration", "30s", "--json"]).ok().json();
+    for f in LEASE_FIELDS {
+        assert!(a.get(*f).is_some(), "acquire --json lacks {f}: {a}");
+    }
+    assert_eq!(a["key"], "jobs/nightly");
+    assert_eq!(a["holder"], "w1");
+    assert_eq!(u(&a, "duration_ms"), 30_000);
+    assert_eq!(u(&a, "expires_at_ms"), u(&a, "acquired_at_ms") + 30_000);
+    let id = a["lease_id"].as_str().unwrap().to_string();
+    let fence = u(&a, "fence");
+
+    // Held: another acquire exits 75 with the LeaseHeld error naming the holder.
+    let held = t.run(&["acquire", "jobs/nightly", "--holder", "w2", "--json"]).code(75).json();
+    assert_eq!(held["error"], "LeaseHeld");
+    assert_eq!(held["holder"], "w1");
+    assert_eq!(u(&held, "expires_at_ms"), u(&a, "expires_at_ms"));
+    assert!(held["message"].as_str().unwrap().contains("w1"));
+    let text = t.run(&["acquire", "jobs/nightly", "--holder", "w2"]).code(75);
+    assert!(text.stderr.contains("held by \"w1\""), "{text:?}");
+    assert!(text.stdout.is_empty());
+
+    // get: public state, never the lease_id.
+    let g = t.run(&["get", "jobs/nightly", "--json"]).ok().json();
+    assert_eq!(g["held"], true);
+    assert_eq!(g["holder"], "w1");
+    assert_eq!(u(&g, "fence"), fence);
+    assert!(g.get("lease_id").is_none(), "get must not reveal the lease_id: {g}");
+    let text = t.run(&["get", "jobs/nightly"]).ok();
+    assert!(text.stdout.contains("is held by w1") && text.stdout.contains(&fence.to_string()), "{text:?}");
+    assert!(!text.stdout.contains(&id));
+
+    // heartbeat: same fence, later or equal expiry; the lease_id is not echoed.
+    let h = t.run(&["heartbeat", "jobs/nightly", "--lease-id", &id, "--duration", "1m", "--json"]).ok().json();
+    assert_eq!(u(&h, "fence"), fence);
+    assert_eq!(u(&h, "duration_ms"), 60_000);
+    assert!(u(&h, "expires_at_ms") >= u(&a, "expires_at_ms") + 29_000);
+    assert!(h.get("lease_id").is_none(), "heartbeat output must not repeat the lease_id: {h}");
+    let text = t.run(&["heartbeat", "jobs/nightly", "--lease-id", &id]).ok();
+    assert!(text.stdout.contains("renewed \"jobs/nightly\"") && !text.stdout.contains(&id), "{text:?}");
+    // The lease_id may come from the environment instead of the command line.
+    let mut c = t.cmd(&["heartbeat", "jobs/nightly", "--json"]);
+    c.env("LEASEHOLD_LEASE_ID", &id);
+    assert_eq!(u(&output(c).ok().json(), "fence"), fence);
+
+    // A wrong lease_id changes nothing: NotHolder, exit 1.
+    let wrong = "x".repeat(32);
+    let nh = t.run(&["heartbeat", "jobs/nightly", "--lease-id", &wrong, "--json"]).code(1).json();
+    assert_eq!(nh["error"], "NotHolder");
+    assert_eq!(nh["reason"], "wrong_lease_id");
+    t.run(&["release", "jobs/nightly", "--lease-id", &wrong]).code(1);
+    assert_eq!(t.run(&["get", "jobs/nightly", "--json"]).ok().json()["held"], true);
+
+    // release, then again (idempotent).
+    let r = t.run(&["release", "jobs/nightly", "--lease-id", &id, "--json"]).ok().json();
+    assert_eq!(r["key"], "jobs/nightly");
+    assert_eq!(u(&r, "fence"), fence);
+    assert!(u(&r, "free_at_ms") >= u(&r, "released_at_ms"));
+    let text = t.run(&["release", "jobs/nightly", "--lease-id", &id]).ok();
+    assert!(text.stdout.contains("released \"jobs/nightly\""), "{text:?}");
+    let g = t.run(&["get", "jobs/nightly", "--json"]).ok().json();
+    assert_eq!(g["held"], false);
+    assert!(t.run(&["get", "jobs/nightly"]).ok().stdout.contains("is free"));
+    // A released lease cannot be renewed.
+    assert_eq!(t.run(&["heartbeat", "jobs/nightly", "--lease-id", &id, "--json"]).code(1).json()["reason"], "released");
+
+    // Text acquire prints the lease_id the holder needs; the fence moved up.
+    let text = t.run(&["acquire", "jobs/nightly", "--holder", "w2", "--duration", "30s"]).ok();
+    let id2 = text
+        .stdout
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("lease_id"))
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|| panic!("no lease_id line: {text:?}"));
+    assert_eq!(id2.len(), 32);
+    let g = t.run(&["get", "jobs/nightly", "--json"]).ok().json();
+    assert!(u(&g, "fence") > fence);
+    assert_eq!(g["holder"], "w2");
+
+    // Options: caller-chosen lease_id (a retried acquire gets the same lease), metadata,
+    // min-hold, fail-closed.
+    let mine = "retry-safe-id-0123456789";
+    let m1 = t
+        .run(&["acquire", "cfg/a", "--lease-id", mine, "--metadata", r#"{"run":42}"#, "--min-hold", "2s", "--json"])
+        .ok()
+        .json();
+    let m2 = t.run(&["acquire", "cfg/a", "--lease-id", mine, "--metadata", r#"{"run":42}"#, "--json"]).ok().json();
+    assert_eq!(m1["lease_id"], mine);
+    assert_eq!(u(&m1, "fence"), u(&m2, "fence"));
+    assert_eq!(u(&m1, "min_hold_until_ms"), u(&m1, "acquired_at_ms") + 2000);
+    assert_eq!(m1["holder"], "tester", "LEASEHOLD_HOLDER is the default holder");
+    assert_eq!(t.run(&["get", "cfg/a", "--json"]).ok().json()["metadata"]["run"], 42);
+    let fc = t.run(&["acquire", "cfg/closed", "--fail-closed", "--json"]).ok().json();
+    assert!(fc["expires_at_ms"].is_null() && fc["duration_ms"].is_null(), "{fc}");
+    assert!(t.run(&["get", "cfg/closed"]).ok().stdout.contains("never (fail-closed"));
+
+    // --wait: a 1 s lease expires and the waiting acquire takes the key.
+    t.run(&["acquire", "wait/k", "--holder", "short", "--duration", "1s"]).ok();
+    let w = t.run(&["acquire", "wait/k", "--holder", "patient", "--wait", "10s", "--json"]).ok().json();
+    assert_eq!(w["holder"], "patient");
+    // ... and without enough wait, LeaseHeld.
+    t.run(&["acquire", "wait/k", "--holder", "hasty", "--wait", "200ms"]).code(75);
+
+    // get of a key never taken: NotFound, exit 1.
+    let nf = t.run(&["get", "never/taken", "--json"]).code(1).json();
+    assert_eq!(nf["error"], "NotFound");
+
+    // Invalid requests found by the coordinator: exit 2, InvalidRequest.
+    let inv = t.run(&["acquire", "bad", "--duration", "10ms", "--json"]).code(2).json();
+    assert_eq!(inv["error"], "InvalidRequest");
+    assert!(inv["message"].as_str().unwrap().contains("duration"), "{inv}");
+    assert_eq!(t.run(&["acquire", "bad", "--lease-id", "short", "--json"]).code(2).json()["error"], "InvalidRequest");
+
+    if t.is_http() {
+        for args in [&["list"][..], &["force-release", "jobs/nightly"][..]] {
+            let o = t.run(args).code(2);
+            assert!(o.stderr.contains("not supported over the HTTP API"), "{o:?}");
+        }
+        return;
+    }
+
+    // list: the held keys, not the released or expired ones.
+    let l = t.run(&["list", "--json"]).ok().json();
+    let keys: Vec<&str> = l["leases"].as_array().unwrap().iter().map(|s| s["key"].as_str().unwrap()).collect();
+    for k in ["jobs/nightly", "cfg/a", "cfg/closed", "wait/k"] {
+        assert!(keys.contains(&k), "{k} missing from {keys:?}");
+    }
+    assert!(l["leases"].as_array().unwrap().iter().all(|s| s["held"] == true && s.get("lease_id").is_none()));
+    assert_eq!(t.run(&["list", "--limit", "2", "--json"]).ok().json()["leases"].as_array().unwrap().len(), 2);
+    let text = t.run(&["list"]).ok();
+    assert!(text.stdout.starts_with("KEY") && text.stdout.contains("jobs/nightly") && text.stdout.contains("w2"), "{text:?}");
+
+    // force-release: frees the key at once, advances the fence; the evicted holder is out.
+    let before = u(&t.run(&["get", "jobs/nightly", "--json"]).ok().json(), "fence");
+    let f = t.run(&["force-release", "jobs/nightly", "--json"]).ok().json();
+    assert_eq!(f["held"], false);
+    assert!(u(&f, "fence") > before);
+    assert_eq!(t.run(&["heartbeat", "jobs/nightly", "--lease-id", &id2, "--json"]).code(1).json()["error"], "NotHolder");
+    let n = t.run(&["acquire", "jobs/nightly", "--holder", "w3", "--json"]).ok().json();
+    assert!(u(&n, "fence") > u(&f, "fence"));
+    assert!(t.run(&["force-release", "cfg/closed"]).ok().stdout.contains("force-released \"cfg/closed\""));
+    assert_eq!(t.run(&["force-release", "never/taken", "--json"]).code(1).json()["error"], "NotFound");
+    let keys = t.run(&["list", "--json"]).ok().json();
+    assert!(!keys["leases"].as_array().unwrap().iter().any(|s| s["key"] == "cfg/closed"));
+}
+
+#[test]
+fn embedded_store() {
+    every_subcommand(&Target::embedded());
+}
+
+#[test]
+fn dynamodb_local() {
+    every_subcommand(&Target::dynamo());
+}
+
+#[test]
+fn over_http_api() {
+    every_subcommand(&Target::served());
+}
+
+#[test]
+fn over_http_api_on_dynamodb() {
+    let ddb = Target::dynamo();
+    let server = cli_support::Server::start(&ddb.args, &ddb.env);
+    let dir = leasehold_tests::TempDir::new("cli-http-ddb");
+    let t = Target { args: vec!["--url".into(), server.url.clone()], env: vec![], server: Some(server), dir };
+    let a = t.run(&["acquire", "ddb/http", "--holder", "h", "--json"]).ok().json();
+    let id = a["lease_id"].as_str().unwrap();
+    assert_eq!(t.run(&["get", "ddb/http", "--json"]).ok().json()["holder"], "h");
+    t.run(&["heartbeat", "ddb/http", "--lease-id", id]).ok();
+    t.run(&["release", "ddb/http", "--lease-id", id]).ok();
+    assert_eq!(t.run(&["get", "ddb/http", "--json"]).ok().json()["held"], false);
+    // The same table seen directly agrees with the server.
+    assert_eq!(ddb.run(&["get", "ddb/http", "--json"]).ok().json()["holder"], "h");
+}
+
+#[test]
+fn store_flags_environment_and_precedence() {
+    let t = Target::embedded();
+    let db = t.args[1].clone();
+    // LEASEHOLD_DB selects the store when no flag does.
+    let mut c = clean_command();
+    c.env("LEASEHOLD_DB", &db).args(["acquire", "env/k", "--json"]);
+    assert_eq!(output(c).ok().json()["holder"], "tester");
+    assert_eq!(t.run(&["get", "env/k", "--json"]).ok().json()["held"], true);
+    // A flag beats the environment: --db wins over a LEASEHOLD_URL nobody listens on.
+    let mut c = clean_command();
+    c.env("LEASEHOLD_URL", "http://127.0.0.1:9").args(["get", "env/k", "--db", &db, "--json"]);
+    assert_eq!(output(c).ok().json()["key"], "env/k");
+    // ... and LEASEHOLD_URL is used when no flag is given: nobody listens, exit 77.
+    let mut c = clean_command();
+    c.env("LEASEHOLD_URL", "http://127.0.0.1:9").args(["get", "env/k", "--json"]);
+    let o = output(c).code(77);
+    assert_eq!(o.json()["error"], "StoreUnavailable");
+    // The holder flag beats LEASEHOLD_HOLDER.
+    assert_eq!(t.run(&["acquire", "env/h", "--holder", "flag", "--json"]).ok().json()["holder"], "flag");
+    // Without LEASEHOLD_HOLDER the holder is user@hostname.
+    let mut c = clean_command();
+    c.env_remove("LEASEHOLD_HOLDER").env("USER", "alice").args(["--db", &db, "acquire", "env/u", "--json"]);
+    let holder = output(c).ok().json()["holder"].as_str().unwrap().to_string();
+    assert!(holder.starts_with("alice@") && holder.len() > "alice@".len(), "{holder}");
+}
+
+#[test]
+fn usage_errors_exit_2_with_a_clear_message() {
+    let t = Target::embedded();
+    let cases: &[(&[&str], &str)] = &[
+        (&["acquire", "k", "--duration", "5q"], "invalid duration \"5q\""),
+        (&["acquire", "k", "--wait", "1.5s"], "invalid duration"),
+        (&["heartbeat", "k", "--lease-id", "x", "--duration", "1d"], "invalid duration \"1d\""),
+        (&["run", "k", "--grace", "soon", "--", "true"], "invalid duration"),
+        (&["acquire"], "<KEY>"),
+        (&["acquire", "k", "--bogus"], "--bogus"),
+        (&["frobnicate"], "frobnicate"),
+        (&["heartbeat", "k"], "--lease-id"),
+        (&["acquire", "k", "--metadata", "[1]"], "JSON object"),
+        (&["acquire", "k", "--metadata", "{nope"], "not valid JSON"),
+        (&["acquire", "k", "--fail-closed", "--duration", "1m"], "cannot be used with"),
+        (&["run", "k", "--wait", "1s", "--skip-if-held", "--", "true"], "cannot be used with"),
+        (&["run", "k"], "<CMD>"),
+        (&["list", "--limit", "0"], "--limit"),
+        (&["serve", "--addr", "nowhere"], "--addr"),
+    ];
+    for (args, needle) in cases {
+        let o = t.run(args).code(2);
+        assert!(o.stderr.contains(needle), "{args:?}: expected {needle:?} in {:?}", o.stderr);
+        assert!(o.stderr.contains("error"), "{args:?}: {:?}", o.stderr);
+    }
+    // Conflicting stores and unusable URLs.
+    let mut c = clean_command();
+    c.args(["--url", "http://127.0.0.1:1", "--db", "/tmp/x.db", "get", "k"]);
+    assert!(output(c).code(2).stderr.contains("at most one"));
+    let mut c = clean_command();
+    c.args(["--url", "https://example.com", "get", "k"]);
+    assert!(output(c).code(2).stderr.contains("plain http://"));
+    let mut c = clean_command();
+    c.args(["--url", "http://127.0.0.1:1", "run", "k", "--", "true"]);
+    assert!(output(c).code(2).stderr.contains("not over --url"));
+}
+
+#[test]
+fn help_has_examples_and_exit_codes() {
+    let t = Target::embedded();
+    let main = t.run(&["--help"]).ok().stdout;
+    assert!(main.contains("Examples:") && main.contains("LEASEHOLD_URL") && main.contains("75"), "{main}");
+    for sub in ["acquire", "heartbeat", "release", "get", "list", "force-release", "serve"] {
+        let h = t.run(&[sub, "--help"]).ok().stdout;
+        assert!(h.contains("Examples:"), "{sub} --help has no examples: {h}");
+    }
+    let run = t.run(&["run", "--help"]).ok().stdout;
+    for needle in ["75", "76", "77", "--skip-if-held", "LEASEHOLD_FENCE", "Examples:"] {
+        assert!(run.contains(needle), "run --help lacks {needle}: {run}");
+    }
+}
+
+#[test]
+fn json_errors_for_an_unreachable_store() {
+    // DynamoDB endpoint where nothing listens: StoreUnavailable, exit 77.
+    let t = Target {
+        args: vec!["--table".into(), "nowhere".into()],
+        env: cli_support::dynamo_env("http://127.0.0.1:9"),
+        server: None,
+        dir: leasehold_tests::TempDir::new("cli-unreach"),
+    };
+    let mut c = t.cmd(&["get", "k", "--json"]);
+    c.env("LEASEHOLD_RETRY_BUDGET_MS", "200");
+    let o = output(c).code(77);
+    assert_eq!(o.json()["error"], "StoreUnavailable");
+}

@@ -1,0 +1,200 @@
+//! `leasehold run`, end to end: the command's environment and exit status, mutual exclusion
+//! between racing runs, --skip-if-held / --wait, a lost lease stopping the command, and
+//! signal forwarding. On the embedded store and on DynamoDB Local.
+
+mod cli_support;
+
+use std::path::Path;
+use std::time::Duration;
+
+use cli_support::{eventually, Target};
+
+const LIMIT: Duration = Duration::from_secs(60);
+
+fn read(p: &Path) -> String {
+    std::fs::read_to_string(p).unwrap_or_default()
+}
+
+fn sh(script: &str) -> Vec<String> {
+    vec!["--".into(), "sh".into(), "-c".into(), script.into()]
+}
+
+fn run_args<'a>(key: &'a str, opts: &[&'a str], cmd: &'a [String]) -> Vec<&'a str> {
+    let mut v = vec!["run", key];
+    v.extend_from_slice(opts);
+    v.extend(cmd.iter().map(String::as_str));
+    v
+}
+
+/// The command sees the key, fence and expiry; its exit status comes back; the lease is
+/// released afterwards.
+fn environment_and_exit_status(t: &Target) {
+    let envfile = t.dir.path().join("env");
+    let cmd = sh(&format!(
+        "echo \"$LEASEHOLD_KEY $LEASEHOLD_FENCE $LEASEHOLD_EXPIRES_AT ${{LEASEHOLD_LEASE_ID:-none}}\" > '{}'; exit 7",
+        envfile.display()
+    ));
+    let before = leasehold_now_ms();
+    let out = t.run(&run_args("env/k", &["--duration", "20s", "--holder", "runner"], &cmd)).code(7);
+    assert!(out.stderr.is_empty(), "{out:?}");
+    let env = read(&envfile);
+    let parts: Vec<&str> = env.split_whitespace().collect();
+    assert_eq!(parts.len(), 4, "{env:?}");
+    assert_eq!(parts[0], "env/k");
+    let fence: u64 = parts[1].parse().unwrap();
+    let expires: u64 = parts[2].parse().unwrap();
+    assert!(expires >= before + 20_000 && expires <= leasehold_now_ms() + 20_000, "{expires}");
+    assert_eq!(parts[3], "none", "the lease_id is not handed to the command");
+    let state = t.run(&["get", "env/k", "--json"]).ok().json();
+    assert_eq!(state["fence"].as_u64(), Some(fence));
+    assert_eq!(state["holder"], "runner");
+    assert_eq!(state["held"], false, "released when the command exits");
+
+    t.run(&run_args("env/k", &[], &sh("exit 0"))).ok();
+    t.run(&run_args("env/k", &[], &sh("kill -9 $$"))).code(137);
+    t.run(&["run", "env/k", "--", "/definitely/not/a/command"]).code(127);
+    assert_eq!(t.run(&["get", "env/k", "--json"]).ok().json()["held"], false);
+}
+
+fn leasehold_now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64
+}
+
+/// While one run holds the key, --skip-if-held exits 75 at once and --wait D exits 75 after
+/// D, both without running their command; a lost lease stops the command and exits 76.
+fn held_skipped_and_lost(t: &Target) {
+    let dir = t.dir.path();
+    let started = dir.join("started");
+    let termed = dir.join("termed");
+    let first = sh(&format!(
+        "trap 'echo term > \"{}\"; exit 0' TERM; echo $$ > '{}'; while :; do sleep 0.05; done",
+        termed.display(),
+        started.display()
+    ));
+    let mut holder = t.spawn(&run_args("busy", &["--duration", "2s", "--holder", "first"], &first));
+    eventually(LIMIT, "the first command to start", || started.exists());
+
+    let ran = dir.join("ran");
+    let second = sh(&format!("touch '{}'", ran.display()));
+    let skip = t.run(&run_args("busy", &["--skip-if-held"], &second)).code(75);
+    assert!(skip.stderr.contains("held by first"), "{skip:?}");
+    let waited = t.run(&run_args("busy", &["--wait", "300ms"], &second)).code(75);
+    assert!(waited.stderr.contains("after waiting"), "{waited:?}");
+    assert!(!ran.exists(), "a run that did not get the lease ran its command");
+
+    // Another process force-releases the key: the run notices at its next renewal, sends
+    // SIGTERM (the command records it and exits 0) and exits 76 anyway.
+    t.run(&["force-release", "busy"]).ok();
+    let out = holder.wait(LIMIT);
+    assert_eq!(out.code, 76, "{out:?}");
+    assert!(out.stderr.contains("lease lost"), "{out:?}");
+    assert_eq!(read(&termed).trim(), "term");
+}
+
+#[test]
+fn embedded_environment_and_exit_status() {
+    environment_and_exit_status(&Target::embedded());
+}
+
+#[test]
+fn dynamodb_environment_and_exit_status() {
+    environment_and_exit_status(&Target::dynamo());
+}
+
+#[test]
+fn embedded_held_skipped_and_lost() {
+    held_skipped_and_lost(&Target::embedded());
+}
+
+#[test]
+fn dynamodb_held_skipped_and_lost() {
+    held_skipped_and_lost(&Target::dynamo());
+}
+
+/// Two runs race for one key, several times over: both commands run, never at the same time
+/// (a mkdir-based critical section would fail with 99 on overlap), and the later fence wins.
+fn racing_runs(t: &Target) {
+    let dir = t.dir.path();
+    let inside = dir.join("inside");
+    let log = dir.join("log");
+    let cmd = sh(&format!(
+        "mkdir '{inside}' || exit 99; echo \"$LEASEHOLD_FENCE\" >> '{log}'; sleep 0.3; rmdir '{inside}'",
+        inside = inside.display(),
+        log = log.display()
+    ));
+    for round in 0..3 {
+        let mut a = t.spawn(&run_args("race", &["--duration", "5s", "--holder", "a"], &cmd));
+        let mut b = t.spawn(&run_args("race", &["--duration", "5s", "--holder", "b"], &cmd));
+        let (oa, ob) = (a.wait(LIMIT), b.wait(LIMIT));
+        assert_eq!((oa.code, ob.code), (0, 0), "round {round}: {oa:?} {ob:?}");
+    }
+    let fences: Vec<u64> = read(&log).lines().map(|l| l.parse().unwrap()).collect();
+    assert_eq!(fences.len(), 6, "{fences:?}");
+    assert!(fences.windows(2).all(|w| w[0] < w[1]), "fences must strictly increase: {fences:?}");
+}
+
+#[test]
+fn embedded_racing_runs_never_overlap() {
+    racing_runs(&Target::embedded());
+}
+
+#[test]
+fn dynamodb_racing_runs_never_overlap() {
+    racing_runs(&Target::dynamo());
+}
+
+#[test]
+fn a_command_ignoring_sigterm_is_killed_after_the_grace_period() {
+    let t = Target::embedded();
+    let pidfile = t.dir.path().join("pid");
+    let cmd = sh(&format!("trap '' TERM; echo $$ > '{}'; while :; do sleep 0.05; done", pidfile.display()));
+    let mut run = t.spawn(&run_args("stubborn", &["--duration", "2s", "--grace", "500ms"], &cmd));
+    eventually(LIMIT, "the command to start", || !read(&pidfile).trim().is_empty());
+    let pid = read(&pidfile).trim().to_string();
+    t.run(&["force-release", "stubborn"]).ok();
+    let out = run.wait(LIMIT);
+    assert_eq!(out.code, 76, "{out:?}");
+    assert!(out.stderr.contains("SIGKILL"), "{out:?}");
+    assert!(!Path::new(&format!("/proc/{pid}")).exists(), "the command {pid} still exists");
+}
+
+#[test]
+fn sigterm_and_sigint_are_forwarded_and_the_lease_released() {
+    let t = Target::embedded();
+    for (sig, status) in [("TERM", 5), ("INT", 6)] {
+        let started = t.dir.path().join(format!("started-{sig}"));
+        let cmd = sh(&format!(
+            "trap 'exit {status}' {sig}; touch '{}'; while :; do sleep 0.05; done",
+            started.display()
+        ));
+        let mut run = t.spawn(&run_args("fwd", &["--duration", "30s"], &cmd));
+        eventually(LIMIT, "the command to start", || started.exists());
+        run.signal(sig);
+        let out = run.wait(LIMIT);
+        assert_eq!(out.code, status, "SIG{sig}: {out:?}");
+        assert_eq!(t.run(&["get", "fwd", "--json"]).ok().json()["held"], false, "released after SIG{sig}");
+    }
+}
+
+#[test]
+fn waiting_run_takes_the_key_when_it_frees_and_can_be_interrupted() {
+    let t = Target::embedded();
+    // Held by a plain acquire for 1 s: a waiting run gets it after the expiry.
+    t.run(&["acquire", "later", "--holder", "other", "--duration", "1s"]).ok();
+    let marker = t.dir.path().join("ran");
+    t.run(&run_args("later", &["--wait", "20s"], &sh(&format!("touch '{}'", marker.display())))).ok();
+    assert!(marker.exists());
+
+    // A run waiting without limit exits 143 on SIGTERM, without running its command.
+    t.run(&["acquire", "forever", "--holder", "other", "--fail-closed"]).ok();
+    let never = t.dir.path().join("never");
+    let mut run = t.spawn(&run_args("forever", &[], &sh(&format!("touch '{}'", never.display()))));
+    // Give it time to start waiting (were the signal earlier, the exit would be 143 too).
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!never.exists());
+    run.signal("TERM");
+    let out = run.wait(LIMIT);
+    assert_eq!(out.code, 143, "{out:?}");
+    assert!(!never.exists());
+    assert_eq!(t.run(&["get", "forever", "--json"]).ok().json()["holder"], "other");
+}

@@ -1,0 +1,228 @@
+//! `leasehold serve`, end to end: its banner, the HTTP API on the wire (including bad input),
+//! bounded request bodies, and a clean exit on SIGTERM/SIGINT.
+
+mod cli_support;
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::time::Duration;
+
+use cli_support::{http, read_response, Server, Target};
+use serde_json::Value;
+
+fn json(body: &str) -> Value {
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body:?}"))
+}
+
+fn header<'a>(h: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    h.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+}
+
+fn embedded_server() -> (Server, Target) {
+    let store = Target::embedded();
+    (Server::start(&store.args, &[]), store)
+}
+
+#[test]
+fn banner_names_the_address_and_a_working_curl_example() {
+    let (server, _store) = embedded_server();
+    assert!(server.banner[0].contains(&format!("http://{}", server.addr)), "{:?}", server.banner);
+    assert!(server.banner[0].contains("embedded store"), "{:?}", server.banner);
+    let ex = &server.banner[1];
+    assert!(ex.starts_with("try: curl "), "{ex}");
+    let post = format!("-X POST {}/leases/demo/acquire", server.url);
+    assert!(ex.contains(&post), "{ex} lacks {post}");
+    // Send exactly the example's body to the example's route: it takes the lease.
+    let body = ex.split_once("-d '").map(|(_, b)| b.trim_end_matches('\'')).expect("a -d body");
+    let (status, headers, answer) =
+        http(&server.addr, "POST", "/leases/demo/acquire", &[("content-type", "application/json")], body.as_bytes());
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(header(&headers, "content-type"), Some("application/json"));
+    let lease = json(&answer);
+    assert_eq!(lease["key"], "demo");
+    assert!(lease["fence"].as_u64().is_some() && lease["lease_id"].as_str().is_some());
+}
+
+#[test]
+fn routes_and_errors_on_the_wire() {
+    let (server, store) = embedded_server();
+    let a = &server.addr;
+    let (s, _, b) = http(a, "GET", "/health", &[], b"");
+    assert_eq!((s, json(&b)["status"].as_str()), (200, Some("ok")));
+    let (s, _, b) = http(a, "GET", "/openapi.json", &[], b"");
+    assert_eq!(s, 200);
+    assert!(json(&b)["openapi"].as_str().is_some_and(|v| v.starts_with('3')));
+
+    // Full cycle with a key containing '/', sent as %2F.
+    let (s, _, b) = http(a, "POST", "/leases/a%2Fb/acquire", &[], br#"{"holder":"h1","duration_ms":30000}"#);
+    assert_eq!(s, 200, "{b}");
+    let lease = json(&b);
+    assert_eq!(lease["key"], "a/b");
+    let id = lease["lease_id"].as_str().unwrap().to_string();
+    let (s, h, b) = http(a, "POST", "/leases/a%2Fb/acquire", &[], br#"{"holder":"h2"}"#);
+    assert_eq!(s, 409);
+    assert_eq!(json(&b)["error"], "LeaseHeld");
+    assert!(header(&h, "retry-after").is_some_and(|v| v.parse::<u64>().is_ok()));
+    let (s, _, b) = http(a, "GET", "/leases/a%2Fb", &[], b"");
+    assert_eq!((s, json(&b)["holder"].as_str()), (200, Some("h1")));
+    let hb = format!(r#"{{"lease_id":"{id}"}}"#);
+    assert_eq!(http(a, "POST", "/leases/a%2Fb/heartbeat", &[], hb.as_bytes()).0, 200);
+    assert_eq!(http(a, "POST", "/leases/a%2Fb/release", &[], hb.as_bytes()).0, 200);
+    // Released lease: heartbeat answers 410 NotHolder.
+    let (s, _, b) = http(a, "POST", "/leases/a%2Fb/heartbeat", &[], hb.as_bytes());
+    assert_eq!((s, json(&b)["error"].as_str()), (410, Some("NotHolder")));
+    // The CLI on the same store sees what the server wrote.
+    assert_eq!(store.run(&["get", "a/b", "--json"]).ok().json()["held"], false);
+
+    // Malformed JSON and bad fields: 400 with a JSON error body, never a 500.
+    let bad: &[&[u8]] = &[
+        b"{bad",
+        b"",
+        b"[]",
+        b"null",
+        b"\xff\xfe",
+        br#"{"holder":""}"#,
+        br#"{"holder":"h","duration_ms":"30s"}"#,
+        br#"{"holder":"h","duration_ms":-1}"#,
+        br#"{"holder":"h","duration_ms":10}"#,
+        br#"{"holder":"h","surprise":1}"#,
+        br#"{"duration_ms":30000}"#,
+        br#"{"holder":"h","key":"other"}"#,
+        br#"{"holder":"h","lease_id":"short"}"#,
+        br#"{"holder":"h","metadata":[1]}"#,
+        br#"{"holder":"h","fail_closed":true,"duration_ms":30000}"#,
+        br#"{"holder":"h","wait_ms":99999999999999}"#,
+    ];
+    for body in bad {
+        let (s, h, b) = http(a, "POST", "/leases/k/acquire", &[("content-type", "application/json")], body);
+        assert_eq!(s, 400, "body {:?} answered {s} {b}", String::from_utf8_lossy(body));
+        assert_eq!(header(&h, "content-type"), Some("application/json"));
+        let e = json(&b);
+        assert_eq!(e["error"], "InvalidRequest", "{b}");
+        assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()));
+    }
+    for (body, path) in [(&br#"{"lease_id":"nope"}"#[..], "/leases/k/heartbeat"), (b"{}", "/leases/k/release")] {
+        let (s, _, b) = http(a, "POST", path, &[], body);
+        assert_eq!((s, json(&b)["error"].as_str()), (400, Some("InvalidRequest")), "{path}: {b}");
+    }
+    // Unknown routes, wrong methods, undecodable keys, a missing key.
+    let (s, _, b) = http(a, "GET", "/nothing/here", &[], b"");
+    assert_eq!((s, json(&b)["error"].as_str()), (404, Some("UnknownRoute")));
+    let (s, _, b) = http(a, "GET", "/leases/k/acquire", &[], b"");
+    assert_eq!((s, json(&b)["error"].as_str()), (405, Some("MethodNotAllowed")));
+    let (s, _, b) = http(a, "DELETE", "/leases/k", &[], b"");
+    assert_eq!((s, json(&b)["error"].as_str()), (405, Some("MethodNotAllowed")));
+    let (s, _, b) = http(a, "GET", "/leases/%FF%FE", &[], b"");
+    assert_eq!((s, json(&b)["error"].as_str()), (400, Some("InvalidRequest")));
+    let (s, _, b) = http(a, "GET", "/leases/never-taken", &[], b"");
+    assert_eq!((s, json(&b)["error"].as_str()), (404, Some("NotFound")));
+    let long_key = "k".repeat(2000);
+    let (s, _, b) = http(a, "GET", &format!("/leases/{long_key}"), &[], b"");
+    assert_eq!((s, json(&b)["error"].as_str()), (400, Some("InvalidRequest")));
+
+    // The server is still healthy after all of it.
+    assert_eq!(http(a, "GET", "/health", &[], b"").0, 200);
+}
+
+#[test]
+fn oversized_bodies_are_refused_without_reading_them() {
+    let (server, _store) = embedded_server();
+    let a = &server.addr;
+    let limit = leasehold::api::MAX_BODY_BYTES;
+
+    // A declared length over the limit is answered from the headers alone: the test sends
+    // no body at all and still gets its answer.
+    let mut s = TcpStream::connect(a).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(s, "POST /leases/k/acquire HTTP/1.1\r\nhost: x\r\ncontent-length: 1073741824\r\n\r\n").unwrap();
+    let (status, headers, body) = read_response(&mut s);
+    assert_eq!(status, 413, "{body}");
+    assert_eq!(json(&body)["error"], "InvalidRequest");
+    assert_eq!(header(&headers, "connection"), Some("close"));
+
+    // A chunked body is cut off at the limit.
+    let mut s = TcpStream::connect(a).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(s, "POST /leases/k/acquire HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n").unwrap();
+    // Written from another thread: the server may answer (and close) mid-body.
+    let mut w = s.try_clone().unwrap();
+    let writer = std::thread::spawn(move || {
+        let chunk = vec![b'a'; 16 * 1024];
+        for _ in 0..(limit / chunk.len() + 2) {
+            if write!(w, "{:x}\r\n", chunk.len()).is_err() || w.write_all(&chunk).is_err() || w.write_all(b"\r\n").is_err() {
+                return;
+            }
+        }
+    });
+    let (status, _, body) = read_response(&mut s);
+    writer.join().unwrap();
+    assert_eq!(status, 413, "{body}");
+
+    // Exactly at the limit is read (and then judged on its content).
+    let mut big = br#"{"holder":"h","metadata":{"pad":""#.to_vec();
+    big.resize(limit - 3, b'x');
+    big.extend_from_slice(br#""}}"#);
+    assert_eq!(big.len(), limit);
+    let (status, _, body) = http(a, "POST", "/leases/k/acquire", &[], &big);
+    assert_eq!((status, json(&body)["error"].as_str()), (400, Some("InvalidRequest")), "{body}");
+    assert_eq!(http(a, "GET", "/health", &[], b"").0, 200);
+}
+
+#[test]
+fn keep_alive_connections_serve_many_requests() {
+    let (server, _store) = embedded_server();
+    let mut s = TcpStream::connect(&server.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let body = br#"{"holder":"ka","duration_ms":30000}"#;
+    // Pipelined on one connection: three requests, the last one closing it.
+    let mut req = Vec::new();
+    for (i, close) in [(0, false), (1, false), (2, true)] {
+        let head = format!(
+            "POST /leases/ka{i}/acquire HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n{}\r\n",
+            body.len(),
+            if close { "connection: close\r\n" } else { "" }
+        );
+        req.extend_from_slice(head.as_bytes());
+        req.extend_from_slice(body);
+    }
+    s.write_all(&req).unwrap();
+    let mut raw = String::new();
+    std::io::Read::read_to_string(&mut s, &mut raw).unwrap();
+    assert_eq!(raw.matches("HTTP/1.1 200 OK").count(), 3, "{raw}");
+    for i in 0..3 {
+        assert!(raw.contains(&format!("\"key\":\"ka{i}\"")), "{raw}");
+    }
+}
+
+#[test]
+fn sigterm_and_sigint_stop_the_server_with_exit_0() {
+    for sig in ["TERM", "INT"] {
+        let (mut server, _store) = embedded_server();
+        assert_eq!(http(&server.addr, "GET", "/health", &[], b"").0, 200);
+        server.proc.signal(sig);
+        let out = server.proc.wait(Duration::from_secs(20));
+        assert_eq!(out.code, 0, "SIG{sig}: {out:?}");
+        assert!(TcpStream::connect(&server.addr).is_err(), "still listening after SIG{sig}");
+    }
+}
+
+#[test]
+fn serve_on_dynamodb_local() {
+    let ddb = Target::dynamo();
+    let server = Server::start(&ddb.args, &ddb.env);
+    assert!(server.banner[0].contains("DynamoDB table"), "{:?}", server.banner);
+    let (s, _, b) = http(&server.addr, "POST", "/leases/ddb/acquire", &[], br#"{"holder":"srv","duration_ms":30000}"#);
+    assert_eq!(s, 200, "{b}");
+    let (s, _, b) = http(&server.addr, "POST", "/leases/ddb/acquire", &[], br#"{"holder":"srv2"}"#);
+    assert_eq!((s, json(&b)["error"].as_str()), (409, Some("LeaseHeld")));
+    let (s, _, b) = http(&server.addr, "POST", "/leases/ddb/acquire", &[], b"{not json");
+    assert_eq!((s, json(&b)["error"].as_str()), (400, Some("InvalidRequest")));
+    assert_eq!(ddb.run(&["get", "ddb", "--json"]).ok().json()["holder"], "srv");
+}
+
+#[test]
+fn listening_twice_on_one_address_fails_clearly() {
+    let (server, store) = embedded_server();
+    let o = store.run(&["serve", "--addr", &server.addr]).code(1);
+    assert!(o.stderr.contains("cannot listen on"), "{o:?}");
+}
