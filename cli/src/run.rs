@@ -215,7 +215,8 @@ async fn acquire(
         let opts = AcquireOptions { wait: Some(wait), min_hold: args.min_hold, ..AcquireOptions::default() };
         let hold = coord.hold(&args.key, holder, args.duration, opts);
         tokio::pin!(hold);
-        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        let every = Duration::from_millis(250);
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let r = loop {
             tokio::select! {

@@ -117,8 +117,8 @@ impl SqliteStore {
 
 fn read(c: &Connection, key: &str) -> Result<Option<Record>> {
     let json: Option<String> = c
-        .query_row("SELECT record FROM leases WHERE key = ?1", [key], |r| r.get(0))
-        .optional()
+        .prepare_cached("SELECT record FROM leases WHERE key = ?1")
+        .and_then(|mut st| st.query_row([key], |r| r.get(0)).optional())
         .map_err(store_err)?;
     json.as_deref().map(decode).transpose()
 }
@@ -129,13 +129,14 @@ fn write(c: &Connection, r: &Record) -> Result<()> {
         Some(k) => (Some(keepalive_shard(&r.key, KEEPALIVE_SHARDS) as i64), Some(k.until_ms as i64)),
         None => (None, None),
     };
-    c.execute(
+    // Statements are prepared once per connection (the write path is the hot path).
+    c.prepare_cached(
         "INSERT INTO leases (key, record, fence, ka_shard, ka_until_ms, ttl)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6)
          ON CONFLICT(key) DO UPDATE SET record = excluded.record, fence = excluded.fence,
            ka_shard = excluded.ka_shard, ka_until_ms = excluded.ka_until_ms, ttl = excluded.ttl",
-        params![r.key, json, r.fence as i64, shard, until, r.ttl.map(|t| t as i64)],
     )
+    .and_then(|mut st| st.execute(params![r.key, json, r.fence as i64, shard, until, r.ttl.map(|t| t as i64)]))
     .map_err(store_err)?;
     Ok(())
 }
