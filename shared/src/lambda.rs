@@ -101,6 +101,24 @@ impl Executions for StepFunctions {
     }
 }
 
+/// An invocation payload as it arrived: JSON, or the parse error of bytes that are not JSON.
+/// The runtime would otherwise answer malformed bytes itself with its own error type; with
+/// this, they become an `InvalidRequest` like every other bad input.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Payload {
+    Json(Value),
+    Malformed(String),
+}
+
+impl<'de> serde::Deserialize<'de> for Payload {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(match <Value as serde::Deserialize>::deserialize(d) {
+            Ok(v) => Payload::Json(v),
+            Err(e) => Payload::Malformed(e.to_string()),
+        })
+    }
+}
+
 /// Everything a function needs, built once at init.
 pub struct Handler {
     pub function: Function,
@@ -224,6 +242,14 @@ impl Handler {
     }
 }
 
+impl Handler {
+    /// Answers a payload that is not JSON: `InvalidRequest`, nothing read or written.
+    pub fn reject_malformed(&self, parse_error: &str) -> Result<Value, Error> {
+        emit_metric(self.function.name(), "InvalidRequest", 0.0);
+        Err(Error::invalid(format!("the payload is not valid JSON: {parse_error}")))
+    }
+}
+
 /// Builds the handler from the environment: `LEASEHOLD_TABLE` (the DynamoDB table; without
 /// it, an embedded store under `LEASEHOLD_DB` or /tmp, for local emulation), the bounds of
 /// [`config_from_env`], and `LEASEHOLD_SWEEP_MAX_ITEMS` (default 1000).
@@ -252,13 +278,19 @@ pub async fn run(function: Function) -> Result<(), lambda_runtime::Error> {
     init_tracing(true);
     let handler = Arc::new(handler_from_env(function).await.map_err(|e| format!("{}: {e}", e.name()))?);
     tracing::info!(function = function.name(), "ready");
-    lambda_runtime::run(service_fn(move |ev: LambdaEvent<Value>| {
+    lambda_runtime::run(service_fn(move |ev: LambdaEvent<Payload>| {
         let handler = handler.clone();
         async move {
             let remaining = ev.context.deadline().duration_since(SystemTime::now()).unwrap_or(Duration::ZERO);
+            // No usable deadline (local emulators send a constant such as 600000, i.e. 1970):
+            // assume Lambda's default 3 s timeout.
             let remaining = if remaining.is_zero() { Duration::from_secs(3) } else { remaining };
             let span = tracing::info_span!("invocation", request_id = %ev.context.request_id);
-            handler.handle(ev.payload, remaining).instrument(span).await.map_err(|e| diagnostic(&e))
+            let result = match ev.payload {
+                Payload::Json(event) => handler.handle(event, remaining).instrument(span).await,
+                Payload::Malformed(e) => handler.reject_malformed(&e),
+            };
+            result.map_err(|e| diagnostic(&e))
         }
     }))
     .await

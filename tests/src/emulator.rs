@@ -39,6 +39,12 @@ impl Emulator {
     }
 
     pub fn start_on(port: u16, env: &[(String, String)]) -> Emulator {
+        Self::start_with(port, env, &[])
+    }
+
+    /// Like [`Emulator::start_on`] with extra `cargo lambda watch` flags (e.g.
+    /// `--concurrency 2` for more than one instance per function).
+    pub fn start_with(port: u16, env: &[(String, String)], extra_args: &[&str]) -> Emulator {
         let venv_bin = tools_dir().join("venv/bin");
         assert!(
             venv_bin.join("cargo-lambda").exists(),
@@ -49,7 +55,9 @@ impl Emulator {
         let path = format!("{}:{}", venv_bin.display(), std::env::var("PATH").unwrap_or_default());
         env.push(("PATH".into(), path));
         env.push(("RUST_LOG".into(), std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into())));
-        let cmd = format!("exec cargo lambda watch -A 127.0.0.1 -P {port} --only-lambda-apis --ignore-changes");
+        // Not `--only-lambda-apis`: with it the emulator never starts the functions and every
+        // invoke waits forever for a runtime to poll.
+        let cmd = format!("exec cargo lambda watch -A 127.0.0.1 -P {port} --ignore-changes {}", extra_args.join(" "));
         let server = Guarded::spawn("lambda-emulator", &cmd, &repo_root(), &env);
         wait_for_port(port, Duration::from_secs(120), "cargo lambda watch");
         Emulator { port, server }

@@ -1,0 +1,1007 @@
+//! The three Lambda functions end to end: the real Lambda runtime emulator (`cargo lambda
+//! watch`) runs the real acquire/heartbeat/release binaries over a real DynamoDB Local table
+//! (and, for the keep-alive sweep, moto's Step Functions API).
+//!
+//! - every file in events/ answers as events/expected.json documents;
+//! - lease flows over direct invoke and over API Gateway HTTP API events;
+//! - an acquire's wait is cut to fit the invocation;
+//! - hostile direct-invoke payloads get typed `InvalidRequest` errors and change nothing;
+//! - the scheduled keep-alive sweep renews, releases, skips, runs concurrently and pages.
+//!
+//! Deadline note: `cargo lambda watch` sends `Lambda-Runtime-Deadline-Ms: 600000` (a constant,
+//! i.e. 1970), so the functions fall back to Lambda's default 3 s timeout: a wait is cut to
+//! 3 s - 1.5 s safety margin = 1.5 s, and a sweep gets 1.5 s.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use leasehold::store::{keepalive_shard, Condition, DynamoStore, ScanKind, Store, KEEPALIVE_SHARDS};
+use leasehold::{AcquireOptions, Coordinator, Keepalive, LeaseId, LeaseState, Record};
+use leasehold_tests::emulator::{Emulator, Invocation, Moto};
+use leasehold_tests::{dynamo_local, free_port, repo_root, sdk_config_for, test_config};
+use serde_json::{json, Map, Value};
+
+/// The first invoke of a function compiles it (debug) inside the emulator; the shared target
+/// directory may be locked by other builds for a while.
+const INVOKE_TIMEOUT: Duration = Duration::from_secs(900);
+const PLACEHOLDER: &str = "REPLACE_WITH_LEASE_ID";
+const FUNCTIONS: [&str; 3] = ["acquire", "heartbeat", "release"];
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64
+}
+
+/// One emulator serving the three functions over one table, and the test's own coordinator on
+/// the same table (to set up leases and look at the items).
+struct Lab {
+    emu: Emulator,
+    store: DynamoStore,
+    coord: Coordinator,
+    /// Functions invoked so far (each one instance at the emulator's default concurrency).
+    invoked: std::sync::Mutex<BTreeSet<String>>,
+}
+
+impl Lab {
+    async fn start(extra_env: &[(&str, String)], args: &[&str]) -> Lab {
+        let local = tokio::task::spawn_blocking(dynamo_local).await.expect("DynamoDB Local");
+        let store = local.store().await;
+        Lab::start_on(store, extra_env, args).await
+    }
+
+    /// An emulator over an existing table.
+    async fn start_on(store: DynamoStore, extra_env: &[(&str, String)], args: &[&str]) -> Lab {
+        let local = tokio::task::spawn_blocking(dynamo_local).await.expect("DynamoDB Local");
+        let mut env: Vec<(String, String)> = vec![
+            ("LEASEHOLD_TABLE".into(), store.table().to_string()),
+            ("AWS_ENDPOINT_URL_DYNAMODB".into(), local.endpoint.clone()),
+            ("AWS_ACCESS_KEY_ID".into(), "test".into()),
+            ("AWS_SECRET_ACCESS_KEY".into(), "test".into()),
+            ("AWS_REGION".into(), "us-east-1".into()),
+            ("AWS_DEFAULT_REGION".into(), "us-east-1".into()),
+            ("AWS_EC2_METADATA_DISABLED".into(), "true".into()),
+            // No network: Step Functions calls go to a closed local port unless a test passes
+            // moto's endpoint.
+            ("AWS_ENDPOINT_URL_SFN".into(), format!("http://127.0.0.1:{}", free_port())),
+            ("LEASEHOLD_MIN_DURATION_MS".into(), "100".into()),
+            ("LEASEHOLD_SKEW_MARGIN_MS".into(), "50".into()),
+        ];
+        for (k, v) in extra_env {
+            env.retain(|(name, _)| name != k);
+            env.push((k.to_string(), v.clone()));
+        }
+        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        let emu = tokio::task::spawn_blocking(move || {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            Emulator::start_with(free_port(), &env, &args)
+        })
+        .await
+        .expect("emulator");
+        let coord = Coordinator::new(Arc::new(store.clone()), test_config());
+        let lab = Lab { emu, store, coord, invoked: Default::default() };
+        // Start (and if needed compile) the three functions before any timing matters.
+        let warm = |f: &'static str| {
+            let lab = &lab;
+            async move {
+                let r = lab.invoke(f, &json!({})).await;
+                assert_eq!(r.error_type.as_deref(), Some("InvalidRequest"), "warm-up of {f}: {:?}", r.body);
+            }
+        };
+        tokio::join!(warm("acquire"), warm("heartbeat"), warm("release"));
+        lab
+    }
+
+    async fn invoke(&self, function: &str, payload: &Value) -> Invocation {
+        self.invoke_raw(function, payload.to_string().as_bytes()).await
+    }
+
+    async fn invoke_raw(&self, function: &str, payload: &[u8]) -> Invocation {
+        self.invoked.lock().unwrap().insert(function.to_string());
+        match tokio::time::timeout(INVOKE_TIMEOUT, self.emu.invoke_raw(function, payload)).await {
+            Ok(r) => r,
+            Err(_) => panic!("invoke {function} timed out\nemulator log:\n{}", self.log_tail()),
+        }
+    }
+
+    fn log_tail(&self) -> String {
+        let log = self.emu.server.log_text();
+        let start = log.len().saturating_sub(6000);
+        let start = (start..log.len()).find(|i| log.is_char_boundary(*i)).unwrap_or(log.len());
+        log[start..].to_string()
+    }
+
+    /// Every function instance the emulator started: more than one per invoked function
+    /// (at concurrency 1) means a function process died and was started again.
+    fn instances_started(&self) -> usize {
+        self.emu.server.log_text().matches("spawning function instance").count()
+    }
+
+    /// No function process exited or panicked (the emulator logs `command exited` when one
+    /// does, and starts another).
+    fn assert_no_crash(&self) {
+        let log = self.emu.server.log_text();
+        for sign in ["command exited", "panicked at"] {
+            assert!(!log.contains(sign), "a function process crashed ({sign})\n{}", self.log_tail());
+        }
+    }
+
+    fn assert_no_respawn(&self) {
+        self.assert_no_crash();
+        let invoked = self.invoked.lock().unwrap().len();
+        assert_eq!(
+            self.instances_started(),
+            invoked,
+            "a function process was restarted (crashed?)\nemulator log:\n{}",
+            self.log_tail()
+        );
+    }
+
+    async fn remove(&self, key: &str) {
+        self.store.delete(key, &Condition::Exists).await.expect("delete item");
+    }
+
+    async fn item(&self, key: &str) -> Option<Record> {
+        self.store.get(key).await.expect("get item")
+    }
+
+    async fn state(&self, key: &str) -> LeaseState {
+        self.coord.get(key).await.expect("get state")
+    }
+
+    async fn snapshot(&self) -> Vec<Record> {
+        let mut out = Vec::new();
+        let mut start: Option<String> = None;
+        loop {
+            let page = self.store.scan(&ScanKind::All, start.as_deref(), 100).await.expect("scan");
+            out.extend(page.items);
+            match page.next {
+                Some(n) => start = Some(n),
+                None => break,
+            }
+        }
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        out
+    }
+
+    async fn take(&self, key: &str, holder: &str, ms: u64, opts: AcquireOptions) -> leasehold::Lease {
+        self.coord.acquire(key, holder, Some(Duration::from_millis(ms)), opts).await.expect("setup acquire")
+    }
+}
+
+/// `a.b.c` inside a JSON value.
+fn at<'a>(v: &'a Value, path: &str) -> Option<&'a Value> {
+    path.split('.').try_fold(v, |v, part| v.get(part))
+}
+
+fn substitute(v: &mut Value, from: &str, to: &str) {
+    match v {
+        Value::String(s) if s.contains(from) => *s = s.replace(from, to),
+        Value::Array(a) => a.iter_mut().for_each(|x| substitute(x, from, to)),
+        Value::Object(o) => o.values_mut().for_each(|x| substitute(x, from, to)),
+        _ => {}
+    }
+}
+
+fn read_event(name: &str) -> Value {
+    let path = repo_root().join("events").join(name);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{name} is not JSON: {e}"))
+}
+
+/// An HTTP API answer as API Gateway would turn it into an HTTP response.
+#[derive(Debug)]
+struct HttpAnswer {
+    status: u64,
+    headers: Map<String, Value>,
+    body: Value,
+}
+
+impl HttpAnswer {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).and_then(|(_, v)| v.as_str())
+    }
+}
+
+/// HTTP API events always get an HTTP response: never a function error, never a 500, and
+/// always a JSON body.
+fn http_answer(inv: &Invocation) -> Result<HttpAnswer, String> {
+    if let Some(t) = &inv.error_type {
+        return Err(format!("HTTP event answered with a function error {t}: {}", inv.body));
+    }
+    let status = inv.body.get("statusCode").and_then(Value::as_u64).ok_or(format!("no statusCode: {}", inv.body))?;
+    if status >= 500 {
+        return Err(format!("HTTP {status}: {}", inv.body));
+    }
+    let text = inv.body.get("body").and_then(Value::as_str).ok_or(format!("no body: {}", inv.body))?;
+    let body: Value = serde_json::from_str(text).map_err(|e| format!("body is not JSON ({e}): {text}"))?;
+    let headers = inv.body.get("headers").and_then(Value::as_object).cloned().unwrap_or_default();
+    if !headers.iter().any(|(k, v)| k.eq_ignore_ascii_case("content-type") && v == "application/json") {
+        return Err(format!("no JSON content-type: {headers:?}"));
+    }
+    Ok(HttpAnswer { status, headers, body })
+}
+
+/// An API Gateway HTTP API (payload 2.0) event built from events/http-acquire.json.
+fn http_event(method: &str, raw_path: &str, route_key: &str, body: Option<&str>) -> Value {
+    let mut ev = read_event("http-acquire.json");
+    ev["rawPath"] = json!(raw_path);
+    ev["routeKey"] = json!(route_key);
+    ev["requestContext"]["routeKey"] = json!(route_key);
+    ev["requestContext"]["http"]["method"] = json!(method);
+    ev["requestContext"]["http"]["path"] = json!(raw_path);
+    ev["requestContext"]["requestId"] = json!(format!("req-{}", LeaseId::generate().expose()));
+    let obj = ev.as_object_mut().unwrap();
+    match body {
+        Some(b) => {
+            obj.insert("body".into(), json!(b));
+            ev["headers"]["content-length"] = json!(b.len().to_string());
+        }
+        None => {
+            obj.remove("body");
+            ev["headers"].as_object_mut().unwrap().remove("content-length");
+            ev["headers"].as_object_mut().unwrap().remove("content-type");
+        }
+    }
+    ev
+}
+
+fn encode_key(key: &str) -> String {
+    percent_encode(key)
+}
+
+/// Percent-encodes everything but unreserved characters (so `/` becomes `%2F`).
+fn percent_encode(s: &str) -> String {
+    let mut out = String::new();
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+// ------------------------------------------------------------------------------------------
+// The event catalogue
+// ------------------------------------------------------------------------------------------
+
+/// What the setup of a case left behind.
+#[derive(Default)]
+struct Setup {
+    lease_id: Option<String>,
+    fence: Option<u64>,
+}
+
+async fn run_setup(lab: &Lab, name: &str, function: &str, payload: &Value, setup: &str, key: &str) -> Setup {
+    lab.remove(key).await;
+    let long = 60_000;
+    match setup {
+        // Nothing on the key; a well-formed lease_id for events that need one.
+        "free" => Setup { lease_id: Some(LeaseId::generate().expose().to_string()), fence: None },
+        "held" => {
+            let l = lab.take(key, "worker-1", long, Default::default()).await;
+            Setup { lease_id: Some(l.lease_id.expose().to_string()), fence: Some(l.fence) }
+        }
+        "held-by-other" => {
+            let l = lab.take(key, "other-worker", long, Default::default()).await;
+            // A well-formed lease_id that is not the holder's.
+            Setup { lease_id: Some(LeaseId::generate().expose().to_string()), fence: Some(l.fence) }
+        }
+        "held-briefly-by-other" => {
+            let l = lab.take(key, "other-worker", 700, Default::default()).await;
+            Setup { lease_id: None, fence: Some(l.fence) }
+        }
+        "released" => {
+            let l = lab.take(key, "worker-1", long, Default::default()).await;
+            lab.coord.release(key, &l.lease_id).await.expect("setup release");
+            Setup { lease_id: Some(l.lease_id.expose().to_string()), fence: Some(l.fence) }
+        }
+        "same-event" => {
+            let r = lab.invoke(function, payload).await;
+            assert!(r.error_type.is_none(), "{name}: first invoke of the same event failed: {}", r.body);
+            Setup { lease_id: None, fence: r.body.get("fence").and_then(Value::as_u64) }
+        }
+        other => panic!("{name}: unknown setup {other:?}"),
+    }
+}
+
+/// Checks one case; returns a one-line outcome or the reasons it failed.
+async fn check_case(lab: &Lab, name: &str, spec: &Value, case: &Value) -> Result<String, String> {
+    let function = case.get("function").or(spec.get("function")).and_then(Value::as_str).expect("function");
+    let trigger = spec["trigger"].as_str().expect("trigger");
+    let key = spec["key"].as_str().expect("key");
+    let setup_name = case["setup"].as_str().expect("setup");
+    let expect = &case["expect"];
+    let substitute_ids = case.get("substitute").and_then(Value::as_bool).unwrap_or(true);
+
+    let mut payload = read_event(name);
+    if let Some(ka) = payload.get_mut("keepalive").and_then(Value::as_object_mut) {
+        if ka.get("until_ms").and_then(Value::as_u64).map_or(false, |u| u > 1_000_000) {
+            ka.insert("until_ms".into(), json!(now_ms() + 3_600_000));
+        }
+    }
+    let setup = run_setup(lab, name, function, &payload, setup_name, key).await;
+    if substitute_ids {
+        if let Some(id) = &setup.lease_id {
+            substitute(&mut payload, PLACEHOLDER, id);
+        }
+    }
+    let expected_error = expect.get("error").and_then(Value::as_str);
+    let expected_status = expect.get("status").and_then(Value::as_u64);
+    let rejects = expected_error == Some("InvalidRequest") || matches!(expected_status, Some(400 | 405));
+    let before = if rejects { Some(lab.snapshot().await) } else { None };
+
+    let started = Instant::now();
+    let inv = lab.invoke(function, &payload).await;
+    let elapsed = started.elapsed();
+
+    let mut problems = Vec::new();
+    let (body, outcome) = if trigger == "http" {
+        let a = http_answer(&inv)?;
+        if let Some(s) = expected_status {
+            if a.status != s {
+                problems.push(format!("status {} (expected {s}): {}", a.status, a.body));
+            }
+        }
+        for h in expect.get("headers").and_then(Value::as_array).into_iter().flatten() {
+            let h = h.as_str().unwrap();
+            match a.header(h) {
+                Some(v) if h == "retry-after" && v.parse::<u64>().map_or(true, |s| s < 1) => {
+                    problems.push(format!("bad {h}: {v}"))
+                }
+                Some(_) => {}
+                None => problems.push(format!("no {h} header: {:?}", a.headers)),
+            }
+        }
+        if let Some(e) = expected_error {
+            if a.body.get("error").and_then(Value::as_str) != Some(e) {
+                problems.push(format!("error {:?} (expected {e})", a.body.get("error")));
+            }
+            if a.body.get("message").and_then(Value::as_str).map_or(true, str::is_empty) {
+                problems.push("error body without a message".into());
+            }
+        }
+        let outcome = format!("HTTP {}{}", a.status, a.body.get("error").map(|e| format!(" {e}")).unwrap_or_default());
+        (a.body, outcome)
+    } else {
+        match (&inv.error_type, expected_error) {
+            (None, None) => {}
+            (Some(t), Some(e)) if t == e => {
+                let b = inv.error_body();
+                if b.get("error").and_then(Value::as_str) != Some(e) {
+                    problems.push(format!("errorMessage is not the JSON error body: {}", inv.body));
+                }
+            }
+            (got, want) => problems.push(format!("errorType {got:?} (expected {want:?}): {}", inv.body)),
+        }
+        let body = if inv.error_type.is_some() { inv.error_body() } else { inv.body.clone() };
+        let outcome = match &inv.error_type {
+            Some(t) => format!("error {t}"),
+            None => "ok".to_string(),
+        };
+        (body, outcome)
+    };
+
+    for (path, want) in expect.get("fields").and_then(Value::as_object).into_iter().flatten() {
+        let got = at(&body, path);
+        let matches = match (got, want) {
+            (None, Value::Null) => true,
+            (Some(g), w) => g == w,
+            (None, _) => false,
+        };
+        if !matches {
+            problems.push(format!("{path} = {got:?} (expected {want})"));
+        }
+    }
+    for path in expect.get("has").and_then(Value::as_array).into_iter().flatten() {
+        let path = path.as_str().unwrap();
+        if at(&body, path).map_or(true, Value::is_null) {
+            problems.push(format!("{path} missing"));
+        }
+    }
+    for path in expect.get("absent").and_then(Value::as_array).into_iter().flatten() {
+        let path = path.as_str().unwrap();
+        if at(&body, path).is_some() {
+            problems.push(format!("{path} present"));
+        }
+    }
+    if let Some(rel) = expect.get("fence").and_then(Value::as_str) {
+        let base = setup.fence.ok_or(format!("{name}: fence check without a setup fence"))?;
+        let want = if rel == "next" { base + 1 } else { base };
+        let got = body.get("fence").and_then(Value::as_u64);
+        if got != Some(want) {
+            problems.push(format!("fence {got:?} (expected {rel}: {want})"));
+        }
+    }
+    if let Some(ms) = expect.get("within_ms").and_then(Value::as_u64) {
+        if elapsed > Duration::from_millis(ms) {
+            problems.push(format!("answered after {elapsed:?} (limit {ms} ms)"));
+        }
+    }
+    if let Some(before) = before {
+        if lab.snapshot().await != before {
+            problems.push("a rejected request changed the table".into());
+        }
+    }
+    if problems.is_empty() {
+        Ok(format!("{outcome} in {} ms", elapsed.as_millis()))
+    } else {
+        Err(problems.join("; "))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_event_file_answers_as_documented() {
+    let expected: Value = read_event("expected.json");
+    let specs = expected["events"].as_object().expect("events");
+    let files: BTreeSet<String> = std::fs::read_dir(repo_root().join("events"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".json") && n != "expected.json")
+        .collect();
+    let listed: BTreeSet<String> = specs.keys().cloned().collect();
+    assert_eq!(files, listed, "events/expected.json must list exactly the event files");
+
+    let lab = Lab::start(&[], &[]).await;
+    let mut failures = Vec::new();
+    let mut cases = 0;
+    for (name, spec) in specs {
+        for (i, case) in spec["cases"].as_array().expect("cases").iter().enumerate() {
+            cases += 1;
+            let function = case.get("function").or(spec.get("function")).and_then(Value::as_str).unwrap();
+            let setup = case["setup"].as_str().unwrap();
+            match check_case(&lab, name, spec, case).await {
+                Ok(outcome) => println!("ok   {name:<34} #{i} {function:<9} {setup:<21} {outcome}"),
+                Err(why) => {
+                    println!("FAIL {name:<34} #{i} {function:<9} {setup:<21} {why}");
+                    failures.push(format!("{name} case {i} ({function}, {setup}): {why}"));
+                }
+            }
+        }
+    }
+    lab.assert_no_respawn();
+    assert!(failures.is_empty(), "{} of {cases} cases failed:\n{}", failures.len(), failures.join("\n"));
+    println!("{cases} cases over {} event files passed", specs.len());
+}
+
+// ------------------------------------------------------------------------------------------
+// Flows
+// ------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_invoke_flow_acquire_held_heartbeat_release_reacquire() {
+    let lab = Lab::start(&[], &[]).await;
+    let key = "flows/direct/orders-7";
+    let a = lab.invoke("acquire", &json!({"key": key, "holder": "worker-a", "duration_ms": 5000})).await;
+    assert!(a.error_type.is_none(), "{}", a.body);
+    let lease_a = a.body["lease_id"].as_str().unwrap().to_string();
+    let fence = a.body["fence"].as_u64().unwrap();
+    let expires = a.body["expires_at_ms"].as_u64().unwrap();
+
+    // A second holder: LeaseHeld, naming the holder and when the lease expires.
+    let b = lab.invoke("acquire", &json!({"key": key, "holder": "worker-b", "duration_ms": 5000})).await;
+    assert_eq!(b.error_type.as_deref(), Some("LeaseHeld"), "{}", b.body);
+    let held = b.error_body();
+    assert_eq!(held["error"], "LeaseHeld");
+    assert_eq!(held["holder"], "worker-a");
+    assert_eq!(held["key"], key);
+    assert_eq!(held["expires_at_ms"].as_u64(), Some(expires));
+    assert!(held.get("lease_id").is_none(), "a LeaseHeld error must not reveal the lease_id");
+
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let hb = lab.invoke("heartbeat", &json!({"key": key, "lease_id": lease_a, "duration_ms": 8000})).await;
+    assert!(hb.error_type.is_none(), "{}", hb.body);
+    assert_eq!(hb.body["fence"].as_u64(), Some(fence));
+    assert!(hb.body["expires_at_ms"].as_u64().unwrap() > expires, "heartbeat extends the lease");
+    assert_eq!(hb.body["duration_ms"], 8000);
+
+    let wrong = lab.invoke("heartbeat", &json!({"key": key, "lease_id": LeaseId::generate().expose()})).await;
+    assert_eq!(wrong.error_type.as_deref(), Some("NotHolder"));
+    assert_eq!(wrong.error_body()["reason"], "wrong_lease_id");
+
+    let rel = lab.invoke("release", &json!({"key": key, "lease_id": lease_a})).await;
+    assert!(rel.error_type.is_none(), "{}", rel.body);
+    assert_eq!(rel.body["fence"].as_u64(), Some(fence));
+    let again = lab.invoke("release", &json!({"key": key, "lease_id": lease_a})).await;
+    assert!(again.error_type.is_none(), "a retried release succeeds: {}", again.body);
+
+    let late = lab.invoke("heartbeat", &json!({"key": key, "lease_id": lease_a})).await;
+    assert_eq!(late.error_type.as_deref(), Some("NotHolder"));
+    assert_eq!(late.error_body()["reason"], "released");
+
+    let state = lab.state(key).await;
+    assert!(!state.held);
+    assert_eq!(state.fence, fence, "release keeps the fence");
+
+    let c = lab.invoke("acquire", &json!({"key": key, "holder": "worker-b", "duration_ms": 5000})).await;
+    assert!(c.error_type.is_none(), "{}", c.body);
+    assert_eq!(c.body["fence"].as_u64(), Some(fence + 1), "re-acquire gets the next fence");
+    assert_eq!(c.body["holder"], "worker-b");
+
+    let stale = lab.invoke("release", &json!({"key": key, "lease_id": lease_a})).await;
+    assert_eq!(stale.error_type.as_deref(), Some("NotHolder"), "the old holder cannot release the new lease");
+    assert_eq!(lab.state(key).await.holder, "worker-b");
+
+    // lease_ids never reach a log line (the functions log to the emulator's output).
+    let log = lab.emu.server.log_text();
+    for id in [lease_a.as_str(), c.body["lease_id"].as_str().unwrap()] {
+        assert!(!log.contains(id), "a lease_id was logged");
+    }
+    assert!(log.contains("\"Namespace\":\"leasehold\""), "an EMF metric line per invocation");
+    lab.assert_no_respawn();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_api_flow_statuses_headers_and_bodies() {
+    let lab = Lab::start(&[], &[]).await;
+    let key = "tenants/acme/jobs/nightly";
+    let enc = encode_key(key);
+    assert!(enc.contains("%2F"));
+    let acquire = |holder: &str, ms: u64| {
+        http_event(
+            "POST",
+            &format!("/leases/{enc}/acquire"),
+            "POST /leases/{key}/acquire",
+            Some(&json!({"holder": holder, "duration_ms": ms}).to_string()),
+        )
+    };
+    let call = |function: &'static str, ev: Value| {
+        let lab = &lab;
+        async move { http_answer(&lab.invoke(function, &ev).await).unwrap_or_else(|e| panic!("{e}")) }
+    };
+
+    let a = call("acquire", acquire("worker-a", 20_000)).await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    assert_eq!(a.body["key"], key, "the %2F in the path is part of the key");
+    let lease_a = a.body["lease_id"].as_str().unwrap().to_string();
+    let fence = a.body["fence"].as_u64().unwrap();
+
+    let b = call("acquire", acquire("worker-b", 20_000)).await;
+    assert_eq!(b.status, 409, "{:?}", b.body);
+    assert_eq!(b.body["error"], "LeaseHeld");
+    assert_eq!(b.body["holder"], "worker-a");
+    assert!(b.body["expires_at_ms"].as_u64().is_some());
+    let retry: u64 = b.header("retry-after").expect("Retry-After on 409").parse().unwrap();
+    assert!((1..=20).contains(&retry), "Retry-After {retry} s within the lease's remaining time");
+
+    let hb_ev = |id: &str| {
+        http_event(
+            "POST",
+            &format!("/leases/{enc}/heartbeat"),
+            "POST /leases/{key}/heartbeat",
+            Some(&json!({"lease_id": id}).to_string()),
+        )
+    };
+    let hb = call("heartbeat", hb_ev(&lease_a)).await;
+    assert_eq!(hb.status, 200, "{:?}", hb.body);
+    assert_eq!(hb.body["fence"].as_u64(), Some(fence));
+
+    let rel_ev = |id: &str| {
+        http_event(
+            "POST",
+            &format!("/leases/{enc}/release"),
+            "POST /leases/{key}/release",
+            Some(&json!({"lease_id": id}).to_string()),
+        )
+    };
+    let rel = call("release", rel_ev(&lease_a)).await;
+    assert_eq!(rel.status, 200, "{:?}", rel.body);
+
+    let gone = call("heartbeat", hb_ev(&lease_a)).await;
+    assert_eq!(gone.status, 410, "heartbeat after release: {:?}", gone.body);
+    assert_eq!(gone.body["error"], "NotHolder");
+    assert_eq!(gone.body["reason"], "released");
+
+    let get = call("heartbeat", http_event("GET", &format!("/leases/{enc}"), "GET /leases/{key}", None)).await;
+    assert_eq!(get.status, 200);
+    assert_eq!(get.body["held"], false);
+    assert_eq!(get.body["fence"].as_u64(), Some(fence));
+    assert!(get.body.get("lease_id").is_none(), "GET never shows the lease_id");
+
+    let unknown = call("heartbeat", http_event("GET", "/leases/no%2Fsuch%2Fkey", "GET /leases/{key}", None)).await;
+    assert_eq!(unknown.status, 404);
+    assert_eq!(unknown.body["error"], "NotFound");
+
+    let c = call("acquire", acquire("worker-b", 20_000)).await;
+    assert_eq!(c.status, 200, "{:?}", c.body);
+    assert_eq!(c.body["fence"].as_u64(), Some(fence + 1));
+
+    // A unicode key, percent-encoded in the path.
+    let ukey = "café/ключ/🔒";
+    let uenc = encode_key(ukey);
+    let u = call(
+        "acquire",
+        http_event("POST", &format!("/leases/{uenc}/acquire"), "POST /leases/{key}/acquire", Some(r#"{"holder":"w"}"#)),
+    )
+    .await;
+    assert_eq!(u.status, 200, "{:?}", u.body);
+    assert_eq!(u.body["key"], ukey);
+    let ug = call("heartbeat", http_event("GET", &format!("/leases/{uenc}"), "GET /leases/{key}", None)).await;
+    assert_eq!(ug.body["held"], true);
+
+    // Bad inputs: always a 4xx with a JSON error body, never a 500 or a function error.
+    let p = format!("/leases/{enc}/acquire");
+    let rk = "POST /leases/{key}/acquire";
+    let mut bad: Vec<(&str, Value, u64)> = vec![
+        ("malformed JSON", http_event("POST", &p, rk, Some("{\"holder\": ")), 400),
+        ("no body", http_event("POST", &p, rk, None), 400),
+        ("empty body", http_event("POST", &p, rk, Some("")), 400),
+        ("missing holder", http_event("POST", &p, rk, Some("{}")), 400),
+        ("negative duration", http_event("POST", &p, rk, Some(r#"{"holder":"w","duration_ms":-1}"#)), 400),
+        ("huge duration", http_event("POST", &p, rk, Some(r#"{"holder":"w","duration_ms":18446744073709551615}"#)), 400),
+        ("overflowing duration", http_event("POST", &p, rk, Some(r#"{"holder":"w","duration_ms":1e40}"#)), 400),
+        ("wrong types", http_event("POST", &p, rk, Some(r#"{"holder":["w"],"wait_ms":"1s"}"#)), 400),
+        ("unknown field", http_event("POST", &p, rk, Some(r#"{"holder":"w","steal":true}"#)), 400),
+        ("non-object", http_event("POST", &p, rk, Some(r#""x""#)), 400),
+        ("control chars in key", http_event("POST", "/leases/a%00b/acquire", rk, Some(r#"{"holder":"w"}"#)), 400),
+        ("invalid UTF-8 key", http_event("POST", "/leases/%FF%FE/acquire", rk, Some(r#"{"holder":"w"}"#)), 400),
+        ("2 KB key", http_event("POST", &format!("/leases/{}/acquire", "k".repeat(2048)), rk, Some(r#"{"holder":"w"}"#)), 400),
+        ("body over 64 KiB", http_event("POST", &p, rk, Some(&format!(r#"{{"holder":"{}"}}"#, "w".repeat(70_000)))), 413),
+        ("wrong method", http_event("PUT", &p, "PUT /leases/{key}/acquire", Some("{}")), 405),
+        ("unknown route", http_event("GET", "/nothing/here", "GET /nothing/here", None), 404),
+    ];
+    let mut b64 = http_event("POST", &p, rk, Some("%%% not base64 %%%"));
+    b64["isBase64Encoded"] = json!(true);
+    bad.push(("bad base64 body", b64, 400));
+    let mut no_method = http_event("POST", &p, rk, Some("{}"));
+    no_method["requestContext"]["http"].as_object_mut().unwrap().remove("method");
+    bad.push(("event without a method", no_method, 400));
+
+    let before = lab.snapshot().await;
+    for (what, ev, status) in bad {
+        for function in FUNCTIONS {
+            let inv = lab.invoke(function, &ev).await;
+            let a = http_answer(&inv).unwrap_or_else(|e| panic!("{what} on {function}: {e}"));
+            assert_eq!(a.status, status, "{what} on {function}: {:?}", a.body);
+            assert!(a.body["error"].is_string() && a.body["message"].is_string(), "{what}: {:?}", a.body);
+        }
+    }
+    assert_eq!(lab.snapshot().await, before, "rejected HTTP requests changed the table");
+    lab.assert_no_respawn();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquire_wait_is_cut_to_fit_the_invocation() {
+    let lab = Lab::start(&[], &[]).await;
+    let key = "wait/cut";
+    lab.take(key, "other-worker", 60_000, Default::default()).await;
+
+    // 20 s asked; the emulator gives no usable deadline, so the function assumes Lambda's
+    // default 3 s and keeps 1.5 s to answer: LeaseHeld after about 1.5 s, not 20 s.
+    let t = Instant::now();
+    let r = lab.invoke("acquire", &json!({"key": key, "holder": "w", "wait_ms": 20_000})).await;
+    let took = t.elapsed();
+    assert_eq!(r.error_type.as_deref(), Some("LeaseHeld"), "{}", r.body);
+    assert!(took >= Duration::from_millis(1300), "the wait was honoured up to the cut ({took:?})");
+    assert!(took < Duration::from_millis(3000), "answered before the 3 s deadline ({took:?})");
+
+    // The same over HTTP: 409 before the deadline.
+    let ev = http_event(
+        "POST",
+        "/leases/wait%2Fcut/acquire",
+        "POST /leases/{key}/acquire",
+        Some(r#"{"holder":"w","wait_ms":20000}"#),
+    );
+    let t = Instant::now();
+    let a = http_answer(&lab.invoke("acquire", &ev).await).unwrap();
+    let took = t.elapsed();
+    assert_eq!(a.status, 409, "{:?}", a.body);
+    assert!(took < Duration::from_millis(3000), "HTTP answered before the deadline ({took:?})");
+
+    // A wait that fits is honoured in full.
+    let t = Instant::now();
+    let r = lab.invoke("acquire", &json!({"key": key, "holder": "w", "wait_ms": 600})).await;
+    assert_eq!(r.error_type.as_deref(), Some("LeaseHeld"));
+    assert!(t.elapsed() >= Duration::from_millis(600));
+
+    // A wait over the configured maximum is refused outright.
+    let r = lab.invoke("acquire", &json!({"key": key, "holder": "w", "wait_ms": 13 * 3_600_000u64})).await;
+    assert_eq!(r.error_type.as_deref(), Some("InvalidRequest"), "{}", r.body);
+
+    // And a waiter gets the lease when it frees up within the cut wait.
+    lab.take("wait/frees", "other-worker", 500, Default::default()).await;
+    let t = Instant::now();
+    let r = lab.invoke("acquire", &json!({"key": "wait/frees", "holder": "w", "wait_ms": 20_000})).await;
+    assert!(r.error_type.is_none(), "{}", r.body);
+    assert!(t.elapsed() < Duration::from_millis(1500));
+    lab.assert_no_respawn();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_direct_invoke_payloads_get_typed_errors_and_change_nothing() {
+    let lab = Lab::start(&[], &[]).await;
+    let held = lab.take("a", "worker-1", 60_000, Default::default()).await;
+    let id = held.lease_id.expose().to_string();
+    let before = lab.snapshot().await;
+
+    let big_holder = "h".repeat(200_000);
+    let deep = format!("{}{}", "[".repeat(5000), "]".repeat(5000));
+    let raw: Vec<(&str, Vec<u8>)> = vec![
+        ("truncated JSON", br#"{"key": "a", "holder": "#.to_vec()),
+        ("not JSON", b"acquire a please".to_vec()),
+        ("empty payload", Vec::new()),
+        ("invalid UTF-8", vec![0x7b, 0x22, 0xff, 0xfe, 0x22, 0x7d]),
+        ("lone surrogate", br#"{"key": "\ud800", "holder": "h"}"#.to_vec()),
+        ("deep nesting", deep.into_bytes()),
+        ("NaN", b"NaN".to_vec()),
+    ];
+    let values: Vec<(&str, Value)> = vec![
+        ("null", Value::Null),
+        ("number", json!(42)),
+        ("string", json!("x")),
+        ("array", json!([{"key": "b", "holder": "h"}])),
+        ("empty object", json!({})),
+        ("missing key", json!({"holder": "h"})),
+        ("missing holder", json!({"key": "b"})),
+        ("key of wrong type", json!({"key": 7, "holder": "h", "lease_id": id})),
+        ("holder of wrong type", json!({"key": "b", "holder": {"name": "h"}})),
+        ("duration as string", json!({"key": "b", "holder": "h", "duration_ms": "10s"})),
+        ("negative duration", json!({"key": "b", "holder": "h", "duration_ms": -1, "lease_id": id})),
+        ("zero duration", json!({"key": "b", "holder": "h", "duration_ms": 0, "lease_id": id})),
+        ("huge duration", json!({"key": "a", "holder": "h", "duration_ms": u64::MAX, "lease_id": id})),
+        ("overflowing duration", json!({"key": "b", "holder": "h", "duration_ms": 1e40})),
+        ("fractional duration", json!({"key": "b", "holder": "h", "duration_ms": 1500.5})),
+        ("negative wait", json!({"key": "b", "holder": "h", "wait_ms": -5})),
+        ("huge wait", json!({"key": "b", "holder": "h", "wait_ms": u64::MAX})),
+        ("huge min_hold", json!({"key": "b", "holder": "h", "min_hold_ms": u64::MAX})),
+        ("2 KB key", json!({"key": "k".repeat(2048), "holder": "h", "lease_id": id})),
+        ("2 KB unicode key", json!({"key": "🔒".repeat(512), "holder": "h", "lease_id": id})),
+        ("key with NUL", json!({"key": "a\u{0}", "holder": "h", "lease_id": id})),
+        ("key with newline", json!({"key": "a\nb", "holder": "h", "lease_id": id})),
+        ("key with DEL", json!({"key": "a\u{7f}", "holder": "h", "lease_id": id})),
+        ("key with C1 control", json!({"key": "a\u{85}", "holder": "h", "lease_id": id})),
+        ("empty key", json!({"key": "", "holder": "h", "lease_id": id})),
+        ("empty holder", json!({"key": "b", "holder": ""})),
+        ("200 KB holder", json!({"key": "b", "holder": big_holder})),
+        ("holder with control chars", json!({"key": "b", "holder": "h\u{1b}[31m"})),
+        ("unknown field", json!({"key": "a", "holder": "h", "lease_id": id, "force": true})),
+        ("metadata not an object", json!({"key": "b", "holder": "h", "metadata": "x"})),
+        ("metadata over 4 KiB", json!({"key": "b", "holder": "h", "metadata": {"x": "y".repeat(5000)}})),
+        ("fail_closed with duration", json!({"key": "b", "holder": "h", "fail_closed": true, "duration_ms": 1000})),
+        ("fail_closed as string", json!({"key": "b", "holder": "h", "fail_closed": "yes"})),
+        ("keepalive on fail_closed", json!({"key": "b", "holder": "h", "fail_closed": true, "keepalive": {"until_ms": now_ms() + 60_000}})),
+        ("keepalive in the past", json!({"key": "b", "holder": "h", "keepalive": {"until_ms": 5}})),
+        ("keepalive too far", json!({"key": "b", "holder": "h", "keepalive": {"until_ms": u64::MAX}})),
+        ("keepalive bad arn", json!({"key": "b", "holder": "h", "keepalive": {"until_ms": now_ms() + 60_000, "execution_arn": "not-an-arn"}})),
+        ("keepalive unknown field", json!({"key": "b", "holder": "h", "keepalive": {"until_ms": now_ms() + 60_000, "every": 5}})),
+        ("short lease_id", json!({"key": "a", "holder": "h", "lease_id": "abc"})),
+        ("lease_id with spaces", json!({"key": "a", "holder": "h", "lease_id": "x x x x x x x x x x x x x x x"})),
+        ("lease_id of 300 chars", json!({"key": "a", "lease_id": "a".repeat(300)})),
+        ("lease_id of wrong type", json!({"key": "a", "lease_id": 12345})),
+        ("heartbeat duration huge", json!({"key": "a", "lease_id": id, "duration_ms": u64::MAX})),
+        ("heartbeat duration zero", json!({"key": "a", "lease_id": id, "duration_ms": 0})),
+        ("heartbeat without lease_id", json!({"key": "a"})),
+        ("scheduled-looking with extras", json!({"source": "aws.events", "detail-type": "Scheduled Event", "key": "a"})),
+    ];
+
+    let mut payloads: Vec<(String, Vec<u8>)> = raw.into_iter().map(|(w, b)| (w.to_string(), b)).collect();
+    payloads.extend(values.into_iter().map(|(w, v)| (w.to_string(), v.to_string().into_bytes())));
+    let mut problems = Vec::new();
+    for (what, bytes) in &payloads {
+        for function in FUNCTIONS {
+            // The scheduled-looking payload is a real sweep on the heartbeat function.
+            if what.starts_with("scheduled") && function == "heartbeat" {
+                continue;
+            }
+            let inv = lab.invoke_raw(function, bytes).await;
+            let body = inv.error_body();
+            let typed = inv.error_type.as_deref() == Some("InvalidRequest") && body["error"] == "InvalidRequest";
+            if !typed {
+                problems.push(format!("{what} on {function}: {:?} {}", inv.error_type, inv.body));
+            }
+        }
+    }
+    assert!(problems.is_empty(), "not typed InvalidRequest errors:\n{}", problems.join("\n"));
+    assert_eq!(lab.snapshot().await, before, "hostile payloads changed the table");
+
+    // The functions are still up and the lease untouched.
+    let hb = lab.invoke("heartbeat", &json!({"key": "a", "lease_id": id})).await;
+    assert!(hb.error_type.is_none(), "{}", hb.body);
+    assert_eq!(hb.body["fence"].as_u64(), Some(held.fence));
+    // A valid unicode key works.
+    let u = lab.invoke("acquire", &json!({"key": "ключ/🔒/é", "holder": "h"})).await;
+    assert!(u.error_type.is_none(), "{}", u.body);
+    lab.assert_no_respawn();
+    println!("{} hostile payloads x 3 functions: all InvalidRequest, table unchanged", payloads.len());
+}
+
+// ------------------------------------------------------------------------------------------
+// The keep-alive sweep against Step Functions (moto)
+// ------------------------------------------------------------------------------------------
+
+struct Sfn {
+    client: aws_sdk_sfn::Client,
+    machine: String,
+}
+
+impl Sfn {
+    async fn new(moto: &Moto) -> Sfn {
+        let client = aws_sdk_sfn::Client::new(&sdk_config_for(&moto.endpoint()).await);
+        let out = client
+            .create_state_machine()
+            .name("leasehold-keepalive-e2e")
+            .definition(r#"{"StartAt":"Work","States":{"Work":{"Type":"Wait","Seconds":3600,"End":true}}}"#)
+            .role_arn("arn:aws:iam::123456789012:role/leasehold-e2e")
+            .send()
+            .await
+            .expect("CreateStateMachine");
+        Sfn { client, machine: out.state_machine_arn().to_string() }
+    }
+
+    async fn start(&self, name: &str) -> String {
+        let out = self.client.start_execution().state_machine_arn(&self.machine).name(name).send().await.expect("StartExecution");
+        out.execution_arn().to_string()
+    }
+
+    async fn status(&self, arn: &str) -> String {
+        let out = self.client.describe_execution().execution_arn(arn).send().await.expect("DescribeExecution");
+        out.status().as_str().to_string()
+    }
+}
+
+fn keepalive(until_ms: u64, execution_arn: Option<&str>) -> AcquireOptions {
+    AcquireOptions {
+        keepalive: Some(Keepalive { until_ms, execution_arn: execution_arn.map(str::to_string) }),
+        ..Default::default()
+    }
+}
+
+async fn sweep(lab: &Lab) -> Value {
+    let r = lab.invoke("heartbeat", &read_event("scheduled.json")).await;
+    assert!(r.error_type.is_none(), "scheduled run failed: {}", r.body);
+    r.body
+}
+
+fn n(report: &Value, field: &str) -> u64 {
+    report[field].as_u64().unwrap_or_else(|| panic!("{field} in {report}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keepalive_sweep_against_step_functions() {
+    let moto = tokio::task::spawn_blocking(|| Moto::start(free_port(), free_port())).await.unwrap();
+    let sfn = Sfn::new(&moto).await;
+    let lab = Lab::start(&[("AWS_ENDPOINT_URL_SFN", moto.endpoint())], &["--concurrency", "2"]).await;
+    let region_arn = |name: &str| sfn.machine.replace(":stateMachine:", ":execution:") + ":" + name;
+
+    let running = sfn.start("running-1").await;
+    let aborted = sfn.start("aborted-1").await;
+    assert_eq!(sfn.status(&running).await, "RUNNING");
+    let missing = region_arn("never-started");
+
+    let until = now_ms() + 600_000;
+    let d = 3_000;
+    let l_running = lab.take("ka/running", "etl", d, keepalive(until, Some(&running))).await;
+    let l_aborted = lab.take("ka/aborted", "etl", d, keepalive(until, Some(&aborted))).await;
+    let l_missing = lab.take("ka/missing", "etl", d, keepalive(until, Some(&missing))).await;
+    let l_no_arn = lab.take("ka/no-arn", "etl", d, keepalive(until, None)).await;
+    let l_past = lab.take("ka/past", "etl", d, keepalive(now_ms() + 300, Some(&running))).await;
+    let l_plain = lab.take("ka/plain", "etl", d, Default::default()).await;
+    // Keep-alive asked for, but the lease expires before any scheduled run: not resurrected.
+    let l_lapsed = lab.take("ka/lapsed", "etl", 200, keepalive(until, None)).await;
+
+    sfn.client.stop_execution().execution_arn(&aborted).send().await.expect("StopExecution");
+    assert_eq!(sfn.status(&aborted).await, "ABORTED");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let report = sweep(&lab).await;
+    println!("sweep 1: {report}");
+    assert_eq!(n(&report, "errors"), 0, "{report}");
+    assert_eq!(report["complete"], true);
+    assert_eq!(n(&report, "renewed"), 2, "running + no execution_arn: {report}");
+    assert_eq!(n(&report, "released"), 2, "aborted + no such execution: {report}");
+    assert_eq!(n(&report, "skipped"), 1, "the lease that expired before the run: {report}");
+    assert_eq!(n(&report, "scanned"), 5, "the lease past its keep-alive deadline is not even read: {report}");
+
+    // Bound to a RUNNING execution: renewed, same fence.
+    let r = lab.item("ka/running").await.unwrap();
+    assert!(r.expires_at_ms.unwrap() > l_running.expires_at_ms.unwrap() + 400, "renewed forward");
+    assert_eq!(r.fence, l_running.fence);
+    assert_eq!(r.lease_id, l_running.lease_id);
+    // No execution_arn: renewed on the deadline alone.
+    let r = lab.item("ka/no-arn").await.unwrap();
+    assert!(r.expires_at_ms.unwrap() > l_no_arn.expires_at_ms.unwrap() + 400);
+    assert_eq!(r.fence, l_no_arn.fence);
+    // Past its keep-alive deadline, and no keep-alive at all: untouched.
+    assert_eq!(lab.item("ka/past").await.unwrap().expires_at_ms, l_past.expires_at_ms);
+    assert_eq!(lab.item("ka/plain").await.unwrap().expires_at_ms, l_plain.expires_at_ms);
+    let lapsed = lab.item("ka/lapsed").await.unwrap();
+    assert_eq!(lapsed.expires_at_ms, l_lapsed.expires_at_ms, "an expired lease is not renewed");
+    assert!(!lab.state("ka/lapsed").await.held);
+    // ABORTED, and an execution that does not exist: released at once, fence kept.
+    for (key, l) in [("ka/aborted", &l_aborted), ("ka/missing", &l_missing)] {
+        let s = lab.state(key).await;
+        assert!(!s.held, "{key} released");
+        assert!(s.released_at_ms.is_some());
+        assert!(s.keepalive.is_none(), "{key}: keep-alive cleared");
+        assert_eq!(s.fence, l.fence, "{key}: fence kept");
+        let next = lab.invoke("acquire", &json!({"key": key, "holder": "next", "duration_ms": 5000})).await;
+        assert!(next.error_type.is_none(), "{}", next.body);
+        assert_eq!(next.body["fence"].as_u64(), Some(l.fence + 1), "{key}: a new acquire gets fence + 1");
+    }
+    // The released lease's holder learns it lost the lease.
+    let lost = lab.invoke("heartbeat", &json!({"key": "ka/aborted", "lease_id": l_aborted.lease_id.expose()})).await;
+    assert_eq!(lost.error_type.as_deref(), Some("NotHolder"));
+
+    // Two scheduled runs at once: both succeed, every lease renewed, nothing lost.
+    let before_running = lab.item("ka/running").await.unwrap();
+    let before_no_arn = lab.item("ka/no-arn").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (r1, r2) = tokio::join!(sweep(&lab), sweep(&lab));
+    println!("concurrent sweeps: {r1} / {r2}");
+    for r in [&r1, &r2] {
+        assert_eq!(n(r, "errors"), 0, "{r}");
+        assert_eq!(n(r, "released"), 0, "{r}");
+        assert_eq!(n(r, "renewed") + n(r, "raced"), 2, "{r}");
+        assert_eq!(n(r, "skipped"), 1, "{r}");
+        assert_eq!(r["complete"], true);
+    }
+    for before in [&before_running, &before_no_arn] {
+        let after = lab.item(&before.key).await.unwrap();
+        assert_eq!(after.fence, before.fence);
+        assert_eq!(after.lease_id, before.lease_id);
+        assert!(after.released_at_ms.is_none());
+        assert!(after.expires_at_ms > before.expires_at_ms, "{} renewed again", before.key);
+    }
+    let heartbeat_instances = lab.emu.server.log_text().matches("spawning function instance function=\"heartbeat\"").count();
+    println!("heartbeat instances started by the emulator: {heartbeat_instances}");
+    // Keep these two alive through the slower steps below (heartbeat with a longer duration).
+    for l in [&l_running, &l_no_arn] {
+        lab.coord.heartbeat(&l.key, &l.lease_id, Some(Duration::from_secs(120))).await.expect("heartbeat");
+    }
+
+    // Paging: more keep-alive leases than one page (50), many of them in one shard, plus a
+    // few bound to the running execution.
+    let mut keys = Vec::new();
+    let mut i = 0;
+    while keys.iter().filter(|k: &&String| keepalive_shard(k, KEEPALIVE_SHARDS) == 0).count() < 120 {
+        let k = format!("ka/page/{i}");
+        if keepalive_shard(&k, KEEPALIVE_SHARDS) == 0 || i % 25 == 0 {
+            keys.push(k);
+        }
+        i += 1;
+    }
+    let until = now_ms() + 600_000;
+    let mut originals = Vec::new();
+    for (j, k) in keys.iter().enumerate() {
+        let arn = if j % 20 == 0 { Some(running.as_str()) } else { None };
+        originals.push(lab.take(k, "pager", 20_000, keepalive(until, arn)).await);
+    }
+    let shards: BTreeSet<u32> = keys.iter().map(|k| keepalive_shard(k, KEEPALIVE_SHARDS)).collect();
+    assert!(shards.len() > 1, "leases across shards");
+    let live = keys.len() as u64 + 2; // plus ka/running and ka/no-arn
+
+    // A run bounded by LEASEHOLD_SWEEP_MAX_ITEMS reads at most that many and says so.
+    let bounded = Lab::start_on(
+        lab.store.clone(),
+        &[("AWS_ENDPOINT_URL_SFN", moto.endpoint()), ("LEASEHOLD_SWEEP_MAX_ITEMS", "60".into())],
+        &[],
+    )
+    .await;
+    let report = sweep(&bounded).await;
+    println!("bounded sweep: {report}");
+    assert_eq!(n(&report, "scanned"), 60, "{report}");
+    assert_eq!(report["complete"], false, "{report}");
+    assert_eq!(n(&report, "errors"), 0, "{report}");
+    assert_eq!(n(&report, "renewed") + n(&report, "skipped"), 60, "{report}");
+
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let started = now_ms();
+    let report = sweep(&lab).await;
+    println!("full sweep over {live} keep-alive leases: {report}");
+    assert_eq!(n(&report, "scanned"), live + 1, "plus ka/lapsed: {report}");
+    assert_eq!(report["complete"], true, "{report}");
+    assert_eq!(n(&report, "renewed"), live, "{report}");
+    assert_eq!(n(&report, "skipped"), 1, "{report}");
+    assert_eq!(n(&report, "errors"), 0, "{report}");
+    for l in &originals {
+        let r = lab.item(&l.key).await.unwrap();
+        assert_eq!(r.fence, l.fence);
+        assert!(r.expires_at_ms.unwrap() >= started + 20_000 - 100, "{} renewed by the full run", l.key);
+    }
+    // At --concurrency 2 the emulator may start two instances per function: no count, but
+    // no crash either.
+    lab.assert_no_crash();
+    bounded.assert_no_respawn();
+}
+
