@@ -183,16 +183,24 @@ async fn child(lib: &str, scenario: &str, endpoint: &str, table: &str, n: usize,
         "m1" => {
             let l = Lib::new(lib, endpoint, table).await;
             let mut lat = Vec::with_capacity(n);
+            let (mut acq, mut rel) = (Vec::with_capacity(n), Vec::with_capacity(n));
             let t = Instant::now();
             for i in 0..n {
                 let s = Instant::now();
                 let h = l.try_acquire(&format!("m1-{tag}-{i}"), "w").await.expect("uncontended acquire");
+                let a = s.elapsed().as_secs_f64() * 1000.0;
                 l.release(h).await;
-                lat.push(s.elapsed().as_secs_f64() * 1000.0);
+                let total = s.elapsed().as_secs_f64() * 1000.0;
+                lat.push(total);
+                acq.push(a);
+                rel.push(total - a);
             }
             let el = t.elapsed().as_secs_f64();
-            lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
-            json!({"cycles": n, "secs": el, "p50": pct(&lat, 0.5), "p99": pct(&lat, 0.99), "rss_kb": peak_rss_kb()})
+            for v in [&mut lat, &mut acq, &mut rel] {
+                v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+            }
+            json!({"cycles": n, "secs": el, "p50": pct(&lat, 0.5), "p99": pct(&lat, 0.99),
+                   "acquire_p50": pct(&acq, 0.5), "release_p50": pct(&rel, 0.5), "rss_kb": peak_rss_kb()})
         }
         "m2" => {
             let l = Arc::new(Lib::new(lib, endpoint, table).await);
@@ -281,7 +289,12 @@ async fn setup() -> Setup {
     for lib in libraries() {
         let table = format!("bench-{}", lib.replace('-', "_"));
         match lib {
-            "leasehold" => DynamoStore::new(client.clone(), table.clone()).create_table().await.expect("table"),
+            // `--no-index`: without the keep-alive index, to see what index upkeep costs
+            // DynamoDB Local on every write.
+            "leasehold" => DynamoStore::new(client.clone(), table.clone())
+                .create_table_with(!std::env::args().any(|a| a == "--no-index"))
+                .await
+                .expect("table"),
             _ => {
                 use aws_sdk_dynamodb::types::*;
                 client
@@ -415,6 +428,9 @@ async fn main_async(quick: bool, scenarios: Vec<String>) {
         for r in 0..rounds {
             for lib in &libs {
                 let (v, reqs) = run_child(&s, lib, "m1", m1n / rounds, 0, &format!("{lib}-{r}")).await;
+                if std::env::var_os("LEASEHOLD_BENCH_VERBOSE").is_some() {
+                    eprintln!("m1 {lib} round {r}: {v}");
+                }
                 let e = acc.entry(lib).or_default();
                 e.0 += v["secs"].as_f64().unwrap();
                 e.1 += v["cycles"].as_u64().unwrap() as usize;

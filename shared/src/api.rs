@@ -263,6 +263,13 @@ fn route_error(status: u16, name: &str, message: String) -> HttpResponse {
     HttpResponse::json(status, &json!({ "error": name, "message": message }))
 }
 
+/// 405 with the `Allow` header naming the method that route takes (RFC 9110).
+fn method_not_allowed(allow: &str, message: String) -> HttpResponse {
+    let mut r = route_error(405, "MethodNotAllowed", message);
+    r.headers.push(("allow".into(), allow.into()));
+    r
+}
+
 /// Maps method + path to a route. Keys are percent-decoded from the path; a key containing
 /// `/` must be sent as `%2F`.
 pub fn route(method: &str, raw_path: &str) -> std::result::Result<Route, HttpResponse> {
@@ -271,7 +278,7 @@ pub fn route(method: &str, raw_path: &str) -> std::result::Result<Route, HttpRes
         return if method == "GET" {
             Ok(Route::OpenApi)
         } else {
-            Err(route_error(405, "MethodNotAllowed", format!("{method} is not allowed on {path}")))
+            Err(method_not_allowed("GET", format!("{method} is not allowed on {path}")))
         };
     }
     if path == "/health" && method == "GET" {
@@ -293,10 +300,8 @@ pub fn route(method: &str, raw_path: &str) -> std::result::Result<Route, HttpRes
         ("POST", Some("heartbeat")) => Operation::Heartbeat,
         ("POST", Some("release")) => Operation::Release,
         ("GET", None) => Operation::Get,
-        (_, Some(a)) => {
-            return Err(route_error(405, "MethodNotAllowed", format!("use POST for /leases/{{key}}/{a}, not {method}")))
-        }
-        (_, None) => return Err(route_error(405, "MethodNotAllowed", format!("use GET for /leases/{{key}}, not {method}"))),
+        (_, Some(a)) => return Err(method_not_allowed("POST", format!("use POST for /leases/{{key}}/{a}, not {method}"))),
+        (_, None) => return Err(method_not_allowed("GET", format!("use GET for /leases/{{key}}, not {method}"))),
     };
     Ok(Route::Op(op, key))
 }
