@@ -1,0 +1,527 @@
+//! template.yaml: linted by cfn-lint and `sam validate --lint`, transformed by the SAM
+//! translator, and checked for the properties the deployment depends on: IAM auth on every
+//! HTTP route, least-privilege roles, the table schema the DynamoDB store expects, and state
+//! machines whose every failure path releases the lease.
+
+use std::collections::{BTreeSet, HashSet};
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::OnceLock;
+
+use leasehold::store::dynamo::{attr, KEEPALIVE_INDEX};
+use leasehold_tests::{repo_root, tools_dir};
+use serde_json::{json, Value};
+
+fn venv_bin(name: &str) -> PathBuf {
+    let p = tools_dir().join("venv/bin").join(name);
+    assert!(p.exists(), "{} is not installed: run scripts/install-test-deps.sh", p.display());
+    p
+}
+
+fn template_path() -> PathBuf {
+    repo_root().join("template.yaml")
+}
+
+/// Runs a tool offline with dummy AWS settings; returns (success, combined output).
+fn run_tool(program: PathBuf, args: &[&str]) -> (bool, String) {
+    let out = Command::new(&program)
+        .args(args)
+        .current_dir(repo_root())
+        .env("AWS_DEFAULT_REGION", "us-east-1")
+        .env("AWS_REGION", "us-east-1")
+        .env("AWS_ACCESS_KEY_ID", "x")
+        .env("AWS_SECRET_ACCESS_KEY", "x")
+        .env("SAM_CLI_TELEMETRY", "0")
+        .env("PATH", format!("{}:{}", tools_dir().join("venv/bin").display(), std::env::var("PATH").unwrap_or_default()))
+        .output()
+        .unwrap_or_else(|e| panic!("run {}: {e}", program.display()));
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}
+
+/// The template as JSON through tests/template_json.py (`raw` or `transformed`).
+fn template_json(mode: &str) -> Value {
+    let script = repo_root().join("tests/template_json.py");
+    let path = template_path();
+    let (ok, text) = run_tool(venv_bin("python"), &[script.to_str().unwrap(), mode, path.to_str().unwrap()]);
+    assert!(ok, "template_json.py {mode} failed:\n{text}");
+    let start = text.find('{').expect("JSON output");
+    serde_json::from_str(&text[start..]).unwrap_or_else(|e| panic!("template_json.py {mode}: {e}"))
+}
+
+fn raw() -> &'static Value {
+    static RAW: OnceLock<Value> = OnceLock::new();
+    RAW.get_or_init(|| template_json("raw"))
+}
+
+fn transformed() -> &'static Value {
+    static OUT: OnceLock<Value> = OnceLock::new();
+    OUT.get_or_init(|| template_json("transformed"))
+}
+
+fn resources_of<'a>(t: &'a Value, ty: &str) -> Vec<(&'a str, &'a Value)> {
+    t["Resources"]
+        .as_object()
+        .expect("Resources")
+        .iter()
+        .filter(|(_, r)| r["Type"] == ty)
+        .map(|(n, r)| (n.as_str(), r))
+        .collect()
+}
+
+fn as_list(v: &Value) -> Vec<&Value> {
+    match v {
+        Value::Array(a) => a.iter().collect(),
+        Value::Null => vec![],
+        other => vec![other],
+    }
+}
+
+#[test]
+fn cfn_lint_is_clean() {
+    let (ok, text) = run_tool(venv_bin("cfn-lint"), &[template_path().to_str().unwrap()]);
+    assert!(ok, "cfn-lint template.yaml:\n{text}");
+}
+
+#[test]
+fn sam_validate_lint_is_clean() {
+    let (ok, text) = run_tool(venv_bin("sam"), &["validate", "--lint", "--template-file", template_path().to_str().unwrap()]);
+    assert!(ok && text.contains("is a valid SAM Template"), "sam validate --lint:\n{text}");
+}
+
+#[test]
+fn sam_transform_output_is_clean_cloudformation() {
+    // What CloudFormation receives after the SAM transform, linted as plain CloudFormation.
+    let out = transformed();
+    assert!(out.get("Transform").is_none(), "the transform ran");
+    let dir = leasehold_tests::TempDir::new("transformed");
+    let file = dir.path().join("transformed.json");
+    std::fs::write(&file, serde_json::to_vec_pretty(out).unwrap()).unwrap();
+    let (ok, text) = run_tool(venv_bin("cfn-lint"), &[file.to_str().unwrap()]);
+    assert!(ok, "cfn-lint on the transformed template:\n{text}");
+    for name in ["AcquireFunction", "HeartbeatFunction", "ReleaseFunction"] {
+        assert_eq!(out["Resources"][name]["Type"], "AWS::Lambda::Function", "{name}");
+    }
+    assert_eq!(resources_of(out, "AWS::StepFunctions::StateMachine").len(), 2);
+    assert_eq!(resources_of(out, "AWS::ApiGatewayV2::Api").len(), 1);
+}
+
+#[test]
+fn lease_table_matches_the_store() {
+    let t = raw();
+    let tables = resources_of(t, "AWS::DynamoDB::Table");
+    assert_eq!(tables.len(), 1, "one lease table");
+    let (_, table) = tables[0];
+    assert_eq!(table["DeletionPolicy"], "Retain");
+    assert_eq!(table["UpdateReplacePolicy"], "Retain");
+    let p = &table["Properties"];
+    assert_eq!(p["BillingMode"], "PAY_PER_REQUEST");
+    assert_eq!(p["KeySchema"], json!([{"AttributeName": attr::KEY, "KeyType": "HASH"}]));
+    let defs: HashSet<(String, String)> = p["AttributeDefinitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| (d["AttributeName"].as_str().unwrap().to_string(), d["AttributeType"].as_str().unwrap().to_string()))
+        .collect();
+    let want: HashSet<(String, String)> = [(attr::KEY, "S"), (attr::KA_SHARD, "N"), (attr::KA_UNTIL, "N")]
+        .iter()
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .collect();
+    assert_eq!(defs, want);
+    let gsis = p["GlobalSecondaryIndexes"].as_array().expect("GSIs");
+    assert_eq!(gsis.len(), 1);
+    assert_eq!(gsis[0]["IndexName"], KEEPALIVE_INDEX);
+    assert_eq!(
+        gsis[0]["KeySchema"],
+        json!([{"AttributeName": attr::KA_SHARD, "KeyType": "HASH"}, {"AttributeName": attr::KA_UNTIL, "KeyType": "RANGE"}])
+    );
+    assert_eq!(gsis[0]["Projection"], json!({"ProjectionType": "ALL"}));
+    assert_eq!(p["TimeToLiveSpecification"], json!({"AttributeName": attr::TTL, "Enabled": true}));
+    assert_eq!(p["PointInTimeRecoverySpecification"]["PointInTimeRecoveryEnabled"], true);
+    assert_eq!(p["SSESpecification"]["SSEEnabled"], true);
+    assert_eq!(p["DeletionProtectionEnabled"], json!({"Fn::If": ["ProtectTable", true, false]}));
+    assert_eq!(t["Conditions"]["ProtectTable"], json!({"Fn::Equals": [{"Ref": "TableDeletionProtection"}, "true"]}));
+}
+
+#[test]
+fn functions_are_built_and_configured() {
+    let t = raw();
+    let globals = &t["Globals"]["Function"];
+    assert_eq!(globals["Runtime"], "provided.al2023");
+    assert_eq!(globals["Handler"], "bootstrap");
+    assert_eq!(globals["Architectures"], json!([{"Ref": "Architecture"}]));
+    assert_eq!(t["Parameters"]["Architecture"]["Default"], "arm64");
+    assert_eq!(globals["MemorySize"], 128);
+    assert_eq!(globals["Environment"]["Variables"]["LEASEHOLD_TABLE"], json!({"Ref": "LeaseTable"}));
+    for (name, p) in t["Parameters"].as_object().unwrap() {
+        assert!(p["Description"].as_str().is_some_and(|d| d.len() > 10), "parameter {name} has a Description");
+    }
+    let functions = resources_of(t, "AWS::Serverless::Function");
+    let names: BTreeSet<&str> = functions.iter().map(|(n, _)| *n).collect();
+    assert_eq!(names, BTreeSet::from(["AcquireFunction", "HeartbeatFunction", "ReleaseFunction"]));
+    for (name, f) in &functions {
+        let binary = name.trim_end_matches("Function").to_lowercase();
+        assert!(repo_root().join("functions").join(&binary).join("Cargo.toml").exists(), "{binary} is a workspace function");
+        assert_eq!(f["Metadata"]["BuildMethod"], "rust-cargolambda", "{name}");
+        assert_eq!(f["Metadata"]["BuildProperties"]["Binary"], binary.as_str(), "{name}");
+        let p = &f["Properties"];
+        assert_eq!(p["CodeUri"], ".", "{name}: CodeUri is the workspace root");
+        let role = p["Role"]["Fn::GetAtt"][0].as_str().unwrap_or_else(|| panic!("{name} has its own role"));
+        assert_eq!(t["Resources"][role]["Type"], "AWS::IAM::Role");
+        let log_group = p["LoggingConfig"]["LogGroup"]["Ref"].as_str().unwrap_or_else(|| panic!("{name} log group"));
+        assert_eq!(t["Resources"][log_group]["Properties"]["RetentionInDays"], json!({"Ref": "LogRetentionDays"}));
+    }
+    // The acquire function's timeout bounds the longest wait it can answer within.
+    let acquire_timeout = t["Resources"]["AcquireFunction"]["Properties"]["Timeout"].as_u64().unwrap();
+    let max_wait = &t["Parameters"]["MaxWaitMs"];
+    assert_eq!(globals["Environment"]["Variables"]["LEASEHOLD_MAX_WAIT_MS"], json!({"Ref": "MaxWaitMs"}));
+    let margin = leasehold::api::INVOKE_SAFETY_MARGIN.as_millis() as u64;
+    assert!(max_wait["MaxValue"].as_u64().unwrap() + margin <= acquire_timeout * 1000);
+    // HTTP callers: the default wait answers before the HTTP API's 30 s integration timeout.
+    assert!(max_wait["Default"].as_u64().unwrap() + margin < 30_000);
+    assert_eq!(
+        t["Resources"]["HeartbeatFunction"]["Properties"]["Environment"]["Variables"]["LEASEHOLD_SWEEP_MAX_ITEMS"],
+        json!({"Ref": "SweepMaxItems"})
+    );
+}
+
+/// The (method, path) -> function routes and each route's authorizer.
+#[test]
+fn every_http_route_requires_iam() {
+    let t = raw();
+    let api = &t["Resources"]["Api"];
+    assert_eq!(api["Type"], "AWS::Serverless::HttpApi");
+    let p = &api["Properties"];
+    assert_eq!(p["Auth"]["DefaultAuthorizer"], "AWS_IAM");
+    assert_eq!(p["Auth"]["EnableIamAuthorizer"], true);
+    assert_eq!(p["DefaultRouteSettings"]["ThrottlingRateLimit"], json!({"Ref": "ApiThrottlingRateLimit"}));
+    assert_eq!(p["DefaultRouteSettings"]["ThrottlingBurstLimit"], json!({"Ref": "ApiThrottlingBurstLimit"}));
+    let dest = p["AccessLogSettings"]["DestinationArn"]["Fn::GetAtt"][0].as_str().expect("access log group");
+    assert_eq!(t["Resources"][dest]["Type"], "AWS::Logs::LogGroup");
+
+    let mut routes = BTreeSet::new();
+    for (name, f) in resources_of(t, "AWS::Serverless::Function") {
+        for (event, e) in f["Properties"]["Events"].as_object().into_iter().flatten() {
+            if e["Type"] != "HttpApi" {
+                continue;
+            }
+            let ep = &e["Properties"];
+            assert_eq!(ep["ApiId"], json!({"Ref": "Api"}), "{name}.{event}");
+            assert_eq!(ep["Auth"]["Authorizer"], "AWS_IAM", "{name}.{event} is IAM-authorised");
+            routes.insert((ep["Method"].as_str().unwrap().to_string(), ep["Path"].as_str().unwrap().to_string(), name));
+        }
+    }
+    let want: BTreeSet<(String, String, &str)> = [
+        ("POST", "/leases/{key}/acquire", "AcquireFunction"),
+        ("POST", "/leases/{key}/heartbeat", "HeartbeatFunction"),
+        ("POST", "/leases/{key}/release", "ReleaseFunction"),
+        ("GET", "/leases/{key}", "HeartbeatFunction"),
+    ]
+    .into_iter()
+    .map(|(m, p, f)| (m.to_string(), p.to_string(), f))
+    .collect();
+    assert_eq!(routes, want);
+
+    // After the transform: the OpenAPI body has exactly these routes, each with SigV4 security.
+    let body = &transformed()["Resources"]["Api"]["Properties"]["Body"];
+    let mut n = 0;
+    for (path, methods) in body["paths"].as_object().expect("paths") {
+        for (method, op) in methods.as_object().unwrap() {
+            n += 1;
+            assert_eq!(op["security"], json!([{"AWS_IAM": []}]), "{method} {path}");
+        }
+    }
+    assert_eq!(n, 4);
+    assert_eq!(body["components"]["securitySchemes"]["AWS_IAM"]["x-amazon-apigateway-authtype"], "awsSigv4");
+}
+
+/// The ARNs a function role may name: the table, its keep-alive index, its own log group,
+/// and (DescribeExecution only) the account's Step Functions executions.
+fn allowed_resource(action: &str, resource: &Value, own_log_group: &str) -> bool {
+    let table = json!({"Fn::GetAtt": ["LeaseTable", "Arn"]});
+    let index = json!({"Fn::Sub": format!("${{LeaseTable.Arn}}/index/{KEEPALIVE_INDEX}")});
+    let executions = json!({"Fn::Sub": "arn:${AWS::Partition}:states:${AWS::Region}:${AWS::AccountId}:execution:*"});
+    let log_group = json!({"Fn::GetAtt": [own_log_group, "Arn"]});
+    match action {
+        "dynamodb:Query" => *resource == index,
+        a if a.starts_with("dynamodb:") => *resource == table,
+        "states:DescribeExecution" => *resource == executions,
+        "logs:CreateLogStream" | "logs:PutLogEvents" => *resource == log_group,
+        _ => false,
+    }
+}
+
+#[test]
+fn function_roles_are_least_privilege() {
+    let t = raw();
+    let expected: [(&str, &[&str]); 3] = [
+        ("AcquireFunction", &["dynamodb:UpdateItem", "logs:CreateLogStream", "logs:PutLogEvents"]),
+        (
+            "HeartbeatFunction",
+            &[
+                "dynamodb:UpdateItem",
+                "dynamodb:GetItem",
+                "dynamodb:Query",
+                "states:DescribeExecution",
+                "logs:CreateLogStream",
+                "logs:PutLogEvents",
+            ],
+        ),
+        ("ReleaseFunction", &["dynamodb:UpdateItem", "logs:CreateLogStream", "logs:PutLogEvents"]),
+    ];
+    for (function, want) in expected {
+        let p = &t["Resources"][function]["Properties"];
+        assert!(p.get("Policies").is_none(), "{function}: permissions come from its role only");
+        let role_name = p["Role"]["Fn::GetAtt"][0].as_str().unwrap();
+        let own_log_group = p["LoggingConfig"]["LogGroup"]["Ref"].as_str().unwrap();
+        let role = &t["Resources"][role_name]["Properties"];
+        assert!(role.get("ManagedPolicyArns").is_none(), "{role_name}: no managed policies");
+        assert_eq!(
+            role["AssumeRolePolicyDocument"]["Statement"],
+            json!([{"Effect": "Allow", "Principal": {"Service": "lambda.amazonaws.com"}, "Action": "sts:AssumeRole"}])
+        );
+        let mut granted = BTreeSet::new();
+        for policy in role["Policies"].as_array().expect("inline policies") {
+            for st in policy["PolicyDocument"]["Statement"].as_array().unwrap() {
+                assert_eq!(st["Effect"], "Allow", "{role_name}: {st}");
+                assert!(st.get("NotAction").is_none() && st.get("NotResource").is_none(), "{role_name}: {st}");
+                let actions = as_list(&st["Action"]);
+                let resources = as_list(&st["Resource"]);
+                assert!(!resources.is_empty(), "{role_name}: {st}");
+                for a in &actions {
+                    let a = a.as_str().expect("plain action");
+                    assert!(!a.contains('*'), "{role_name}: wildcard action {a}");
+                    for r in &resources {
+                        assert!(r.as_str() != Some("*"), "{role_name}: {a} on *");
+                        assert!(allowed_resource(a, r, own_log_group), "{role_name}: {a} on {r}");
+                    }
+                    granted.insert(a.to_string());
+                }
+            }
+        }
+        let want: BTreeSet<String> = want.iter().map(|s| s.to_string()).collect();
+        assert_eq!(granted, want, "{function}: exactly the calls it makes");
+    }
+}
+
+#[test]
+fn keepalive_sweep_is_scheduled() {
+    let t = raw();
+    let events = &t["Resources"]["HeartbeatFunction"]["Properties"]["Events"];
+    let sweep: Vec<&Value> = events.as_object().unwrap().values().filter(|e| e["Type"] == "Schedule").collect();
+    assert_eq!(sweep.len(), 1);
+    assert_eq!(sweep[0]["Properties"]["Schedule"], json!({"Ref": "KeepaliveSweepSchedule"}));
+    // No Input: the function must receive EventBridge's own Scheduled Event to run the sweep.
+    assert!(sweep[0]["Properties"].get("Input").is_none());
+    assert_eq!(t["Parameters"]["KeepaliveSweepSchedule"]["Default"], "rate(1 minute)");
+    // Only the heartbeat function takes scheduled events.
+    for f in ["AcquireFunction", "ReleaseFunction"] {
+        let ev = &t["Resources"][f]["Properties"]["Events"];
+        assert!(ev.as_object().unwrap().values().all(|e| e["Type"] == "HttpApi"), "{f}");
+    }
+}
+
+#[test]
+fn outputs_name_every_entry_point() {
+    let t = raw();
+    let outputs = t["Outputs"].as_object().expect("Outputs");
+    let values: Vec<String> = outputs.values().map(|o| o["Value"].to_string()).collect();
+    for needle in [
+        r#"{"Ref":"LeaseTable"}"#,
+        "${Api}.execute-api",
+        r#"["AcquireFunction","Arn"]"#,
+        r#"["HeartbeatFunction","Arn"]"#,
+        r#"["ReleaseFunction","Arn"]"#,
+        r#"{"Ref":"SingleFlightStateMachine"}"#,
+        r#"{"Ref":"ScheduledJobStateMachine"}"#,
+    ] {
+        assert!(values.iter().any(|v| v.contains(needle)), "an output has {needle}: {values:?}");
+    }
+    for (name, o) in outputs {
+        assert!(o["Description"].is_string(), "output {name} has a Description");
+    }
+}
+
+// ---- state machines ------------------------------------------------------------------------
+
+const MACHINES: [&str; 2] = ["SingleFlightStateMachine", "ScheduledJobStateMachine"];
+
+fn definition(machine: &str) -> &'static Value {
+    &raw()["Resources"][machine]["Properties"]["Definition"]
+}
+
+fn states(def: &Value) -> &serde_json::Map<String, Value> {
+    def["States"].as_object().expect("States")
+}
+
+/// Every state reachable from `from` (itself included), through Next, Default, Choices and Catch.
+fn reachable<'a>(def: &'a Value, from: &'a str) -> BTreeSet<&'a str> {
+    let all = states(def);
+    let mut seen = BTreeSet::new();
+    let mut todo = vec![from];
+    while let Some(name) = todo.pop() {
+        if !seen.insert(name) {
+            continue;
+        }
+        let s = all.get(name).unwrap_or_else(|| panic!("state {name} does not exist"));
+        let mut next: Vec<&str> = vec![];
+        next.extend(s["Next"].as_str());
+        next.extend(s["Default"].as_str());
+        for c in s["Choices"].as_array().into_iter().flatten() {
+            next.extend(c["Next"].as_str());
+        }
+        for c in s["Catch"].as_array().into_iter().flatten() {
+            next.extend(c["Next"].as_str());
+        }
+        todo.extend(next);
+    }
+    seen
+}
+
+fn lambda_function(state: &Value) -> String {
+    let p = &state["Parameters"];
+    p["FunctionName"].as_str().or(p["FunctionName.$"].as_str()).unwrap_or_default().to_string()
+}
+
+#[test]
+fn state_machines_release_on_every_path() {
+    for machine in MACHINES {
+        let def = definition(machine);
+        let all = states(def);
+        let release = "Release";
+        assert_eq!(lambda_function(&all[release]), "${ReleaseFunctionArn}", "{machine}");
+        assert_eq!(all["Acquire"]["Type"], "Task");
+        assert_eq!(lambda_function(&all["Acquire"]), "${AcquireFunctionArn}", "{machine}");
+        // The work path after a successful acquire leads to the release.
+        assert!(reachable(def, all["Acquire"]["Next"].as_str().unwrap()).contains(release), "{machine}");
+        for (name, s) in all {
+            if s["Type"] != "Task" {
+                continue;
+            }
+            assert_eq!(s["Resource"], "arn:aws:states:::lambda:invoke", "{machine}.{name}");
+            if name == release {
+                // The release's own failure still ends the execution in a failure state.
+                let catches = s["Catch"].as_array().expect("Release catches");
+                assert!(catches.iter().any(|c| c["ErrorEquals"] == json!(["States.ALL"])));
+                continue;
+            }
+            // Every task catches everything, and every catch leads to the release, except
+            // LeaseHeld from the acquire (nothing was taken, so nothing to release).
+            let catches = s["Catch"].as_array().unwrap_or_else(|| panic!("{machine}.{name} has no Catch"));
+            assert!(
+                catches.iter().any(|c| c["ErrorEquals"] == json!(["States.ALL"])),
+                "{machine}.{name} catches States.ALL"
+            );
+            for c in catches {
+                let target = c["Next"].as_str().unwrap();
+                let only_held = c["ErrorEquals"] == json!(["LeaseHeld"]);
+                if name == "Acquire" && only_held {
+                    continue;
+                }
+                assert!(c["ResultPath"].as_str().is_some_and(|p| p != "$"), "{machine}.{name}: a catch keeps the state");
+                assert!(
+                    reachable(def, target).contains(release),
+                    "{machine}.{name}: catch {} -> {target} never reaches {release}",
+                    c["ErrorEquals"]
+                );
+            }
+            // And the success path of every task reaches the release too.
+            let next = s["Next"].as_str().unwrap_or_else(|| panic!("{machine}.{name} ends the execution"));
+            assert!(reachable(def, next).contains(release), "{machine}.{name} -> {next}");
+        }
+        // Failures end in Fail states, reached only after the release.
+        let fails: Vec<&str> = all.iter().filter(|(_, s)| s["Type"] == "Fail").map(|(n, _)| n.as_str()).collect();
+        assert!(!fails.is_empty(), "{machine} has Fail states");
+        let after_release = reachable(def, release);
+        for (name, s) in all {
+            let mut next: Vec<&str> = vec![];
+            next.extend(s["Next"].as_str());
+            next.extend(s["Default"].as_str());
+            for c in s["Choices"].as_array().into_iter().flatten().chain(s["Catch"].as_array().into_iter().flatten()) {
+                next.extend(c["Next"].as_str());
+            }
+            if next.iter().any(|n| fails.contains(n)) {
+                assert!(after_release.contains(name.as_str()), "{machine}.{name} fails without releasing");
+            }
+        }
+        // The whole graph is connected.
+        let from_start = reachable(def, def["StartAt"].as_str().unwrap());
+        assert_eq!(from_start.len(), all.len(), "{machine}: unreachable states");
+    }
+}
+
+#[test]
+fn state_machines_are_idempotent_and_carry_the_fence() {
+    for machine in MACHINES {
+        let def = definition(machine);
+        let all = states(def);
+        let acquire = &all["Acquire"];
+        // The lease_id comes from States.UUID() once, before the acquire (retries reuse it).
+        let makes_id = all.values().any(|s| s["Type"] == "Pass" && s["Parameters"]["lease_id.$"] == "States.UUID()");
+        assert!(makes_id, "{machine}: States.UUID() lease_id");
+        assert!(!reachable(def, "Acquire").iter().any(|n| all[*n]["Parameters"]["lease_id.$"] == "States.UUID()"));
+        assert_eq!(acquire["Parameters"]["Payload.$"], "$.request", "{machine}");
+        assert_eq!(acquire["ResultPath"], "$.lease");
+        assert_eq!(acquire["ResultSelector"]["fence.$"], "$.Payload.fence");
+        // The release uses the request's lease_id, known even when the acquire's answer was lost.
+        assert_eq!(
+            all["Release"]["Parameters"]["Payload"],
+            json!({"key.$": "$.request.key", "lease_id.$": "$.request.lease_id"})
+        );
+        // The work gets the fence.
+        assert_eq!(all["Work"]["Parameters"]["Payload"]["fence.$"], "$.lease.fence", "{machine}");
+        assert_eq!(all["Work"]["Parameters"]["FunctionName.$"], "$.work_function");
+        assert_eq!(all["Placeholder"]["Type"], "Wait");
+        // Transient errors are retried (the same lease_id makes that safe).
+        let retried: Vec<String> = acquire["Retry"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|r| r["ErrorEquals"].as_array().unwrap().iter().map(|e| e.as_str().unwrap().to_string()))
+            .collect();
+        for e in ["StoreUnavailable", "Throttled", "Lambda.ServiceException", "Lambda.TooManyRequestsException"] {
+            assert!(retried.iter().any(|r| r == e), "{machine}: Acquire retries {e}");
+        }
+        // The requests name the holder after the execution.
+        for s in all.values() {
+            if s["ResultPath"] == "$.request" {
+                assert_eq!(s["Parameters"]["holder.$"], "$$.Execution.Name");
+            }
+        }
+        // Policies: invoke the two functions (and the optional work function).
+        let policies = raw()["Resources"][machine]["Properties"]["Policies"].as_array().unwrap();
+        let invoked: BTreeSet<String> = policies
+            .iter()
+            .filter_map(|p| p["LambdaInvokePolicy"]["FunctionName"]["Ref"].as_str().map(str::to_string))
+            .collect();
+        assert_eq!(invoked, BTreeSet::from(["AcquireFunction".to_string(), "ReleaseFunction".to_string()]));
+    }
+
+    let single = states(definition("SingleFlightStateMachine"));
+    let held_retry = single["Acquire"]["Retry"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["ErrorEquals"] == json!(["LeaseHeld"]))
+        .expect("single flight retries LeaseHeld");
+    assert!(held_retry["BackoffRate"].as_f64().unwrap() > 1.0 && held_retry["MaxAttempts"].as_u64().unwrap() >= 3);
+    let ka = &single["RequestWithKeepalive"]["Parameters"]["keepalive"];
+    assert_eq!(ka["execution_arn.$"], "$$.Execution.Id");
+
+    let scheduled_def = definition("ScheduledJobStateMachine");
+    let scheduled = states(scheduled_def);
+    assert!(scheduled["Request"]["Parameters"].get("wait_ms.$").is_none(), "the scheduled job never waits");
+    let acquire = &scheduled["Acquire"];
+    assert!(
+        !acquire["Retry"].as_array().unwrap().iter().any(|r| r["ErrorEquals"].to_string().contains("LeaseHeld")),
+        "the scheduled job does not retry LeaseHeld"
+    );
+    let skip = acquire["Catch"].as_array().unwrap().iter().find(|c| c["ErrorEquals"] == json!(["LeaseHeld"])).unwrap();
+    let skip_state = &scheduled[skip["Next"].as_str().unwrap()];
+    assert_eq!(skip_state["Type"], "Pass");
+    assert_eq!(skip_state["Parameters"]["skipped"], true);
+    assert_eq!(scheduled[skip_state["Next"].as_str().unwrap()]["Type"], "Succeed");
+    let events = &raw()["Resources"]["ScheduledJobStateMachine"]["Properties"]["Events"];
+    let schedule = events.as_object().unwrap().values().find(|e| e["Type"] == "Schedule").expect("scheduled");
+    assert_eq!(schedule["Properties"]["Schedule"], json!({"Ref": "ScheduledJobSchedule"}));
+}

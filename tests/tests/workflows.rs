@@ -1,0 +1,650 @@
+//! The example state machines of template.yaml, executed: moto's Step Functions interpreter
+//! runs each definition exactly as the template has it (only the function references are
+//! replaced by plain names), its Lambda tasks reach the real functions in the Lambda runtime
+//! emulator, and the functions keep their leases in DynamoDB Local.
+//!
+//! Two quirks of the local tools shape this harness (neither concerns real AWS):
+//! - `cargo lambda watch` answers a function error with HTTP 500, where Lambda's Invoke API
+//!   answers 200 with `X-Amz-Function-Error`; moto then fails the execution with an
+//!   uncatchable `States.Runtime`. A small adapter in front of the emulator gives moto the real
+//!   Invoke contract, so `Retry`/`Catch` on `LeaseHeld`, `InvalidRequest`, ... work as in AWS.
+//! - moto 5.2 cannot start a second execution in a region that already ran one (it deep-copies
+//!   the backend, locks included), so every execution gets a region of its own. Regions only
+//!   separate moto's bookkeeping: all executions share one emulator and one lease table.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use aws_sdk_sfn::config::Region;
+use aws_sdk_sfn::types::{ExecutionStatus, HistoryEventType};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use leasehold::store::DynamoStore;
+use leasehold::{Config, Coordinator, LeaseState};
+use leasehold_tests::emulator::{Emulator, Moto};
+use leasehold_tests::{dynamo_local, free_port, http, repo_root, sdk_config_for, set_local_credentials, tools_dir};
+use serde_json::{json, Value};
+
+// ---- the local stack ------------------------------------------------------------------------
+
+struct Stack {
+    emulator: Emulator,
+    moto: Moto,
+    table: String,
+    dynamo_endpoint: String,
+}
+
+/// The region the functions run in (their Step Functions client asks moto there): the
+/// test process's AWS_REGION, us-east-1 unless set.
+fn function_region() -> String {
+    set_local_credentials();
+    std::env::var("AWS_REGION").expect("AWS_REGION")
+}
+
+/// One region per execution (see the module comment); the functions' region is kept for the
+/// keep-alive test, whose execution the heartbeat function must find.
+const REGIONS: [&str; 17] = [
+    "us-east-1",
+    "eu-west-1",
+    "eu-west-2",
+    "eu-west-3",
+    "eu-central-1",
+    "eu-north-1",
+    "ap-south-1",
+    "ap-southeast-1",
+    "ap-southeast-2",
+    "ap-northeast-1",
+    "ap-northeast-2",
+    "ap-northeast-3",
+    "ca-central-1",
+    "sa-east-1",
+    "us-east-2",
+    "us-west-1",
+    "us-west-2",
+];
+
+fn next_region() -> &'static str {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let skip = function_region();
+    loop {
+        let i = N.fetch_add(1, Ordering::SeqCst);
+        let r = REGIONS.get(i).copied().expect("more executions than regions: add regions to REGIONS");
+        if r != skip {
+            return r;
+        }
+    }
+}
+
+/// Serves Lambda's Invoke API on `port` by forwarding to the emulator, turning its HTTP 500
+/// function errors into Lambda's answer: 200, `X-Amz-Function-Error: Unhandled`, the
+/// `{errorType, errorMessage}` body. Runs on its own thread for the life of the process.
+fn start_invoke_adapter(port: u16, emulator_port: u16) {
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("rt");
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], port))).await.expect("bind adapter");
+            ready_tx.send(()).unwrap();
+            loop {
+                let Ok((stream, _)) = listener.accept().await else { continue };
+                tokio::spawn(async move {
+                    let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| async move {
+                        let method = req.method().as_str().to_string();
+                        let path = req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or_default();
+                        let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+                        let url = format!("http://127.0.0.1:{emulator_port}{path}");
+                        let mut builder = hyper::Response::builder().header("x-amzn-requestid", request_id());
+                        let resp = match http::request(&method, &url, Some(&body)).await {
+                            Ok(r) => {
+                                let function_error = r.status >= 400
+                                    && serde_json::from_slice::<Value>(&r.body).is_ok_and(|v| v.get("errorType").is_some());
+                                if function_error {
+                                    builder = builder.status(200).header("x-amz-function-error", "Unhandled");
+                                } else {
+                                    builder = builder.status(r.status);
+                                }
+                                builder.header("content-type", "application/json").body(Full::new(Bytes::from(r.body)))
+                            }
+                            Err(e) => builder.status(502).body(Full::new(Bytes::from(format!("emulator: {e}")))),
+                        };
+                        Ok::<_, std::convert::Infallible>(resp.expect("response"))
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), service).await;
+                });
+            }
+        });
+    });
+    ready_rx.recv().expect("adapter started");
+}
+
+fn request_id() -> String {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    format!("leasehold-test-{}-{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst))
+}
+
+fn stack() -> &'static Stack {
+    static STACK: OnceLock<Stack> = OnceLock::new();
+    STACK.get_or_init(|| {
+        std::thread::spawn(|| {
+            let local = dynamo_local();
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let store = rt.block_on(local.store());
+            // DynamoDB Local keeps tables per access key and region: the functions use the
+            // credentials the table was made with.
+            let region = function_region();
+            let key_id = std::env::var("AWS_ACCESS_KEY_ID").unwrap();
+            let secret = std::env::var("AWS_SECRET_ACCESS_KEY").unwrap_or_default();
+            let moto_port = free_port();
+            let adapter_port = free_port();
+            let env: Vec<(String, String)> = [
+                ("LEASEHOLD_TABLE", store.table().to_string()),
+                ("AWS_ENDPOINT_URL_DYNAMODB", local.endpoint.clone()),
+                ("AWS_ENDPOINT_URL_SFN", format!("http://127.0.0.1:{moto_port}")),
+                ("AWS_ACCESS_KEY_ID", key_id),
+                ("AWS_SECRET_ACCESS_KEY", secret),
+                ("AWS_REGION", region.clone()),
+                ("AWS_DEFAULT_REGION", region.clone()),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+            let emulator = Emulator::start(&env);
+            start_invoke_adapter(adapter_port, emulator.port);
+            let moto = Moto::start(moto_port, adapter_port);
+            rt.block_on(async {
+                moto.enable_execution().await;
+                // The emulator compiles each function on its first invoke: do that now, not
+                // inside a task with a timeout.
+                for f in ["acquire", "release", "heartbeat"] {
+                    let inv = emulator.invoke(f, &json!({})).await;
+                    assert_eq!(inv.error_type.as_deref(), Some("InvalidRequest"), "{f} warm-up: {:?}", inv.body);
+                }
+            });
+            Stack { emulator, moto, table: store.table().to_string(), dynamo_endpoint: local.endpoint.clone() }
+        })
+        .join()
+        .expect("start the local stack")
+    })
+}
+
+async fn coordinator() -> Coordinator {
+    let s = stack();
+    let client = aws_sdk_dynamodb::Client::new(&sdk_config_for(&s.dynamo_endpoint).await);
+    Coordinator::new(std::sync::Arc::new(DynamoStore::new(client, s.table.clone())), Config::default())
+}
+
+async fn lease_state(key: &str) -> LeaseState {
+    coordinator().await.get(key).await.unwrap_or_else(|e| panic!("get {key}: {e}"))
+}
+
+fn unique(tag: &str) -> String {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    format!("{tag}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst))
+}
+
+// ---- definitions from template.yaml -----------------------------------------------------------
+
+fn raw_template() -> &'static Value {
+    static RAW: OnceLock<Value> = OnceLock::new();
+    RAW.get_or_init(|| {
+        let out = std::process::Command::new(tools_dir().join("venv/bin/python"))
+            .arg(repo_root().join("tests/template_json.py"))
+            .arg("raw")
+            .arg(repo_root().join("template.yaml"))
+            .output()
+            .expect("run tests/template_json.py (scripts/install-test-deps.sh installs its Python)");
+        assert!(out.status.success(), "template_json.py: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).expect("template JSON")
+    })
+}
+
+/// A state machine's definition with its DefinitionSubstitutions replaced by the names the
+/// emulator serves (`work`: the work function, "" for the Wait placeholder).
+fn definition(machine: &str, work: &str) -> String {
+    let props = &raw_template()["Resources"][machine]["Properties"];
+    let subs = props["DefinitionSubstitutions"].as_object().expect("DefinitionSubstitutions");
+    let mut text = props["Definition"].to_string();
+    for name in subs.keys() {
+        let value = match name.as_str() {
+            "AcquireFunctionArn" => "acquire",
+            "ReleaseFunctionArn" => "release",
+            "WorkFunctionArn" => work,
+            other => panic!("unexpected substitution {other}"),
+        };
+        text = text.replace(&format!("${{{name}}}"), value);
+    }
+    assert!(!text.contains("${"), "unsubstituted reference left in {machine}: {text}");
+    text
+}
+
+const SINGLE_FLIGHT: &str = "SingleFlightStateMachine";
+const SCHEDULED: &str = "ScheduledJobStateMachine";
+
+// ---- executions ---------------------------------------------------------------------------------
+
+async fn sfn(region: &str) -> aws_sdk_sfn::Client {
+    let base = sdk_config_for(&stack().moto.endpoint()).await;
+    let conf = aws_sdk_sfn::config::Builder::from(&base).region(Region::new(region.to_string())).build();
+    aws_sdk_sfn::Client::from_conf(conf)
+}
+
+/// One execution: its region's client and ARN.
+struct Run {
+    client: aws_sdk_sfn::Client,
+    arn: String,
+    name: String,
+}
+
+/// Creates the state machine in a fresh region and starts one execution of it.
+async fn start(machine: &str, work: &str, input: Value) -> Run {
+    start_in(next_region(), machine, work, input).await
+}
+
+async fn start_in(region: &str, machine: &str, work: &str, input: Value) -> Run {
+    let client = sfn(region).await;
+    let sm = client
+        .create_state_machine()
+        .name(unique(machine))
+        .definition(definition(machine, work))
+        .role_arn("arn:aws:iam::123456789012:role/leasehold-example")
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("create {machine}: {}", aws_smithy_types_display(&e)));
+    // Named explicitly: the workflows use $$.Execution.Name as the holder (moto leaves it
+    // null when StartExecution has no name; Step Functions always makes one).
+    let name = unique("run");
+    let out = client
+        .start_execution()
+        .state_machine_arn(sm.state_machine_arn())
+        .name(&name)
+        .input(input.to_string())
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("start {machine}: {}", aws_smithy_types_display(&e)));
+    Run { client, arn: out.execution_arn().to_string(), name }
+}
+
+fn aws_smithy_types_display<E: std::error::Error>(e: &E) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        s.push_str(&format!(": {inner}"));
+        src = inner.source();
+    }
+    s
+}
+
+/// The end of an execution.
+#[derive(Debug)]
+struct Ended {
+    status: ExecutionStatus,
+    output: Value,
+    error: Option<String>,
+    cause: Option<String>,
+    history: Vec<Event>,
+}
+
+/// One history event, flattened.
+#[derive(Debug, Clone)]
+struct Event {
+    kind: HistoryEventType,
+    /// The state it belongs to (task events carry none: the last entered state's name).
+    state: String,
+    error: Option<String>,
+    output: Option<Value>,
+}
+
+impl Ended {
+    /// Task failures of `state` with their error names.
+    fn task_errors(&self, state: &str) -> Vec<String> {
+        self.history
+            .iter()
+            .filter(|e| e.kind == HistoryEventType::TaskFailed && e.state == state)
+            .filter_map(|e| e.error.clone())
+            .collect()
+    }
+    fn succeeded_tasks(&self, state: &str) -> Vec<&Event> {
+        self.history.iter().filter(|e| e.kind == HistoryEventType::TaskSucceeded && e.state == state).collect()
+    }
+    fn entered(&self, state: &str) -> bool {
+        self.history.iter().any(|e| e.state == state && format!("{:?}", e.kind).ends_with("StateEntered"))
+    }
+    /// The lambda result (`Payload`) of the last successful `state` task.
+    fn task_payload(&self, state: &str) -> Value {
+        let ev = self.succeeded_tasks(state).last().copied().unwrap_or_else(|| panic!("{state} never succeeded: {self:#?}"));
+        ev.output.as_ref().expect("task output")["Payload"].clone()
+    }
+    fn describe(&self) -> String {
+        let mut s = format!("status {:?}, error {:?}, cause {:?}, output {}\n", self.status, self.error, self.cause, self.output);
+        for e in &self.history {
+            s.push_str(&format!("  {:?} [{}] {:?}\n", e.kind, e.state, e.error));
+        }
+        s
+    }
+}
+
+async fn history(run: &Run) -> Vec<Event> {
+    let mut events = vec![];
+    let mut token: Option<String> = None;
+    let mut state = String::new();
+    loop {
+        let out = run
+            .client
+            .get_execution_history()
+            .execution_arn(&run.arn)
+            .max_results(1000)
+            .set_next_token(token.clone())
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("history: {}", aws_smithy_types_display(&e)));
+        for e in out.events() {
+            if let Some(d) = e.state_entered_event_details() {
+                state = d.name().to_string();
+            }
+            let (error, output) = if let Some(d) = e.task_failed_event_details() {
+                (d.error().map(str::to_string), None)
+            } else if let Some(d) = e.task_succeeded_event_details() {
+                (None, d.output().and_then(|o| serde_json::from_str(o).ok()))
+            } else if let Some(d) = e.state_exited_event_details() {
+                (None, d.output().and_then(|o| serde_json::from_str(o).ok()))
+            } else if let Some(d) = e.task_timed_out_event_details() {
+                (d.error().map(str::to_string), None)
+            } else {
+                (None, None)
+            };
+            events.push(Event {
+                kind: e.r#type().clone(),
+                state: state.clone(),
+                error,
+                output,
+            });
+        }
+        token = out.next_token().map(str::to_string);
+        if token.is_none() {
+            return events;
+        }
+    }
+}
+
+async fn wait_end(run: &Run, timeout: Duration) -> Ended {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let d = run
+            .client
+            .describe_execution()
+            .execution_arn(&run.arn)
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("describe: {}", aws_smithy_types_display(&e)));
+        if *d.status() != ExecutionStatus::Running {
+            let output = d.output().and_then(|o| serde_json::from_str(o).ok()).unwrap_or(Value::Null);
+            return Ended {
+                status: d.status().clone(),
+                output,
+                error: d.error().map(str::to_string),
+                cause: d.cause().map(str::to_string),
+                history: history(run).await,
+            };
+        }
+        if Instant::now() > deadline {
+            let h = history(run).await;
+            panic!(
+                "execution {} still running after {timeout:?}: {h:#?}\nemulator log:\n{}",
+                run.arn,
+                tail(&stack().emulator.server.log_text())
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// Waits until the execution's Acquire task succeeded; returns the lease it took.
+async fn wait_acquired(run: &Run, timeout: Duration) -> Value {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let h = history(run).await;
+        if let Some(e) = h.iter().find(|e| e.kind == HistoryEventType::TaskSucceeded && e.state == "Acquire") {
+            return e.output.as_ref().unwrap()["Payload"].clone();
+        }
+        assert!(Instant::now() < deadline, "{} did not acquire within {timeout:?}: {h:#?}", run.arn);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn tail(s: &str) -> String {
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(40)..].join("\n")
+}
+
+const LONG: Duration = Duration::from_secs(240);
+
+// ---- single flight ------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_flight_racers_take_turns_and_the_loser_retries() {
+    tokio::task::spawn_blocking(stack).await.unwrap();
+    let key = unique("single-flight");
+    // A short server-side wait (cut further by the emulator's deadline), then Retry on LeaseHeld.
+    let input = json!({"key": key, "wait_ms": 1000, "work_seconds": 3, "duration_ms": 60000});
+    let (a, b) = tokio::join!(start(SINGLE_FLIGHT, "", input.clone()), start(SINGLE_FLIGHT, "", input.clone()));
+    let (a_end, b_end) = tokio::join!(wait_end(&a, LONG), wait_end(&b, LONG));
+    for (run, end) in [(&a, &a_end), (&b, &b_end)] {
+        assert_eq!(end.status, ExecutionStatus::Succeeded, "{}", end.describe());
+        assert_eq!(end.output["key"], key.as_str());
+        assert_eq!(end.output["holder"], run.name.as_str(), "the holder is the execution's name");
+        assert!(end.output["released_at_ms"].as_u64().is_some(), "{}", end.output);
+        // Every attempt of one execution sent the same lease_id (made once by States.UUID()).
+        let ids: std::collections::BTreeSet<String> = end
+            .history
+            .iter()
+            .filter_map(|e| e.output.as_ref())
+            .filter_map(|o| o["request"]["lease_id"].as_str().map(str::to_string))
+            .collect();
+        assert!(ids.len() <= 1, "{ids:?}");
+    }
+    let (first, second) =
+        if a_end.output["fence"].as_u64() < b_end.output["fence"].as_u64() { (&a_end, &b_end) } else { (&b_end, &a_end) };
+    let (f1, f2) = (first.output["fence"].as_u64().unwrap(), second.output["fence"].as_u64().unwrap());
+    assert!(f2 > f1, "the later holder has the higher fence: {f1} then {f2}");
+    // One worked while the other retried: the second's acquire failed with LeaseHeld at least
+    // once, and took the lease only after the first released it.
+    assert!(first.task_errors("Acquire").is_empty(), "{}", first.describe());
+    let held = second.task_errors("Acquire");
+    assert!(!held.is_empty() && held.iter().all(|e| e == "LeaseHeld"), "{}", second.describe());
+    assert!(
+        second.output["acquired_at_ms"].as_u64().unwrap() >= first.output["released_at_ms"].as_u64().unwrap(),
+        "no overlap: {} / {}",
+        first.output,
+        second.output
+    );
+    // The work step got the fence in its state: $.lease.fence.
+    let placeholder_input = second
+        .history
+        .iter()
+        .find(|e| e.state == "Placeholder" && e.kind == HistoryEventType::WaitStateExited)
+        .and_then(|e| e.output.clone())
+        .expect("the placeholder ran");
+    assert_eq!(placeholder_input["lease"]["fence"].as_u64(), Some(f2));
+
+    let state = lease_state(&key).await;
+    assert!(!state.held, "{state:?}");
+    assert_eq!(state.fence, f2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_flight_failing_work_still_releases() {
+    tokio::task::spawn_blocking(stack).await.unwrap();
+    let key = unique("single-flight-fail");
+    // The work step invokes `acquire` with the work payload ({key, fence, holder, input}),
+    // which it rejects with InvalidRequest: a work function that fails.
+    let run = start(SINGLE_FLIGHT, "acquire", json!({"key": key})).await;
+    let end = wait_end(&run, LONG).await;
+    assert_eq!(end.status, ExecutionStatus::Failed, "{}", end.describe());
+    assert_eq!(end.error.as_deref(), Some("WorkflowFailed"));
+    let cause: Value = serde_json::from_str(end.cause.as_deref().unwrap()).expect("cause is JSON");
+    assert_eq!(cause["Error"], "InvalidRequest", "{cause}");
+    assert_eq!(end.task_errors("Work"), vec!["InvalidRequest".to_string()]);
+    // The work got the lease's fence.
+    let fence = end.task_payload("Acquire")["fence"].as_u64().unwrap();
+    assert!(end.entered("Release"));
+    assert_eq!(end.task_payload("Release")["fence"].as_u64(), Some(fence), "{}", end.describe());
+    let state = lease_state(&key).await;
+    assert!(!state.held, "released although the work failed: {state:?}");
+    assert_eq!(state.fence, fence);
+
+    // The next execution takes the key at once, with a higher fence.
+    let next = start(SINGLE_FLIGHT, "", json!({"key": key, "work_seconds": 0})).await;
+    let next_end = wait_end(&next, LONG).await;
+    assert_eq!(next_end.status, ExecutionStatus::Succeeded, "{}", next_end.describe());
+    assert!(next_end.task_errors("Acquire").is_empty());
+    assert!(next_end.output["fence"].as_u64().unwrap() > fence, "{} after {fence}", next_end.output);
+    assert!(!lease_state(&key).await.held);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_flight_keepalive_outlives_the_lease_duration() {
+    tokio::task::spawn_blocking(stack).await.unwrap();
+    let coord = coordinator().await;
+    // A 2 s lease held through 7 s of work: the scheduled sweep (the heartbeat function with
+    // EventBridge's Scheduled Event) renews it while the execution runs. The execution runs in
+    // the functions' region so that their DescribeExecution finds it.
+    let key = unique("keepalive");
+    let until = coord.now_ms() + 10 * 60 * 1000;
+    let input = json!({"key": key, "duration_ms": 2000, "work_seconds": 7, "keepalive_until_ms": until});
+    let run = start_in(&function_region(), SINGLE_FLIGHT, "", input).await;
+    let lease = wait_acquired(&run, LONG).await;
+    assert_eq!(lease["keepalive"]["until_ms"].as_u64(), Some(until), "{lease}");
+    assert_eq!(lease["keepalive"]["execution_arn"], run.arn.as_str());
+    let first_expiry = lease["expires_at_ms"].as_u64().unwrap();
+    let scheduled = json!({
+        "version": "0", "id": "6a7e8feb-b491-4cf7-a9f1-bf3703467718", "detail-type": "Scheduled Event",
+        "source": "aws.events", "account": "123456789012", "time": "2026-01-01T00:00:00Z",
+        "region": function_region(), "resources": ["arn:aws:events:us-east-1:123456789012:rule/keepalive"], "detail": {}
+    });
+    let mut renewed = 0;
+    let mut held_past_first_expiry = false;
+    let end = loop {
+        let d = run.client.describe_execution().execution_arn(&run.arn).send().await.unwrap();
+        if *d.status() != ExecutionStatus::Running {
+            break wait_end(&run, LONG).await;
+        }
+        let inv = stack().emulator.invoke("heartbeat", &scheduled).await;
+        assert!(inv.error_type.is_none(), "sweep: {:?}", inv.body);
+        assert_eq!(inv.body["errors"], 0, "{}", inv.body);
+        renewed += inv.body["renewed"].as_u64().unwrap_or(0);
+        let state = lease_state(&key).await;
+        if coord.now_ms() > first_expiry + 500 && state.held {
+            assert!(state.expires_at_ms.unwrap() > first_expiry, "{state:?}");
+            held_past_first_expiry = true;
+        }
+        tokio::time::sleep(Duration::from_millis(700)).await;
+    };
+    assert!(held_past_first_expiry, "the sweep kept the 2 s lease alive");
+    assert_eq!(end.status, ExecutionStatus::Succeeded, "{}", end.describe());
+    assert!(renewed >= 3, "renewed {renewed} times");
+    let released = end.output["released_at_ms"].as_u64().unwrap();
+    assert!(released > first_expiry + 2000, "held well past its first expiry ({first_expiry}) until {released}");
+    assert!(!lease_state(&key).await.held);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_flight_lease_taken_over_during_work_fails_the_execution() {
+    tokio::task::spawn_blocking(stack).await.unwrap();
+    // Without keep-alive, a 1 s lease expires during 5 s of work and another holder takes the
+    // key: the release finds the lease gone and the execution fails with LeaseNotReleased
+    // instead of reporting success.
+    let coord = coordinator().await;
+    let key = unique("lost");
+    let run = start(SINGLE_FLIGHT, "", json!({"key": key, "duration_ms": 1000, "work_seconds": 5})).await;
+    let lease = wait_acquired(&run, LONG).await;
+    let expiry = lease["expires_at_ms"].as_u64().unwrap();
+    let wait = expiry.saturating_sub(coord.now_ms()) + 300;
+    tokio::time::sleep(Duration::from_millis(wait)).await;
+    let other = coord
+        .acquire(&key, "other", Some(Duration::from_secs(30)), leasehold::AcquireOptions::default())
+        .await
+        .expect("the expired lease is free to take");
+    assert!(other.fence > lease["fence"].as_u64().unwrap());
+    let end = wait_end(&run, LONG).await;
+    assert_eq!(end.status, ExecutionStatus::Failed, "{}", end.describe());
+    assert_eq!(end.error.as_deref(), Some("LeaseNotReleased"));
+    assert_eq!(end.task_errors("Release"), vec!["NotHolder".to_string()]);
+    // The other holder's lease is untouched.
+    let state = lease_state(&key).await;
+    assert!(state.held && state.holder == "other" && state.fence == other.fence, "{state:?}");
+    coord.release(&key, &other.lease_id).await.unwrap();
+}
+
+// ---- scheduled single execution -----------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scheduled_job_runs_once_and_the_overlapping_run_skips() {
+    tokio::task::spawn_blocking(stack).await.unwrap();
+    let key = unique("scheduled");
+    let input = json!({"key": key, "work_seconds": 3});
+    let (a, b) = tokio::join!(start(SCHEDULED, "", input.clone()), start(SCHEDULED, "", input.clone()));
+    let (a_end, b_end) = tokio::join!(wait_end(&a, LONG), wait_end(&b, LONG));
+    let mut ran = vec![];
+    let mut skipped = vec![];
+    for end in [&a_end, &b_end] {
+        assert_eq!(end.status, ExecutionStatus::Succeeded, "{}", end.describe());
+        if end.output["skipped"] == true {
+            skipped.push(end);
+        } else {
+            ran.push(end);
+        }
+    }
+    assert_eq!((ran.len(), skipped.len()), (1, 1), "{}\n{}", a_end.describe(), b_end.describe());
+    let (ran, skipped) = (ran[0], skipped[0]);
+    assert_eq!(skipped.output, json!({"skipped": true, "key": key, "reason": "LeaseHeld"}));
+    // It tried once, without waiting or retrying, and released nothing.
+    assert_eq!(skipped.task_errors("Acquire"), vec!["LeaseHeld".to_string()]);
+    assert!(!skipped.entered("Release") && !skipped.entered("Placeholder"));
+    assert_eq!(ran.output["skipped"], false);
+    let fence = ran.output["fence"].as_u64().unwrap();
+    assert!(ran.entered("Placeholder") && ran.entered("Release"));
+    let state = lease_state(&key).await;
+    assert!(!state.held);
+    assert_eq!(state.fence, fence);
+
+    // The next scheduled run finds the key free and works with a higher fence.
+    let next = start(SCHEDULED, "", json!({"key": key, "work_seconds": 0})).await;
+    let next_end = wait_end(&next, LONG).await;
+    assert_eq!(next_end.status, ExecutionStatus::Succeeded, "{}", next_end.describe());
+    assert_eq!(next_end.output["skipped"], false);
+    assert!(next_end.output["fence"].as_u64().unwrap() > fence);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scheduled_job_failing_work_still_releases() {
+    tokio::task::spawn_blocking(stack).await.unwrap();
+    let key = unique("scheduled-fail");
+    let run = start(SCHEDULED, "acquire", json!({"key": key})).await;
+    let end = wait_end(&run, LONG).await;
+    assert_eq!(end.status, ExecutionStatus::Failed, "{}", end.describe());
+    assert_eq!(end.error.as_deref(), Some("WorkflowFailed"));
+    assert_eq!(end.task_errors("Work"), vec!["InvalidRequest".to_string()]);
+    let fence = end.task_payload("Acquire")["fence"].as_u64().unwrap();
+    assert_eq!(end.task_payload("Release")["fence"].as_u64(), Some(fence));
+    let state = lease_state(&key).await;
+    assert!(!state.held, "{state:?}");
+
+    let next = start(SCHEDULED, "", json!({"key": key, "work_seconds": 0})).await;
+    let next_end = wait_end(&next, LONG).await;
+    assert_eq!(next_end.status, ExecutionStatus::Succeeded, "{}", next_end.describe());
+    assert_eq!(next_end.output["skipped"], false, "the failed run left the key free");
+    assert!(next_end.output["fence"].as_u64().unwrap() > fence);
+}
+
+/// Each execution needs a region of its own (see the module comment).
+#[test]
+fn regions_are_distinct() {
+    let set: std::collections::BTreeSet<&str> = REGIONS.iter().copied().collect();
+    assert_eq!(set.len(), REGIONS.len());
+    // Executions started by the tests (at most 12 here) fit, with the functions' region left out.
+    assert!(REGIONS.len() > 12);
+}
