@@ -14,4 +14,4 @@ echo "== build"
 cargo build --workspace --all-targets --locked
 
 echo "== tests"
-cargo test --workspace --locked -- --test-threads "${LEASEHOLD_TEST_THREADS:-8}"
+cargo test --workspace --locked --no-fail-fast -- --test-threads "${LEASEHOLD_TEST_THREADS:-8}"

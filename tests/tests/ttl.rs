@@ -52,19 +52,39 @@ async fn dynamodb_ttl_sweep_then_reacquire_with_higher_fence() {
 async fn sqlite_purge_keeps_fences_monotonic() {
     let dir = TempDir::new("purge");
     let store = SqliteStore::open(dir.path().join("l.db")).unwrap();
-    let c = Coordinator::new(std::sync::Arc::new(store.clone()), short_ttl_config());
+    let arc = std::sync::Arc::new(store.clone());
+    let at = |offset_ms: i64| {
+        let mut cfg = short_ttl_config();
+        cfg.clock_offset_ms = offset_ms;
+        Coordinator::new(arc.clone(), cfg)
+    };
+    let c = at(0);
     let l = c.acquire("p", "h", Some(Duration::from_secs(1)), AcquireOptions::default()).await.unwrap();
     // Held: never purged.
     assert_eq!(store.purge_expired(c.now_ms()).await.unwrap(), 0);
     c.release("p", &l.lease_id).await.unwrap();
-    // Not yet past its TTL (now + max_duration).
+    // Not yet past its TTL (release time + max_duration).
     assert_eq!(store.purge_expired(c.now_ms()).await.unwrap(), 0);
-    assert_eq!(store.purge_expired(c.now_ms() + 4_000).await.unwrap(), 1);
-    assert!(matches!(c.get("p").await, Err(Error::NotFound { .. })));
-    let again = c.acquire("p", "h", Some(Duration::from_secs(1)), AcquireOptions::default()).await.unwrap();
-    assert!(again.fence > l.fence);
+    // Four seconds later (played by a coordinator whose clock is 4 s ahead) it is purged, and
+    // a fresh acquire at that time starts above the purged fence.
+    let later = at(4_000);
+    assert_eq!(store.purge_expired(later.now_ms()).await.unwrap(), 1);
+    assert!(matches!(later.get("p").await, Err(Error::NotFound { .. })));
+    let again = later.acquire("p", "h", Some(Duration::from_secs(1)), AcquireOptions::default()).await.unwrap();
+    assert!(again.fence > l.fence, "{} after {}", again.fence, l.fence);
+
+    // A fence issued by a coordinator whose clock runs a minute fast is ahead of the purger's
+    // clock: the purge keeps that item even past its TTL, so no later fence can fall below it.
+    let fast = at(60_000);
+    let f = fast.acquire("skewed", "h", Some(Duration::from_secs(1)), AcquireOptions::default()).await.unwrap();
+    c.release("skewed", &f.lease_id).await.unwrap();
+    assert_eq!(store.purge_expired(c.now_ms() + 3_000).await.unwrap(), 0, "fence ahead of the clock: kept");
+    // (Its release frees the key at its own clock's acquired_at, a minute ahead.)
+    let next = at(61_000).acquire("skewed", "h", Some(Duration::from_secs(1)), AcquireOptions::default()).await.unwrap();
+    assert!(next.fence > f.fence);
+
     // A fail-closed lease carries no TTL and is never purged.
     let fc = c.acquire("forever", "h", None, AcquireOptions::default()).await.unwrap();
-    assert_eq!(store.purge_expired(c.now_ms() + 10_000_000).await.unwrap(), 1, "only the timed item 'p' goes");
+    assert_eq!(store.purge_expired(c.now_ms() + 10_000_000).await.unwrap(), 2, "only the timed items go");
     assert_eq!(c.get("forever").await.unwrap().fence, fc.fence);
 }
