@@ -862,6 +862,14 @@ async fn keepalive_sweep_against_step_functions() {
     let moto = tokio::task::spawn_blocking(|| Moto::start(free_port(), free_port())).await.unwrap();
     let sfn = Sfn::new(&moto).await;
     let lab = Lab::start(&[("AWS_ENDPOINT_URL_SFN", moto.endpoint())], &["--concurrency", "2"]).await;
+    // A second emulator on the same table whose runs read at most 60 leases. Started (and
+    // warmed) first: a slow start must not run into the short leases below.
+    let bounded = Lab::start_on(
+        lab.store.clone(),
+        &[("AWS_ENDPOINT_URL_SFN", moto.endpoint()), ("LEASEHOLD_SWEEP_MAX_ITEMS", "60".into())],
+        &[],
+    )
+    .await;
     let region_arn = |name: &str| sfn.machine.replace(":stateMachine:", ":execution:") + ":" + name;
 
     let running = sfn.start("running-1").await;
@@ -870,7 +878,7 @@ async fn keepalive_sweep_against_step_functions() {
     let missing = region_arn("never-started");
 
     let until = now_ms() + 600_000;
-    let d = 3_000;
+    let d = 8_000;
     let l_running = lab.take("ka/running", "etl", d, keepalive(until, Some(&running))).await;
     let l_aborted = lab.take("ka/aborted", "etl", d, keepalive(until, Some(&aborted))).await;
     let l_missing = lab.take("ka/missing", "etl", d, keepalive(until, Some(&missing))).await;
@@ -965,19 +973,13 @@ async fn keepalive_sweep_against_step_functions() {
     let mut originals = Vec::new();
     for (j, k) in keys.iter().enumerate() {
         let arn = if j % 20 == 0 { Some(running.as_str()) } else { None };
-        originals.push(lab.take(k, "pager", 20_000, keepalive(until, arn)).await);
+        originals.push(lab.take(k, "pager", 120_000, keepalive(until, arn)).await);
     }
     let shards: BTreeSet<u32> = keys.iter().map(|k| keepalive_shard(k, KEEPALIVE_SHARDS)).collect();
     assert!(shards.len() > 1, "leases across shards");
     let live = keys.len() as u64 + 2; // plus ka/running and ka/no-arn
 
     // A run bounded by LEASEHOLD_SWEEP_MAX_ITEMS reads at most that many and says so.
-    let bounded = Lab::start_on(
-        lab.store.clone(),
-        &[("AWS_ENDPOINT_URL_SFN", moto.endpoint()), ("LEASEHOLD_SWEEP_MAX_ITEMS", "60".into())],
-        &[],
-    )
-    .await;
     let report = sweep(&bounded).await;
     println!("bounded sweep: {report}");
     assert_eq!(n(&report, "scanned"), 60, "{report}");
@@ -997,7 +999,7 @@ async fn keepalive_sweep_against_step_functions() {
     for l in &originals {
         let r = lab.item(&l.key).await.unwrap();
         assert_eq!(r.fence, l.fence);
-        assert!(r.expires_at_ms.unwrap() >= started + 20_000 - 100, "{} renewed by the full run", l.key);
+        assert!(r.expires_at_ms.unwrap() >= started + 120_000 - 100, "{} renewed by the full run", l.key);
     }
     // At --concurrency 2 the emulator may start two instances per function: no count, but
     // no crash either.
