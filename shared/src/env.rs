@@ -98,7 +98,12 @@ impl StoreChoice {
 /// `Debug` is redacted and no log statement records one.
 pub fn init_tracing(json: bool) {
     use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    // The Lambda runtime logs raw events (which carry lease_ids) at debug/trace: cap it, so
+    // no RUST_LOG setting can put a lease_id in the logs.
+    for target in ["lambda_runtime=info", "lambda_runtime_api_client=info"] {
+        filter = filter.add_directive(target.parse().expect("static directive"));
+    }
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     let _ = if json {
         builder.json().with_current_span(true).with_span_list(false).flatten_event(true).without_time().try_init()

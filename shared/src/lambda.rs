@@ -39,6 +39,12 @@ impl Function {
             Function::Release => "release",
         }
     }
+    /// The HTTP operations this function answers: its own, and for heartbeat also the
+    /// read-only `GET /leases/{key}`.
+    pub fn serves(self, op: Operation) -> bool {
+        op == self.operation() || (self == Function::Heartbeat && op == Operation::Get)
+    }
+
     fn operation(self) -> Operation {
         match self {
             Function::Acquire => Operation::Acquire,
@@ -193,7 +199,15 @@ impl Handler {
         let (result, outcome) = match kind {
             EventKind::Http => {
                 let resp = match http_request(event) {
-                    Ok(req) => api::handle_http(&self.coord, req, Some(remaining)).await,
+                    Ok(req) => match api::route(&req.method, &req.path) {
+                        // Each function serves only its own routes, so its IAM policy is all
+                        // a route can reach even if API Gateway were mis-wired.
+                        Ok(api::Route::Op(op, _)) if !self.function.serves(op) => api::HttpResponse::json(
+                            404,
+                            &json!({"error": "UnknownRoute", "message": format!("the {} function does not serve {} {}", self.function.name(), req.method, req.path)}),
+                        ),
+                        _ => api::handle_http(&self.coord, req, Some(remaining)).await,
+                    },
                     Err(e) => api::HttpResponse::error(&e, self.coord.now_ms()),
                 };
                 let outcome = if resp.status == 200 {
