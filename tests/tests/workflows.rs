@@ -152,7 +152,9 @@ fn stack() -> &'static Stack {
             .into_iter()
             .map(|(k, v)| (k.to_string(), v))
             .collect();
-            let emulator = Emulator::start(&env);
+            // Several instances per function: executions of concurrent tests do not queue
+            // behind each other's waiting acquires.
+            let emulator = Emulator::start_with(free_port(), &env, &["--concurrency", "4"]);
             start_invoke_adapter(adapter_port, emulator.port);
             let moto = Moto::start(moto_port, adapter_port);
             rt.block_on(async {
@@ -228,7 +230,17 @@ const SCHEDULED: &str = "ScheduledJobStateMachine";
 
 async fn sfn(region: &str) -> aws_sdk_sfn::Client {
     let base = sdk_config_for(&stack().moto.endpoint()).await;
-    let conf = aws_sdk_sfn::config::Builder::from(&base).region(Region::new(region.to_string())).build();
+    // moto answers slowly while it interprets executions on a busy machine: patient timeouts,
+    // a few retries (StartExecution is idempotent by name and input).
+    let timeouts = aws_sdk_sfn::config::timeout::TimeoutConfig::builder()
+        .operation_attempt_timeout(Duration::from_secs(30))
+        .operation_timeout(Duration::from_secs(90))
+        .build();
+    let conf = aws_sdk_sfn::config::Builder::from(&base)
+        .region(Region::new(region.to_string()))
+        .timeout_config(timeouts)
+        .retry_config(aws_sdk_sfn::config::retry::RetryConfig::standard().with_max_attempts(3))
+        .build();
     aws_sdk_sfn::Client::from_conf(conf)
 }
 
