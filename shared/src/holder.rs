@@ -46,6 +46,8 @@ pub struct HeldLease {
     lease_id: LeaseId,
     first: Lease,
     state: watch::Receiver<HoldState>,
+    /// Safe time of the last lease the holder was given (kept after a loss).
+    last_safe: std::sync::Arc<std::sync::Mutex<Option<Instant>>>,
     task: Option<JoinHandle<()>>,
     released: bool,
 }
@@ -67,20 +69,27 @@ impl Coordinator {
     ) -> Result<HeldLease> {
         let lease = self.acquire(key, holder, Some(duration), opts).await?;
         let (tx, rx) = watch::channel(HoldState::Held(lease.clone()));
-        let task = tokio::spawn(renew_loop(self.clone(), lease.clone(), tx));
+        let last_safe = std::sync::Arc::new(std::sync::Mutex::new(lease.safe_until));
+        let task = tokio::spawn(renew_loop(self.clone(), lease.clone(), tx, last_safe.clone()));
         Ok(HeldLease {
             coord: self.clone(),
             key: key.to_string(),
             lease_id: lease.lease_id.clone(),
             first: lease,
             state: rx,
+            last_safe,
             task: Some(task),
             released: false,
         })
     }
 }
 
-async fn renew_loop(coord: Coordinator, mut lease: Lease, tx: watch::Sender<HoldState>) {
+async fn renew_loop(
+    coord: Coordinator,
+    mut lease: Lease,
+    tx: watch::Sender<HoldState>,
+    last_safe: std::sync::Arc<std::sync::Mutex<Option<Instant>>>,
+) {
     let Some(duration_ms) = lease.duration_ms else { return };
     let interval = Duration::from_millis((duration_ms / 3).max(1));
     loop {
@@ -98,6 +107,7 @@ async fn renew_loop(coord: Coordinator, mut lease: Lease, tx: watch::Sender<Hold
         match outcome {
             Some(Ok(l)) => {
                 lease = l;
+                *last_safe.lock().unwrap_or_else(|p| p.into_inner()) = lease.safe_until;
                 let _ = tx.send(HoldState::Held(lease.clone()));
             }
             Some(Err(Error::NotHolder { reason, .. })) => {
@@ -145,6 +155,12 @@ impl HeldLease {
     /// or the lease is lost (check [`HeldLease::is_lost`]).
     pub fn safe_until(&self) -> Option<Instant> {
         self.lease().and_then(|l| l.safe_until)
+    }
+
+    /// The safe time of the last lease this holder was given, also after the lease was lost:
+    /// work done before it was covered by the lease.
+    pub fn last_safe_until(&self) -> Option<Instant> {
+        *self.last_safe.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub fn is_lost(&self) -> bool {

@@ -223,12 +223,18 @@ impl Coordinator {
             let current = match w {
                 Write::Applied(r) => {
                     check_fence(&r)?;
-                    return Ok(r.lease(sent, now, self.skew_ms()));
+                    match self.usable(r, sent, now, retry_deadline)? {
+                        Some(lease) => return Ok(lease),
+                        None => continue,
+                    }
                 }
                 // An earlier attempt with this lease_id landed (its answer was lost, or the
                 // caller retried): the same lease, the same fence.
                 Write::Rejected(Some(r)) if r.is_live_for(&lease_id, now) => {
-                    return Ok(r.lease(sent, now, self.skew_ms()));
+                    match self.usable(r, sent, now, retry_deadline)? {
+                        Some(lease) => return Ok(lease),
+                        None => continue,
+                    }
                 }
                 Write::Rejected(Some(r)) => r,
                 Write::Rejected(None) => {
@@ -254,6 +260,24 @@ impl Coordinator {
             pause = pause.min(wait_deadline - now_i);
             tokio::time::sleep(pause).await;
         }
+    }
+
+    /// The lease a grant gives the holder, or `None` when the answer arrived after the lease's
+    /// safe time (a stalled request): such a lease is of no use to the holder, so the caller
+    /// takes the key again (the stale grant has expired, the retry gets the next fence) while
+    /// its deadline allows.
+    fn usable(&self, r: Record, sent: Instant, now: u64, deadline: Instant) -> Result<Option<Lease>> {
+        let lease = r.lease(sent, now, self.skew_ms());
+        if !lease.safe_until.is_some_and(|t| t <= Instant::now()) {
+            return Ok(Some(lease));
+        }
+        if Instant::now() >= deadline {
+            return Err(Error::StoreUnavailable(
+                "the store answered after the granted lease's safe time had passed".into(),
+            ));
+        }
+        tracing::debug!(key = %r.key, "granted lease arrived after its safe time; acquiring again");
+        Ok(None)
     }
 
     /// Extends a live lease by `duration` (default: the lease's own duration) from now.

@@ -127,3 +127,23 @@ async fn dynamodb_local_restart_keeps_leases() {
     assert_eq!(next.fence, plain.fence + 1);
     long.release().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_answered_after_its_safe_time_is_not_handed_out() {
+    let (proxy, c, direct) = through_proxy().await;
+    let mut cfg = test_config();
+    cfg.retry_budget = Duration::from_secs(5);
+    let patient = Coordinator::new(c.store().clone(), cfg);
+    // The acquire's request is held 1.5 s, longer than the 1 s lease it asks for: when the
+    // answer arrives, that lease is already past its safe time (the safety run found this).
+    proxy.reset_counts();
+    proxy.inject(&[ProxyFault::Stall(Duration::from_millis(1500))]);
+    let l = patient.acquire("late", "h", Some(Duration::from_secs(1)), AcquireOptions::default()).await.unwrap();
+    assert!(l.safe_until.unwrap() > Instant::now(), "a lease handed out must still be safe to use");
+    assert_eq!(proxy.counts().get("UpdateItem"), Some(&2), "the stale grant was followed by a fresh one");
+    assert_eq!(direct.get("late").await.unwrap().fence, l.fence);
+    // Without time left to try again, the caller gets a typed error instead of a dead lease.
+    proxy.inject(&[ProxyFault::Stall(Duration::from_millis(1500))]);
+    let r = c.acquire("late2", "h", Some(Duration::from_secs(1)), AcquireOptions::default()).await;
+    assert!(matches!(r, Err(Error::StoreUnavailable(_))), "{r:?}");
+}
