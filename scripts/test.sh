@@ -14,4 +14,13 @@ echo "== build"
 cargo build --workspace --all-targets --locked
 
 echo "== tests"
-cargo test --workspace --locked --no-fail-fast -- --test-threads "${LEASEHOLD_TEST_THREADS:-8}"
+log="$(mktemp)"
+set +e
+cargo test --workspace --locked --no-fail-fast -- --test-threads "${LEASEHOLD_TEST_THREADS:-8}" 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+set -e
+# One closing line for the whole suite (cargo prints one per test binary).
+awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i; if ($(i+1) ~ /^ignored/) s += $i } }
+     END { printf "tests: %d passed, %d failed, %d skipped\n", p, f, s }' "$log"
+rm -f "$log"
+exit "$status"
