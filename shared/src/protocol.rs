@@ -220,26 +220,25 @@ impl Coordinator {
                     (Condition::Free { now_ms: now }, m)
                 })
                 .await?;
-            let current = match w {
+            let granted = match w {
                 Write::Applied(r) => {
                     check_fence(&r)?;
-                    match self.usable(r, sent, now, retry_deadline)? {
-                        Some(lease) => return Ok(lease),
-                        None => continue,
-                    }
+                    Ok(r)
                 }
                 // An earlier attempt with this lease_id landed (its answer was lost, or the
                 // caller retried): the same lease, the same fence.
-                Write::Rejected(Some(r)) if r.is_live_for(&lease_id, now) => {
-                    match self.usable(r, sent, now, retry_deadline)? {
-                        Some(lease) => return Ok(lease),
-                        None => continue,
-                    }
-                }
-                Write::Rejected(Some(r)) => r,
+                Write::Rejected(Some(r)) if r.is_live_for(&lease_id, now) => Ok(r),
+                Write::Rejected(Some(r)) => Err(r),
                 Write::Rejected(None) => {
                     return Err(Error::StoreUnavailable("store rejected a write on a missing item".into()))
                 }
+            };
+            let current = match granted {
+                Ok(r) => match self.usable(r, sent, now, retry_deadline)? {
+                    Some(lease) => return Ok(lease),
+                    None => continue,
+                },
+                Err(r) => r,
             };
             let held = Error::LeaseHeld {
                 key: key.to_string(),

@@ -205,6 +205,17 @@ pub fn dynamo_local() -> &'static DynamoLocal {
     })
 }
 
+/// A fresh lease table on the shared DynamoDB Local with a fault-injecting proxy in front of
+/// the server: the proxy, the table's name, and an SDK configuration that goes through it.
+pub async fn proxied_table() -> (Arc<proxy::Proxy>, String, aws_config::SdkConfig) {
+    let local = tokio::task::spawn_blocking(dynamo_local).await.expect("dynamo local");
+    let table = local.store().await.table().to_string();
+    let upstream = format!("127.0.0.1:{}", local.port).parse().expect("address");
+    let proxy = Arc::new(proxy::Proxy::start(upstream).await);
+    let conf = sdk_config_for(&proxy.endpoint()).await;
+    (proxy, table, conf)
+}
+
 /// A temporary directory removed on drop.
 pub struct TempDir(pub PathBuf);
 

@@ -7,13 +7,11 @@ use std::time::{Duration, Instant};
 use leasehold::store::DynamoStore;
 use leasehold::{AcquireOptions, Coordinator, Error, Lost};
 use leasehold_tests::proxy::{Proxy, ProxyFault};
-use leasehold_tests::{dynamo_local, free_port, sdk_config_for, test_config, DynamoLocal, TempDir};
+use leasehold_tests::{dynamo_local, free_port, proxied_table, sdk_config_for, test_config, DynamoLocal, TempDir};
 
 async fn through_proxy() -> (Arc<Proxy>, Coordinator, Coordinator) {
-    let local = tokio::task::spawn_blocking(dynamo_local).await.unwrap();
-    let table = local.store().await.table().to_string();
-    let proxy = Arc::new(Proxy::start(format!("127.0.0.1:{}", local.port).parse().unwrap()).await);
-    let conf = sdk_config_for(&proxy.endpoint()).await;
+    let (proxy, table, conf) = proxied_table().await;
+    let local = dynamo_local();
     let mut cfg = test_config();
     cfg.retry_budget = Duration::from_millis(800);
     let faulty = Coordinator::new(Arc::new(DynamoStore::new(aws_sdk_dynamodb::Client::new(&conf), table.clone())), cfg);

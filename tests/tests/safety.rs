@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use leasehold::store::DynamoStore;
 use leasehold::{AcquireOptions, Coordinator, Error, Lost};
-use leasehold_tests::proxy::{Proxy, ProxyFault};
-use leasehold_tests::{dynamo_local, sdk_config_for, test_config};
+use leasehold_tests::proxy::ProxyFault;
+use leasehold_tests::{dynamo_local, proxied_table, test_config};
 
 #[derive(Default)]
 struct Resource {
@@ -59,10 +59,8 @@ fn rand(seed: &mut u64) -> u64 {
 }
 
 async fn safety_run(seconds: u64, workers: usize, keys: usize) {
-    let local = tokio::task::spawn_blocking(dynamo_local).await.unwrap();
-    let table = local.store().await.table().to_string();
-    let proxy = Arc::new(Proxy::start(format!("127.0.0.1:{}", local.port).parse().unwrap()).await);
-    let conf = sdk_config_for(&proxy.endpoint()).await;
+    let (proxy, table, conf) = proxied_table().await;
+    let local = dynamo_local();
     let mut cfg = test_config();
     cfg.retry_budget = Duration::from_millis(1500);
     let margin = cfg.skew_margin;
