@@ -210,6 +210,11 @@ impl HttpResponse {
         }
     }
 
+    fn with_status(mut self, status: u16) -> Self {
+        self.status = status;
+        self
+    }
+
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
     }
@@ -345,12 +350,5 @@ pub async fn handle_http(coord: &Coordinator, req: HttpRequest, remaining: Optio
     match run(coord, op, Some(&key), payload, remaining).await {
         Ok(v) => HttpResponse::json(200, &v),
         Err(e) => HttpResponse::error(&e, coord.now_ms()),
-    }
-}
-
-impl HttpResponse {
-    fn with_status(mut self, status: u16) -> Self {
-        self.status = status;
-        self
     }
 }
