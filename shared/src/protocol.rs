@@ -11,7 +11,8 @@ use crate::store::{Condition, Mutation, NewLease, ScanKind, Store, Write};
 use crate::validate::Limits;
 
 /// Largest fence the protocol will issue: 2^53, the largest integer JSON/JavaScript clients
-/// read exactly. A fresh key starts at the current epoch ms (about 2^40.7 in 2026).
+/// read exactly. Fences are drawn from the clock in epoch µs (about 2^50.6 in 2026; 2^53 is
+/// reached in the year 2255).
 pub const MAX_FENCE: u64 = 1 << 53;
 
 /// Coordinator settings. Every field has a documented default.
@@ -129,6 +130,12 @@ impl Coordinator {
         (wall + self.config.clock_offset_ms).max(0) as u64
     }
 
+    /// The coordinator's clock in epoch microseconds: where fences come from.
+    pub fn now_us(&self) -> u64 {
+        let wall = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as i64).unwrap_or(0);
+        (wall + self.config.clock_offset_ms * 1000).max(0) as u64
+    }
+
     fn skew_ms(&self) -> u64 {
         self.config.skew_margin.as_millis() as u64
     }
@@ -203,9 +210,13 @@ impl Coordinator {
         let retry_deadline = wait_deadline.max(start + self.config.retry_budget);
         let duration_ms = duration.map(|d| d.as_millis() as u64);
         let mut poll = Backoff::new(Duration::from_millis(10), self.config.poll_max);
+        // The last fence seen on this key: the next one must be above it.
+        let mut seen_fence: Option<u64> = None;
         loop {
+            let mut fence = 0;
             let (w, sent, now) = self
                 .write(key, retry_deadline, |now| {
+                    fence = self.now_us().max(seen_fence.map_or(0, |f| f + 1));
                     let m = Mutation::Acquire(NewLease {
                         holder: holder.to_string(),
                         lease_id: lease_id.clone(),
@@ -215,9 +226,9 @@ impl Coordinator {
                         metadata: opts.metadata.clone(),
                         keepalive: opts.keepalive.clone(),
                         ttl: duration_ms.map(|d| self.ttl_after(now + d)),
-                        first_fence: now,
+                        fence,
                     });
-                    (Condition::Free { now_ms: now }, m)
+                    (Condition::Free { now_ms: now, fence }, m)
                 })
                 .await?;
             let granted = match w {
@@ -228,6 +239,12 @@ impl Coordinator {
                 // An earlier attempt with this lease_id landed (its answer was lost, or the
                 // caller retried): the same lease, the same fence.
                 Write::Rejected(Some(r)) if r.is_live_for(&lease_id, now) => Ok(r),
+                // Free, but its last fence is not below ours (a coordinator whose clock runs
+                // ahead, a force-release, or µs collisions): go again just above it.
+                Write::Rejected(Some(r)) if !r.is_held(now) && r.fence >= fence => {
+                    seen_fence = Some(r.fence);
+                    continue;
+                }
                 Write::Rejected(Some(r)) => Err(r),
                 Write::Rejected(None) => {
                     return Err(Error::StoreUnavailable("store rejected a write on a missing item".into()))

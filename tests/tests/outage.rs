@@ -122,7 +122,7 @@ async fn dynamodb_local_restart_keeps_leases() {
     assert_eq!(renewed.fence, long.fence());
     c.release("plain", &plain.lease_id).await.unwrap();
     let next = c.acquire("plain", "other", Some(Duration::from_secs(5)), AcquireOptions::default()).await.unwrap();
-    assert_eq!(next.fence, plain.fence + 1);
+    assert!(next.fence > plain.fence, "{} after {}", next.fence, plain.fence);
     long.release().await.unwrap();
 }
 
@@ -138,7 +138,7 @@ async fn a_grant_answered_after_its_safe_time_is_not_handed_out() {
     proxy.inject(&[ProxyFault::Stall(Duration::from_millis(1500))]);
     let l = patient.acquire("late", "h", Some(Duration::from_secs(1)), AcquireOptions::default()).await.unwrap();
     assert!(l.safe_until.unwrap() > Instant::now(), "a lease handed out must still be safe to use");
-    assert_eq!(proxy.counts().get("UpdateItem"), Some(&2), "the stale grant was followed by a fresh one");
+    assert_eq!(proxy.counts().get("PutItem"), Some(&2), "the stale grant was followed by a fresh one");
     assert_eq!(direct.get("late").await.unwrap().fence, l.fence);
     // Without time left to try again, the caller gets a typed error instead of a dead lease.
     proxy.inject(&[ProxyFault::Stall(Duration::from_millis(1500))]);

@@ -255,7 +255,7 @@ fn allowed_resource(action: &str, resource: &Value, own_log_group: &str) -> bool
 fn function_roles_are_least_privilege() {
     let t = raw();
     let expected: [(&str, &[&str]); 3] = [
-        ("AcquireFunction", &["dynamodb:UpdateItem", "logs:CreateLogStream", "logs:PutLogEvents"]),
+        ("AcquireFunction", &["dynamodb:PutItem", "logs:CreateLogStream", "logs:PutLogEvents"]),
         (
             "HeartbeatFunction",
             &[

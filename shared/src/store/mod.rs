@@ -22,9 +22,10 @@ pub use sqlite::SqliteStore;
 /// Conditions a write is made under. Semantics are defined by [`Condition::holds`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum Condition {
-    /// The key can be taken: no item, or an item whose expiry is present and `<= now_ms`.
-    /// DynamoDB: `attribute_not_exists(#key) OR #expires_at_ms <= :now`
-    Free { now_ms: u64 },
+    /// The key can be taken with fence `fence`: no item, or an item whose expiry is present
+    /// and `<= now_ms` and whose last fence is below `fence`.
+    /// DynamoDB: `attribute_not_exists(#key) OR (#expires_at_ms <= :now AND #fence < :fence)`
+    Free { now_ms: u64, fence: u64 },
     /// `lease_id` holds the key: same lease_id, not released, no expiry or expiry `> now_ms`.
     /// With `timed`, the lease must also have a stored duration (heartbeat without a duration).
     /// DynamoDB: `#lease_id = :lease_id AND attribute_not_exists(#released_at_ms) AND
@@ -45,7 +46,9 @@ impl Condition {
     pub fn holds(&self, item: Option<&Record>) -> bool {
         match (self, item) {
             (Condition::Free { .. }, None) => true,
-            (Condition::Free { now_ms }, Some(r)) => matches!(r.expires_at_ms, Some(e) if e <= *now_ms),
+            (Condition::Free { now_ms, fence }, Some(r)) => {
+                matches!(r.expires_at_ms, Some(e) if e <= *now_ms) && r.fence < *fence
+            }
             (Condition::Live { lease_id, now_ms, timed }, Some(r)) => {
                 r.is_live_for(lease_id, *now_ms) && (!timed || r.duration_ms.is_some())
             }
@@ -69,15 +72,15 @@ pub struct NewLease {
     pub metadata: Option<Map<String, Value>>,
     pub keepalive: Option<Keepalive>,
     pub ttl: Option<u64>,
-    /// Fence of a brand-new item (no item, or one swept by TTL): the current time in ms.
-    pub first_fence: u64,
+    /// The fence this lease carries, chosen by the coordinator: the current time in µs, or
+    /// one more than the last fence it saw on the key if that is higher (see DESIGN.md).
+    pub fence: u64,
 }
 
 /// The writes of the protocol. Semantics are defined by [`Mutation::apply`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum Mutation {
-    /// Take the key: fence = (existing fence, or first_fence - 1) + 1; every other attribute
-    /// replaced; released_at removed.
+    /// Take the key: the whole item is replaced by the new lease (DynamoDB: one PutItem).
     Acquire(NewLease),
     /// Extend a live lease: expires_at = now + (duration, or the stored duration_ms).
     /// A given duration replaces the stored one.
@@ -98,7 +101,7 @@ impl Mutation {
         match self {
             Mutation::Acquire(n) => Record {
                 key: key.to_string(),
-                fence: old.map_or(n.first_fence, |r| r.fence + 1),
+                fence: n.fence,
                 holder: n.holder.clone(),
                 lease_id: n.lease_id.clone(),
                 acquired_at_ms: n.now_ms,

@@ -88,13 +88,13 @@ impl SqliteStore {
     }
 
     /// The embedded store's TTL sweeper: deletes items whose TTL (epoch s) has passed and whose
-    /// fence is below the current time in ms, so that a later acquire, which starts a fresh
-    /// item at the current time in ms, always issues a higher fence. Returns how many it deleted.
+    /// fence is below the current time in µs, so that a later acquire, which takes its fence
+    /// from the current time in µs, always issues a higher one. Returns how many it deleted.
     pub async fn purge_expired(&self, now_ms: u64) -> Result<usize> {
         self.blocking(move |c| {
             c.execute(
                 "DELETE FROM leases WHERE ttl IS NOT NULL AND ttl < ?1 AND fence < ?2",
-                params![(now_ms / 1000) as i64, now_ms as i64],
+                params![(now_ms / 1000) as i64, now_ms.saturating_mul(1000) as i64],
             )
             .map_err(store_err)
         })
