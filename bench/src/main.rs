@@ -1,6 +1,6 @@
 //! leasehold benchmarks on DynamoDB Local, behind a request-counting proxy.
 //!
-//! `leasehold-bench [--quick] [--scenarios m1,m2,m3,m4]` starts DynamoDB Local and the proxy,
+//! `leasehold-bench [--quick] [--scenarios m1,m2,m3,m4] [--m1-cycles N]` starts DynamoDB Local and the proxy,
 //! then runs every scenario for every library in a child process of its own (separate
 //! clients, separate peak RSS), interleaving the libraries round by round, and prints one
 //! table with ratios. Libraries: `leasehold` (on a table of the same schema as the others),
@@ -53,6 +53,16 @@ fn pct(sorted: &[f64], p: f64) -> f64 {
     sorted[i]
 }
 
+/// leasehold's configuration: the defaults, except that `LEASEHOLD_BENCH_POLL_MAX_MS` sets the
+/// longest pause between a waiter's attempts (to see what it trades in M3).
+fn config() -> Config {
+    let mut c = Config::default();
+    if let Some(ms) = std::env::var("LEASEHOLD_BENCH_POLL_MAX_MS").ok().and_then(|v| v.parse().ok()) {
+        c.poll_max = Duration::from_millis(ms);
+    }
+    c
+}
+
 /// One library behind a uniform acquire/release interface.
 enum Lib {
     Leasehold(Coordinator),
@@ -90,9 +100,7 @@ impl Lib {
         let conf = sdk_config_for(endpoint).await;
         let client = aws_sdk_dynamodb::Client::new(&conf);
         match name {
-            "leasehold" | "leasehold+index" => {
-                Lib::Leasehold(Coordinator::new(Arc::new(DynamoStore::new(client, table)), Config::default()))
-            }
+            "leasehold" | "leasehold+index" => Lib::Leasehold(Coordinator::new(Arc::new(DynamoStore::new(client, table)), config())),
             "raw" => Lib::Raw(client, table.to_string()),
             #[cfg(feature = "compare")]
             "dynamodb-lease" => Lib::DynamodbLease(
@@ -385,7 +393,7 @@ impl Lib {
             "leasehold" => {
                 let conf = sdk_config_for(endpoint).await;
                 let store = DynamoStore::new(aws_sdk_dynamodb::Client::new(&conf), table);
-                Lib::LeaseholdShort(Coordinator::new(Arc::new(store), Config::default()), lease)
+                Lib::LeaseholdShort(Coordinator::new(Arc::new(store), config()), lease)
             }
             #[cfg(feature = "compare")]
             "dynamodb-lease" => {
@@ -426,7 +434,13 @@ fn main() {
 async fn main_async(quick: bool, scenarios: Vec<String>) {
     let s = setup().await;
     let libs = libraries();
-    let (m1n, m2n, m3s, m4trials, rounds) = if quick { (200, 600, 5, 2, 2) } else { (1000, 3000, 20, 4, 4) };
+    let (mut m1n, m2n, m3s, m4trials, mut rounds) = if quick { (200, 600, 5, 2, 2) } else { (1000, 3000, 20, 4, 4) };
+    // `--m1-cycles N`: more M1 cycles (in rounds of 250) for steadier ratios on a noisy machine.
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(n) = args.iter().position(|a| a == "--m1-cycles").and_then(|i| args.get(i + 1)).and_then(|v| v.parse::<usize>().ok()) {
+        m1n = n.max(250);
+        rounds = m1n / 250;
+    }
     let has = |x: &str| scenarios.iter().any(|s| s == x);
     println!("leasehold-bench: DynamoDB Local 3.3.1 (in memory) behind a counting proxy; lease 10 s; libraries: {}", libs.join(", "));
     let mut rss: BTreeMap<&str, u64> = BTreeMap::new();

@@ -24,7 +24,8 @@ fn env_u64(name: &str) -> Result<Option<u64>> {
 /// [`Config`] with overrides from the environment:
 /// `LEASEHOLD_DEFAULT_DURATION_MS`, `LEASEHOLD_MIN_DURATION_MS`, `LEASEHOLD_MAX_DURATION_MS`,
 /// `LEASEHOLD_MAX_WAIT_MS`, `LEASEHOLD_SKEW_MARGIN_MS`, `LEASEHOLD_TTL_GRACE_S`,
-/// `LEASEHOLD_RETRY_BUDGET_MS`.
+/// `LEASEHOLD_RETRY_BUDGET_MS`, `LEASEHOLD_POLL_MAX_MS` (longest pause between a waiting
+/// acquire's attempts; see DESIGN.md, "Contention").
 pub fn config_from_env() -> Result<Config> {
     let mut c = Config::default();
     let ms = Duration::from_millis;
@@ -48,6 +49,12 @@ pub fn config_from_env() -> Result<Config> {
     }
     if let Some(v) = env_u64("LEASEHOLD_RETRY_BUDGET_MS")? {
         c.retry_budget = ms(v);
+    }
+    if let Some(v) = env_u64("LEASEHOLD_POLL_MAX_MS")? {
+        if v < 10 {
+            return Err(Error::invalid("LEASEHOLD_POLL_MAX_MS must be at least 10"));
+        }
+        c.poll_max = ms(v);
     }
     if c.limits.min_duration > c.limits.max_duration {
         return Err(Error::invalid("LEASEHOLD_MIN_DURATION_MS exceeds LEASEHOLD_MAX_DURATION_MS"));

@@ -285,3 +285,20 @@ fn json_errors_for_an_unreachable_store() {
     let o = output(c).code(77);
     assert_eq!(o.json()["error"], "StoreUnavailable");
 }
+
+#[test]
+fn configuration_from_the_environment_is_validated() {
+    let t = Target::embedded();
+    let mut c = t.cmd(&["acquire", "cfg/poll", "--json"]);
+    c.env("LEASEHOLD_POLL_MAX_MS", "5");
+    let o = output(c).code(2);
+    assert_eq!(o.json()["error"], "InvalidRequest");
+    assert!(o.json()["message"].as_str().unwrap().contains("LEASEHOLD_POLL_MAX_MS"), "{}", o.json());
+    let mut c = t.cmd(&["acquire", "cfg/poll", "--json"]);
+    c.env("LEASEHOLD_POLL_MAX_MS", "often");
+    assert_eq!(output(c).code(2).json()["error"], "InvalidRequest");
+    // A valid value is taken: the acquire goes through.
+    let mut c = t.cmd(&["acquire", "cfg/poll", "--json"]);
+    c.env("LEASEHOLD_POLL_MAX_MS", "50");
+    assert_eq!(output(c).code(0).json()["key"], "cfg/poll");
+}
