@@ -425,7 +425,7 @@ impl DynamoStore {
     /// An acquire: one conditional PutItem of the whole lease. Nothing of the previous lease
     /// survives by mistake, and DynamoDB Local spends less time on it than on the equivalent
     /// SET/REMOVE update expression (DESIGN.md has the figures).
-    async fn put_item(&self, key: &str, condition: &Condition, n: &NewLease, m: &Mutation) -> Result<Write> {
+    async fn put_item(&self, key: &str, condition: &Condition, n: &NewLease) -> Result<Write> {
         let mut x = Expr::default();
         let cond = x.condition(condition);
         let res = self
@@ -441,7 +441,7 @@ impl DynamoStore {
             .await;
         match res {
             // The item is exactly what was sent.
-            Ok(_) => Ok(Write::Applied(m.apply(key, None))),
+            Ok(_) => Ok(Write::Applied(n.record(key))),
             Err(e) => rejected_or_err(e, |e| match e {
                 aws_sdk_dynamodb::operation::put_item::PutItemError::ConditionalCheckFailedException(c) => Some(c.item()),
                 _ => None,
@@ -471,7 +471,7 @@ impl Store for DynamoStore {
 
     async fn update(&self, key: &str, condition: &Condition, mutation: &Mutation) -> Result<Write> {
         if let Mutation::Acquire(n) = mutation {
-            return self.put_item(key, condition, n, mutation).await;
+            return self.put_item(key, condition, n).await;
         }
         let mut x = Expr::default();
         let cond = x.condition(condition);

@@ -77,6 +77,26 @@ pub struct NewLease {
     pub fence: u64,
 }
 
+impl NewLease {
+    /// The whole item an acquire writes for `key`: nothing of the previous lease survives.
+    pub fn record(&self, key: &str) -> Record {
+        Record {
+            key: key.to_string(),
+            fence: self.fence,
+            holder: self.holder.clone(),
+            lease_id: self.lease_id.clone(),
+            acquired_at_ms: self.now_ms,
+            expires_at_ms: self.duration_ms.map(|d| self.now_ms + d),
+            duration_ms: self.duration_ms,
+            min_hold_until_ms: self.now_ms + self.min_hold_ms,
+            released_at_ms: None,
+            metadata: self.metadata.clone(),
+            keepalive: self.keepalive.clone(),
+            ttl: self.ttl,
+        }
+    }
+}
+
 /// The writes of the protocol. Semantics are defined by [`Mutation::apply`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum Mutation {
@@ -99,20 +119,7 @@ impl Mutation {
     /// Reference semantics: the item after the write. `old` is the item the condition held for.
     pub fn apply(&self, key: &str, old: Option<&Record>) -> Record {
         match self {
-            Mutation::Acquire(n) => Record {
-                key: key.to_string(),
-                fence: n.fence,
-                holder: n.holder.clone(),
-                lease_id: n.lease_id.clone(),
-                acquired_at_ms: n.now_ms,
-                expires_at_ms: n.duration_ms.map(|d| n.now_ms + d),
-                duration_ms: n.duration_ms,
-                min_hold_until_ms: n.now_ms + n.min_hold_ms,
-                released_at_ms: None,
-                metadata: n.metadata.clone(),
-                keepalive: n.keepalive.clone(),
-                ttl: n.ttl,
-            },
+            Mutation::Acquire(n) => n.record(key),
             Mutation::Extend { now_ms, duration_ms, ttl } => {
                 let mut r = old.expect("extend applies to an existing item").clone();
                 let d = duration_ms.or(r.duration_ms).expect("extend needs a duration");
