@@ -82,6 +82,8 @@ async fn serve(g: &Global, args: ServeArgs) -> i32 {
         }
     };
     let addr = listener.local_addr().unwrap_or(args.addr);
+    // Before the banner: whoever reads it may signal at once.
+    let shutdown = shutdown_signal();
     {
         use std::io::Write;
         let mut out = std::io::stdout().lock();
@@ -112,7 +114,6 @@ async fn serve(g: &Global, args: ServeArgs) -> i32 {
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder.timer(TokioTimer::new()).header_read_timeout(Duration::from_secs(30)).keep_alive(true);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    let shutdown = shutdown_signal();
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -148,13 +149,18 @@ async fn serve(g: &Global, args: ServeArgs) -> i32 {
     exit::OK
 }
 
-async fn shutdown_signal() {
+/// Installs the SIGTERM and SIGINT handlers now (not when the returned future is first polled:
+/// a signal that arrives between the banner and the accept loop's first turn must still stop
+/// the server cleanly) and resolves when either arrives.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
     let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
+    async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
     }
 }
 
