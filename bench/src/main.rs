@@ -1,14 +1,17 @@
 //! leasehold benchmarks on DynamoDB Local, behind a request-counting proxy.
 //!
-//! `leasehold-bench [--quick] [--scenarios m1,m2,m3,m4] [--m1-cycles N]` starts DynamoDB Local and the proxy,
-//! then runs every scenario for every library in a child process of its own (separate
-//! clients, separate peak RSS), interleaving the libraries round by round, and prints one
-//! table with ratios. Libraries: `leasehold` (on a table of the same schema as the others),
-//! `leasehold+index` (on the table template.yaml deploys, with the keep-alive index; M1 and M2
-//! only), `raw` (a bare aws-sdk conditional PutItem + DeleteItem loop: the floor), and with
-//! `--features compare` the `dynamodb-lease` crate. Every library gets an unmeasured warm-up
-//! first (DynamoDB Local's JIT), and a different library starts each M1 round. This is a
-//! benchmark, not a test: it asserts nothing and prints figures.
+//! `leasehold-bench [--quick] [--scenarios m1,m2,m3,m4] [--m1-cycles N] [--warmup N]` starts
+//! DynamoDB Local and the proxy, then runs every scenario for every library in a child process
+//! of its own (separate clients, separate peak RSS), interleaving the libraries round by
+//! round, and prints one table per scenario with ratios. Libraries: `leasehold` (on a table of
+//! the same schema as the others), `leasehold+index` (on the table template.yaml deploys, with
+//! the keep-alive index; M1 and M2 only), `raw` (a bare aws-sdk conditional PutItem +
+//! DeleteItem loop: the floor), and with `--features compare` the `dynamodb-lease` crate (in
+//! M3 twice: releasing with `Lease::release().await`, and by dropping the lease). Every library
+//! first runs unmeasured M1 cycles (`--warmup`, default 3,000 each): DynamoDB Local's JIT
+//! compiler otherwise takes a core for tens of thousands of requests. A different library
+//! starts each M1 round. This is a benchmark, not a test: it asserts nothing and prints
+//! figures.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -45,6 +48,19 @@ fn peak_rss_kb() -> u64 {
         .unwrap_or(0)
 }
 
+/// CPU time this process has used so far, in ms (every thread's run time from
+/// /proc/self/task/*/schedstat, in ns).
+fn cpu_ms() -> f64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return f64::NAN };
+    let mut ns = 0u64;
+    for t in tasks.flatten() {
+        if let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) {
+            ns += s.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        }
+    }
+    ns as f64 / 1e6
+}
+
 fn pct(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
@@ -69,8 +85,10 @@ enum Lib {
     /// leasehold with a lease other than `LEASE` (M4).
     LeaseholdShort(Coordinator, Duration),
     Raw(aws_sdk_dynamodb::Client, String),
+    /// dynamodb-lease; with `true`, leases are released by dropping them (the crate then
+    /// deletes the item in a spawned task) instead of awaiting `Lease::release`.
     #[cfg(feature = "compare")]
-    DynamodbLease(dynamodb_lease::Client),
+    DynamodbLease(dynamodb_lease::Client, bool),
 }
 
 /// A held lease of any library.
@@ -103,13 +121,14 @@ impl Lib {
             "leasehold" | "leasehold+index" => Lib::Leasehold(Coordinator::new(Arc::new(DynamoStore::new(client, table)), config())),
             "raw" => Lib::Raw(client, table.to_string()),
             #[cfg(feature = "compare")]
-            "dynamodb-lease" => Lib::DynamodbLease(
+            "dynamodb-lease" | "dynamodb-lease/drop" => Lib::DynamodbLease(
                 dynamodb_lease::Client::builder()
                     .table_name(table)
                     .lease_ttl_seconds(LEASE.as_secs() as u32)
                     .build_and_check_db(client)
                     .await
                     .expect("dynamodb-lease client"),
+                name.ends_with("/drop"),
             ),
             other => panic!("unknown library {other}"),
         }
@@ -141,7 +160,7 @@ impl Lib {
                 }
             }
             #[cfg(feature = "compare")]
-            Lib::DynamodbLease(c) => c.try_acquire(key).await.expect("try_acquire").map(Held::DynamodbLease),
+            Lib::DynamodbLease(c, _) => c.try_acquire(key).await.expect("try_acquire").map(Held::DynamodbLease),
         }
     }
 
@@ -168,7 +187,7 @@ impl Lib {
                 }
             }
             #[cfg(feature = "compare")]
-            Lib::DynamodbLease(c) => c.acquire_timeout(key, wait).await.ok().map(Held::DynamodbLease),
+            Lib::DynamodbLease(c, _) => c.acquire_timeout(key, wait).await.ok().map(Held::DynamodbLease),
         }
     }
 
@@ -189,7 +208,9 @@ impl Lib {
                     .expect("delete");
             }
             #[cfg(feature = "compare")]
-            (Lib::DynamodbLease(_), Held::DynamodbLease(l)) => l.release().await.expect("release"),
+            (Lib::DynamodbLease(_, false), Held::DynamodbLease(l)) => l.release().await.expect("release"),
+            #[cfg(feature = "compare")]
+            (Lib::DynamodbLease(_, true), Held::DynamodbLease(l)) => drop(l),
             _ => unreachable!("lease of another library"),
         }
     }
@@ -202,6 +223,7 @@ async fn child(lib: &str, scenario: &str, endpoint: &str, table: &str, n: usize,
             let l = Lib::new(lib, endpoint, table).await;
             let mut lat = Vec::with_capacity(n);
             let (mut acq, mut rel) = (Vec::with_capacity(n), Vec::with_capacity(n));
+            let cpu0 = cpu_ms();
             let t = Instant::now();
             for i in 0..n {
                 let s = Instant::now();
@@ -214,11 +236,12 @@ async fn child(lib: &str, scenario: &str, endpoint: &str, table: &str, n: usize,
                 rel.push(total - a);
             }
             let el = t.elapsed().as_secs_f64();
+            let cpu = cpu_ms() - cpu0;
             for v in [&mut lat, &mut acq, &mut rel] {
                 v.sort_by(|a, b| a.partial_cmp(b).unwrap());
             }
             json!({"cycles": n, "secs": el, "p50": pct(&lat, 0.5), "p99": pct(&lat, 0.99),
-                   "acquire_p50": pct(&acq, 0.5), "release_p50": pct(&rel, 0.5), "rss_kb": peak_rss_kb()})
+                   "acquire_p50": pct(&acq, 0.5), "release_p50": pct(&rel, 0.5), "cpu_ms": cpu, "rss_kb": peak_rss_kb()})
         }
         "m2" => {
             let l = Arc::new(Lib::new(lib, endpoint, table).await);
@@ -292,6 +315,23 @@ async fn child(lib: &str, scenario: &str, endpoint: &str, table: &str, n: usize,
     }
 }
 
+/// M1 figures of one library, summed over its rounds.
+#[derive(Default)]
+struct M1Acc {
+    secs: f64,
+    cycles: usize,
+    p50: Vec<f64>,
+    p99: Vec<f64>,
+    requests: u64,
+    cpu_ms: f64,
+}
+
+impl M1Acc {
+    fn rate(&self) -> f64 {
+        self.cycles as f64 / self.secs
+    }
+}
+
 struct Setup {
     _local: DynamoLocal,
     proxy: Proxy,
@@ -336,19 +376,25 @@ async fn setup() -> Setup {
     Setup { _local: local, proxy, tables }
 }
 
-/// Runs one child and returns its JSON plus the proxy's request counts during it.
+/// Runs one child and returns its JSON plus the proxy's request count during it.
 async fn run_child(s: &Setup, lib: &str, scenario: &str, n: usize, secs: u64, tag: &str) -> (Value, u64) {
+    let (v, counts) = run_child_counts(s, lib, scenario, n, secs, tag).await;
+    (v, counts.values().sum())
+}
+
+/// Runs one child and returns its JSON plus the proxy's requests during it, per operation.
+async fn run_child_counts(s: &Setup, lib: &str, scenario: &str, n: usize, secs: u64, tag: &str) -> (Value, BTreeMap<String, u64>) {
     s.proxy.reset_counts();
     let exe = std::env::current_exe().unwrap();
     let out = tokio::process::Command::new(exe)
-        .args(["--child", lib, scenario, &s.proxy.endpoint(), &s.tables[lib], &n.to_string(), &secs.to_string(), tag])
+        .args(["--child", lib, scenario, &s.proxy.endpoint(), &s.tables[lib.trim_end_matches("/drop")], &n.to_string(), &secs.to_string(), tag])
         .output()
         .await
         .expect("child");
     assert!(out.status.success(), "{lib} {scenario} failed: {}", String::from_utf8_lossy(&out.stderr));
     let line = String::from_utf8_lossy(&out.stdout);
     let v: Value = serde_json::from_str(line.lines().last().unwrap_or("")).expect("child json");
-    (v, s.proxy.total())
+    (v, s.proxy.counts())
 }
 
 /// M4: A holds a 2 s lease and dies; B already waits. The gap between A's last write and B's
@@ -405,6 +451,7 @@ impl Lib {
                         .build_and_check_db(aws_sdk_dynamodb::Client::new(&conf))
                         .await
                         .expect("client"),
+                    false,
                 )
             }
             _ => Lib::new(name, endpoint, table).await,
@@ -441,16 +488,20 @@ async fn main_async(quick: bool, scenarios: Vec<String>) {
         m1n = n.max(250);
         rounds = m1n / 250;
     }
+    // `--warmup N`: unmeasured M1 cycles per library first. DynamoDB Local's JIT compiler
+    // keeps a core busy for tens of thousands of requests; measured before it settles, the
+    // figures mostly say who ran while it was compiling.
+    let warmup = args.iter().position(|a| a == "--warmup").and_then(|i| args.get(i + 1)).and_then(|v| v.parse::<usize>().ok()).unwrap_or(if quick { 200 } else { 3000 });
     let has = |x: &str| scenarios.iter().any(|s| s == x);
     println!("leasehold-bench: DynamoDB Local 3.3.1 (in memory) behind a counting proxy; lease 10 s; libraries: {}", libs.join(", "));
     let mut rss: BTreeMap<&str, u64> = BTreeMap::new();
     if has("m1") {
         // Interleaved rounds: every library runs a slice of the cycles in turn.
-        let mut acc: BTreeMap<&str, (f64, usize, Vec<f64>, Vec<f64>, u64)> = BTreeMap::new();
+        let mut acc: BTreeMap<&str, M1Acc> = BTreeMap::new();
         // Warm-up, not measured: DynamoDB Local's JIT compiles each request shape on first use,
         // which would otherwise be charged to whichever library runs first.
         for lib in &libs {
-            run_child(&s, lib, "m1", 200, 0, &format!("{lib}-warm")).await;
+            run_child(&s, lib, "m1", warmup, 0, &format!("{lib}-warm")).await;
         }
         for r in 0..rounds {
             // A different library starts each round.
@@ -462,26 +513,35 @@ async fn main_async(quick: bool, scenarios: Vec<String>) {
                     eprintln!("m1 {lib} round {r}: {v}");
                 }
                 let e = acc.entry(lib).or_default();
-                e.0 += v["secs"].as_f64().unwrap();
-                e.1 += v["cycles"].as_u64().unwrap() as usize;
-                e.2.push(v["p50"].as_f64().unwrap());
-                e.3.push(v["p99"].as_f64().unwrap());
-                e.4 += reqs;
+                e.secs += v["secs"].as_f64().unwrap();
+                e.cycles += v["cycles"].as_u64().unwrap() as usize;
+                e.p50.push(v["p50"].as_f64().unwrap());
+                e.p99.push(v["p99"].as_f64().unwrap());
+                e.requests += reqs;
+                e.cpu_ms += v["cpu_ms"].as_f64().unwrap_or(f64::NAN);
                 *rss.entry(lib).or_default() = rss.get(lib).copied().unwrap_or(0).max(v["rss_kb"].as_u64().unwrap());
             }
         }
-        let floor = acc["raw"].1 as f64 / acc["raw"].0;
+        let floor = acc["raw"].rate();
         println!("\nM1 uncontended: 1 worker, acquire+release of distinct keys, {m1n} cycles each, {rounds} interleaved rounds");
-        println!("{:<16} {:>10} {:>9} {:>9} {:>13} {:>9}", "library", "cycles/s", "p50 ms", "p99 ms", "requests/cyc", "vs raw");
+        println!("(p50/p99: medians over the rounds; client CPU: the harness process's CPU time per cycle)");
+        println!("{:<16} {:>10} {:>9} {:>9} {:>13} {:>12} {:>9}", "library", "cycles/s", "p50 ms", "p99 ms", "requests/cyc", "client CPU", "vs raw");
         for lib in &libs {
-            let (secs, n, p50, p99, reqs) = &acc[lib];
-            let cps = *n as f64 / secs;
+            let a = &acc[lib];
             let med = |v: &Vec<f64>| { let mut v = v.clone(); v.sort_by(|a, b| a.partial_cmp(b).unwrap()); pct(&v, 0.5) };
-            println!("{:<16} {:>10.0} {:>9.2} {:>9.2} {:>13.2} {:>8.2}x", lib, cps, med(p50), med(p99), *reqs as f64 / *n as f64, cps / floor);
+            println!(
+                "{:<16} {:>10.0} {:>9.2} {:>9.2} {:>13.2} {:>10.0}µs {:>8.2}x",
+                lib,
+                a.rate(),
+                med(&a.p50),
+                med(&a.p99),
+                a.requests as f64 / a.cycles as f64,
+                a.cpu_ms * 1000.0 / a.cycles as f64,
+                a.rate() / floor
+            );
         }
         if let Some(dl) = acc.get("dynamodb-lease") {
-            let ours = acc["leasehold"].1 as f64 / acc["leasehold"].0;
-            println!("leasehold / dynamodb-lease: {:.2}x", ours / (dl.1 as f64 / dl.0));
+            println!("leasehold / dynamodb-lease: {:.2}x", acc["leasehold"].rate() / dl.rate());
         }
     }
     if has("m2") {
@@ -499,17 +559,30 @@ async fn main_async(quick: bool, scenarios: Vec<String>) {
     }
     if has("m3") {
         println!("\nM3 contention: 8 workers (separate clients) on ONE key for {m3s} s, hold 5 ms, each library's own waiting");
-        println!("{:<16} {:>8} {:>16} {:>9} {:>11} {:>11} {:>10} {:>9}", "library", "acq", "per-worker", "max/min", "hand p50", "hand p99", "req/acq", "overlaps");
+        println!("(req/acq: every request per acquisition, releases included; put/acq: acquiring PutItems per acquisition)");
+        println!("{:<20} {:>8} {:>16} {:>9} {:>11} {:>11} {:>9} {:>9} {:>9}", "library", "acq", "per-worker", "max/min", "hand p50", "hand p99", "req/acq", "put/acq", "overlaps");
         let mut acqs = BTreeMap::new();
-        for lib in libs.iter().filter(|l| !matches!(**l, "raw" | "leasehold+index")) {
-            let (v, reqs) = run_child(&s, lib, "m3", 0, m3s, &format!("{lib}-m3")).await;
+        // dynamodb-lease twice: releasing with `Lease::release().await`, and by dropping the
+        // lease (its documented default: the item is deleted in a spawned task).
+        let mut m3libs: Vec<&str> = libs.iter().copied().filter(|l| !matches!(*l, "raw" | "leasehold+index")).collect();
+        if cfg!(feature = "compare") {
+            m3libs.push("dynamodb-lease/drop");
+        }
+        for lib in &m3libs {
+            let (v, counts) = run_child_counts(&s, lib, "m3", 0, m3s, &format!("{}-m3", lib.replace('/', "-"))).await;
+            // Client set-up (dynamodb-lease describes the table) is not part of the contention.
+            let reqs: u64 = counts.iter().filter(|(op, _)| !op.starts_with("Describe")).map(|(_, n)| n).sum();
+            let puts = counts.get("PutItem").copied().unwrap_or(0);
+            if std::env::var_os("LEASEHOLD_BENCH_VERBOSE").is_some() {
+                eprintln!("m3 {lib}: {v}");
+            }
             let per: Vec<u64> = v["per_worker"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
             let acq = v["acquisitions"].as_u64().unwrap();
             acqs.insert(*lib, acq);
             let (mx, mn) = (*per.iter().max().unwrap(), *per.iter().min().unwrap());
             *rss.entry(lib).or_default() = rss.get(lib).copied().unwrap_or(0).max(v["rss_kb"].as_u64().unwrap());
             println!(
-                "{:<16} {:>8} {:>16} {:>9} {:>9.1}ms {:>9.1}ms {:>10.2} {:>9}",
+                "{:<20} {:>8} {:>16} {:>9} {:>9.1}ms {:>9.1}ms {:>9.2} {:>9.2} {:>9}",
                 lib,
                 acq,
                 format!("{mn}..{mx}"),
@@ -517,11 +590,14 @@ async fn main_async(quick: bool, scenarios: Vec<String>) {
                 v["handover_p50"].as_f64().unwrap_or(f64::NAN),
                 v["handover_p99"].as_f64().unwrap_or(f64::NAN),
                 reqs as f64 / acq.max(1) as f64,
+                puts as f64 / acq.max(1) as f64,
                 v["overlaps"]
             );
         }
-        if let Some(dl) = acqs.get("dynamodb-lease") {
-            println!("leasehold / dynamodb-lease acquisitions: {:.2}x", acqs["leasehold"] as f64 / (*dl).max(1) as f64);
+        for other in ["dynamodb-lease", "dynamodb-lease/drop"] {
+            if let Some(dl) = acqs.get(other) {
+                println!("leasehold / {other} acquisitions: {:.2}x", acqs["leasehold"] as f64 / (*dl).max(1) as f64);
+            }
         }
     }
     if has("m4") {

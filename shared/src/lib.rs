@@ -11,6 +11,7 @@ pub mod error;
 pub mod holder;
 pub mod keepalive;
 pub mod model;
+pub mod pacing;
 pub mod protocol;
 pub mod store;
 pub mod validate;

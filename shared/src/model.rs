@@ -72,6 +72,10 @@ pub struct Record {
     pub keepalive: Option<Keepalive>,
     /// DynamoDB TTL attribute (epoch seconds); `None` while a fail-closed lease is held.
     pub ttl: Option<u64>,
+    /// How often waiters poll this key (ms), learned by the acquirers that contended for it
+    /// (DESIGN.md, "Contention"). `None` until the key has been contended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub poll_ms: Option<u64>,
 }
 
 impl Record {

@@ -7,6 +7,7 @@ use serde_json::{Map, Value};
 
 use crate::error::{Error, NotHolderReason, Result};
 use crate::model::{Keepalive, Lease, LeaseId, LeaseState, Record, Released};
+use crate::pacing::{aged, next_period, period_of, Pacer};
 use crate::store::{Condition, Mutation, NewLease, ScanKind, Store, Write};
 use crate::validate::Limits;
 
@@ -91,11 +92,15 @@ impl Backoff {
 
 /// A uniform random duration in [d/2, d].
 pub fn jitter(d: Duration) -> Duration {
+    uniform(d / 2, d)
+}
+
+/// A uniform random duration in [lo, hi] (`lo` when `hi <= lo`).
+pub fn uniform(lo: Duration, hi: Duration) -> Duration {
     let mut b = [0u8; 8];
     let r = if getrandom::fill(&mut b).is_ok() { u64::from_le_bytes(b) } else { 0 };
-    let half = d / 2;
-    let span = (d - half).as_nanos() as u64;
-    half + Duration::from_nanos(if span == 0 { 0 } else { r % (span + 1) })
+    let span = hi.saturating_sub(lo).as_nanos() as u64;
+    lo + Duration::from_nanos(if span == 0 { 0 } else { r % (span + 1) })
 }
 
 /// The lease coordinator: validation, conditions, retries and fencing over one store.
@@ -103,6 +108,7 @@ pub fn jitter(d: Duration) -> Duration {
 pub struct Coordinator {
     store: Arc<dyn Store>,
     config: Arc<Config>,
+    pacer: Arc<Pacer>,
 }
 
 impl std::fmt::Debug for Coordinator {
@@ -113,7 +119,7 @@ impl std::fmt::Debug for Coordinator {
 
 impl Coordinator {
     pub fn new(store: Arc<dyn Store>, config: Config) -> Self {
-        Coordinator { store, config: Arc::new(config) }
+        Coordinator { store, config: Arc::new(config), pacer: Arc::default() }
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {
@@ -209,10 +215,24 @@ impl Coordinator {
         let wait_deadline = start + wait;
         let retry_deadline = wait_deadline.max(start + self.config.retry_budget);
         let duration_ms = duration.map(|d| d.as_millis() as u64);
-        let mut poll = Backoff::new(Duration::from_millis(10), self.config.poll_max);
+        // Pacing of the attempts while the key is held (see `pacing`): a coordinator that
+        // found this key contended a moment ago first waits a random part of the key's poll
+        // period, so that it competes with the waiters instead of jumping ahead of them.
+        let pace = self.pacer.begin(key);
+        let mut attempts = 0u32;
+        let mut contended = false;
+        if let (Some(c), true) = (pace.courtesy, wait > Duration::ZERO) {
+            contended = true;
+            tokio::time::sleep(c.min(wait_deadline.saturating_duration_since(Instant::now()))).await;
+        }
+        let mut period = pace.period;
+        let mut pause = period;
         // The last fence seen on this key: the next one must be above it.
         let mut seen_fence: Option<u64> = None;
+        // The lease that held the key at the last rejection.
+        let mut held_by: Option<u64> = None;
         loop {
+            attempts += 1;
             let mut fence = 0;
             let (w, sent, now) = self
                 .write(key, retry_deadline, |now| {
@@ -227,6 +247,8 @@ impl Coordinator {
                         keepalive: opts.keepalive.clone(),
                         ttl: duration_ms.map(|d| self.ttl_after(now + d)),
                         fence,
+                        // Passed on to the key's waiters (see `pacing`).
+                        poll_ms: contended.then(|| next_period(period, attempts, self.config.poll_max).as_millis() as u64),
                     });
                     (Condition::Free { now_ms: now, fence }, m)
                 })
@@ -252,11 +274,20 @@ impl Coordinator {
             };
             let current = match granted {
                 Ok(r) => match self.usable(r, sent, now, retry_deadline)? {
-                    Some(lease) => return Ok(lease),
+                    Some(lease) => {
+                        if contended {
+                            // Remember the period this lease advertises for the next call.
+                            self.pacer.contended(key, next_period(period, attempts, self.config.poll_max));
+                        }
+                        return Ok(lease);
+                    }
                     None => continue,
                 },
                 Err(r) => r,
             };
+            contended = true;
+            period = period_of(current.poll_ms, self.config.poll_max);
+            self.pacer.contended(key, period);
             let held = Error::LeaseHeld {
                 key: key.to_string(),
                 holder: current.holder.clone(),
@@ -266,15 +297,23 @@ impl Coordinator {
             if now_i >= wait_deadline {
                 return Err(held);
             }
-            // Poll with growing pauses, but never sleep past the holder's known expiry, and
-            // never past our own deadline (one last attempt is made at the deadline).
-            let mut pause = poll.next_pause();
+            // While the key changes hands, poll at the period its item advertises; while one
+            // lease stays on it, double the pause up to poll_max. Never sleep past the holder's known expiry
+            // (a crashed holder is replaced promptly), nor past our own deadline (one last
+            // attempt is made at the deadline).
+            pause = if held_by == Some(current.fence) {
+                (pause * 2).min(self.config.poll_max.max(period))
+            } else {
+                aged(period, start.elapsed())
+            };
+            held_by = Some(current.fence);
+            let mut sleep = uniform(pause / 2, pause + pause / 2);
             if let Some(e) = current.expires_at_ms {
                 let until_expiry = Duration::from_millis(e.saturating_sub(self.now_ms()) + 1);
-                pause = pause.min(until_expiry);
+                sleep = sleep.min(until_expiry);
             }
-            pause = pause.min(wait_deadline - now_i);
-            tokio::time::sleep(pause).await;
+            sleep = sleep.min(wait_deadline - now_i);
+            tokio::time::sleep(sleep).await;
         }
     }
 

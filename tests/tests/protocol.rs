@@ -40,6 +40,7 @@ both_backends!(
     one_request_per_uncontended_operation,
     transient_errors_are_retried_then_reported,
     contenders_never_overlap,
+    waiters_share_a_contended_key_evenly,
     crash_handover_within_bound,
     held_lease_renews_and_notices_loss,
     keepalive_and_metadata_round_trip,
@@ -460,6 +461,63 @@ async fn contenders_never_overlap(b: Backend) {
     assert!(per_worker.iter().filter(|n| **n > 0).count() >= 4, "work spread: {per_worker:?}");
 }
 
+/// Six workers, each with its own coordinator (its own client, as on separate machines), take
+/// turns on one key: hold 5 ms, release, ask again at once. Releasing and asking again must not
+/// beat the workers already waiting: every worker gets a fair part of the acquisitions, at a
+/// bounded number of requests each (DESIGN.md, "Contention").
+async fn waiters_share_a_contended_key_evenly(b: Backend) {
+    const WORKERS: usize = 6;
+    let in_hold = Arc::new(AtomicU64::new(0));
+    let overlaps = Arc::new(AtomicU64::new(0));
+    let stop_at = Instant::now() + Duration::from_secs(10);
+    let mut tasks = Vec::new();
+    let mut counters = Vec::new();
+    for w in 0..WORKERS {
+        let counting = Counting::new(b.reopen());
+        counters.push(counting.clone());
+        let c = Coordinator::new(counting, test_config());
+        let (in_hold, overlaps) = (in_hold.clone(), overlaps.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut mine = 0u64;
+            while Instant::now() < stop_at {
+                let wait = stop_at.saturating_duration_since(Instant::now());
+                let opts = AcquireOptions { wait: Some(wait), ..Default::default() };
+                let l = match c.acquire("turns", &format!("w{w}"), secs(10), opts).await {
+                    Ok(l) => l,
+                    Err(Error::LeaseHeld { .. }) => break,
+                    Err(e) => panic!("worker {w}: {e}"),
+                };
+                if in_hold.fetch_add(1, Ordering::SeqCst) != 0 {
+                    overlaps.fetch_add(1, Ordering::SeqCst);
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                in_hold.fetch_sub(1, Ordering::SeqCst);
+                c.release("turns", &l.lease_id).await.unwrap();
+                mine += 1;
+            }
+            mine
+        }));
+    }
+    let mut per_worker = Vec::new();
+    for t in tasks {
+        per_worker.push(t.await.unwrap());
+    }
+    let total: u64 = per_worker.iter().sum();
+    let requests: usize = counters.iter().map(|c| c.total()).sum();
+    assert_eq!(overlaps.load(Ordering::SeqCst), 0, "two holds overlapped");
+    assert!(total >= 80, "too few acquisitions to judge: {per_worker:?}");
+    // A fair share is total / WORKERS; random polling spreads it, a releaser that wins again
+    // at once starves the others far below it.
+    let fair = total as f64 / WORKERS as f64;
+    assert!(
+        per_worker.iter().all(|n| *n as f64 >= 0.4 * fair),
+        "uneven turns: {per_worker:?} (fair share {fair:.0})"
+    );
+    let per_acquisition = requests as f64 / total as f64;
+    eprintln!("turns per worker {per_worker:?}, {per_acquisition:.2} requests per acquisition");
+    assert!(per_acquisition <= 3.0, "{per_acquisition:.2} requests per acquisition, {per_worker:?}");
+}
+
 /// A holder that stops renewing is replaced within duration + skew margin + 100 ms of its
 /// last write, and never before its duration.
 async fn crash_handover_within_bound(b: Backend) {
@@ -579,6 +637,7 @@ fn lease_id_never_formats() {
         metadata: None,
         keepalive: None,
         ttl: None,
+        poll_ms: None,
     };
     assert!(!format!("{r:?}").contains(&secret));
     assert!(!format!("{:?}", r.lease(Instant::now(), 0, 0)).contains(&secret));

@@ -38,6 +38,7 @@ pub mod attr {
     pub const KA_UNTIL: &str = "ka_until_ms";
     pub const KA_EXECUTION_ARN: &str = "ka_execution_arn";
     pub const TTL: &str = "ttl";
+    pub const POLL: &str = "poll_ms";
 }
 
 /// Name of the sparse keep-alive index (partition `ka_shard`, sort `ka_until_ms`).
@@ -233,6 +234,7 @@ pub fn record_from_item(item: &HashMap<String, AttributeValue>) -> Result<Record
         metadata,
         keepalive,
         ttl: get_n(item, attr::TTL)?,
+        poll_ms: get_n(item, attr::POLL)?,
     })
 }
 
@@ -396,6 +398,9 @@ fn lease_item(key: &str, n: &NewLease) -> HashMap<String, AttributeValue> {
     }
     if let Some(t) = n.ttl {
         put(attr::TTL, num(t));
+    }
+    if let Some(p) = n.poll_ms {
+        put(attr::POLL, num(p));
     }
     item
 }

@@ -75,6 +75,8 @@ pub struct NewLease {
     /// The fence this lease carries, chosen by the coordinator: the current time in µs, or
     /// one more than the last fence it saw on the key if that is higher (see DESIGN.md).
     pub fence: u64,
+    /// The key's poll period for waiters, when the key is contended (see `pacing`).
+    pub poll_ms: Option<u64>,
 }
 
 impl NewLease {
@@ -93,6 +95,7 @@ impl NewLease {
             metadata: self.metadata.clone(),
             keepalive: self.keepalive.clone(),
             ttl: self.ttl,
+            poll_ms: self.poll_ms,
         }
     }
 }

@@ -1,0 +1,182 @@
+//! How a waiting acquire paces its attempts on a held key (DESIGN.md, "Contention").
+//!
+//! DynamoDB cannot tell a waiter that a key was released, so waiting is polling, and every
+//! poll is a request. Three rules keep waiters even and requests few:
+//!
+//! - **The key carries its poll period.** Every lease item records `poll_ms`, the period at
+//!   which waiters poll that key, and a rejected attempt returns the item, so every waiter
+//!   polls at the same rate: none gets ahead by polling faster.
+//! - **The period is learned by the acquirers.** An acquire that contended writes the period
+//!   moved towards [`TARGET_ATTEMPTS`] attempts per acquisition: up when it took more
+//!   attempts, down when it took fewer (a small step each time). As all waiters share the period,
+//!   the average over acquisitions settles near the target, whatever the number of waiters.
+//!   Between attempts a waiter pauses a jittered period while it sees the key change hands,
+//!   shortened the longer it has waited (so the longest waiter is the likeliest to try first
+//!   after a release), and doubles the pause (up to `poll_max`) while the same lease stays on
+//!   it.
+//! - **A coordinator does not jump the queue it just left.** An acquire on a key that was
+//!   contended a moment ago makes its first attempt after a random part of the period
+//!   instead of at once, so a holder that releases and asks again competes with the waiters
+//!   on equal terms rather than winning every time.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use crate::protocol::uniform;
+
+/// Attempts an acquisition should cost under contention, counting the one that succeeds.
+/// With one request per release, a contended key then costs about 2.4 requests per
+/// acquisition.
+pub const TARGET_ATTEMPTS: f64 = 1.2;
+
+/// How strongly one acquisition moves the period: attempts - target, times this, is the
+/// relative step.
+const GAIN: f64 = 0.25;
+
+/// The shortest poll period.
+pub const MIN_PERIOD: Duration = Duration::from_millis(10);
+
+/// How long a key counts as contended after an acquire last found it held.
+const CONTENDED_FOR: Duration = Duration::from_secs(2);
+
+/// Waiting this many periods halves a waiter's pause (see [`aged`]).
+pub const AGING: f64 = 1.0;
+
+/// Keys remembered at most; the least recently used half is dropped when full.
+const MAX_KEYS: usize = 4096;
+
+#[derive(Debug, Clone, Copy)]
+struct KeyPace {
+    /// The key's period as last seen on its item.
+    period: Duration,
+    contended_at: Instant,
+}
+
+/// What one coordinator remembers of the keys it found contended.
+#[derive(Debug, Default)]
+pub struct Pacer {
+    keys: Mutex<HashMap<String, KeyPace>>,
+}
+
+/// The pacing of one acquire call.
+#[derive(Debug, Clone, Copy)]
+pub struct Pace {
+    /// The key's poll period.
+    pub period: Duration,
+    /// Somebody else held the key a moment ago: wait this long before the first attempt.
+    pub courtesy: Option<Duration>,
+}
+
+/// The period an item advertises (`None`: never contended), within `[MIN_PERIOD, max]`: it
+/// is advice written by other coordinators, never trusted beyond this coordinator's own
+/// `poll_max`.
+pub fn period_of(poll_ms: Option<u64>, max: Duration) -> Duration {
+    poll_ms.map_or(MIN_PERIOD, Duration::from_millis).clamp(MIN_PERIOD, max.max(MIN_PERIOD))
+}
+
+/// The period an acquire that contended writes, when it succeeds with its `attempts`-th
+/// attempt on a key whose period was `period`: a step proportional to how far `attempts` is
+/// from [`TARGET_ATTEMPTS`] (so that the *average* over acquisitions settles on the target),
+/// at most doubling or halving, within `[MIN_PERIOD, max]`.
+pub fn next_period(period: Duration, attempts: u32, max: Duration) -> Duration {
+    let factor = (1.0 + GAIN * (attempts.max(1) as f64 - TARGET_ATTEMPTS)).clamp(0.5, 2.0);
+    period.mul_f64(factor).clamp(MIN_PERIOD, max.max(MIN_PERIOD))
+}
+
+/// The pause of a waiter that has waited `waited` on a key whose period is `period`: the
+/// period, shortened as the wait grows (halved after [`AGING`] periods of waiting, a third
+/// after twice that, ...), so that whoever has waited longest is the likeliest to try first
+/// after a release. Never below half of [`MIN_PERIOD`].
+pub fn aged(period: Duration, waited: Duration) -> Duration {
+    let periods = waited.as_secs_f64() / period.as_secs_f64().max(1e-3);
+    period.div_f64(1.0 + periods / AGING).max(MIN_PERIOD / 2)
+}
+
+impl Pacer {
+    /// The pacing for a new acquire of `key`.
+    pub fn begin(&self, key: &str) -> Pace {
+        let now = Instant::now();
+        let keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
+        match keys.get(key) {
+            Some(p) => Pace {
+                period: p.period,
+                courtesy: (now.duration_since(p.contended_at) < CONTENDED_FOR).then(|| uniform(Duration::ZERO, p.period)),
+            },
+            None => Pace { period: MIN_PERIOD, courtesy: None },
+        }
+    }
+
+    /// An attempt found `key` held, by an item advertising `period`.
+    pub fn contended(&self, key: &str, period: Duration) {
+        let now = Instant::now();
+        let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
+        if keys.len() >= MAX_KEYS && !keys.contains_key(key) {
+            let mut ages: Vec<Instant> = keys.values().map(|p| p.contended_at).collect();
+            ages.sort_unstable();
+            let cut = ages[ages.len() / 2];
+            keys.retain(|_, p| p.contended_at > cut);
+        }
+        keys.insert(key.to_string(), KeyPace { period, contended_at: now });
+    }
+
+    /// The period last seen for `key` (tests).
+    pub fn period(&self, key: &str) -> Option<Duration> {
+        self.keys.lock().unwrap_or_else(|e| e.into_inner()).get(key).map(|p| p.period)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn period_moves_towards_the_target_within_bounds() {
+        let max = Duration::from_millis(500);
+        assert_eq!(period_of(None, max), MIN_PERIOD);
+        assert_eq!(period_of(Some(3), max), MIN_PERIOD);
+        assert_eq!(period_of(Some(80), max), Duration::from_millis(80));
+        assert_eq!(period_of(Some(u64::MAX), max), max, "advice from the item is bounded");
+        // Many attempts per acquisition: the period grows, at most doubling per step.
+        assert_eq!(next_period(MIN_PERIOD, 20, max), MIN_PERIOD * 2);
+        let up = next_period(Duration::from_millis(100), 2, max);
+        assert!(up > Duration::from_millis(118) && up < Duration::from_millis(122), "{up:?}");
+        // Fewer attempts than the target: it shrinks, never below MIN_PERIOD nor above max.
+        let down = next_period(Duration::from_millis(100), 1, max);
+        assert!(down < Duration::from_millis(97) && down > Duration::from_millis(93), "{down:?}");
+        assert_eq!(next_period(MIN_PERIOD, 1, max), MIN_PERIOD);
+        assert_eq!(next_period(max, 50, max), max);
+    }
+
+    #[test]
+    fn the_longer_a_waiter_has_waited_the_shorter_its_pause() {
+        let p = Duration::from_millis(80);
+        assert_eq!(aged(p, Duration::ZERO), p);
+        let close = |a: Duration, b: Duration| a.abs_diff(b) < Duration::from_micros(10);
+        assert!(close(aged(p, p.mul_f64(AGING)), p / 2));
+        assert!(close(aged(p, p.mul_f64(2.0 * AGING)), p / 3));
+        assert!(aged(p, Duration::from_secs(3600)) >= MIN_PERIOD / 2);
+    }
+
+    #[test]
+    fn a_recently_contended_key_gets_a_courtesy_pause_within_its_period() {
+        let p = Pacer::default();
+        assert!(p.begin("k").courtesy.is_none(), "an unknown key is not contended");
+        p.contended("k", Duration::from_millis(40));
+        for _ in 0..100 {
+            let pace = p.begin("k");
+            assert_eq!(pace.period, Duration::from_millis(40));
+            assert!(pace.courtesy.is_some_and(|c| c <= pace.period), "{pace:?}");
+        }
+    }
+
+    #[test]
+    fn memory_stays_bounded() {
+        let p = Pacer::default();
+        for i in 0..(MAX_KEYS * 3) {
+            p.contended(&format!("k{i}"), MIN_PERIOD);
+        }
+        assert!(p.keys.lock().unwrap().len() <= MAX_KEYS);
+        assert!(p.period(&format!("k{}", MAX_KEYS * 3 - 1)).is_some(), "the newest key is kept");
+    }
+}
