@@ -120,8 +120,9 @@ impl Pacer {
         keys.insert(key.to_string(), KeyPace { period, contended_at: now });
     }
 
-    /// The period last seen for `key` (tests).
-    pub fn period(&self, key: &str) -> Option<Duration> {
+    /// The period last seen for `key`.
+    #[cfg(test)]
+    fn period(&self, key: &str) -> Option<Duration> {
         self.keys.lock().unwrap_or_else(|e| e.into_inner()).get(key).map(|p| p.period)
     }
 }

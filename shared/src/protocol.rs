@@ -273,16 +273,20 @@ impl Coordinator {
                 }
             };
             let current = match granted {
-                Ok(r) => match self.usable(r, sent, now, retry_deadline)? {
-                    Some(lease) => {
-                        if contended {
-                            // Remember the period this lease advertises for the next call.
-                            self.pacer.contended(key, next_period(period, attempts, self.config.poll_max));
+                Ok(r) => {
+                    // The period the granted item advertises (written by an acquire that
+                    // contended), remembered for this coordinator's next call.
+                    let advertised = r.poll_ms;
+                    match self.usable(r, sent, now, retry_deadline)? {
+                        Some(lease) => {
+                            if advertised.is_some() {
+                                self.pacer.contended(key, period_of(advertised, self.config.poll_max));
+                            }
+                            return Ok(lease);
                         }
-                        return Ok(lease);
+                        None => continue,
                     }
-                    None => continue,
-                },
+                }
                 Err(r) => r,
             };
             contended = true;
@@ -297,10 +301,10 @@ impl Coordinator {
             if now_i >= wait_deadline {
                 return Err(held);
             }
-            // While the key changes hands, poll at the period its item advertises; while one
-            // lease stays on it, double the pause up to poll_max. Never sleep past the holder's known expiry
-            // (a crashed holder is replaced promptly), nor past our own deadline (one last
-            // attempt is made at the deadline).
+            // While the key changes hands, poll at the period its item advertises, aged by our
+            // wait; while one lease stays on it, double the pause up to poll_max. Never sleep
+            // past the holder's known expiry (a crashed holder is replaced promptly), nor past
+            // our own deadline (one last attempt is made at the deadline).
             pause = if held_by == Some(current.fence) {
                 (pause * 2).min(self.config.poll_max.max(period))
             } else {
