@@ -397,6 +397,33 @@ async fn run_child_counts(s: &Setup, lib: &str, scenario: &str, n: usize, secs: 
     (v, s.proxy.counts())
 }
 
+/// M3's physical limit, measured here: the median time a 5 ms hold really takes (the timer's
+/// granularity included) and the median round trip of a `GetItem` through the proxy.
+async fn hold_and_round_trip(s: &Setup) -> (f64, f64) {
+    let client = aws_sdk_dynamodb::Client::new(&sdk_config_for(&s.proxy.endpoint()).await);
+    let table = &s.tables["leasehold"];
+    let (mut holds, mut rtts) = (Vec::new(), Vec::new());
+    for i in 0..200 {
+        let t = Instant::now();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        holds.push(t.elapsed().as_secs_f64() * 1000.0);
+        let t = Instant::now();
+        client
+            .get_item()
+            .table_name(table)
+            .key("key", AttributeValue::S(format!("rtt-{i}")))
+            .consistent_read(true)
+            .send()
+            .await
+            .expect("get");
+        rtts.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    for v in [&mut holds, &mut rtts] {
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    }
+    (pct(&holds, 0.5), pct(&rtts, 0.5))
+}
+
 /// M4: A holds a 2 s lease and dies; B already waits. The gap between A's last write and B's
 /// acquiring write, from the proxy's log.
 async fn m4(s: &Setup, lib: &str, trial: usize) -> f64 {
@@ -599,6 +626,13 @@ async fn main_async(quick: bool, scenarios: Vec<String>) {
                 println!("leasehold / {other} acquisitions: {:.2}x", acqs["leasehold"] as f64 / (*dl).max(1) as f64);
             }
         }
+        // What no library can exceed: holds back to back, each next holder learning of the
+        // release within one request round trip, without a single wasted request.
+        let (hold, rtt) = hold_and_round_trip(&s).await;
+        let ceiling = m3s as f64 * 1000.0 / (hold + rtt);
+        println!(
+            "ceiling for any library without overlapping holds: {m3s} s / (hold {hold:.2} ms + one round trip {rtt:.2} ms) = {ceiling:.0} acquisitions"
+        );
     }
     if has("m4") {
         let margin = Config::default().skew_margin.as_millis();

@@ -642,3 +642,33 @@ fn lease_id_never_formats() {
     assert!(!format!("{r:?}").contains(&secret));
     assert!(!format!("{:?}", r.lease(Instant::now(), 0, 0)).contains(&secret));
 }
+
+/// Expressions name attributes as they are, except `attr::RESERVED`, which go through aliases.
+/// DynamoDB Local knows the reserved words: every attribute it refuses in an expression must be
+/// on that list, and nothing on the list may be accepted (an alias that costs for nothing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reserved_attribute_names_are_aliased() {
+    use leasehold::store::dynamo::attr;
+    let local = tokio::task::spawn_blocking(leasehold_tests::dynamo_local).await.unwrap();
+    let store = local.store().await;
+    let mut refused = Vec::new();
+    for a in attr::ALL {
+        let r = store
+            .client()
+            .get_item()
+            .table_name(store.table())
+            .key(attr::KEY, aws_sdk_dynamodb::types::AttributeValue::S("probe".into()))
+            .projection_expression(*a)
+            .send()
+            .await;
+        match r {
+            Ok(_) => {}
+            Err(e) => {
+                let msg = e.into_service_error().meta().message().unwrap_or_default().to_string();
+                assert!(msg.contains("reserved keyword"), "{a}: unexpected error {msg}");
+                refused.push(*a);
+            }
+        }
+    }
+    assert_eq!(refused, attr::RESERVED, "attributes DynamoDB Local refuses in expressions");
+}

@@ -39,6 +39,18 @@ pub mod attr {
     pub const KA_EXECUTION_ARN: &str = "ka_execution_arn";
     pub const TTL: &str = "ttl";
     pub const POLL: &str = "poll_ms";
+
+    /// Every attribute above.
+    pub const ALL: &[&str] = &[
+        KEY, FENCE, HOLDER, LEASE_ID, ACQUIRED_AT, EXPIRES_AT, DURATION, MIN_HOLD_UNTIL, RELEASED_AT, METADATA,
+        KA_SHARD, KA_UNTIL, KA_EXECUTION_ARN, TTL, POLL,
+    ];
+
+    /// The attributes that are DynamoDB reserved words, so an expression must name them through
+    /// an `ExpressionAttributeNames` alias. The others are written as they are: every alias is
+    /// work for the server on every request (DESIGN.md has the figure), and a test checks this
+    /// list against DynamoDB Local.
+    pub const RESERVED: &[&str] = &[KEY, TTL];
 }
 
 /// Name of the sparse keep-alive index (partition `ka_shard`, sort `ka_until_ms`).
@@ -238,8 +250,8 @@ pub fn record_from_item(item: &HashMap<String, AttributeValue>) -> Result<Record
     })
 }
 
-/// An expression under construction: `#name` placeholders for every attribute (several are
-/// reserved words), `:value` placeholders for every value.
+/// An expression under construction: attribute names as they are, except the reserved words
+/// (`attr::RESERVED`), which go through `#name` aliases; `:value` placeholders for every value.
 #[derive(Default)]
 struct Expr {
     set: Vec<String>,
@@ -250,9 +262,16 @@ struct Expr {
 
 impl Expr {
     fn n(&mut self, attribute: &str) -> String {
+        if !attr::RESERVED.contains(&attribute) {
+            return attribute.to_string();
+        }
         let p = format!("#{attribute}");
         self.names.insert(p.clone(), attribute.to_string());
         p
+    }
+    /// The alias map, or none when no reserved word was used (an empty map is invalid).
+    fn names(&mut self) -> Option<HashMap<String, String>> {
+        Some(std::mem::take(&mut self.names)).filter(|n| !n.is_empty())
     }
     fn v(&mut self, name: &str, value: AttributeValue) -> String {
         let p = format!(":{name}");
@@ -295,11 +314,12 @@ impl Expr {
 
     fn condition(&mut self, c: &Condition) -> String {
         match c {
+            // No item (every item has a fence), or one that has expired with a lower fence.
             Condition::Free { now_ms, fence } => {
-                let (k, e, f) = (self.n(attr::KEY), self.n(attr::EXPIRES_AT), self.n(attr::FENCE));
+                let (e, f) = (self.n(attr::EXPIRES_AT), self.n(attr::FENCE));
                 let now = self.v("now", num(*now_ms));
                 let fv = self.v("fence", num(*fence));
-                format!("attribute_not_exists({k}) OR ({e} <= {now} AND {f} < {fv})")
+                format!("attribute_not_exists({f}) OR ({e} <= {now} AND {f} < {fv})")
             }
             Condition::Live { lease_id, now_ms, timed } => {
                 let (l, r, e) = (self.n(attr::LEASE_ID), self.n(attr::RELEASED_AT), self.n(attr::EXPIRES_AT));
@@ -439,7 +459,7 @@ impl DynamoStore {
             .table_name(&self.table)
             .set_item(Some(lease_item(key, n)))
             .condition_expression(cond)
-            .set_expression_attribute_names(Some(x.names))
+            .set_expression_attribute_names(x.names())
             .set_expression_attribute_values(if x.values.is_empty() { None } else { Some(x.values) })
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
             .send()
@@ -488,7 +508,7 @@ impl Store for DynamoStore {
             .set_key(Some(key_map(key)))
             .update_expression(x.update_expression())
             .condition_expression(cond)
-            .set_expression_attribute_names(Some(x.names))
+            .set_expression_attribute_names(x.names())
             .set_expression_attribute_values(if x.values.is_empty() { None } else { Some(x.values) })
             .return_values(ReturnValue::AllNew)
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
@@ -517,7 +537,7 @@ impl Store for DynamoStore {
             .table_name(&self.table)
             .set_key(Some(key_map(key)))
             .condition_expression(cond)
-            .set_expression_attribute_names(Some(x.names))
+            .set_expression_attribute_names(x.names())
             .set_expression_attribute_values(if x.values.is_empty() { None } else { Some(x.values) })
             .return_values(ReturnValue::AllOld)
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)

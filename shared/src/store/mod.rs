@@ -24,20 +24,21 @@ pub use sqlite::SqliteStore;
 pub enum Condition {
     /// The key can be taken with fence `fence`: no item, or an item whose expiry is present
     /// and `<= now_ms` and whose last fence is below `fence`.
-    /// DynamoDB: `attribute_not_exists(#key) OR (#expires_at_ms <= :now AND #fence < :fence)`
+    /// DynamoDB: `attribute_not_exists(fence) OR (expires_at_ms <= :now AND fence < :fence)`
+    /// (every item has a fence)
     Free { now_ms: u64, fence: u64 },
     /// `lease_id` holds the key: same lease_id, not released, no expiry or expiry `> now_ms`.
     /// With `timed`, the lease must also have a stored duration (heartbeat without a duration).
-    /// DynamoDB: `#lease_id = :lease_id AND attribute_not_exists(#released_at_ms) AND
-    /// (attribute_not_exists(#expires_at_ms) OR #expires_at_ms > :now)`
-    /// [`AND attribute_exists(#duration_ms)`]
+    /// DynamoDB: `lease_id = :lease_id AND attribute_not_exists(released_at_ms) AND
+    /// (attribute_not_exists(expires_at_ms) OR expires_at_ms > :now)`
+    /// [`AND attribute_exists(duration_ms)`]
     Live { lease_id: LeaseId, now_ms: u64, timed: bool },
-    /// The item carries `lease_id`, whatever its state. DynamoDB: `#lease_id = :lease_id`
+    /// The item carries `lease_id`, whatever its state. DynamoDB: `lease_id = :lease_id`
     Owns { lease_id: LeaseId },
     /// The item exists. DynamoDB: `attribute_exists(#key)`
     Exists,
     /// The item exists and its last fence is `fence` (compare-and-set).
-    /// DynamoDB: `#fence = :fence`
+    /// DynamoDB: `fence = :fence`
     FenceIs(u64),
 }
 
