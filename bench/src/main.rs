@@ -14,7 +14,7 @@
 //! figures.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -22,7 +22,7 @@ use aws_sdk_dynamodb::types::AttributeValue;
 use leasehold::store::DynamoStore;
 use leasehold::{AcquireOptions, Config, Coordinator};
 use leasehold_tests::proxy::Proxy;
-use leasehold_tests::{sdk_config_for, DynamoLocal};
+use leasehold_tests::{sdk_config_for, DynamoLocal, Holds};
 use serde_json::{json, Value};
 
 const LEASE: Duration = Duration::from_secs(10);
@@ -273,15 +273,13 @@ async fn child(lib: &str, scenario: &str, endpoint: &str, table: &str, n: usize,
                 libs.push(Arc::new(Lib::new(lib, endpoint, table).await));
             }
             let key = format!("m3-{tag}");
-            let in_hold = Arc::new(AtomicI64::new(0));
-            let overlaps = Arc::new(AtomicU64::new(0));
+            let holds = Arc::new(Holds::default());
             let last_release = Arc::new(Mutex::new(None::<Instant>));
             let handovers = Arc::new(Mutex::new(Vec::<f64>::new()));
             let stop_at = Instant::now() + Duration::from_secs(secs);
             let mut tasks = Vec::new();
             for (w, l) in libs.into_iter().enumerate() {
-                let (key, in_hold, overlaps, last_release, handovers) =
-                    (key.clone(), in_hold.clone(), overlaps.clone(), last_release.clone(), handovers.clone());
+                let (key, holds, last_release, handovers) = (key.clone(), holds.clone(), last_release.clone(), handovers.clone());
                 tasks.push(tokio::spawn(async move {
                     let mut mine = 0u64;
                     while Instant::now() < stop_at {
@@ -290,11 +288,9 @@ async fn child(lib: &str, scenario: &str, endpoint: &str, table: &str, n: usize,
                         if let Some(r) = *last_release.lock().unwrap() {
                             handovers.lock().unwrap().push(r.elapsed().as_secs_f64() * 1000.0);
                         }
-                        if in_hold.fetch_add(1, Ordering::SeqCst) != 0 {
-                            overlaps.fetch_add(1, Ordering::SeqCst);
-                        }
+                        holds.enter();
                         tokio::time::sleep(Duration::from_millis(5)).await;
-                        in_hold.fetch_sub(1, Ordering::SeqCst);
+                        holds.leave();
                         *last_release.lock().unwrap() = Some(Instant::now());
                         l.release(h).await;
                         mine += 1;
@@ -308,7 +304,7 @@ async fn child(lib: &str, scenario: &str, endpoint: &str, table: &str, n: usize,
             }
             let mut h = handovers.lock().unwrap().clone();
             h.sort_by(|a, b| a.partial_cmp(b).unwrap());
-            json!({"per_worker": per, "acquisitions": per.iter().sum::<u64>(), "overlaps": overlaps.load(Ordering::SeqCst),
+            json!({"per_worker": per, "acquisitions": per.iter().sum::<u64>(), "overlaps": holds.overlaps(),
                    "handover_p50": pct(&h, 0.5), "handover_p99": pct(&h, 0.99), "rss_kb": peak_rss_kb()})
         }
         other => panic!("unknown scenario {other}"),

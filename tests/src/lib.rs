@@ -395,6 +395,28 @@ impl Store for Faulty {
     }
 }
 
+/// Counts holds that overlap: a worker calls `enter` when it starts working under a lease and
+/// `leave` when it stops; `overlaps` is how many holds started while another was running.
+#[derive(Default)]
+pub struct Holds {
+    running: AtomicU64,
+    overlaps: AtomicU64,
+}
+
+impl Holds {
+    pub fn enter(&self) {
+        if self.running.fetch_add(1, Ordering::SeqCst) != 0 {
+            self.overlaps.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    pub fn leave(&self) {
+        self.running.fetch_sub(1, Ordering::SeqCst);
+    }
+    pub fn overlaps(&self) -> u64 {
+        self.overlaps.load(Ordering::SeqCst)
+    }
+}
+
 /// The resource a lease guards: it accepts a write only with a fence at least as high as the
 /// highest it has seen, and records every accepted write for overlap checks.
 #[derive(Default)]

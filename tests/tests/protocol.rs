@@ -1,13 +1,13 @@
 //! The protocol suite: every case runs against the embedded store and against DynamoDB Local.
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use leasehold::store::{Condition, Write};
 use leasehold::{AcquireOptions, Coordinator, Error, Keepalive, LeaseId, Lost, NotHolderReason};
-use leasehold_tests::{test_config, Backend, Counting, Fault, Faulty, GuardedResource};
+use leasehold_tests::{test_config, Backend, Counting, Fault, Faulty, GuardedResource, Holds};
 use serde_json::json;
 
 macro_rules! both_backends {
@@ -414,14 +414,12 @@ async fn transient_errors_are_retried_then_reported(b: Backend) {
 async fn contenders_never_overlap(b: Backend) {
     let c = b.coordinator(test_config());
     let resource = Arc::new(GuardedResource::default());
-    let in_hold = Arc::new(AtomicU64::new(0));
-    let overlaps = Arc::new(AtomicU64::new(0));
+    let holds = Arc::new(Holds::default());
     let fences = Arc::new(Mutex::new(Vec::<u64>::new()));
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
     for w in 0..8 {
-        let (c, resource, in_hold, overlaps, fences, stop) =
-            (c.clone(), resource.clone(), in_hold.clone(), overlaps.clone(), fences.clone(), stop.clone());
+        let (c, resource, holds, fences, stop) = (c.clone(), resource.clone(), holds.clone(), fences.clone(), stop.clone());
         tasks.push(tokio::spawn(async move {
             let mut mine = 0u32;
             while !stop.load(Ordering::SeqCst) {
@@ -431,14 +429,12 @@ async fn contenders_never_overlap(b: Backend) {
                     Err(Error::LeaseHeld { .. }) => continue,
                     Err(e) => panic!("worker {w}: {e}"),
                 };
-                if in_hold.fetch_add(1, Ordering::SeqCst) != 0 {
-                    overlaps.fetch_add(1, Ordering::SeqCst);
-                }
+                holds.enter();
                 fences.lock().unwrap().push(l.fence);
                 assert!(resource.write(l.fence), "current holder {w} was rejected at fence {}", l.fence);
                 tokio::time::sleep(Duration::from_millis(2)).await;
                 assert!(resource.write(l.fence), "current holder {w} was rejected at fence {}", l.fence);
-                in_hold.fetch_sub(1, Ordering::SeqCst);
+                holds.leave();
                 c.release("hot", &l.lease_id).await.unwrap();
                 mine += 1;
             }
@@ -452,7 +448,7 @@ async fn contenders_never_overlap(b: Backend) {
         per_worker.push(t.await.unwrap());
     }
     let fences = fences.lock().unwrap().clone();
-    assert_eq!(overlaps.load(Ordering::SeqCst), 0, "two holds overlapped");
+    assert_eq!(holds.overlaps(), 0, "two holds overlapped");
     assert!(fences.len() >= 20, "too few acquisitions to mean anything: {}", fences.len());
     assert!(fences.windows(2).all(|w| w[1] > w[0]), "fences did not strictly increase in grant order");
     assert_eq!(fences.iter().collect::<HashSet<_>>().len(), fences.len());
@@ -467,8 +463,7 @@ async fn contenders_never_overlap(b: Backend) {
 /// bounded number of requests each (DESIGN.md, "Contention").
 async fn waiters_share_a_contended_key_evenly(b: Backend) {
     const WORKERS: usize = 6;
-    let in_hold = Arc::new(AtomicU64::new(0));
-    let overlaps = Arc::new(AtomicU64::new(0));
+    let holds = Arc::new(Holds::default());
     let stop_at = Instant::now() + Duration::from_secs(10);
     let mut tasks = Vec::new();
     let mut counters = Vec::new();
@@ -476,7 +471,7 @@ async fn waiters_share_a_contended_key_evenly(b: Backend) {
         let counting = Counting::new(b.reopen());
         counters.push(counting.clone());
         let c = Coordinator::new(counting, test_config());
-        let (in_hold, overlaps) = (in_hold.clone(), overlaps.clone());
+        let holds = holds.clone();
         tasks.push(tokio::spawn(async move {
             let mut mine = 0u64;
             while Instant::now() < stop_at {
@@ -487,11 +482,9 @@ async fn waiters_share_a_contended_key_evenly(b: Backend) {
                     Err(Error::LeaseHeld { .. }) => break,
                     Err(e) => panic!("worker {w}: {e}"),
                 };
-                if in_hold.fetch_add(1, Ordering::SeqCst) != 0 {
-                    overlaps.fetch_add(1, Ordering::SeqCst);
-                }
+                holds.enter();
                 tokio::time::sleep(Duration::from_millis(5)).await;
-                in_hold.fetch_sub(1, Ordering::SeqCst);
+                holds.leave();
                 c.release("turns", &l.lease_id).await.unwrap();
                 mine += 1;
             }
@@ -504,7 +497,7 @@ async fn waiters_share_a_contended_key_evenly(b: Backend) {
     }
     let total: u64 = per_worker.iter().sum();
     let requests: usize = counters.iter().map(|c| c.total()).sum();
-    assert_eq!(overlaps.load(Ordering::SeqCst), 0, "two holds overlapped");
+    assert_eq!(holds.overlaps(), 0, "two holds overlapped");
     assert!(total >= 80, "too few acquisitions to judge: {per_worker:?}");
     // A fair share is total / WORKERS; random polling spreads it, a releaser that wins again
     // at once starves the others far below it.

@@ -273,6 +273,10 @@ impl Expr {
     fn names(&mut self) -> Option<HashMap<String, String>> {
         Some(std::mem::take(&mut self.names)).filter(|n| !n.is_empty())
     }
+    /// The value map, or none when the expressions use no value (an empty map is invalid).
+    fn values(&mut self) -> Option<HashMap<String, AttributeValue>> {
+        Some(std::mem::take(&mut self.values)).filter(|v| !v.is_empty())
+    }
     fn v(&mut self, name: &str, value: AttributeValue) -> String {
         let p = format!(":{name}");
         self.values.insert(p.clone(), value);
@@ -460,7 +464,7 @@ impl DynamoStore {
             .set_item(Some(lease_item(key, n)))
             .condition_expression(cond)
             .set_expression_attribute_names(x.names())
-            .set_expression_attribute_values(if x.values.is_empty() { None } else { Some(x.values) })
+            .set_expression_attribute_values(x.values())
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
             .send()
             .await;
@@ -509,7 +513,7 @@ impl Store for DynamoStore {
             .update_expression(x.update_expression())
             .condition_expression(cond)
             .set_expression_attribute_names(x.names())
-            .set_expression_attribute_values(if x.values.is_empty() { None } else { Some(x.values) })
+            .set_expression_attribute_values(x.values())
             .return_values(ReturnValue::AllNew)
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
             .send()
@@ -538,7 +542,7 @@ impl Store for DynamoStore {
             .set_key(Some(key_map(key)))
             .condition_expression(cond)
             .set_expression_attribute_names(x.names())
-            .set_expression_attribute_values(if x.values.is_empty() { None } else { Some(x.values) })
+            .set_expression_attribute_values(x.values())
             .return_values(ReturnValue::AllOld)
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
             .send()
