@@ -118,7 +118,9 @@ impl Lib {
         let conf = sdk_config_for(endpoint).await;
         let client = aws_sdk_dynamodb::Client::new(&conf);
         match name {
-            "leasehold" | "leasehold+index" => Lib::Leasehold(Coordinator::new(Arc::new(DynamoStore::new(client, table)), config())),
+            "leasehold" | "leasehold+index" => {
+                Lib::Leasehold(Coordinator::new(Arc::new(DynamoStore::new(client, table)), config()))
+            }
             "raw" => Lib::Raw(client, table.to_string()),
             #[cfg(feature = "compare")]
             "dynamodb-lease" | "dynamodb-lease/drop" => Lib::DynamodbLease(
@@ -137,11 +139,13 @@ impl Lib {
     /// Acquire without waiting.
     async fn try_acquire(&self, key: &str, holder: &str) -> Option<Held> {
         match self {
-            Lib::Leasehold(_) | Lib::LeaseholdShort(..) => match self.coord().acquire(key, holder, Some(self.lease()), AcquireOptions::default()).await {
-                Ok(l) => Some(Held::Leasehold(key.into(), l.lease_id)),
-                Err(leasehold::Error::LeaseHeld { .. }) => None,
-                Err(e) => panic!("{e}"),
-            },
+            Lib::Leasehold(_) | Lib::LeaseholdShort(..) => {
+                match self.coord().acquire(key, holder, Some(self.lease()), AcquireOptions::default()).await {
+                    Ok(l) => Some(Held::Leasehold(key.into(), l.lease_id)),
+                    Err(leasehold::Error::LeaseHeld { .. }) => None,
+                    Err(e) => panic!("{e}"),
+                }
+            }
             Lib::Raw(c, t) => {
                 let v = format!("{holder}-{}", Instant::now().elapsed().as_nanos());
                 let r = c
@@ -168,7 +172,11 @@ impl Lib {
     async fn acquire_wait(&self, key: &str, holder: &str, wait: Duration) -> Option<Held> {
         match self {
             Lib::Leasehold(_) | Lib::LeaseholdShort(..) => {
-                match self.coord().acquire(key, holder, Some(self.lease()), AcquireOptions { wait: Some(wait), ..Default::default() }).await {
+                match self
+                    .coord()
+                    .acquire(key, holder, Some(self.lease()), AcquireOptions { wait: Some(wait), ..Default::default() })
+                    .await
+                {
                     Ok(l) => Some(Held::Leasehold(key.into(), l.lease_id)),
                     Err(leasehold::Error::LeaseHeld { .. }) => None,
                     Err(e) => panic!("{e}"),
@@ -279,12 +287,17 @@ async fn child(lib: &str, scenario: &str, endpoint: &str, table: &str, n: usize,
             let stop_at = Instant::now() + Duration::from_secs(secs);
             let mut tasks = Vec::new();
             for (w, l) in libs.into_iter().enumerate() {
-                let (key, holds, last_release, handovers) = (key.clone(), holds.clone(), last_release.clone(), handovers.clone());
+                let (key, holds, last_release, handovers) =
+                    (key.clone(), holds.clone(), last_release.clone(), handovers.clone());
                 tasks.push(tokio::spawn(async move {
                     let mut mine = 0u64;
                     while Instant::now() < stop_at {
                         let remaining = stop_at.saturating_duration_since(Instant::now());
-                        let Some(h) = l.acquire_wait(&key, &format!("w{w}"), remaining.max(Duration::from_millis(1))).await else { continue };
+                        let Some(h) =
+                            l.acquire_wait(&key, &format!("w{w}"), remaining.max(Duration::from_millis(1))).await
+                        else {
+                            continue;
+                        };
                         if let Some(r) = *last_release.lock().unwrap() {
                             handovers.lock().unwrap().push(r.elapsed().as_secs_f64() * 1000.0);
                         }
@@ -353,15 +366,29 @@ async fn setup() -> Setup {
                     .create_table()
                     .table_name(&table)
                     .billing_mode(BillingMode::PayPerRequest)
-                    .attribute_definitions(AttributeDefinition::builder().attribute_name("key").attribute_type(ScalarAttributeType::S).build().unwrap())
-                    .key_schema(KeySchemaElement::builder().attribute_name("key").key_type(KeyType::Hash).build().unwrap())
+                    .attribute_definitions(
+                        AttributeDefinition::builder()
+                            .attribute_name("key")
+                            .attribute_type(ScalarAttributeType::S)
+                            .build()
+                            .unwrap(),
+                    )
+                    .key_schema(
+                        KeySchemaElement::builder().attribute_name("key").key_type(KeyType::Hash).build().unwrap(),
+                    )
                     .send()
                     .await
                     .expect("table");
                 client
                     .update_time_to_live()
                     .table_name(&table)
-                    .time_to_live_specification(TimeToLiveSpecification::builder().attribute_name("lease_expiry").enabled(true).build().unwrap())
+                    .time_to_live_specification(
+                        TimeToLiveSpecification::builder()
+                            .attribute_name("lease_expiry")
+                            .enabled(true)
+                            .build()
+                            .unwrap(),
+                    )
                     .send()
                     .await
                     .expect("ttl");
@@ -379,11 +406,27 @@ async fn run_child(s: &Setup, lib: &str, scenario: &str, n: usize, secs: u64, ta
 }
 
 /// Runs one child and returns its JSON plus the proxy's requests during it, per operation.
-async fn run_child_counts(s: &Setup, lib: &str, scenario: &str, n: usize, secs: u64, tag: &str) -> (Value, BTreeMap<String, u64>) {
+async fn run_child_counts(
+    s: &Setup,
+    lib: &str,
+    scenario: &str,
+    n: usize,
+    secs: u64,
+    tag: &str,
+) -> (Value, BTreeMap<String, u64>) {
     s.proxy.reset_counts();
     let exe = std::env::current_exe().unwrap();
     let out = tokio::process::Command::new(exe)
-        .args(["--child", lib, scenario, &s.proxy.endpoint(), &s.tables[lib.trim_end_matches("/drop")], &n.to_string(), &secs.to_string(), tag])
+        .args([
+            "--child",
+            lib,
+            scenario,
+            &s.proxy.endpoint(),
+            &s.tables[lib.trim_end_matches("/drop")],
+            &n.to_string(),
+            &secs.to_string(),
+            tag,
+        ])
         .output()
         .await
         .expect("child");
@@ -446,7 +489,9 @@ async fn m4(s: &Setup, lib: &str, trial: usize) -> f64 {
     let events = s.proxy.events();
     let writes: Vec<_> = events
         .iter()
-        .filter(|e| e.status == 200 && matches!(e.target.as_str(), "PutItem" | "UpdateItem") && e.request.contains(&key))
+        .filter(|e| {
+            e.status == 200 && matches!(e.target.as_str(), "PutItem" | "UpdateItem") && e.request.contains(&key)
+        })
         .collect();
     let gap = match (writes.first(), writes.last()) {
         (Some(a), Some(b)) if writes.len() >= 2 => (b.at_ms - a.at_ms) as f64,
@@ -507,16 +552,26 @@ async fn main_async(quick: bool, scenarios: Vec<String>) {
     let (mut m1n, m2n, m3s, m4trials, mut rounds) = if quick { (200, 600, 5, 2, 2) } else { (1000, 3000, 20, 4, 4) };
     // `--m1-cycles N`: more M1 cycles (in rounds of 250) for steadier ratios on a noisy machine.
     let args: Vec<String> = std::env::args().collect();
-    if let Some(n) = args.iter().position(|a| a == "--m1-cycles").and_then(|i| args.get(i + 1)).and_then(|v| v.parse::<usize>().ok()) {
+    if let Some(n) =
+        args.iter().position(|a| a == "--m1-cycles").and_then(|i| args.get(i + 1)).and_then(|v| v.parse::<usize>().ok())
+    {
         m1n = n.max(250);
         rounds = m1n / 250;
     }
     // `--warmup N`: unmeasured M1 cycles per library first. DynamoDB Local's JIT compiler
     // keeps a core busy for tens of thousands of requests; measured before it settles, the
     // figures mostly say who ran while it was compiling.
-    let warmup = args.iter().position(|a| a == "--warmup").and_then(|i| args.get(i + 1)).and_then(|v| v.parse::<usize>().ok()).unwrap_or(if quick { 200 } else { 3000 });
+    let warmup = args
+        .iter()
+        .position(|a| a == "--warmup")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(if quick { 200 } else { 3000 });
     let has = |x: &str| scenarios.iter().any(|s| s == x);
-    println!("leasehold-bench: DynamoDB Local 3.3.1 (in memory) behind a counting proxy; lease 10 s; libraries: {}", libs.join(", "));
+    println!(
+        "leasehold-bench: DynamoDB Local 3.3.1 (in memory) behind a counting proxy; lease 10 s; libraries: {}",
+        libs.join(", ")
+    );
     let mut rss: BTreeMap<&str, u64> = BTreeMap::new();
     if has("m1") {
         // Interleaved rounds: every library runs a slice of the cycles in turn.
@@ -548,10 +603,17 @@ async fn main_async(quick: bool, scenarios: Vec<String>) {
         let floor = acc["raw"].rate();
         println!("\nM1 uncontended: 1 worker, acquire+release of distinct keys, {m1n} cycles each, {rounds} interleaved rounds");
         println!("(p50/p99: medians over the rounds; client CPU: the harness process's CPU time per cycle)");
-        println!("{:<16} {:>10} {:>9} {:>9} {:>13} {:>12} {:>9}", "library", "cycles/s", "p50 ms", "p99 ms", "requests/cyc", "client CPU", "vs raw");
+        println!(
+            "{:<16} {:>10} {:>9} {:>9} {:>13} {:>12} {:>9}",
+            "library", "cycles/s", "p50 ms", "p99 ms", "requests/cyc", "client CPU", "vs raw"
+        );
         for lib in &libs {
             let a = &acc[lib];
-            let med = |v: &Vec<f64>| { let mut v = v.clone(); v.sort_by(|a, b| a.partial_cmp(b).unwrap()); pct(&v, 0.5) };
+            let med = |v: &Vec<f64>| {
+                let mut v = v.clone();
+                v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+                pct(&v, 0.5)
+            };
             println!(
                 "{:<16} {:>10.0} {:>9.2} {:>9.2} {:>13.2} {:>10.0}µs {:>8.2}x",
                 lib,
@@ -582,8 +644,13 @@ async fn main_async(quick: bool, scenarios: Vec<String>) {
     }
     if has("m3") {
         println!("\nM3 contention: 8 workers (separate clients) on ONE key for {m3s} s, hold 5 ms, each library's own waiting");
-        println!("(req/acq: every request per acquisition, releases included; put/acq: acquiring PutItems per acquisition)");
-        println!("{:<20} {:>8} {:>16} {:>9} {:>11} {:>11} {:>9} {:>9} {:>9}", "library", "acq", "per-worker", "max/min", "hand p50", "hand p99", "req/acq", "put/acq", "overlaps");
+        println!(
+            "(req/acq: every request per acquisition, releases included; put/acq: acquiring PutItems per acquisition)"
+        );
+        println!(
+            "{:<20} {:>8} {:>16} {:>9} {:>11} {:>11} {:>9} {:>9} {:>9}",
+            "library", "acq", "per-worker", "max/min", "hand p50", "hand p99", "req/acq", "put/acq", "overlaps"
+        );
         let mut acqs = BTreeMap::new();
         // dynamodb-lease twice: releasing with `Lease::release().await`, and by dropping the
         // lease (its documented default: the item is deleted in a spawned task).

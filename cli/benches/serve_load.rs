@@ -32,7 +32,9 @@ fn opts() -> Opts {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
     while i < args.len() {
-        let val = || args.get(i + 1).and_then(|v| v.parse::<u64>().ok()).unwrap_or_else(|| panic!("{} needs a number", args[i]));
+        let val = || {
+            args.get(i + 1).and_then(|v| v.parse::<u64>().ok()).unwrap_or_else(|| panic!("{} needs a number", args[i]))
+        };
         match args[i].as_str() {
             "--clients" => o.clients = val() as usize,
             "--secs" => o.secs = val(),
@@ -148,7 +150,11 @@ fn main() {
     let _ = std::fs::remove_dir_all(&dir);
 
     let rate = all.cycles as f64 / elapsed.as_secs_f64();
-    println!("leasehold serve: {} clients x keep-alive, acquire+release on the embedded store, {:.1}s measured", o.clients, elapsed.as_secs_f64());
+    println!(
+        "leasehold serve: {} clients x keep-alive, acquire+release on the embedded store, {:.1}s measured",
+        o.clients,
+        elapsed.as_secs_f64()
+    );
     println!("{:<24} {:>12}", "metric", "value");
     println!("{:<24} {:>12.0}", "cycles/s", rate);
     println!("{:<24} {:>12.0}", "requests/s", rate * 2.0);
@@ -161,5 +167,9 @@ fn main() {
         Some(kb) => println!("{:<24} {:>12.1}", "server peak RSS (MB)", kb as f64 / 1024.0),
         None => println!("{:<24} {:>12}", "server peak RSS (MB)", "n/a"),
     }
-    println!("{:<24} {:>12}", "server exit on SIGTERM", status.code().map(|c| c.to_string()).unwrap_or("signal".into()));
+    println!(
+        "{:<24} {:>12}",
+        "server exit on SIGTERM",
+        status.code().map(|c| c.to_string()).unwrap_or("signal".into())
+    );
 }

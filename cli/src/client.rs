@@ -73,7 +73,8 @@ impl Conn {
     pub async fn request(&mut self, method: &str, path: &str, body: Option<Vec<u8>>) -> Result<(u16, Bytes), String> {
         let url = format!("{}{path}", self.endpoint.prefix);
         let method = hyper::Method::from_bytes(method.as_bytes()).map_err(|e| e.to_string())?;
-        let mut req = hyper::Request::builder().method(method).uri(url.as_str()).header("host", &self.endpoint.authority);
+        let mut req =
+            hyper::Request::builder().method(method).uri(url.as_str()).header("host", &self.endpoint.authority);
         if body.is_some() {
             req = req.header("content-type", "application/json");
         }

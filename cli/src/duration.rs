@@ -8,7 +8,9 @@ pub fn parse(s: &str) -> Result<Duration, String> {
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (digits, unit) = t.split_at(split);
     let bad = || {
-        format!("invalid duration {s:?}: expected a whole number with a unit (500ms, 30s, 5m, 2h) or plain milliseconds")
+        format!(
+            "invalid duration {s:?}: expected a whole number with a unit (500ms, 30s, 5m, 2h) or plain milliseconds"
+        )
     };
     if digits.is_empty() {
         return Err(bad());

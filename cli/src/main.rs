@@ -91,16 +91,24 @@ enum Cmd {
     #[command(after_help = serve::HELP)]
     Serve(serve::ServeArgs),
     /// Take the lease on KEY; prints the lease_id needed to renew and release it
-    #[command(after_help = "Examples:\n  leasehold acquire jobs/nightly --holder worker-1 --duration 5m\n  leasehold acquire jobs/nightly --wait 30s --min-hold 10s --metadata '{\"run\":42}'\n  LEASE_ID=$(leasehold acquire jobs/nightly --json | jq -r .lease_id)\n\nExit codes: 0 acquired, 75 held by someone else (after --wait), 2 invalid, 77 store unreachable.")]
+    #[command(
+        after_help = "Examples:\n  leasehold acquire jobs/nightly --holder worker-1 --duration 5m\n  leasehold acquire jobs/nightly --wait 30s --min-hold 10s --metadata '{\"run\":42}'\n  LEASE_ID=$(leasehold acquire jobs/nightly --json | jq -r .lease_id)\n\nExit codes: 0 acquired, 75 held by someone else (after --wait), 2 invalid, 77 store unreachable."
+    )]
     Acquire(AcquireArgs),
     /// Extend a lease you hold
-    #[command(after_help = "Examples:\n  leasehold heartbeat jobs/nightly --lease-id \"$LEASE_ID\"\n  LEASEHOLD_LEASE_ID=... leasehold heartbeat jobs/nightly --duration 10m\n\nExit codes: 0 renewed, 1 not the holder (lost, released, taken over), 2 invalid, 77 store unreachable.")]
+    #[command(
+        after_help = "Examples:\n  leasehold heartbeat jobs/nightly --lease-id \"$LEASE_ID\"\n  LEASEHOLD_LEASE_ID=... leasehold heartbeat jobs/nightly --duration 10m\n\nExit codes: 0 renewed, 1 not the holder (lost, released, taken over), 2 invalid, 77 store unreachable."
+    )]
     Heartbeat(HeartbeatArgs),
     /// Release a lease you hold
-    #[command(after_help = "Examples:\n  leasehold release jobs/nightly --lease-id \"$LEASE_ID\"\n\nExit codes: 0 released, 1 not the holder, 2 invalid, 77 store unreachable.")]
+    #[command(
+        after_help = "Examples:\n  leasehold release jobs/nightly --lease-id \"$LEASE_ID\"\n\nExit codes: 0 released, 1 not the holder, 2 invalid, 77 store unreachable."
+    )]
     Release(ReleaseArgs),
     /// Show the state of KEY (never its lease_id)
-    #[command(after_help = "Examples:\n  leasehold get jobs/nightly\n  leasehold get jobs/nightly --json | jq .fence\n\nExit codes: 0 found, 1 no lease on KEY, 77 store unreachable.")]
+    #[command(
+        after_help = "Examples:\n  leasehold get jobs/nightly\n  leasehold get jobs/nightly --json | jq .fence\n\nExit codes: 0 found, 1 no lease on KEY, 77 store unreachable."
+    )]
     Get(KeyArg),
     /// List the keys held right now (embedded store or DynamoDB)
     #[command(after_help = "Examples:\n  leasehold list\n  leasehold --table leases list --limit 10 --json")]

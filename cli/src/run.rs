@@ -252,7 +252,8 @@ async fn acquire(
                 Some(e) => format!("until {}", crate::output::when(Some(e))),
                 None => "until released (fail-closed)".into(),
             };
-            let after = if args.skip_if_held { String::new() } else { format!(" after waiting {}", human(started.elapsed())) };
+            let after =
+                if args.skip_if_held { String::new() } else { format!(" after waiting {}", human(started.elapsed())) };
             eprintln!("leasehold: {:?} is held by {holder} {until}{after}; not running the command", args.key);
             Err(exit::HELD)
         }

@@ -188,7 +188,9 @@ async fn handle(coord: Coordinator, req: Request<Incoming>) -> Result<Response<F
                 api::handle_http(&coord, req, None).await
             }
             Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => too_large(),
-            Err(e) => HttpResponse::json(400, &Error::invalid(format!("could not read the request body: {e}")).to_json()),
+            Err(e) => {
+                HttpResponse::json(400, &Error::invalid(format!("could not read the request body: {e}")).to_json())
+            }
         }
     };
     Ok(to_hyper(resp))

@@ -298,14 +298,18 @@ pub fn route(method: &str, raw_path: &str) -> std::result::Result<Route, HttpRes
     };
     let key = percent_encoding::percent_decode_str(encoded_key)
         .decode_utf8()
-        .map_err(|_| route_error(400, "InvalidRequest", "the key in the path is not valid UTF-8 once percent-decoded".into()))?
+        .map_err(|_| {
+            route_error(400, "InvalidRequest", "the key in the path is not valid UTF-8 once percent-decoded".into())
+        })?
         .into_owned();
     let op = match (method, action) {
         ("POST", Some("acquire")) => Operation::Acquire,
         ("POST", Some("heartbeat")) => Operation::Heartbeat,
         ("POST", Some("release")) => Operation::Release,
         ("GET", None) => Operation::Get,
-        (_, Some(a)) => return Err(method_not_allowed("POST", format!("use POST for /leases/{{key}}/{a}, not {method}"))),
+        (_, Some(a)) => {
+            return Err(method_not_allowed("POST", format!("use POST for /leases/{{key}}/{a}, not {method}")))
+        }
         (_, None) => return Err(method_not_allowed("GET", format!("use GET for /leases/{{key}}, not {method}"))),
     };
     Ok(Route::Op(op, key))
@@ -344,7 +348,9 @@ pub async fn handle_http(coord: &Coordinator, req: HttpRequest, remaining: Optio
     } else {
         match serde_json::from_slice::<Value>(&req.body) {
             Ok(v) => v,
-            Err(e) => return HttpResponse::error(&Error::invalid(format!("the body is not valid JSON: {e}")), coord.now_ms()),
+            Err(e) => {
+                return HttpResponse::error(&Error::invalid(format!("the body is not valid JSON: {e}")), coord.now_ms())
+            }
         }
     };
     match run(coord, op, Some(&key), payload, remaining).await {

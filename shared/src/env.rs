@@ -87,7 +87,9 @@ impl StoreChoice {
 
     pub async fn open(&self) -> Result<Arc<dyn Store>> {
         match self {
-            StoreChoice::Dynamo { table } => Ok(Arc::new(DynamoStore::from_env(table.clone(), Duration::from_secs(3)).await)),
+            StoreChoice::Dynamo { table } => {
+                Ok(Arc::new(DynamoStore::from_env(table.clone(), Duration::from_secs(3)).await))
+            }
             StoreChoice::Embedded { path } => Ok(Arc::new(SqliteStore::open(path)?)),
         }
     }

@@ -60,13 +60,7 @@ impl std::fmt::Debug for HeldLease {
 
 impl Coordinator {
     /// Acquires `key` and keeps it renewed until the returned handle is released or dropped.
-    pub async fn hold(
-        &self,
-        key: &str,
-        holder: &str,
-        duration: Duration,
-        opts: AcquireOptions,
-    ) -> Result<HeldLease> {
+    pub async fn hold(&self, key: &str, holder: &str, duration: Duration, opts: AcquireOptions) -> Result<HeldLease> {
         let lease = self.acquire(key, holder, Some(duration), opts).await?;
         let (tx, rx) = watch::channel(HoldState::Held(lease.clone()));
         let last_safe = std::sync::Arc::new(std::sync::Mutex::new(lease.safe_until));

@@ -75,7 +75,11 @@ impl Coordinator {
                     return report;
                 }
                 let limit = PAGE.min(max_items - report.scanned);
-                let page = match self.store().scan(&ScanKind::Keepalive { shard, after_ms: self.now_ms() }, start.as_deref(), limit).await {
+                let page = match self
+                    .store()
+                    .scan(&ScanKind::Keepalive { shard, after_ms: self.now_ms() }, start.as_deref(), limit)
+                    .await
+                {
                     Ok(p) => p,
                     Err(e) => {
                         tracing::warn!(shard, error = e.name(), "keep-alive scan failed");
@@ -124,7 +128,11 @@ impl Coordinator {
         let now = self.now_ms();
         let (cond, m, ok) = if state == ExecutionState::Ended {
             let ttl = self.ttl_after(now + self.max_duration_ms());
-            (Condition::Owns { lease_id: rec.lease_id.clone() }, Mutation::Release { now_ms: now, ttl }, Outcome::Released)
+            (
+                Condition::Owns { lease_id: rec.lease_id.clone() },
+                Mutation::Release { now_ms: now, ttl },
+                Outcome::Released,
+            )
         } else {
             let ttl = self.ttl_after(now + rec.duration_ms.unwrap_or(0));
             (

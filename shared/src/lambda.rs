@@ -224,9 +224,14 @@ impl Handler {
                 let deadline = Instant::now() + remaining.saturating_sub(api::INVOKE_SAFETY_MARGIN);
                 let report = self.coord.keepalive_sweep(self.executions.clone(), self.sweep_max_items, deadline).await;
                 tracing::info!(
-                    scanned = report.scanned, renewed = report.renewed, released = report.released,
-                    skipped = report.skipped, raced = report.raced, errors = report.errors,
-                    complete = report.complete, "keep-alive sweep"
+                    scanned = report.scanned,
+                    renewed = report.renewed,
+                    released = report.released,
+                    skipped = report.skipped,
+                    raced = report.raced,
+                    errors = report.errors,
+                    complete = report.complete,
+                    "keep-alive sweep"
                 );
                 (Ok(serde_json::to_value(&report).expect("report serialises")), "sweep".to_string())
             }
@@ -269,9 +274,8 @@ impl Handler {
 /// [`config_from_env`], and `LEASEHOLD_SWEEP_MAX_ITEMS` (default 1000).
 pub async fn handler_from_env(function: Function) -> Result<Handler, Error> {
     let config = config_from_env()?;
-    let db = std::env::var_os("LEASEHOLD_DB")
-        .map(Into::into)
-        .unwrap_or_else(|| std::env::temp_dir().join("leasehold.db"));
+    let db =
+        std::env::var_os("LEASEHOLD_DB").map(Into::into).unwrap_or_else(|| std::env::temp_dir().join("leasehold.db"));
     let choice = StoreChoice::resolve(None, Some(db));
     if let StoreChoice::Embedded { .. } = &choice {
         tracing::warn!(store = %choice.describe(), "LEASEHOLD_TABLE is not set: using the embedded store");

@@ -101,7 +101,8 @@ impl Pacer {
         match keys.get(key) {
             Some(p) => Pace {
                 period: p.period,
-                courtesy: (now.duration_since(p.contended_at) < CONTENDED_FOR).then(|| uniform(Duration::ZERO, p.period)),
+                courtesy: (now.duration_since(p.contended_at) < CONTENDED_FOR)
+                    .then(|| uniform(Duration::ZERO, p.period)),
             },
             None => Pace { period: MIN_PERIOD, courtesy: None },
         }

@@ -177,7 +177,12 @@ impl Coordinator {
                     if Instant::now() + pause >= deadline {
                         return Err(e);
                     }
-                    tracing::debug!(key, error = e.name(), pause_ms = pause.as_millis() as u64, "retrying store request");
+                    tracing::debug!(
+                        key,
+                        error = e.name(),
+                        pause_ms = pause.as_millis() as u64,
+                        "retrying store request"
+                    );
                     tokio::time::sleep(pause).await;
                 }
                 Err(e) => return Err(e),
@@ -248,7 +253,8 @@ impl Coordinator {
                         ttl: duration_ms.map(|d| self.ttl_after(now + d)),
                         fence,
                         // Passed on to the key's waiters (see `pacing`).
-                        poll_ms: contended.then(|| next_period(period, attempts, self.config.poll_max).as_millis() as u64),
+                        poll_ms: contended
+                            .then(|| next_period(period, attempts, self.config.poll_max).as_millis() as u64),
                     });
                     (Condition::Free { now_ms: now, fence }, m)
                 })
@@ -363,7 +369,11 @@ impl Coordinator {
             .write(key, deadline, |now| {
                 (
                     Condition::Live { lease_id: lease_id.clone(), now_ms: now, timed: duration_ms.is_none() },
-                    Mutation::Extend { now_ms: now, duration_ms, ttl: Some(self.ttl_after(now + duration_ms.unwrap_or(max))) },
+                    Mutation::Extend {
+                        now_ms: now,
+                        duration_ms,
+                        ttl: Some(self.ttl_after(now + duration_ms.unwrap_or(max))),
+                    },
                 )
             })
             .await?;
@@ -465,10 +475,7 @@ impl Coordinator {
 
 fn check_fence(r: &Record) -> Result<()> {
     if r.fence > MAX_FENCE {
-        return Err(Error::StoreUnavailable(format!(
-            "fence of {:?} passed 2^53; the key must be retired",
-            r.key
-        )));
+        return Err(Error::StoreUnavailable(format!("fence of {:?} passed 2^53; the key must be retired", r.key)));
     }
     Ok(())
 }

@@ -49,10 +49,7 @@ fn text(field: &str, value: &str, max: usize) -> Result<()> {
         )));
     }
     if let Some(c) = value.chars().find(|c| c.is_control()) {
-        return Err(Error::invalid(format!(
-            "{field} contains the control character U+{:04X}",
-            c as u32
-        )));
+        return Err(Error::invalid(format!("{field} contains the control character U+{:04X}", c as u32)));
     }
     Ok(())
 }

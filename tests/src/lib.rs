@@ -57,7 +57,13 @@ impl Guarded {
             log = log.display()
         );
         let mut command = Command::new("bash");
-        command.arg("-c").arg(script).current_dir(cwd).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::null());
+        command
+            .arg("-c")
+            .arg(script)
+            .current_dir(cwd)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
         for (k, v) in env {
             command.env(k, v);
         }

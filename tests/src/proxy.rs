@@ -111,8 +111,9 @@ impl Proxy {
                 let _ = stream.set_nodelay(true);
                 let st = st.clone();
                 tokio::spawn(async move {
-                    let upstream_conn: Arc<tokio::sync::Mutex<Option<hyper::client::conn::http1::SendRequest<Full<Bytes>>>>> =
-                        Arc::new(tokio::sync::Mutex::new(None));
+                    let upstream_conn: Arc<
+                        tokio::sync::Mutex<Option<hyper::client::conn::http1::SendRequest<Full<Bytes>>>>,
+                    > = Arc::new(tokio::sync::Mutex::new(None));
                     let svc = service_fn(move |req: Request<Incoming>| {
                         let (st, up) = (st.clone(), upstream_conn.clone());
                         async move { handle(st, up, upstream, req).await }
@@ -279,7 +280,11 @@ async fn handle(
     Ok(Response::from_parts(rparts, Full::new(rbody)))
 }
 
-async fn forward(up: &Upstream, upstream: SocketAddr, req: Request<Full<Bytes>>) -> Result<Response<Incoming>, std::io::Error> {
+async fn forward(
+    up: &Upstream,
+    upstream: SocketAddr,
+    req: Request<Full<Bytes>>,
+) -> Result<Response<Incoming>, std::io::Error> {
     let mut guard = up.lock().await;
     let need_new = match guard.as_ref() {
         None => true,
@@ -288,7 +293,8 @@ async fn forward(up: &Upstream, upstream: SocketAddr, req: Request<Full<Bytes>>)
     if need_new {
         let stream = TcpStream::connect(upstream).await?;
         let _ = stream.set_nodelay(true);
-        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(std::io::Error::other)?;
+        let (sender, conn) =
+            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(std::io::Error::other)?;
         tokio::spawn(async move {
             let _ = conn.await;
         });
@@ -298,4 +304,3 @@ async fn forward(up: &Upstream, upstream: SocketAddr, req: Request<Full<Bytes>>)
     sender.ready().await.map_err(std::io::Error::other)?;
     sender.send_request(req).await.map_err(std::io::Error::other)
 }
-

@@ -145,14 +145,20 @@ fn every_subcommand(t: &Target) {
     assert!(l["leases"].as_array().unwrap().iter().all(|s| s["held"] == true && s.get("lease_id").is_none()));
     assert_eq!(t.run(&["list", "--limit", "2", "--json"]).ok().json()["leases"].as_array().unwrap().len(), 2);
     let text = t.run(&["list"]).ok();
-    assert!(text.stdout.starts_with("KEY") && text.stdout.contains("jobs/nightly") && text.stdout.contains("w2"), "{text:?}");
+    assert!(
+        text.stdout.starts_with("KEY") && text.stdout.contains("jobs/nightly") && text.stdout.contains("w2"),
+        "{text:?}"
+    );
 
     // force-release: frees the key at once, advances the fence; the evicted holder is out.
     let before = u(&t.run(&["get", "jobs/nightly", "--json"]).ok().json(), "fence");
     let f = t.run(&["force-release", "jobs/nightly", "--json"]).ok().json();
     assert_eq!(f["held"], false);
     assert!(u(&f, "fence") > before);
-    assert_eq!(t.run(&["heartbeat", "jobs/nightly", "--lease-id", &id2, "--json"]).code(1).json()["error"], "NotHolder");
+    assert_eq!(
+        t.run(&["heartbeat", "jobs/nightly", "--lease-id", &id2, "--json"]).code(1).json()["error"],
+        "NotHolder"
+    );
     let n = t.run(&["acquire", "jobs/nightly", "--holder", "w3", "--json"]).ok().json();
     assert!(u(&n, "fence") > u(&f, "fence"));
     assert!(t.run(&["force-release", "cfg/closed"]).ok().stdout.contains("force-released \"cfg/closed\""));

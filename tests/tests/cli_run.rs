@@ -163,10 +163,8 @@ fn sigterm_and_sigint_are_forwarded_and_the_lease_released() {
     let t = Target::embedded();
     for (sig, status) in [("TERM", 5), ("INT", 6)] {
         let started = t.dir.path().join(format!("started-{sig}"));
-        let cmd = sh(&format!(
-            "trap 'exit {status}' {sig}; touch '{}'; while :; do sleep 0.05; done",
-            started.display()
-        ));
+        let cmd =
+            sh(&format!("trap 'exit {status}' {sig}; touch '{}'; while :; do sleep 0.05; done", started.display()));
         let mut run = t.spawn(&run_args("fwd", &["--duration", "30s"], &cmd));
         eventually(LIMIT, "the command to start", || started.exists());
         run.signal(sig);

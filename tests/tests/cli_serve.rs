@@ -149,7 +149,10 @@ fn oversized_bodies_are_refused_without_reading_them() {
     let writer = std::thread::spawn(move || {
         let chunk = vec![b'a'; 16 * 1024];
         for _ in 0..(limit / chunk.len() + 2) {
-            if write!(w, "{:x}\r\n", chunk.len()).is_err() || w.write_all(&chunk).is_err() || w.write_all(b"\r\n").is_err() {
+            if write!(w, "{:x}\r\n", chunk.len()).is_err()
+                || w.write_all(&chunk).is_err()
+                || w.write_all(b"\r\n").is_err()
+            {
                 return;
             }
         }

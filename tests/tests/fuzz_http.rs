@@ -47,11 +47,7 @@ fn schemathesis_finds_no_server_error() {
         .output()
         .expect("run schemathesis");
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "schemathesis found failures:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "schemathesis found failures:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     // It really exercised the API.
     let xml = std::fs::read_to_string(&report).expect("junit report");
     assert!(xml.contains("POST /leases/{key}/acquire") && xml.contains("GET /leases/{key}"), "{xml}");

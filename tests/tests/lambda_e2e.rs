@@ -633,15 +633,27 @@ async fn http_api_flow_statuses_headers_and_bodies() {
         ("empty body", http_event("POST", &p, rk, Some("")), 400),
         ("missing holder", http_event("POST", &p, rk, Some("{}")), 400),
         ("negative duration", http_event("POST", &p, rk, Some(r#"{"holder":"w","duration_ms":-1}"#)), 400),
-        ("huge duration", http_event("POST", &p, rk, Some(r#"{"holder":"w","duration_ms":18446744073709551615}"#)), 400),
+        (
+            "huge duration",
+            http_event("POST", &p, rk, Some(r#"{"holder":"w","duration_ms":18446744073709551615}"#)),
+            400,
+        ),
         ("overflowing duration", http_event("POST", &p, rk, Some(r#"{"holder":"w","duration_ms":1e40}"#)), 400),
         ("wrong types", http_event("POST", &p, rk, Some(r#"{"holder":["w"],"wait_ms":"1s"}"#)), 400),
         ("unknown field", http_event("POST", &p, rk, Some(r#"{"holder":"w","steal":true}"#)), 400),
         ("non-object", http_event("POST", &p, rk, Some(r#""x""#)), 400),
         ("control chars in key", http_event("POST", "/leases/a%00b/acquire", rk, Some(r#"{"holder":"w"}"#)), 400),
         ("invalid UTF-8 key", http_event("POST", "/leases/%FF%FE/acquire", rk, Some(r#"{"holder":"w"}"#)), 400),
-        ("2 KB key", http_event("POST", &format!("/leases/{}/acquire", "k".repeat(2048)), rk, Some(r#"{"holder":"w"}"#)), 400),
-        ("body over 64 KiB", http_event("POST", &p, rk, Some(&format!(r#"{{"holder":"{}"}}"#, "w".repeat(70_000)))), 413),
+        (
+            "2 KB key",
+            http_event("POST", &format!("/leases/{}/acquire", "k".repeat(2048)), rk, Some(r#"{"holder":"w"}"#)),
+            400,
+        ),
+        (
+            "body over 64 KiB",
+            http_event("POST", &p, rk, Some(&format!(r#"{{"holder":"{}"}}"#, "w".repeat(70_000)))),
+            413,
+        ),
         ("wrong method", http_event("PUT", &p, "PUT /leases/{key}/acquire", Some("{}")), 405),
         ("unknown route", http_event("GET", "/nothing/here", "GET /nothing/here", None), 404),
     ];
@@ -774,11 +786,20 @@ async fn hostile_direct_invoke_payloads_get_typed_errors_and_change_nothing() {
         ("metadata over 4 KiB", json!({"key": "b", "holder": "h", "metadata": {"x": "y".repeat(5000)}})),
         ("fail_closed with duration", json!({"key": "b", "holder": "h", "fail_closed": true, "duration_ms": 1000})),
         ("fail_closed as string", json!({"key": "b", "holder": "h", "fail_closed": "yes"})),
-        ("keepalive on fail_closed", json!({"key": "b", "holder": "h", "fail_closed": true, "keepalive": {"until_ms": now_ms() + 60_000}})),
+        (
+            "keepalive on fail_closed",
+            json!({"key": "b", "holder": "h", "fail_closed": true, "keepalive": {"until_ms": now_ms() + 60_000}}),
+        ),
         ("keepalive in the past", json!({"key": "b", "holder": "h", "keepalive": {"until_ms": 5}})),
         ("keepalive too far", json!({"key": "b", "holder": "h", "keepalive": {"until_ms": u64::MAX}})),
-        ("keepalive bad arn", json!({"key": "b", "holder": "h", "keepalive": {"until_ms": now_ms() + 60_000, "execution_arn": "not-an-arn"}})),
-        ("keepalive unknown field", json!({"key": "b", "holder": "h", "keepalive": {"until_ms": now_ms() + 60_000, "every": 5}})),
+        (
+            "keepalive bad arn",
+            json!({"key": "b", "holder": "h", "keepalive": {"until_ms": now_ms() + 60_000, "execution_arn": "not-an-arn"}}),
+        ),
+        (
+            "keepalive unknown field",
+            json!({"key": "b", "holder": "h", "keepalive": {"until_ms": now_ms() + 60_000, "every": 5}}),
+        ),
         ("short lease_id", json!({"key": "a", "holder": "h", "lease_id": "abc"})),
         ("lease_id with spaces", json!({"key": "a", "holder": "h", "lease_id": "x x x x x x x x x x x x x x x"})),
         ("lease_id of 300 chars", json!({"key": "a", "lease_id": "a".repeat(300)})),
@@ -786,7 +807,10 @@ async fn hostile_direct_invoke_payloads_get_typed_errors_and_change_nothing() {
         ("heartbeat duration huge", json!({"key": "a", "lease_id": id, "duration_ms": u64::MAX})),
         ("heartbeat duration zero", json!({"key": "a", "lease_id": id, "duration_ms": 0})),
         ("heartbeat without lease_id", json!({"key": "a"})),
-        ("scheduled-looking with extras", json!({"source": "aws.events", "detail-type": "Scheduled Event", "key": "a"})),
+        (
+            "scheduled-looking with extras",
+            json!({"source": "aws.events", "detail-type": "Scheduled Event", "key": "a"}),
+        ),
     ];
 
     let mut payloads: Vec<(String, Vec<u8>)> = raw.into_iter().map(|(w, b)| (w.to_string(), b)).collect();
@@ -844,7 +868,14 @@ impl Sfn {
     }
 
     async fn start(&self, name: &str) -> String {
-        let out = self.client.start_execution().state_machine_arn(&self.machine).name(name).send().await.expect("StartExecution");
+        let out = self
+            .client
+            .start_execution()
+            .state_machine_arn(&self.machine)
+            .name(name)
+            .send()
+            .await
+            .expect("StartExecution");
         out.execution_arn().to_string()
     }
 
@@ -965,7 +996,8 @@ async fn keepalive_sweep_against_step_functions() {
         assert!(after.released_at_ms.is_none());
         assert!(after.expires_at_ms > before.expires_at_ms, "{} renewed again", before.key);
     }
-    let heartbeat_instances = lab.emu.server.log_text().matches("spawning function instance function=\"heartbeat\"").count();
+    let heartbeat_instances =
+        lab.emu.server.log_text().matches("spawning function instance function=\"heartbeat\"").count();
     println!("heartbeat instances started by the emulator: {heartbeat_instances}");
     // Keep these two alive through the slower steps below (heartbeat with a longer duration).
     for l in [&l_running, &l_no_arn] {
@@ -1020,4 +1052,3 @@ async fn keepalive_sweep_against_step_functions() {
     lab.assert_no_crash();
     bounded.assert_no_respawn();
 }
-

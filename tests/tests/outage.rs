@@ -81,7 +81,11 @@ async fn renewals_failing_until_safe_time_are_reported() {
     proxy.inject(&[ProxyFault::Reset; 10_000]);
     let lost = held.lost().await;
     assert_eq!(lost, Lost::SafeTimeExpired);
-    assert!(Instant::now() <= safe + Duration::from_millis(100), "told {:?} after the safe time", Instant::now() - safe);
+    assert!(
+        Instant::now() <= safe + Duration::from_millis(100),
+        "told {:?} after the safe time",
+        Instant::now() - safe
+    );
     proxy.clear_faults();
     // Nobody else could take the key before its expiry, which is after the safe time.
     let s = direct.get("r1").await.unwrap();

@@ -72,7 +72,10 @@ async fn acquire_get_release(b: Backend) {
     assert_eq!(state.fence, lease.fence);
     assert_eq!(state.holder, "worker-1");
     let json = serde_json::to_string(&state).unwrap();
-    assert!(!json.contains("lease_id") && !json.contains(lease.lease_id.expose()), "get never reveals the lease_id: {json}");
+    assert!(
+        !json.contains("lease_id") && !json.contains(lease.lease_id.expose()),
+        "get never reveals the lease_id: {json}"
+    );
 
     let rel = c.release("jobs/nightly", &lease.lease_id).await.unwrap();
     assert_eq!(rel.fence, lease.fence);
@@ -142,14 +145,8 @@ async fn wrong_lease_id_changes_nothing(b: Backend) {
     let c = b.coordinator(test_config());
     let l = c.acquire("w", "owner", secs(30), AcquireOptions::default()).await.unwrap();
     let forged = LeaseId::generate();
-    for r in [
-        c.heartbeat("w", &forged, None).await.map(|_| ()),
-        c.release("w", &forged).await.map(|_| ()),
-    ] {
-        assert!(
-            matches!(r, Err(Error::NotHolder { reason: NotHolderReason::WrongLeaseId, .. })),
-            "{r:?}"
-        );
+    for r in [c.heartbeat("w", &forged, None).await.map(|_| ()), c.release("w", &forged).await.map(|_| ())] {
+        assert!(matches!(r, Err(Error::NotHolder { reason: NotHolderReason::WrongLeaseId, .. })), "{r:?}");
     }
     let s = c.get("w").await.unwrap();
     assert!(s.held);
@@ -260,31 +257,55 @@ async fn validation_rules(b: Backend) {
         ("min_hold > duration", c.acquire("k", "h", d, AcquireOptions { min_hold: secs(31), ..o() }).await),
         (
             "metadata > 4 KiB",
-            c.acquire("k", "h", d, AcquireOptions {
-                metadata: Some(json!({"x": "y".repeat(4100)}).as_object().unwrap().clone()),
-                ..o()
-            })
+            c.acquire(
+                "k",
+                "h",
+                d,
+                AcquireOptions { metadata: Some(json!({"x": "y".repeat(4100)}).as_object().unwrap().clone()), ..o() },
+            )
             .await,
         ),
-        ("wait too long", c.acquire("k", "h", d, AcquireOptions { wait: Some(Duration::from_secs(13 * 3600)), ..o() }).await),
+        (
+            "wait too long",
+            c.acquire("k", "h", d, AcquireOptions { wait: Some(Duration::from_secs(13 * 3600)), ..o() }).await,
+        ),
         (
             "keepalive in the past",
-            c.acquire("k", "h", d, AcquireOptions { keepalive: Some(Keepalive { until_ms: 1, execution_arn: None }), ..o() }).await,
+            c.acquire(
+                "k",
+                "h",
+                d,
+                AcquireOptions { keepalive: Some(Keepalive { until_ms: 1, execution_arn: None }), ..o() },
+            )
+            .await,
         ),
         (
             "keepalive bad arn",
-            c.acquire("k", "h", d, AcquireOptions {
-                keepalive: Some(Keepalive { until_ms: c.now_ms() + 60_000, execution_arn: Some("not-an-arn".into()) }),
-                ..o()
-            })
+            c.acquire(
+                "k",
+                "h",
+                d,
+                AcquireOptions {
+                    keepalive: Some(Keepalive {
+                        until_ms: c.now_ms() + 60_000,
+                        execution_arn: Some("not-an-arn".into()),
+                    }),
+                    ..o()
+                },
+            )
             .await,
         ),
         (
             "keepalive on fail-closed",
-            c.acquire("k", "h", None, AcquireOptions {
-                keepalive: Some(Keepalive { until_ms: c.now_ms() + 60_000, execution_arn: None }),
-                ..o()
-            })
+            c.acquire(
+                "k",
+                "h",
+                None,
+                AcquireOptions {
+                    keepalive: Some(Keepalive { until_ms: c.now_ms() + 60_000, execution_arn: None }),
+                    ..o()
+                },
+            )
             .await,
         ),
     ];
@@ -296,7 +317,10 @@ async fn validation_rules(b: Backend) {
     c.acquire("ключ/🔒", "держатель", Some(Duration::from_secs(12 * 3600)), o()).await.unwrap();
     assert!(matches!(leasehold::validate::lease_id("short"), Err(Error::InvalidRequest(_))));
     assert!(matches!(leasehold::validate::lease_id(&"a".repeat(22)), Ok(_)));
-    assert!(matches!(leasehold::validate::lease_id("0123456789abcdef0123456789abcdef!"), Err(Error::InvalidRequest(_))));
+    assert!(matches!(
+        leasehold::validate::lease_id("0123456789abcdef0123456789abcdef!"),
+        Err(Error::InvalidRequest(_))
+    ));
     let r = c.heartbeat("k", &LeaseId::generate(), Some(Duration::from_secs(0))).await;
     assert!(matches!(r, Err(Error::InvalidRequest(_))), "{r:?}");
     // Nothing was written by any rejected request.
@@ -305,10 +329,7 @@ async fn validation_rules(b: Backend) {
 
 async fn min_hold_blocks_early_release(b: Backend) {
     let c = b.coordinator(test_config());
-    let l = c
-        .acquire("mh", "h", secs(10), AcquireOptions { min_hold: ms(800), ..Default::default() })
-        .await
-        .unwrap();
+    let l = c.acquire("mh", "h", secs(10), AcquireOptions { min_hold: ms(800), ..Default::default() }).await.unwrap();
     let rel = c.release("mh", &l.lease_id).await.unwrap();
     assert_eq!(rel.free_at_ms, l.acquired_at_ms + 800);
     let r = c.acquire("mh", "other", secs(10), AcquireOptions::default()).await;
@@ -317,10 +338,8 @@ async fn min_hold_blocks_early_release(b: Backend) {
         other => panic!("expected LeaseHeld during min_hold, got {other:?}"),
     }
     let t = Instant::now();
-    let next = c
-        .acquire("mh", "other", secs(10), AcquireOptions { wait: secs(5), ..Default::default() })
-        .await
-        .unwrap();
+    let next =
+        c.acquire("mh", "other", secs(10), AcquireOptions { wait: secs(5), ..Default::default() }).await.unwrap();
     assert!(c.now_ms() >= l.acquired_at_ms + 800);
     assert!(t.elapsed() < Duration::from_secs(2), "the waiter slept until the min_hold end, {:?}", t.elapsed());
     assert!(next.fence > l.fence, "{} after {}", next.fence, l.fence);
@@ -336,7 +355,10 @@ async fn fail_closed_lease(b: Backend) {
     // Heartbeat is a no-op for a fail-closed lease; it stays held.
     let h = c.heartbeat("fc", &l.lease_id, None).await.unwrap();
     assert_eq!((h.fence, h.expires_at_ms), (l.fence, None));
-    assert!(matches!(c.acquire("fc", "x", secs(1), AcquireOptions::default()).await, Err(Error::LeaseHeld { expires_at_ms: None, .. })));
+    assert!(matches!(
+        c.acquire("fc", "x", secs(1), AcquireOptions::default()).await,
+        Err(Error::LeaseHeld { expires_at_ms: None, .. })
+    ));
     // Operators free it, and the fence moves on.
     let s = c.force_release("fc").await.unwrap();
     assert_eq!(s.fence, l.fence + 1);
@@ -419,7 +441,8 @@ async fn contenders_never_overlap(b: Backend) {
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
     for w in 0..8 {
-        let (c, resource, holds, fences, stop) = (c.clone(), resource.clone(), holds.clone(), fences.clone(), stop.clone());
+        let (c, resource, holds, fences, stop) =
+            (c.clone(), resource.clone(), holds.clone(), fences.clone(), stop.clone());
         tasks.push(tokio::spawn(async move {
             let mut mine = 0u32;
             while !stop.load(Ordering::SeqCst) {
@@ -502,10 +525,7 @@ async fn waiters_share_a_contended_key_evenly(b: Backend) {
     // A fair share is total / WORKERS; random polling spreads it, a releaser that wins again
     // at once starves the others far below it.
     let fair = total as f64 / WORKERS as f64;
-    assert!(
-        per_worker.iter().all(|n| *n as f64 >= 0.4 * fair),
-        "uneven turns: {per_worker:?} (fair share {fair:.0})"
-    );
+    assert!(per_worker.iter().all(|n| *n as f64 >= 0.4 * fair), "uneven turns: {per_worker:?} (fair share {fair:.0})");
     let per_acquisition = requests as f64 / total as f64;
     eprintln!("turns per worker {per_worker:?}, {per_acquisition:.2} requests per acquisition");
     assert!(per_acquisition <= 3.0, "{per_acquisition:.2} requests per acquisition, {per_worker:?}");
@@ -522,10 +542,8 @@ async fn crash_handover_within_bound(b: Backend) {
         let before_write = c.now_ms();
         let l = c.acquire(&key, "doomed", Some(Duration::from_millis(1000)), AcquireOptions::default()).await.unwrap();
         // The holder "crashes": it never renews. A waiter is already waiting.
-        let taken = c
-            .acquire(&key, "heir", secs(10), AcquireOptions { wait: secs(5), ..Default::default() })
-            .await
-            .unwrap();
+        let taken =
+            c.acquire(&key, "heir", secs(10), AcquireOptions { wait: secs(5), ..Default::default() }).await.unwrap();
         let gap = taken.acquired_at_ms - l.acquired_at_ms;
         assert!(taken.acquired_at_ms >= l.expires_at_ms.unwrap(), "trial {trial}: taken before expiry");
         assert!(gap >= 1000, "trial {trial}: handover after {gap} ms, before the 1000 ms duration");
@@ -568,16 +586,28 @@ async fn held_lease_renews_and_notices_loss(b: Backend) {
     faulty.inject(&[Fault::Unavailable; 10_000]);
     let lost = held.lost().await;
     assert_eq!(lost, Lost::SafeTimeExpired);
-    assert!(Instant::now() <= safe + Duration::from_millis(50), "told late: {:?} after safe time", Instant::now() - safe);
+    assert!(
+        Instant::now() <= safe + Duration::from_millis(50),
+        "told late: {:?} after safe time",
+        Instant::now() - safe
+    );
     faulty.plan.lock().unwrap().clear();
 }
 
 async fn keepalive_and_metadata_round_trip(b: Backend) {
     let c = b.coordinator(test_config());
     let meta = json!({"job": "reindex", "attempt": 3, "tags": ["a", "b"]}).as_object().unwrap().clone();
-    let ka = Keepalive { until_ms: c.now_ms() + 3_600_000, execution_arn: Some("arn:aws:states:us-east-1:123456789012:execution:sm:run-1".into()) };
+    let ka = Keepalive {
+        until_ms: c.now_ms() + 3_600_000,
+        execution_arn: Some("arn:aws:states:us-east-1:123456789012:execution:sm:run-1".into()),
+    };
     let l = c
-        .acquire("meta", "h", secs(30), AcquireOptions { metadata: Some(meta.clone()), keepalive: Some(ka.clone()), ..Default::default() })
+        .acquire(
+            "meta",
+            "h",
+            secs(30),
+            AcquireOptions { metadata: Some(meta.clone()), keepalive: Some(ka.clone()), ..Default::default() },
+        )
         .await
         .unwrap();
     assert_eq!(l.metadata.as_ref(), Some(&meta));
@@ -586,10 +616,12 @@ async fn keepalive_and_metadata_round_trip(b: Backend) {
     assert_eq!(s.keepalive, Some(ka.clone()));
     // The keep-alive index finds it; after release it is gone from the index.
     let shard = leasehold::store::keepalive_shard("meta", leasehold::store::KEEPALIVE_SHARDS);
-    let page = b.store().scan(&leasehold::store::ScanKind::Keepalive { shard, after_ms: c.now_ms() }, None, 10).await.unwrap();
+    let page =
+        b.store().scan(&leasehold::store::ScanKind::Keepalive { shard, after_ms: c.now_ms() }, None, 10).await.unwrap();
     assert_eq!(page.items.iter().filter(|r| r.key == "meta").count(), 1);
     c.release("meta", &l.lease_id).await.unwrap();
-    let page = b.store().scan(&leasehold::store::ScanKind::Keepalive { shard, after_ms: c.now_ms() }, None, 10).await.unwrap();
+    let page =
+        b.store().scan(&leasehold::store::ScanKind::Keepalive { shard, after_ms: c.now_ms() }, None, 10).await.unwrap();
     assert_eq!(page.items.iter().filter(|r| r.key == "meta").count(), 0);
     assert_eq!(c.get("meta").await.unwrap().keepalive, None);
     let listed = c.list(100).await.unwrap();
@@ -601,7 +633,10 @@ async fn two_handles_on_one_store(b: Backend) {
     let c1 = Coordinator::new(b.store(), test_config());
     let c2 = Coordinator::new(b.reopen(), test_config());
     let l = c1.acquire("shared", "p1", secs(30), AcquireOptions::default()).await.unwrap();
-    assert!(matches!(c2.acquire("shared", "p2", secs(30), AcquireOptions::default()).await, Err(Error::LeaseHeld { .. })));
+    assert!(matches!(
+        c2.acquire("shared", "p2", secs(30), AcquireOptions::default()).await,
+        Err(Error::LeaseHeld { .. })
+    ));
     c1.release("shared", &l.lease_id).await.unwrap();
     let l2 = c2.acquire("shared", "p2", secs(30), AcquireOptions::default()).await.unwrap();
     assert!(l2.fence > l.fence, "{} after {}", l2.fence, l.fence);

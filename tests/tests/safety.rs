@@ -103,7 +103,8 @@ async fn safety_run(seconds: u64, workers: usize, keys: usize) {
             Arc::new(DynamoStore::new(aws_sdk_dynamodb::Client::new(&conf), table.clone())),
             cfg.clone(),
         );
-        let (resources, windows, totals, timer_lag_us) = (resources.clone(), windows.clone(), totals.clone(), timer_lag_us.clone());
+        let (resources, windows, totals, timer_lag_us) =
+            (resources.clone(), windows.clone(), totals.clone(), timer_lag_us.clone());
         tasks.push(tokio::spawn(async move {
             let mut seed = 0x9E37_79B9_7F4A_7C15u64 ^ ((w as u64 + 1) * 0x1000_0001);
             while Instant::now() < stop_at {
@@ -168,7 +169,12 @@ async fn safety_run(seconds: u64, workers: usize, keys: usize) {
                         }
                     })
                     .await;
-                windows.lock().unwrap().entry(k).or_default().push(Window { fence, acquired_at_ms, start, end: last_safe_write });
+                windows.lock().unwrap().entry(k).or_default().push(Window {
+                    fence,
+                    acquired_at_ms,
+                    start,
+                    end: last_safe_write,
+                });
                 match outcome {
                     Ok(()) => {
                         let _ = held.release().await;
@@ -179,7 +185,8 @@ async fn safety_run(seconds: u64, workers: usize, keys: usize) {
                         // runtime's timers run under the load.
                         let told = Instant::now();
                         if let Some(safe) = held.last_safe_until() {
-                            let slack = Duration::from_millis(50) + Duration::from_micros(timer_lag_us.load(Ordering::Relaxed));
+                            let slack =
+                                Duration::from_millis(50) + Duration::from_micros(timer_lag_us.load(Ordering::Relaxed));
                             if lost == Lost::SafeTimeExpired && told > safe + slack {
                                 eprintln!("told {:?} after the safe time (timer lag up to {slack:?})", told - safe);
                                 totals.late_loss_notices.fetch_add(1, Ordering::Relaxed);
@@ -203,7 +210,12 @@ async fn safety_run(seconds: u64, workers: usize, keys: usize) {
     for k in 0..keys {
         let key = format!("safety-{k}");
         let l = clean
-            .acquire(&key, "checker", Some(Duration::from_secs(5)), AcquireOptions { wait: Some(deadline.saturating_duration_since(Instant::now())), ..Default::default() })
+            .acquire(
+                &key,
+                "checker",
+                Some(Duration::from_secs(5)),
+                AcquireOptions { wait: Some(deadline.saturating_duration_since(Instant::now())), ..Default::default() },
+            )
             .await
             .unwrap_or_else(|e| panic!("{key} stayed held after the run: {e}"));
         clean.release(&key, &l.lease_id).await.unwrap();

@@ -38,11 +38,8 @@ fn http_event(method: &str, path: &str, body: &Value) -> Value {
 async fn no_lease_id_in_any_log_line() {
     let capture = Capture::default();
     let writer = capture.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_env_filter("trace")
-        .json()
-        .with_writer(move || writer.clone())
-        .finish();
+    let subscriber =
+        tracing_subscriber::fmt().with_env_filter("trace").json().with_writer(move || writer.clone()).finish();
     let _guard = tracing::subscriber::set_default(subscriber);
 
     let local = tokio::task::spawn_blocking(dynamo_local).await.unwrap();
@@ -67,7 +64,8 @@ async fn no_lease_id_in_any_log_line() {
     secrets.push(forged.clone());
     assert!(hb.handle(json!({"key": "s1", "lease_id": forged}), t).await.is_err());
     // The scheduled sweep renews it, reading the lease_id from the index.
-    let sweep = hb.handle(json!({"source": "aws.events", "detail-type": "Scheduled Event", "detail": {}}), t).await.unwrap();
+    let sweep =
+        hb.handle(json!({"source": "aws.events", "detail-type": "Scheduled Event", "detail": {}}), t).await.unwrap();
     assert!(sweep["renewed"].as_u64().unwrap() >= 1, "{sweep}");
     rel.handle(json!({"key": "s1", "lease_id": id}), t).await.unwrap();
 

@@ -32,7 +32,10 @@ fn run_tool(program: PathBuf, args: &[&str]) -> (bool, String) {
         .env("AWS_ACCESS_KEY_ID", "x")
         .env("AWS_SECRET_ACCESS_KEY", "x")
         .env("SAM_CLI_TELEMETRY", "0")
-        .env("PATH", format!("{}:{}", tools_dir().join("venv/bin").display(), std::env::var("PATH").unwrap_or_default()))
+        .env(
+            "PATH",
+            format!("{}:{}", tools_dir().join("venv/bin").display(), std::env::var("PATH").unwrap_or_default()),
+        )
         .output()
         .unwrap_or_else(|e| panic!("run {}: {e}", program.display()));
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
@@ -85,7 +88,8 @@ fn cfn_lint_is_clean() {
 
 #[test]
 fn sam_validate_lint_is_clean() {
-    let (ok, text) = run_tool(venv_bin("sam"), &["validate", "--lint", "--template-file", template_path().to_str().unwrap()]);
+    let (ok, text) =
+        run_tool(venv_bin("sam"), &["validate", "--lint", "--template-file", template_path().to_str().unwrap()]);
     assert!(ok && text.contains("is a valid SAM Template"), "sam validate --lint:\n{text}");
 }
 
@@ -161,7 +165,10 @@ fn functions_are_built_and_configured() {
     assert_eq!(names, BTreeSet::from(["AcquireFunction", "HeartbeatFunction", "ReleaseFunction"]));
     for (name, f) in &functions {
         let binary = name.trim_end_matches("Function").to_lowercase();
-        assert!(repo_root().join("functions").join(&binary).join("Cargo.toml").exists(), "{binary} is a workspace function");
+        assert!(
+            repo_root().join("functions").join(&binary).join("Cargo.toml").exists(),
+            "{binary} is a workspace function"
+        );
         assert_eq!(f["Metadata"]["BuildMethod"], "rust-cargolambda", "{name}");
         assert_eq!(f["Metadata"]["BuildProperties"]["Binary"], binary.as_str(), "{name}");
         let p = &f["Properties"];
@@ -418,7 +425,10 @@ fn state_machines_release_on_every_path() {
                 if name == "Acquire" && only_held {
                     continue;
                 }
-                assert!(c["ResultPath"].as_str().is_some_and(|p| p != "$"), "{machine}.{name}: a catch keeps the state");
+                assert!(
+                    c["ResultPath"].as_str().is_some_and(|p| p != "$"),
+                    "{machine}.{name}: a catch keeps the state"
+                );
                 assert!(
                     reachable(def, target).contains(release),
                     "{machine}.{name}: catch {} -> {target} never reaches {release}",

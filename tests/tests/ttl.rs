@@ -21,13 +21,7 @@ async fn dynamodb_ttl_sweep_then_reacquire_with_higher_fence() {
     // is made without the keep-alive index; the items and their TTL are exactly the same.
     let store = leasehold::store::DynamoStore::new(local.client().await, "ttl-sweep");
     store.create_table_with(false).await.unwrap();
-    let ttl = store
-        .client()
-        .describe_time_to_live()
-        .table_name(store.table())
-        .send()
-        .await
-        .unwrap();
+    let ttl = store.client().describe_time_to_live().table_name(store.table()).send().await.unwrap();
     let desc = ttl.time_to_live_description().expect("ttl description");
     assert_eq!(desc.attribute_name(), Some("ttl"));
     let c = Coordinator::new(std::sync::Arc::new(store), short_ttl_config());
@@ -80,7 +74,8 @@ async fn sqlite_purge_keeps_fences_monotonic() {
     c.release("skewed", &f.lease_id).await.unwrap();
     assert_eq!(store.purge_expired(c.now_ms() + 3_000).await.unwrap(), 0, "fence ahead of the clock: kept");
     // (Its release frees the key at its own clock's acquired_at, a minute ahead.)
-    let next = at(61_000).acquire("skewed", "h", Some(Duration::from_secs(1)), AcquireOptions::default()).await.unwrap();
+    let next =
+        at(61_000).acquire("skewed", "h", Some(Duration::from_secs(1)), AcquireOptions::default()).await.unwrap();
     assert!(next.fence > f.fence);
 
     // A fail-closed lease carries no TTL and is never purged.

@@ -87,7 +87,8 @@ fn start_invoke_adapter(port: u16, emulator_port: u16) {
     std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("rt");
         rt.block_on(async move {
-            let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], port))).await.expect("bind adapter");
+            let listener =
+                tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], port))).await.expect("bind adapter");
             ready_tx.send(()).unwrap();
             loop {
                 let Ok((stream, _)) = listener.accept().await else { continue };
@@ -101,7 +102,8 @@ fn start_invoke_adapter(port: u16, emulator_port: u16) {
                         let resp = match http::request(&method, &url, Some(&body)).await {
                             Ok(r) => {
                                 let function_error = r.status >= 400
-                                    && serde_json::from_slice::<Value>(&r.body).is_ok_and(|v| v.get("errorType").is_some());
+                                    && serde_json::from_slice::<Value>(&r.body)
+                                        .is_ok_and(|v| v.get("errorType").is_some());
                                 if function_error {
                                     builder = builder.status(200).header("x-amz-function-error", "Unhandled");
                                 } else {
@@ -113,7 +115,9 @@ fn start_invoke_adapter(port: u16, emulator_port: u16) {
                         };
                         Ok::<_, std::convert::Infallible>(resp.expect("response"))
                     });
-                    let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), service).await;
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
                 });
             }
         });
@@ -327,11 +331,15 @@ impl Ended {
     }
     /// The lambda result (`Payload`) of the last successful `state` task.
     fn task_payload(&self, state: &str) -> Value {
-        let ev = self.succeeded_tasks(state).last().copied().unwrap_or_else(|| panic!("{state} never succeeded: {self:#?}"));
+        let ev =
+            self.succeeded_tasks(state).last().copied().unwrap_or_else(|| panic!("{state} never succeeded: {self:#?}"));
         ev.output.as_ref().expect("task output")["Payload"].clone()
     }
     fn describe(&self) -> String {
-        let mut s = format!("status {:?}, error {:?}, cause {:?}, output {}\n", self.status, self.error, self.cause, self.output);
+        let mut s = format!(
+            "status {:?}, error {:?}, cause {:?}, output {}\n",
+            self.status, self.error, self.cause, self.output
+        );
         for e in &self.history {
             s.push_str(&format!("  {:?} [{}] {:?}\n", e.kind, e.state, e.error));
         }
@@ -368,12 +376,7 @@ async fn history(run: &Run) -> Vec<Event> {
             } else {
                 (None, None)
             };
-            events.push(Event {
-                kind: e.r#type().clone(),
-                state: state.clone(),
-                error,
-                output,
-            });
+            events.push(Event { kind: e.r#type().clone(), state: state.clone(), error, output });
         }
         token = out.next_token().map(str::to_string);
         if token.is_none() {
@@ -458,8 +461,11 @@ async fn single_flight_racers_take_turns_and_the_loser_retries() {
             .collect();
         assert!(ids.len() <= 1, "{ids:?}");
     }
-    let (first, second) =
-        if a_end.output["fence"].as_u64() < b_end.output["fence"].as_u64() { (&a_end, &b_end) } else { (&b_end, &a_end) };
+    let (first, second) = if a_end.output["fence"].as_u64() < b_end.output["fence"].as_u64() {
+        (&a_end, &b_end)
+    } else {
+        (&b_end, &a_end)
+    };
     let (f1, f2) = (first.output["fence"].as_u64().unwrap(), second.output["fence"].as_u64().unwrap());
     assert!(f2 > f1, "the later holder has the higher fence: {f1} then {f2}");
     // One worked while the other retried: the second's acquire failed with LeaseHeld at least

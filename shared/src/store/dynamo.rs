@@ -12,9 +12,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use aws_sdk_dynamodb::error::{ProvideErrorMetadata, SdkError};
 use aws_sdk_dynamodb::types::{
-    AttributeDefinition, AttributeValue, BillingMode, GlobalSecondaryIndex, KeySchemaElement, KeyType,
-    Projection, ProjectionType, ReturnValue, ReturnValuesOnConditionCheckFailure, ScalarAttributeType,
-    TimeToLiveSpecification,
+    AttributeDefinition, AttributeValue, BillingMode, GlobalSecondaryIndex, KeySchemaElement, KeyType, Projection,
+    ProjectionType, ReturnValue, ReturnValuesOnConditionCheckFailure, ScalarAttributeType, TimeToLiveSpecification,
 };
 use aws_sdk_dynamodb::Client;
 
@@ -42,8 +41,21 @@ pub mod attr {
 
     /// Every attribute above.
     pub const ALL: &[&str] = &[
-        KEY, FENCE, HOLDER, LEASE_ID, ACQUIRED_AT, EXPIRES_AT, DURATION, MIN_HOLD_UNTIL, RELEASED_AT, METADATA,
-        KA_SHARD, KA_UNTIL, KA_EXECUTION_ARN, TTL, POLL,
+        KEY,
+        FENCE,
+        HOLDER,
+        LEASE_ID,
+        ACQUIRED_AT,
+        EXPIRES_AT,
+        DURATION,
+        MIN_HOLD_UNTIL,
+        RELEASED_AT,
+        METADATA,
+        KA_SHARD,
+        KA_UNTIL,
+        KA_EXECUTION_ARN,
+        TTL,
+        POLL,
     ];
 
     /// The attributes that are DynamoDB reserved words, so an expression must name them through
@@ -113,8 +125,10 @@ impl DynamoStore {
     /// [`DynamoStore::create_table`], optionally without the keep-alive index (DynamoDB Local's
     /// TTL sweeper skips tables that have a global secondary index).
     pub async fn create_table_with(&self, keepalive_index: bool) -> Result<()> {
-        let s = |n: &str| AttributeDefinition::builder().attribute_name(n).attribute_type(ScalarAttributeType::S).build();
-        let n = |n: &str| AttributeDefinition::builder().attribute_name(n).attribute_type(ScalarAttributeType::N).build();
+        let s =
+            |n: &str| AttributeDefinition::builder().attribute_name(n).attribute_type(ScalarAttributeType::S).build();
+        let n =
+            |n: &str| AttributeDefinition::builder().attribute_name(n).attribute_type(ScalarAttributeType::N).build();
         let ks = |n: &str, t: KeyType| KeySchemaElement::builder().attribute_name(n).key_type(t).build();
         let gsi = GlobalSecondaryIndex::builder()
             .index_name(KEEPALIVE_INDEX)
@@ -179,14 +193,16 @@ fn map_err<E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static, 
             }
         }
         SdkError::TimeoutError(_) => Error::StoreUnavailable("request to DynamoDB timed out".into()),
-        SdkError::DispatchFailure(d) => {
-            Error::StoreUnavailable(format!("could not reach DynamoDB: {}", aws_smithy_types::error::display::DisplayErrorContext(d.as_connector_error().map(|c| c as &dyn std::error::Error).unwrap_or(&e))))
-        }
-        SdkError::ResponseError(_) => Error::StoreUnavailable("malformed or cut response from DynamoDB".into()),
-        _ => Error::StoreUnavailable(format!(
-            "DynamoDB: {}",
-            aws_smithy_types::error::display::DisplayErrorContext(&e)
+        SdkError::DispatchFailure(d) => Error::StoreUnavailable(format!(
+            "could not reach DynamoDB: {}",
+            aws_smithy_types::error::display::DisplayErrorContext(
+                d.as_connector_error().map(|c| c as &dyn std::error::Error).unwrap_or(&e)
+            )
         )),
+        SdkError::ResponseError(_) => Error::StoreUnavailable("malformed or cut response from DynamoDB".into()),
+        _ => {
+            Error::StoreUnavailable(format!("DynamoDB: {}", aws_smithy_types::error::display::DisplayErrorContext(&e)))
+        }
     }
 }
 
@@ -225,9 +241,10 @@ fn need<T>(v: Option<T>, name: &str) -> Result<T> {
 pub fn record_from_item(item: &HashMap<String, AttributeValue>) -> Result<Record> {
     let metadata = match get_s(item, attr::METADATA)? {
         None => None,
-        Some(s) => Some(serde_json::from_str(&s).map_err(|e| {
-            Error::StoreUnavailable(format!("lease item: metadata is not a JSON object: {e}"))
-        })?),
+        Some(s) => Some(
+            serde_json::from_str(&s)
+                .map_err(|e| Error::StoreUnavailable(format!("lease item: metadata is not a JSON object: {e}")))?,
+        ),
     };
     let keepalive = match get_n(item, attr::KA_UNTIL)? {
         None => None,
@@ -329,9 +346,8 @@ impl Expr {
                 let (l, r, e) = (self.n(attr::LEASE_ID), self.n(attr::RELEASED_AT), self.n(attr::EXPIRES_AT));
                 let lid = self.v("lease_id", str_(lease_id.expose()));
                 let now = self.v("now", num(*now_ms));
-                let mut s = format!(
-                    "{l} = {lid} AND attribute_not_exists({r}) AND (attribute_not_exists({e}) OR {e} > {now})"
-                );
+                let mut s =
+                    format!("{l} = {lid} AND attribute_not_exists({r}) AND (attribute_not_exists({e}) OR {e} > {now})");
                 if *timed {
                     let d = self.n(attr::DURATION);
                     s.push_str(&format!(" AND attribute_exists({d})"));
@@ -472,7 +488,9 @@ impl DynamoStore {
             // The item is exactly what was sent.
             Ok(_) => Ok(Write::Applied(n.record(key))),
             Err(e) => rejected_or_err(e, |e| match e {
-                aws_sdk_dynamodb::operation::put_item::PutItemError::ConditionalCheckFailedException(c) => Some(c.item()),
+                aws_sdk_dynamodb::operation::put_item::PutItemError::ConditionalCheckFailedException(c) => {
+                    Some(c.item())
+                }
                 _ => None,
             }),
         }
@@ -520,13 +538,15 @@ impl Store for DynamoStore {
             .await;
         match res {
             Ok(out) => {
-                let item = out.attributes().ok_or_else(|| {
-                    Error::StoreUnavailable("UpdateItem returned no attributes".into())
-                })?;
+                let item = out
+                    .attributes()
+                    .ok_or_else(|| Error::StoreUnavailable("UpdateItem returned no attributes".into()))?;
                 Ok(Write::Applied(record_from_item(item)?))
             }
             Err(e) => rejected_or_err(e, |e| match e {
-                aws_sdk_dynamodb::operation::update_item::UpdateItemError::ConditionalCheckFailedException(c) => Some(c.item()),
+                aws_sdk_dynamodb::operation::update_item::UpdateItemError::ConditionalCheckFailedException(c) => {
+                    Some(c.item())
+                }
                 _ => None,
             }),
         }
@@ -553,7 +573,9 @@ impl Store for DynamoStore {
                 None => Err(Error::StoreUnavailable("DeleteItem returned no attributes".into())),
             },
             Err(e) => rejected_or_err(e, |e| match e {
-                aws_sdk_dynamodb::operation::delete_item::DeleteItemError::ConditionalCheckFailedException(c) => Some(c.item()),
+                aws_sdk_dynamodb::operation::delete_item::DeleteItemError::ConditionalCheckFailedException(c) => {
+                    Some(c.item())
+                }
                 _ => None,
             }),
         }

@@ -33,8 +33,7 @@ fn store_err(e: rusqlite::Error) -> Error {
 }
 
 fn decode(json: &str) -> Result<Record> {
-    serde_json::from_str(json)
-        .map_err(|e| Error::StoreUnavailable(format!("embedded store: corrupt record: {e}")))
+    serde_json::from_str(json).map_err(|e| Error::StoreUnavailable(format!("embedded store: corrupt record: {e}")))
 }
 
 impl SqliteStore {
@@ -43,9 +42,8 @@ impl SqliteStore {
         let path = path.as_ref().to_path_buf();
         if let Some(dir) = path.parent() {
             if !dir.as_os_str().is_empty() {
-                std::fs::create_dir_all(dir).map_err(|e| {
-                    Error::StoreUnavailable(format!("cannot create {}: {e}", dir.display()))
-                })?;
+                std::fs::create_dir_all(dir)
+                    .map_err(|e| Error::StoreUnavailable(format!("cannot create {}: {e}", dir.display())))?;
             }
         }
         let conn = Connection::open(&path).map_err(store_err)?;
@@ -192,9 +190,7 @@ impl Store for SqliteStore {
                     let mut st = c
                         .prepare_cached("SELECT key, record FROM leases WHERE key > ?1 ORDER BY key LIMIT ?2")
                         .map_err(store_err)?;
-                    let it = st
-                        .query_map(params![start, limit], |r| Ok((r.get(0)?, r.get(1)?)))
-                        .map_err(store_err)?;
+                    let it = st.query_map(params![start, limit], |r| Ok((r.get(0)?, r.get(1)?))).map_err(store_err)?;
                     it.collect::<rusqlite::Result<_>>().map_err(store_err)?
                 }
                 ScanKind::Keepalive { shard, after_ms } => {
@@ -205,9 +201,7 @@ impl Store for SqliteStore {
                         )
                         .map_err(store_err)?;
                     let it = st
-                        .query_map(params![shard as i64, after_ms as i64, start, limit], |r| {
-                            Ok((r.get(0)?, r.get(1)?))
-                        })
+                        .query_map(params![shard as i64, after_ms as i64, start, limit], |r| Ok((r.get(0)?, r.get(1)?)))
                         .map_err(store_err)?;
                     it.collect::<rusqlite::Result<_>>().map_err(store_err)?
                 }
