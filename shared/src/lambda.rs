@@ -67,7 +67,7 @@ pub fn classify(event: &Value) -> EventKind {
         Some(o) => o,
         None => return EventKind::Direct,
     };
-    if obj.get("requestContext").map_or(false, |c| c.get("http").is_some()) && obj.contains_key("rawPath") {
+    if obj.get("requestContext").is_some_and(|c| c.get("http").is_some()) && obj.contains_key("rawPath") {
         return EventKind::Http;
     }
     let detail_type = obj.get("detail-type").and_then(Value::as_str);
@@ -95,7 +95,7 @@ impl Executions for StepFunctions {
                 _ => ExecutionState::Unknown,
             },
             Err(e) => {
-                let gone = e.as_service_error().map_or(false, |s| s.is_execution_does_not_exist());
+                let gone = e.as_service_error().is_some_and(|s| s.is_execution_does_not_exist());
                 if gone {
                     ExecutionState::Ended
                 } else {

@@ -333,7 +333,7 @@ impl Coordinator {
     /// its deadline allows.
     fn usable(&self, r: Record, sent: Instant, now: u64, deadline: Instant) -> Result<Option<Lease>> {
         let lease = r.lease(sent, now, self.skew_ms());
-        if !lease.safe_until.is_some_and(|t| t <= Instant::now()) {
+        if lease.safe_until.is_none_or(|t| t > Instant::now()) {
             return Ok(Some(lease));
         }
         if Instant::now() >= deadline {

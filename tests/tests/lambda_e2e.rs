@@ -317,7 +317,7 @@ async fn check_case(lab: &Lab, name: &str, spec: &Value, case: &Value) -> Result
 
     let mut payload = read_event(name);
     if let Some(ka) = payload.get_mut("keepalive").and_then(Value::as_object_mut) {
-        if ka.get("until_ms").and_then(Value::as_u64).map_or(false, |u| u > 1_000_000) {
+        if ka.get("until_ms").and_then(Value::as_u64).is_some_and(|u| u > 1_000_000) {
             ka.insert("until_ms".into(), json!(now_ms() + 3_600_000));
         }
     }
@@ -358,7 +358,7 @@ async fn check_case(lab: &Lab, name: &str, spec: &Value, case: &Value) -> Result
             if a.body.get("error").and_then(Value::as_str) != Some(e) {
                 problems.push(format!("error {:?} (expected {e})", a.body.get("error")));
             }
-            if a.body.get("message").and_then(Value::as_str).map_or(true, str::is_empty) {
+            if a.body.get("message").and_then(Value::as_str).is_none_or(str::is_empty) {
                 problems.push("error body without a message".into());
             }
         }
@@ -396,7 +396,7 @@ async fn check_case(lab: &Lab, name: &str, spec: &Value, case: &Value) -> Result
     }
     for path in expect.get("has").and_then(Value::as_array).into_iter().flatten() {
         let path = path.as_str().unwrap();
-        if at(&body, path).map_or(true, Value::is_null) {
+        if at(&body, path).is_none_or(Value::is_null) {
             problems.push(format!("{path} missing"));
         }
     }

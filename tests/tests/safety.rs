@@ -112,7 +112,7 @@ async fn safety_run(seconds: u64, workers: usize, keys: usize) {
                 let key = format!("safety-{k}");
                 totals.operations.fetch_add(1, Ordering::Relaxed);
                 let opts = AcquireOptions { wait: Some(Duration::from_millis(300)), ..Default::default() };
-                if rand(&mut seed) % 10 == 0 {
+                if rand(&mut seed).is_multiple_of(10) {
                     // A holder frozen past its lease (a GC pause, a stopped VM: its renewals
                     // freeze too): it does not know time passed, writes with its old fence
                     // when it wakes up, then crashes without releasing.
@@ -151,7 +151,7 @@ async fn safety_run(seconds: u64, workers: usize, keys: usize) {
                     .run(async {
                         for _ in 0..writes {
                             // Only write while inside the safe window, as a careful holder does.
-                            let safe = held.safe_until().map_or(false, |t| Instant::now() < t);
+                            let safe = held.safe_until().is_some_and(|t| Instant::now() < t);
                             if !safe {
                                 break;
                             }

@@ -445,13 +445,13 @@ fn lease_item(key: &str, n: &NewLease) -> HashMap<String, AttributeValue> {
     item
 }
 
+/// A DynamoDB item as the SDK returns it.
+type Item = HashMap<String, AttributeValue>;
+
 /// A failed write: a failed condition is an answer (the item as it was, from
 /// `ReturnValuesOnConditionCheckFailure = ALL_OLD`; `ccf_item` picks it out of the operation's
 /// error), anything else an error.
-fn rejected_or_err<E, R>(
-    e: SdkError<E, R>,
-    ccf_item: fn(&E) -> Option<Option<&HashMap<String, AttributeValue>>>,
-) -> Result<Write>
+fn rejected_or_err<E, R>(e: SdkError<E, R>, ccf_item: fn(&E) -> Option<Option<&Item>>) -> Result<Write>
 where
     E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
     R: std::fmt::Debug,
