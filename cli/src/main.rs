@@ -263,7 +263,11 @@ async fn lease_command(g: &Global, cmd: Cmd) -> i32 {
                 min_hold_ms: a.min_hold.map(|d| d.as_millis() as u64),
                 metadata: a.metadata.clone(),
                 keepalive: None,
-                lease_id: a.lease_id.clone(),
+                // Chosen here, before anything is sent: a lost answer leaves a lease this command
+                // can still name (and a fail-closed lease requires it).
+                lease_id: Some(
+                    a.lease_id.clone().unwrap_or_else(|| leasehold::LeaseId::generate().expose().to_string()),
+                ),
             };
             target.acquire(&a.key, req).await
         }

@@ -52,6 +52,18 @@ fn n(v: &Value, k: &str) -> Option<u64> {
     v.get(k).and_then(Value::as_u64)
 }
 
+/// `safe_for_ms` as the holder should read it: work stops this long after the request was
+/// sent (the coordinator already took off the skew margin and its own time).
+fn safe_for(v: &Value) -> String {
+    match n(v, "safe_for_ms") {
+        Some(ms) => format!(
+            "\n  safe for  {} after this command sent its request (stop working by then unless renewed)",
+            crate::duration::human(std::time::Duration::from_millis(ms))
+        ),
+        None => String::new(),
+    }
+}
+
 pub fn success(g: &Global, cmd: &Cmd, mut v: Value) {
     if matches!(cmd, Cmd::Heartbeat(_)) {
         // The lease_id is printed by acquire only; the holder already has it.
@@ -65,23 +77,28 @@ pub fn success(g: &Global, cmd: &Cmd, mut v: Value) {
     }
     let text = match cmd {
         Cmd::Acquire(_) => format!(
-            "acquired {:?} as {}\n  fence     {}\n  expires   {}\n  lease_id  {}\n(pass the lease_id to heartbeat and release; keep it secret)",
+            "acquired {:?} as {}\n  fence     {}\n  expires   {}{}\n  lease_id  {}\n(pass the lease_id to heartbeat and release; keep it secret)",
             s(&v, "key"),
             s(&v, "holder"),
             n(&v, "fence").unwrap_or(0),
             when(n(&v, "expires_at_ms")),
+            safe_for(&v),
             s(&v, "lease_id"),
         ),
         Cmd::Heartbeat(_) => format!(
-            "renewed {:?} (fence {})\n  expires   {}",
+            "renewed {:?} (fence {})\n  expires   {}{}",
             s(&v, "key"),
             n(&v, "fence").unwrap_or(0),
-            when(n(&v, "expires_at_ms"))
+            when(n(&v, "expires_at_ms")),
+            safe_for(&v)
         ),
         Cmd::Release(_) => {
             let free = n(&v, "free_at_ms").unwrap_or(0);
             let released = n(&v, "released_at_ms").unwrap_or(0);
             let mut t = format!("released {:?} (fence {})", s(&v, "key"), n(&v, "fence").unwrap_or(0));
+            if v.get("already_released").and_then(Value::as_bool) == Some(true) {
+                t.push_str(" (it was already released: nothing changed)");
+            }
             if free > released {
                 t.push_str(&format!("\n  free at   {} (min-hold)", when(Some(free))));
             }

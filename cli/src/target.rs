@@ -55,7 +55,7 @@ pub fn code_of(name: &str) -> i32 {
         "LeaseHeld" => exit::HELD,
         "NotHolder" | "NotFound" => exit::FAILED,
         "InvalidRequest" | "MethodNotAllowed" | "UnknownRoute" => exit::USAGE,
-        "StoreUnavailable" | "Throttled" => exit::STORE,
+        "StoreUnavailable" | "Throttled" | "OutcomeUnknown" | "ClockSkew" => exit::STORE,
         _ => exit::FAILED,
     }
 }

@@ -136,6 +136,8 @@ pub async fn run(
     payload: Value,
     remaining: Option<Duration>,
 ) -> Result<Value> {
+    // Remote callers count `safe_for_ms` from their own send time, which is before this.
+    let received = std::time::Instant::now();
     match op {
         Operation::Acquire => {
             let r: AcquireRequest = parse(payload)?;
@@ -157,14 +159,14 @@ pub async fn run(
                 keepalive: r.keepalive,
                 lease_id: r.lease_id.as_deref().map(validate::lease_id).transpose()?,
             };
-            let lease = coord.acquire(&key, &r.holder, duration, opts).await?;
+            let lease = coord.acquire(&key, &r.holder, duration, opts).await?.with_safe_for(received);
             Ok(serde_json::to_value(lease).expect("lease serialises"))
         }
         Operation::Heartbeat => {
             let r: HeartbeatRequest = parse(payload)?;
             let key = pick_key(path_key, r.key)?;
             let id = validate::lease_id(&r.lease_id)?;
-            let lease = coord.heartbeat(&key, &id, r.duration_ms.map(ms)).await?;
+            let lease = coord.heartbeat(&key, &id, r.duration_ms.map(ms)).await?.with_safe_for(received);
             Ok(serde_json::to_value(lease).expect("lease serialises"))
         }
         Operation::Release => {
@@ -225,7 +227,7 @@ impl HttpResponse {
         let retry_after = match e {
             Error::LeaseHeld { expires_at_ms: Some(exp), .. } => Some(exp.saturating_sub(now_ms).div_ceil(1000).max(1)),
             Error::LeaseHeld { expires_at_ms: None, .. } => Some(1),
-            Error::StoreUnavailable(_) | Error::Throttled(_) => Some(1),
+            Error::StoreUnavailable(_) | Error::Throttled(_) | Error::OutcomeUnknown { .. } => Some(1),
             _ => None,
         };
         if let Some(s) = retry_after {
@@ -249,7 +251,7 @@ pub fn http_status(e: &Error) -> u16 {
                 409
             }
         }
-        Error::StoreUnavailable(_) | Error::Throttled(_) => 503,
+        Error::StoreUnavailable(_) | Error::Throttled(_) | Error::OutcomeUnknown { .. } | Error::ClockSkew(_) => 503,
     }
 }
 

@@ -1,7 +1,7 @@
 //! One error type for every interface, with stable machine names.
 //!
 //! The names (`LeaseHeld`, `NotHolder`, `NotFound`, `InvalidRequest`, `StoreUnavailable`,
-//! `Throttled`) are part of the public contract: they are the `error` field of JSON error
+//! `Throttled`, `OutcomeUnknown`, `ClockSkew`) are part of the public contract: they are the `error` field of JSON error
 //! bodies, the `errorType` of Lambda function errors (so Step Functions can `Retry`/`Catch`
 //! on them) and the variant names here.
 
@@ -56,6 +56,16 @@ pub enum Error {
 
     #[error("lease store throttled the request: {0}")]
     Throttled(String),
+
+    /// The store could not be reached in time and a write of this request may have landed:
+    /// retrying the same request with the same lease_id (or releasing with it) is safe.
+    #[error("the outcome on {key:?} is unknown: {message}")]
+    OutcomeUnknown { key: String, message: String },
+
+    /// This coordinator's clock is certainly further from the store's than the skew margin: it
+    /// must not judge or write expiries (DESIGN.md, "Clocks").
+    #[error("{0}")]
+    ClockSkew(String),
 }
 
 fn until(expires_at_ms: Option<u64>) -> String {
@@ -90,6 +100,8 @@ impl Error {
             Error::InvalidRequest(_) => "InvalidRequest",
             Error::StoreUnavailable(_) => "StoreUnavailable",
             Error::Throttled(_) => "Throttled",
+            Error::OutcomeUnknown { .. } => "OutcomeUnknown",
+            Error::ClockSkew(_) => "ClockSkew",
         }
     }
 
@@ -112,7 +124,7 @@ impl Error {
                 obj.insert("key".into(), json!(key));
                 obj.insert("reason".into(), json!(reason.as_str()));
             }
-            Error::NotFound { key } => {
+            Error::NotFound { key } | Error::OutcomeUnknown { key, .. } => {
                 obj.insert("key".into(), json!(key));
             }
             _ => {}

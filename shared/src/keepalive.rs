@@ -129,14 +129,14 @@ impl Coordinator {
         let (cond, m, ok) = if state == ExecutionState::Ended {
             let ttl = self.ttl_after(now + self.max_duration_ms());
             (
-                Condition::Owns { lease_id: rec.lease_id.clone() },
+                Condition::Unreleased { lease_id: rec.lease_id.clone() },
                 Mutation::Release { now_ms: now, ttl },
                 Outcome::Released,
             )
         } else {
             let ttl = self.ttl_after(now + rec.duration_ms.unwrap_or(0));
             (
-                Condition::Live { lease_id: rec.lease_id.clone(), now_ms: now, timed: true },
+                Condition::Renew { lease_id: rec.lease_id.clone(), now_ms: now, expires_at_ms: None },
                 Mutation::Extend { now_ms: now, duration_ms: None, ttl: Some(ttl) },
                 Outcome::Renewed,
             )

@@ -6,6 +6,8 @@
 //! over it. DESIGN.md at the repository root specifies the protocol.
 
 pub mod api;
+pub mod backoff;
+pub mod clock;
 pub mod env;
 pub mod error;
 pub mod holder;

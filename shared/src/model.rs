@@ -72,6 +72,11 @@ pub struct Record {
     pub keepalive: Option<Keepalive>,
     /// DynamoDB TTL attribute (epoch seconds); `None` while a fail-closed lease is held.
     pub ttl: Option<u64>,
+    /// The coordinator clock (ms) of the last write that set the expiry (acquire or heartbeat).
+    /// Heartbeats are ordered by it: one whose clock reading is not above it (a delayed
+    /// duplicate landing after its retry) is refused, so the expiry never moves backwards.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub renewed_at_ms: Option<u64>,
     /// How often waiters poll this key (ms), learned by the acquirers that contended for it
     /// (DESIGN.md, "Contention"). `None` until the key has been contended.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -108,6 +113,12 @@ impl Record {
         }
     }
 
+    /// Has the lease `lease_id` ended on this item (released, or expired at `now_ms`)? A
+    /// lease_id is single-use: such a lease is never granted again.
+    pub fn has_ended_for(&self, lease_id: &LeaseId, now_ms: u64) -> bool {
+        &self.lease_id == lease_id && !self.is_live_for(lease_id, now_ms)
+    }
+
     /// The holder's view, with `safe_until` measured on the holder's monotonic clock from the
     /// instant the request was sent (`sent`, when the coordinator clock read `now_ms`).
     pub fn lease(&self, sent: Instant, now_ms: u64, skew_margin_ms: u64) -> Lease {
@@ -127,6 +138,7 @@ impl Record {
             metadata: self.metadata.clone(),
             keepalive: self.keepalive.clone(),
             safe_until,
+            safe_for_ms: None,
         }
     }
 }
@@ -150,6 +162,20 @@ pub struct Lease {
     /// Holder-side monotonic deadline: stop working before it. `None` for fail-closed leases.
     #[serde(skip)]
     pub safe_until: Option<Instant>,
+    /// For remote callers (HTTP, invoke, CLI `--url`): how long the holder may work, counted
+    /// from the instant it *sent* its request (the coordinator measures it from when the request
+    /// arrived, after the skew margin and the time it spent). Set by the API layer; `None` for
+    /// fail-closed leases.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub safe_for_ms: Option<u64>,
+}
+
+impl Lease {
+    /// Fills in [`Lease::safe_for_ms`] for a request that arrived at `received`.
+    pub fn with_safe_for(mut self, received: Instant) -> Self {
+        self.safe_for_ms = self.safe_until.map(|t| t.saturating_duration_since(received).as_millis() as u64);
+        self
+    }
 }
 
 /// The public state of a key: what `get` and `list` return. Never carries the lease_id.
@@ -180,4 +206,7 @@ pub struct Released {
     pub released_at_ms: u64,
     /// When others can take the key: the release instant, or acquired_at + min_hold if later.
     pub free_at_ms: u64,
+    /// The lease had already been released (a retried or stale release): nothing changed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub already_released: bool,
 }

@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::protocol::uniform;
+use crate::backoff::uniform;
 
 /// Attempts an acquisition should cost under contention, counting the one that succeeds.
 /// With one request per release, a contended key then costs about 2.4 requests per
@@ -91,6 +91,98 @@ pub fn next_period(period: Duration, attempts: u32, max: Duration) -> Duration {
 pub fn aged(period: Duration, waited: Duration) -> Duration {
     let periods = waited.as_secs_f64() / period.as_secs_f64().max(1e-3);
     period.div_f64(1.0 + periods / AGING).max(MIN_PERIOD / 2)
+}
+
+/// The waiting state of one acquire call: what it advertises on the item, how long it sleeps
+/// after a held answer, and what it records when granted.
+#[derive(Debug)]
+pub struct Waiting<'a> {
+    pacer: &'a Pacer,
+    key: &'a str,
+    poll_max: Duration,
+    start: Instant,
+    /// Attempts so far, counting the one under way.
+    pub attempts: u32,
+    courtesy: Option<Duration>,
+    /// Whether this acquire has contended (it then advertises a period on its lease).
+    contended: bool,
+    /// The key's poll period as last seen.
+    period: Duration,
+    pause: Duration,
+    /// The fence of the lease that held the key at the last rejection.
+    held_by: Option<u64>,
+}
+
+impl<'a> Waiting<'a> {
+    pub fn new(pacer: &'a Pacer, key: &'a str, poll_max: Duration, start: Instant) -> Self {
+        let pace = pacer.begin(key);
+        Waiting {
+            pacer,
+            key,
+            poll_max,
+            start,
+            attempts: 0,
+            courtesy: pace.courtesy,
+            contended: false,
+            period: pace.period,
+            pause: pace.period,
+            held_by: None,
+        }
+    }
+
+    /// Before the first attempt on a key this coordinator found contended a moment ago: a
+    /// random part of its period, so that it competes with the waiters instead of jumping ahead.
+    pub async fn courtesy(&mut self, deadline: Instant) {
+        if let Some(c) = self.courtesy.take() {
+            self.contended = true;
+            tokio::time::sleep(c.min(deadline.saturating_duration_since(Instant::now()))).await;
+        }
+    }
+
+    /// The period this attempt writes with its lease (`poll_ms`), when it contended.
+    pub fn advertise(&self) -> Option<u64> {
+        self.contended.then(|| next_period(self.period, self.attempts, self.poll_max).as_millis() as u64)
+    }
+
+    /// Granted by an item advertising `poll_ms`: remembered for this coordinator's next call.
+    pub fn granted(&self, poll_ms: Option<u64>) {
+        if poll_ms.is_some() {
+            self.pacer.contended(self.key, period_of(poll_ms, self.poll_max));
+        }
+    }
+
+    /// Held by the lease of fence `fence`, whose item advertises `poll_ms` and expires in
+    /// `until_expiry`: how long to sleep before the next attempt, or `None` once `deadline`
+    /// has passed. While the key changes hands the pause is the advertised period aged by this
+    /// call's wait; while one lease stays on it, the pause doubles up to `poll_max`. Never past
+    /// the holder's known expiry (a crashed holder is replaced promptly) nor past `deadline`
+    /// (one last attempt is made then).
+    pub fn held(
+        &mut self,
+        fence: u64,
+        poll_ms: Option<u64>,
+        until_expiry: Option<Duration>,
+        deadline: Instant,
+    ) -> Option<Duration> {
+        self.contended = true;
+        self.period = period_of(poll_ms, self.poll_max);
+        self.pacer.contended(self.key, self.period);
+        let now = Instant::now();
+        if now >= deadline {
+            return None;
+        }
+        self.pause = if self.held_by == Some(fence) {
+            (self.pause * 2).min(self.poll_max.max(self.period))
+        } else {
+            aged(self.period, self.start.elapsed())
+        };
+        self.held_by = Some(fence);
+        let mut sleep = uniform(self.pause / 2, self.pause + self.pause / 2);
+        if let Some(u) = until_expiry {
+            sleep = sleep.min(u);
+        }
+        Some(sleep.min(deadline - now))
+    }
 }
 
 impl Pacer {

@@ -5,9 +5,11 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{Map, Value};
 
-use crate::error::{Error, NotHolderReason, Result};
+use crate::backoff::{jitter, Backoff};
+use crate::error::NotHolderReason as Reason;
+use crate::error::{Error, Result};
 use crate::model::{Keepalive, Lease, LeaseId, LeaseState, Record, Released};
-use crate::pacing::{aged, next_period, period_of, Pacer};
+use crate::pacing::{Pacer, Waiting};
 use crate::store::{Condition, Mutation, NewLease, ScanKind, Store, Write};
 use crate::validate::Limits;
 
@@ -15,6 +17,12 @@ use crate::validate::Limits;
 /// read exactly. Fences are drawn from the clock in epoch µs (about 2^50.6 in 2026; 2^53 is
 /// reached in the year 2255).
 pub const MAX_FENCE: u64 = 1 << 53;
+
+/// How far ahead of a coordinator's clock a key's last fence may plausibly be (µs). Honest
+/// fences are a clock reading within the skew margin, or one more than an earlier fence; a
+/// fence further ahead was issued by a wrong clock and is never copied. It also bounds how far
+/// a fence can be ahead of the time its item's TTL is computed from (see `ttl_after`).
+pub const FENCE_LEAD_US: u64 = 60 * 1_000_000;
 
 /// Coordinator settings. Every field has a documented default.
 #[derive(Debug, Clone)]
@@ -71,38 +79,6 @@ pub struct AcquireOptions {
     pub lease_id: Option<LeaseId>,
 }
 
-/// Exponential backoff with "equal jitter": each pause is uniform in [d/2, d].
-#[derive(Debug, Clone)]
-pub struct Backoff {
-    next: Duration,
-    max: Duration,
-}
-
-impl Backoff {
-    pub fn new(base: Duration, max: Duration) -> Self {
-        Backoff { next: base, max }
-    }
-
-    pub fn next_pause(&mut self) -> Duration {
-        let d = self.next;
-        self.next = (self.next * 2).min(self.max);
-        jitter(d)
-    }
-}
-
-/// A uniform random duration in [d/2, d].
-pub fn jitter(d: Duration) -> Duration {
-    uniform(d / 2, d)
-}
-
-/// A uniform random duration in [lo, hi] (`lo` when `hi <= lo`).
-pub fn uniform(lo: Duration, hi: Duration) -> Duration {
-    let mut b = [0u8; 8];
-    let r = if getrandom::fill(&mut b).is_ok() { u64::from_le_bytes(b) } else { 0 };
-    let span = hi.saturating_sub(lo).as_nanos() as u64;
-    lo + Duration::from_nanos(if span == 0 { 0 } else { r % (span + 1) })
-}
-
 /// The lease coordinator: validation, conditions, retries and fencing over one store.
 #[derive(Clone)]
 pub struct Coordinator {
@@ -146,36 +122,69 @@ impl Coordinator {
         self.config.skew_margin.as_millis() as u64
     }
 
-    /// TTL attribute (epoch seconds) for an item that stops mattering at `ms`.
+    /// TTL attribute (epoch seconds) for an item that stops mattering at `ms`: the grace after
+    /// that, and never before the grace after its fence's own time (a fence is at most
+    /// [`FENCE_LEAD_US`] ahead of the clock of the write that issued it, and every later write
+    /// runs later), so that a key deleted by TTL restarts its fences above the old ones.
     pub(crate) fn ttl_after(&self, ms: u64) -> u64 {
-        ms.div_ceil(1000) + self.config.ttl_grace.as_secs()
+        ms.saturating_add(FENCE_LEAD_US / 1000).div_ceil(1000) + self.config.ttl_grace.as_secs()
     }
 
     pub(crate) fn max_duration_ms(&self) -> u64 {
         self.config.limits.max_duration.as_millis() as u64
     }
 
+    /// The coordinator's clock (epoch ms) at the monotonic instant `at`.
+    fn clock_at(&self, at: Instant) -> i64 {
+        self.now_ms() as i64 - Instant::now().saturating_duration_since(at).as_millis() as i64
+    }
+
+    /// Refuses to judge or write expiries with a clock that is certainly further from the
+    /// store's than the skew margin (DESIGN.md, "Clocks"). The evidence is the `Date` of the
+    /// store's recent answers; a coordinator that has none yet asks once (a read of `key`).
+    async fn check_clock(&self, key: &str) -> Result<()> {
+        let Some(samples) = self.store.clock() else { return Ok(()) };
+        if samples.is_empty() {
+            let _ = self.store.get(key).await;
+        }
+        match samples.offset(|at| self.clock_at(at)) {
+            Some(o) if o.beyond(self.skew_ms() as i64) => {
+                let (dir, lo, hi) = if o.lo > 0 { ("behind", o.lo, o.hi) } else { ("ahead of", -o.hi, -o.lo) };
+                Err(Error::ClockSkew(format!(
+                    "this coordinator's clock is {lo} to {hi} ms {dir} the store's, beyond the skew margin of {} ms: \
+                     it must not judge or write lease expiries until its time is synchronised",
+                    self.skew_ms()
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Runs one conditional write, retrying throttled/unavailable answers with jittered
     /// backoff until `deadline`. Every retry re-reads the clock and re-sends the same lease_id,
     /// so a retry after an ambiguous failure (the write landed, the answer was lost) is
-    /// recognised by the caller from the item that comes back.
+    /// recognised by the caller from the item that comes back. `attempt` may refuse to write
+    /// (a bound it checks before anything is sent).
     async fn write(
         &self,
         key: &str,
         deadline: Instant,
-        mut attempt: impl FnMut(u64) -> (Condition, Mutation),
-    ) -> Result<(Write, Instant, u64)> {
+        mut attempt: impl FnMut(u64) -> Result<(Condition, Mutation)>,
+    ) -> std::result::Result<(Write, Instant, u64), Failed> {
         let mut backoff = Backoff::new(self.config.retry_base, self.config.retry_max);
+        let mut maybe_landed = false;
         loop {
             let sent = Instant::now();
             let now = self.now_ms();
-            let (cond, m) = attempt(now);
+            let (cond, m) = attempt(now).map_err(|error| Failed { error, maybe_landed })?;
             match self.store.update(key, &cond, &m).await {
                 Ok(w) => return Ok((w, sent, now)),
                 Err(e) if e.is_transient() => {
+                    // A throttle is refused before the write; anything else may have landed.
+                    maybe_landed |= !matches!(e, Error::Throttled(_));
                     let pause = backoff.next_pause();
                     if Instant::now() + pause >= deadline {
-                        return Err(e);
+                        return Err(Failed { error: e, maybe_landed });
                     }
                     tracing::debug!(
                         key,
@@ -185,13 +194,63 @@ impl Coordinator {
                     );
                     tokio::time::sleep(pause).await;
                 }
-                Err(e) => return Err(e),
+                Err(error) => return Err(Failed { error, maybe_landed }),
             }
         }
     }
 
+    /// Validates an acquire's inputs.
+    fn check_acquire(&self, key: &str, holder: &str, duration: Option<Duration>, opts: &AcquireOptions) -> Result<()> {
+        let limits = &self.config.limits;
+        limits.key(key)?;
+        limits.holder(holder)?;
+        if let Some(d) = duration {
+            limits.duration("duration_ms", d)?;
+        }
+        limits.wait(opts.wait.unwrap_or_default())?;
+        limits.min_hold(opts.min_hold.unwrap_or_default(), duration)?;
+        if let Some(m) = &opts.metadata {
+            limits.metadata(m)?;
+        }
+        if let Some(k) = &opts.keepalive {
+            limits.keepalive(k, self.now_ms(), duration)?;
+        }
+        if duration.is_none() && opts.lease_id.is_none() {
+            // A fail-closed lease whose answer is lost would otherwise be held forever under an
+            // id nobody knows; with the caller's own id, a retry or a release reaches it.
+            return Err(Error::invalid(
+                "a fail_closed lease needs a caller-chosen lease_id, so that a retry or a release can reach it \
+                 if the answer is lost",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The fence an attempt writes: the clock in µs, above the last fence seen on the key.
+    /// Refused before anything is written when the seen fence is implausibly far ahead of this
+    /// clock (this clock is wrong, or another coordinator's was: copying it would spread the
+    /// error) or when the fence would pass [`MAX_FENCE`].
+    fn next_fence(&self, key: &str, seen: Option<u64>) -> Result<u64> {
+        let now_us = self.now_us();
+        if let Some(s) = seen.filter(|&s| s > now_us.saturating_add(FENCE_LEAD_US)) {
+            return Err(Error::ClockSkew(format!(
+                "the last fence of {key:?} is {} s ahead of this coordinator's clock (at most {} s is plausible): \
+                 this clock, or the clock of the coordinator that issued it, is wrong",
+                (s - now_us) / 1_000_000,
+                FENCE_LEAD_US / 1_000_000
+            )));
+        }
+        let fence = now_us.max(seen.map_or(0, |f| f.saturating_add(1)));
+        if fence > MAX_FENCE {
+            return Err(Error::StoreUnavailable(format!(
+                "the next fence of {key:?} would pass 2^53; this coordinator's clock is wrong or the key must be retired"
+            )));
+        }
+        Ok(fence)
+    }
+
     /// Takes the lease on `key` for `duration` (`None`: a fail-closed lease, held until
-    /// released). One store request when the key is free.
+    /// released; it needs a caller-chosen lease_id). One store request when the key is free.
     pub async fn acquire(
         &self,
         key: &str,
@@ -200,149 +259,108 @@ impl Coordinator {
         opts: AcquireOptions,
     ) -> Result<Lease> {
         let start = Instant::now();
-        let limits = &self.config.limits;
-        limits.key(key)?;
-        limits.holder(holder)?;
-        if let Some(d) = duration {
-            limits.duration("duration_ms", d)?;
+        self.check_acquire(key, holder, duration, &opts)?;
+        self.check_clock(key).await?;
+        let wait_deadline = start + opts.wait.unwrap_or_default();
+        let deadline = wait_deadline.max(start + self.config.retry_budget);
+        let mut lease_id = opts.lease_id.clone().unwrap_or_else(LeaseId::generate);
+        let mut wait = Waiting::new(&self.pacer, key, self.config.poll_max, start);
+        if !opts.wait.unwrap_or_default().is_zero() {
+            wait.courtesy(wait_deadline).await;
         }
-        let wait = opts.wait.unwrap_or_default();
-        limits.wait(wait)?;
-        let min_hold = opts.min_hold.unwrap_or_default();
-        limits.min_hold(min_hold, duration)?;
-        if let Some(m) = &opts.metadata {
-            limits.metadata(m)?;
-        }
-        if let Some(k) = &opts.keepalive {
-            limits.keepalive(k, self.now_ms(), duration)?;
-        }
-        let lease_id = opts.lease_id.clone().unwrap_or_else(LeaseId::generate);
-        let wait_deadline = start + wait;
-        let retry_deadline = wait_deadline.max(start + self.config.retry_budget);
-        let duration_ms = duration.map(|d| d.as_millis() as u64);
-        // Pacing of the attempts while the key is held (see `pacing`): a coordinator that
-        // found this key contended a moment ago first waits a random part of the key's poll
-        // period, so that it competes with the waiters instead of jumping ahead of them.
-        let pace = self.pacer.begin(key);
-        let mut attempts = 0u32;
-        let mut contended = false;
-        if let (Some(c), true) = (pace.courtesy, wait > Duration::ZERO) {
-            contended = true;
-            tokio::time::sleep(c.min(wait_deadline.saturating_duration_since(Instant::now()))).await;
-        }
-        let mut period = pace.period;
-        let mut pause = period;
         // The last fence seen on this key: the next one must be above it.
         let mut seen_fence: Option<u64> = None;
-        // The lease that held the key at the last rejection.
-        let mut held_by: Option<u64> = None;
         loop {
-            attempts += 1;
+            wait.attempts += 1;
+            let new = |now: u64, fence: u64| NewLease {
+                holder: holder.to_string(),
+                lease_id: lease_id.clone(),
+                now_ms: now,
+                duration_ms: duration.map(|d| d.as_millis() as u64),
+                min_hold_ms: opts.min_hold.unwrap_or_default().as_millis() as u64,
+                metadata: opts.metadata.clone(),
+                keepalive: opts.keepalive.clone(),
+                ttl: duration.map(|d| self.ttl_after(now + d.as_millis() as u64)),
+                fence,
+                poll_ms: wait.advertise(),
+            };
             let mut fence = 0;
             let (w, sent, now) = self
-                .write(key, retry_deadline, |now| {
-                    fence = self.now_us().max(seen_fence.map_or(0, |f| f + 1));
-                    let m = Mutation::Acquire(NewLease {
-                        holder: holder.to_string(),
-                        lease_id: lease_id.clone(),
-                        now_ms: now,
-                        duration_ms,
-                        min_hold_ms: min_hold.as_millis() as u64,
-                        metadata: opts.metadata.clone(),
-                        keepalive: opts.keepalive.clone(),
-                        ttl: duration_ms.map(|d| self.ttl_after(now + d)),
-                        fence,
-                        // Passed on to the key's waiters (see `pacing`).
-                        poll_ms: contended
-                            .then(|| next_period(period, attempts, self.config.poll_max).as_millis() as u64),
-                    });
-                    (Condition::Free { now_ms: now, fence }, m)
+                .write(key, deadline, |now| {
+                    fence = self.next_fence(key, seen_fence)?;
+                    let cond = Condition::Free { now_ms: now, fence, lease_id: lease_id.clone() };
+                    Ok((cond, Mutation::Acquire(new(now, fence))))
                 })
-                .await?;
-            let granted = match w {
-                Write::Applied(r) => {
+                .await
+                .map_err(|f| f.into_error(key, true))?;
+            match sort_acquire(w, &lease_id, fence, now)? {
+                AcquireAnswer::Granted(r) => {
                     check_fence(&r)?;
-                    Ok(r)
-                }
-                // An earlier attempt with this lease_id landed (its answer was lost, or the
-                // caller retried): the same lease, the same fence.
-                Write::Rejected(Some(r)) if r.is_live_for(&lease_id, now) => Ok(r),
-                // Free, but its last fence is not below ours (a coordinator whose clock runs
-                // ahead, a force-release, or µs collisions): go again just above it.
-                Write::Rejected(Some(r)) if !r.is_held(now) && r.fence >= fence => {
-                    seen_fence = Some(r.fence);
-                    continue;
-                }
-                Write::Rejected(Some(r)) => Err(r),
-                Write::Rejected(None) => {
-                    return Err(Error::StoreUnavailable("store rejected a write on a missing item".into()))
-                }
-            };
-            let current = match granted {
-                Ok(r) => {
-                    // The period the granted item advertises (written by an acquire that
-                    // contended), remembered for this coordinator's next call.
                     let advertised = r.poll_ms;
-                    match self.usable(r, sent, now, retry_deadline)? {
-                        Some(lease) => {
-                            if advertised.is_some() {
-                                self.pacer.contended(key, period_of(advertised, self.config.poll_max));
-                            }
-                            return Ok(lease);
-                        }
-                        None => continue,
+                    let lease = r.lease(sent, now, self.skew_ms());
+                    if lease.safe_until.is_none_or(|t| t > Instant::now()) {
+                        wait.granted(advertised);
+                        return Ok(lease);
+                    }
+                    // Granted, but the answer came after the lease's safe time (a stalled
+                    // request): useless to the holder. Free the key again, and take it anew
+                    // with a new lease_id (a lease_id is single-use) if ours was generated.
+                    self.drop_late_grant(key, &lease_id).await;
+                    if opts.lease_id.is_some() || Instant::now() >= deadline {
+                        return Err(Error::StoreUnavailable(
+                            "the store answered after the granted lease's safe time had passed; the late grant was \
+                             released"
+                                .into(),
+                        ));
+                    }
+                    lease_id = LeaseId::generate();
+                    tokio::time::sleep(jitter(self.config.retry_base).min(deadline - Instant::now())).await;
+                }
+                // Free, but its last fence is not below ours (a coordinator whose clock runs
+                // ahead, a force-release, or µs collisions): go again just above it, paced
+                // if it happens again.
+                AcquireAnswer::Above(f) => {
+                    if seen_fence.is_some() {
+                        tokio::time::sleep(jitter(self.config.retry_base)).await;
+                    }
+                    seen_fence = Some(f);
+                    if Instant::now() >= deadline {
+                        return Err(Error::StoreUnavailable(format!("{key:?} kept changing hands until the deadline")));
                     }
                 }
-                Err(r) => r,
-            };
-            contended = true;
-            period = period_of(current.poll_ms, self.config.poll_max);
-            self.pacer.contended(key, period);
-            let held = Error::LeaseHeld {
-                key: key.to_string(),
-                holder: current.holder.clone(),
-                expires_at_ms: current.expires_at_ms,
-            };
-            let now_i = Instant::now();
-            if now_i >= wait_deadline {
-                return Err(held);
+                // Our lease_id's lease already ended on this key: a lease_id is single-use. A
+                // generated one (our own earlier attempt, expired before we heard of it) is
+                // replaced; a caller's is refused.
+                AcquireAnswer::Ended(reason) => {
+                    if opts.lease_id.is_some() || Instant::now() >= deadline {
+                        return Err(Error::NotHolder { key: key.to_string(), reason });
+                    }
+                    lease_id = LeaseId::generate();
+                }
+                AcquireAnswer::Held(r) => {
+                    let until_expiry =
+                        r.expires_at_ms.map(|e| Duration::from_millis(e.saturating_sub(self.now_ms()) + 1));
+                    match wait.held(r.fence, r.poll_ms, until_expiry, wait_deadline) {
+                        Some(pause) => tokio::time::sleep(pause).await,
+                        None => {
+                            return Err(Error::LeaseHeld {
+                                key: key.to_string(),
+                                holder: r.holder,
+                                expires_at_ms: r.expires_at_ms,
+                            })
+                        }
+                    }
+                }
             }
-            // While the key changes hands, poll at the period its item advertises, aged by our
-            // wait; while one lease stays on it, double the pause up to poll_max. Never sleep
-            // past the holder's known expiry (a crashed holder is replaced promptly), nor past
-            // our own deadline (one last attempt is made at the deadline).
-            pause = if held_by == Some(current.fence) {
-                (pause * 2).min(self.config.poll_max.max(period))
-            } else {
-                aged(period, start.elapsed())
-            };
-            held_by = Some(current.fence);
-            let mut sleep = uniform(pause / 2, pause + pause / 2);
-            if let Some(e) = current.expires_at_ms {
-                let until_expiry = Duration::from_millis(e.saturating_sub(self.now_ms()) + 1);
-                sleep = sleep.min(until_expiry);
-            }
-            sleep = sleep.min(wait_deadline - now_i);
-            tokio::time::sleep(sleep).await;
         }
     }
 
-    /// The lease a grant gives the holder, or `None` when the answer arrived after the lease's
-    /// safe time (a stalled request): such a lease is of no use to the holder, so the caller
-    /// takes the key again (the stale grant has expired, the retry gets the next fence) while
-    /// its deadline allows.
-    fn usable(&self, r: Record, sent: Instant, now: u64, deadline: Instant) -> Result<Option<Lease>> {
-        let lease = r.lease(sent, now, self.skew_ms());
-        if lease.safe_until.is_none_or(|t| t > Instant::now()) {
-            return Ok(Some(lease));
+    /// Releases a grant that arrived too late to be used, so the key does not stay blocked for
+    /// the rest of its duration. Best effort: if it fails, the grant expires on its own.
+    async fn drop_late_grant(&self, key: &str, lease_id: &LeaseId) {
+        if let Err(e) = self.release(key, lease_id).await {
+            tracing::warn!(key, error = e.name(), "could not release a late grant; it expires on its own");
         }
-        if Instant::now() >= deadline {
-            return Err(Error::StoreUnavailable(
-                "the store answered after the granted lease's safe time had passed".into(),
-            ));
-        }
-        tracing::debug!(key = %r.key, "granted lease arrived after its safe time; acquiring again");
-        Ok(None)
     }
 
     /// Extends a live lease by `duration` (default: the lease's own duration) from now.
@@ -351,7 +369,9 @@ impl Coordinator {
         self.heartbeat_until(key, lease_id, duration, deadline).await
     }
 
-    /// [`Coordinator::heartbeat`], retrying transient failures until `deadline`.
+    /// [`Coordinator::heartbeat`], retrying transient failures until `deadline`. The expiry
+    /// never moves backwards: a delayed duplicate of an earlier try, or a request for less
+    /// time than the lease has left, leaves the lease as it is and answers with it.
     pub async fn heartbeat_until(
         &self,
         key: &str,
@@ -363,66 +383,68 @@ impl Coordinator {
         if let Some(d) = duration {
             self.config.limits.duration("duration_ms", d)?;
         }
+        self.check_clock(key).await?;
         let duration_ms = duration.map(|d| d.as_millis() as u64);
         let max = self.max_duration_ms();
         let (w, sent, now) = self
             .write(key, deadline, |now| {
-                (
-                    Condition::Live { lease_id: lease_id.clone(), now_ms: now, timed: duration_ms.is_none() },
-                    Mutation::Extend {
-                        now_ms: now,
-                        duration_ms,
-                        ttl: Some(self.ttl_after(now + duration_ms.unwrap_or(max))),
-                    },
-                )
+                let cond = Condition::Renew {
+                    lease_id: lease_id.clone(),
+                    now_ms: now,
+                    expires_at_ms: duration_ms.map(|d| now + d),
+                };
+                let ttl = Some(self.ttl_after(now + duration_ms.unwrap_or(max)));
+                Ok((cond, Mutation::Extend { now_ms: now, duration_ms, ttl }))
             })
-            .await?;
+            .await
+            .map_err(|f| f.into_error(key, false))?;
         match w {
-            Write::Applied(r) => Ok(r.lease(sent, now, self.skew_ms())),
-            Write::Rejected(Some(r)) => {
-                if r.is_live_for(lease_id, now) && r.duration_ms.is_none() {
-                    // A fail-closed lease has nothing to extend: it is held until released.
-                    return Ok(r.lease(sent, now, self.skew_ms()));
-                }
-                Err(self.not_holder(key, lease_id, Some(&r), now))
+            Write::Applied(r) => {
+                check_fence(&r)?;
+                Ok(r.lease(sent, now, self.skew_ms()))
             }
-            Write::Rejected(None) => Err(self.not_holder(key, lease_id, None, now)),
+            // Still ours, but not extended: a fail-closed lease (nothing to extend), a later
+            // renewal already landed, or the new expiry would be earlier. The lease as it is.
+            Write::Rejected(Some(r)) if r.is_live_for(lease_id, now) => {
+                check_fence(&r)?;
+                Ok(r.lease(sent, now, self.skew_ms()))
+            }
+            Write::Rejected(r) => Err(self.not_holder(key, lease_id, r.as_ref(), now)),
         }
     }
 
     fn not_holder(&self, key: &str, lease_id: &LeaseId, r: Option<&Record>, now: u64) -> Error {
         let reason = match r {
-            None => NotHolderReason::Missing,
-            Some(r) if &r.lease_id != lease_id => NotHolderReason::WrongLeaseId,
-            Some(r) if r.released_at_ms.is_some() => NotHolderReason::Released,
-            Some(r) if !r.is_held(now) => NotHolderReason::Expired,
-            // Live for lease_id, but the condition failed: only when a duration was needed.
-            Some(_) => NotHolderReason::Expired,
+            None => Reason::Missing,
+            Some(r) => ended_reason(r, lease_id, now).unwrap_or(Reason::Expired),
         };
         Error::NotHolder { key: key.to_string(), reason }
     }
 
-    /// Releases the lease. Idempotent: a retried release of the same lease_id succeeds again
-    /// as long as nobody else has taken the key since.
+    /// Releases the lease. Idempotent: releasing a released lease (a retry after a lost
+    /// answer, or a stale release after a force-release) changes nothing and answers with
+    /// `already_released`.
     pub async fn release(&self, key: &str, lease_id: &LeaseId) -> Result<Released> {
         self.config.limits.key(key)?;
         let deadline = Instant::now() + self.config.retry_budget;
         let max = self.max_duration_ms();
         let (w, _, now) = self
             .write(key, deadline, |now| {
-                (
-                    Condition::Owns { lease_id: lease_id.clone() },
-                    Mutation::Release { now_ms: now, ttl: self.ttl_after(now + max) },
-                )
+                let ttl = self.ttl_after(now + max);
+                Ok((Condition::Unreleased { lease_id: lease_id.clone() }, Mutation::Release { now_ms: now, ttl }))
             })
-            .await?;
+            .await
+            .map_err(|f| f.into_error(key, false))?;
+        let released = |r: &Record, already_released| Released {
+            key: key.to_string(),
+            fence: r.fence,
+            released_at_ms: r.released_at_ms.unwrap_or(now),
+            free_at_ms: r.expires_at_ms.unwrap_or(now).max(now),
+            already_released,
+        };
         match w {
-            Write::Applied(r) => Ok(Released {
-                key: key.to_string(),
-                fence: r.fence,
-                released_at_ms: now,
-                free_at_ms: r.expires_at_ms.unwrap_or(now).max(now),
-            }),
+            Write::Applied(r) => Ok(released(&r, false)),
+            Write::Rejected(Some(r)) if &r.lease_id == lease_id && r.released_at_ms.is_some() => Ok(released(&r, true)),
             Write::Rejected(r) => Err(self.not_holder(key, lease_id, r.as_ref(), now)),
         }
     }
@@ -435,9 +457,10 @@ impl Coordinator {
         let max = self.max_duration_ms();
         let (w, _, now) = self
             .write(key, deadline, |now| {
-                (Condition::Exists, Mutation::ForceRelease { now_ms: now, ttl: self.ttl_after(now + max) })
+                Ok((Condition::Exists, Mutation::ForceRelease { now_ms: now, ttl: self.ttl_after(now + max) }))
             })
-            .await?;
+            .await
+            .map_err(|f| f.into_error(key, false))?;
         match w {
             Write::Applied(r) => Ok(r.state(now)),
             Write::Rejected(_) => Err(Error::NotFound { key: key.to_string() }),
@@ -470,6 +493,69 @@ impl Coordinator {
                 None => return Ok(out),
             }
         }
+    }
+}
+
+/// A write that did not get an answer in time.
+struct Failed {
+    error: Error,
+    /// Some attempt may have landed (its answer was lost or it timed out).
+    maybe_landed: bool,
+}
+
+impl Failed {
+    /// The error to report. An acquire whose write may have landed is `OutcomeUnknown`: the
+    /// caller's lease_id reaches that lease (a retry returns it, a release frees it).
+    fn into_error(self, key: &str, acquire: bool) -> Error {
+        match self.error {
+            e @ Error::StoreUnavailable(_) if self.maybe_landed && acquire => Error::OutcomeUnknown {
+                key: key.to_string(),
+                message: format!(
+                    "{e}; a write may have landed: retry with the same lease_id (idempotent) or release with it"
+                ),
+            },
+            e => e,
+        }
+    }
+}
+
+/// What one acquire attempt's answer means.
+enum AcquireAnswer {
+    /// The lease is ours: this attempt's, or an earlier one of the same lease_id that landed.
+    Granted(Record),
+    /// The key is free but its last fence is not below ours: go again above this one.
+    Above(u64),
+    /// Our lease_id's lease already ended on this key (released or expired): never again.
+    Ended(Reason),
+    /// Another lease holds the key.
+    Held(Record),
+}
+
+fn sort_acquire(w: Write, lease_id: &LeaseId, fence: u64, now: u64) -> Result<AcquireAnswer> {
+    Ok(match w {
+        Write::Applied(r) => AcquireAnswer::Granted(r),
+        Write::Rejected(Some(r)) if r.is_live_for(lease_id, now) => AcquireAnswer::Granted(r),
+        Write::Rejected(Some(r)) => match ended_reason(&r, lease_id, now) {
+            Some(reason) if reason != Reason::WrongLeaseId => AcquireAnswer::Ended(reason),
+            _ if !r.is_held(now) && r.fence >= fence => AcquireAnswer::Above(r.fence),
+            _ => AcquireAnswer::Held(r),
+        },
+        Write::Rejected(None) => {
+            return Err(Error::StoreUnavailable("store rejected a write on a missing item".into()));
+        }
+    })
+}
+
+/// Why the lease `lease_id` is not live on item `r` (`None` when it is).
+fn ended_reason(r: &Record, lease_id: &LeaseId, now: u64) -> Option<Reason> {
+    if &r.lease_id != lease_id {
+        Some(Reason::WrongLeaseId)
+    } else if r.released_at_ms.is_some() {
+        Some(Reason::Released)
+    } else if !r.is_held(now) {
+        Some(Reason::Expired)
+    } else {
+        None
     }
 }
 

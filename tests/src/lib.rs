@@ -286,6 +286,13 @@ impl Backend {
     pub fn coordinator(&self, config: Config) -> Coordinator {
         Coordinator::new(self.store(), config)
     }
+    /// A new DynamoDB client (as another process would have) on the same table as `b`.
+    pub async fn dynamo_store_like(b: &Backend) -> Arc<dyn Store> {
+        match b {
+            Backend::Dynamo(d) => Arc::new(DynamoStore::new(dynamo_local().client().await, d.table())),
+            Backend::Sqlite(..) => b.reopen(),
+        }
+    }
 }
 
 /// Counts the requests a coordinator sends to its store.
@@ -347,6 +354,11 @@ pub enum Fault {
     Throttle,
     /// Answer "unavailable" without forwarding.
     Unavailable,
+    /// A request stuck in the network: answer "unavailable" at once (so the caller retries),
+    /// and make the original write this much later, after the retry.
+    DelayedDuplicate(std::time::Duration),
+    /// Make the write, then answer only this much later (a stalled answer).
+    SlowAnswer(std::time::Duration),
 }
 
 /// Injects faults into the next writes of a real store.
@@ -391,6 +403,19 @@ impl Store for Faulty {
             }
             Some(Fault::Throttle) => Err(Error::Throttled("injected throttle".into())),
             Some(Fault::Unavailable) => Err(Error::StoreUnavailable("injected outage".into())),
+            Some(Fault::DelayedDuplicate(after)) => {
+                let (inner, key, c, m) = (self.inner.clone(), key.to_string(), c.clone(), m.clone());
+                tokio::spawn(async move {
+                    tokio::time::sleep(after).await;
+                    let _ = inner.update(&key, &c, &m).await;
+                });
+                Err(Error::StoreUnavailable("injected: request stuck in the network".into()))
+            }
+            Some(Fault::SlowAnswer(after)) => {
+                let w = self.inner.update(key, c, m).await;
+                tokio::time::sleep(after).await;
+                w
+            }
         }
     }
     async fn delete(&self, key: &str, c: &Condition) -> Result<Write> {
@@ -455,4 +480,22 @@ impl GuardedResource {
     pub fn rejected(&self) -> u64 {
         self.inner.lock().unwrap().rejected
     }
+}
+
+/// Runs each named `async fn case(b: Backend)` of the calling test file against both stores:
+/// `case::sqlite` and `case::dynamodb`.
+#[macro_export]
+macro_rules! both_backends {
+    ($($case:ident),* $(,)?) => {$(
+        mod $case {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn sqlite() {
+                super::$case($crate::Backend::sqlite().await).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn dynamodb() {
+                super::$case($crate::Backend::dynamo().await).await
+            }
+        }
+    )*};
 }

@@ -212,7 +212,7 @@ async fn lost_responses_are_idempotent(b: Backend) {
     let r = impatient
         .acquire("i", "h2", secs(30), AcquireOptions { lease_id: Some(id.clone()), ..Default::default() })
         .await;
-    assert!(matches!(r, Err(Error::StoreUnavailable(_))), "{r:?}");
+    assert!(matches!(r, Err(Error::OutcomeUnknown { .. })), "the answer says the outcome is unknown: {r:?}");
     faulty.plan.lock().unwrap().clear();
     let landed = c.get("i").await.unwrap();
     assert!(landed.held && landed.holder == "h2" && landed.fence > next.fence, "{landed:?}");
@@ -347,7 +347,11 @@ async fn min_hold_blocks_early_release(b: Backend) {
 
 async fn fail_closed_lease(b: Backend) {
     let c = b.coordinator(test_config());
-    let l = c.acquire("fc", "h", None, AcquireOptions::default()).await.unwrap();
+    // Without a caller-chosen lease_id, a lost answer would strand it forever: refused.
+    let r = c.acquire("fc", "h", None, AcquireOptions::default()).await;
+    assert!(matches!(&r, Err(Error::InvalidRequest(m)) if m.contains("lease_id")), "{r:?}");
+    let id = Some(LeaseId::generate());
+    let l = c.acquire("fc", "h", None, AcquireOptions { lease_id: id, ..Default::default() }).await.unwrap();
     assert_eq!(l.expires_at_ms, None);
     assert_eq!(l.safe_until, None);
     let s = c.get("fc").await.unwrap();
@@ -666,6 +670,7 @@ fn lease_id_never_formats() {
         keepalive: None,
         ttl: None,
         poll_ms: None,
+        renewed_at_ms: None,
     };
     assert!(!format!("{r:?}").contains(&secret));
     assert!(!format!("{:?}", r.lease(Instant::now(), 0, 0)).contains(&secret));

@@ -7,7 +7,8 @@
 //! the fence it issued.
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use aws_sdk_dynamodb::error::{ProvideErrorMetadata, SdkError};
@@ -16,8 +17,17 @@ use aws_sdk_dynamodb::types::{
     ProjectionType, ReturnValue, ReturnValuesOnConditionCheckFailure, ScalarAttributeType, TimeToLiveSpecification,
 };
 use aws_sdk_dynamodb::Client;
+use aws_smithy_runtime_api::box_error::BoxError;
+use aws_smithy_runtime_api::client::interceptors::context::{
+    BeforeDeserializationInterceptorContextRef, BeforeTransmitInterceptorContextRef,
+};
+use aws_smithy_runtime_api::client::interceptors::Intercept;
+use aws_smithy_runtime_api::client::runtime_components::RuntimeComponents;
+use aws_smithy_types::config_bag::{ConfigBag, Storable, StoreReplace};
+use aws_smithy_types::date_time::{DateTime, Format as DateFormat};
 
 use super::{keepalive_shard, Condition, Mutation, NewLease, Page, ScanKind, Store, Write, KEEPALIVE_SHARDS};
+use crate::clock::{ClockSamples, Sample};
 use crate::error::{Error, Result};
 use crate::model::{Keepalive, LeaseId, Record};
 
@@ -38,6 +48,7 @@ pub mod attr {
     pub const KA_EXECUTION_ARN: &str = "ka_execution_arn";
     pub const TTL: &str = "ttl";
     pub const POLL: &str = "poll_ms";
+    pub const RENEWED_AT: &str = "renewed_at_ms";
 
     /// Every attribute above.
     pub const ALL: &[&str] = &[
@@ -72,6 +83,51 @@ pub const KEEPALIVE_INDEX: &str = "keepalive";
 pub struct DynamoStore {
     client: Client,
     table: String,
+    clock: Arc<ClockSamples>,
+}
+
+/// Records the `Date` of every DynamoDB answer with the instants the request was sent and the
+/// answer received (see `crate::clock`).
+#[derive(Debug)]
+struct DateSampler(Arc<ClockSamples>);
+
+#[derive(Debug, Clone, Copy)]
+struct SentAt(Instant);
+
+impl Storable for SentAt {
+    type Storer = StoreReplace<Self>;
+}
+
+impl Intercept for DateSampler {
+    fn name(&self) -> &'static str {
+        "leasehold-date-sampler"
+    }
+
+    fn read_before_transmit(
+        &self,
+        _: &BeforeTransmitInterceptorContextRef<'_>,
+        _: &RuntimeComponents,
+        cfg: &mut ConfigBag,
+    ) -> std::result::Result<(), BoxError> {
+        cfg.interceptor_state().store_put(SentAt(Instant::now()));
+        Ok(())
+    }
+
+    fn read_after_transmit(
+        &self,
+        ctx: &BeforeDeserializationInterceptorContextRef<'_>,
+        _: &RuntimeComponents,
+        cfg: &mut ConfigBag,
+    ) -> std::result::Result<(), BoxError> {
+        let received = Instant::now();
+        let date = ctx.response().headers().get("date").and_then(|d| DateTime::from_str(d, DateFormat::HttpDate).ok());
+        if let (Some(SentAt(sent)), Some(date)) = (cfg.load::<SentAt>().copied(), date) {
+            if date.secs() > 0 {
+                self.0.record(Sample { sent, received, date_s: date.secs() as u64 });
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Builds an SDK config from the standard AWS environment (credentials chain, region,
@@ -98,8 +154,12 @@ pub async fn load_sdk_config(attempt_timeout: Duration) -> aws_config::SdkConfig
 }
 
 impl DynamoStore {
+    /// A store on `table` through `client` (to which it adds the `Date` sampler of the clock
+    /// check).
     pub fn new(client: Client, table: impl Into<String>) -> Self {
-        DynamoStore { client, table: table.into() }
+        let clock = Arc::new(ClockSamples::default());
+        let conf = client.config().to_builder().interceptor(DateSampler(clock.clone())).build();
+        DynamoStore { client: Client::from_conf(conf), table: table.into(), clock }
     }
 
     /// A store on `table` configured from the standard AWS environment.
@@ -264,6 +324,7 @@ pub fn record_from_item(item: &HashMap<String, AttributeValue>) -> Result<Record
         keepalive,
         ttl: get_n(item, attr::TTL)?,
         poll_ms: get_n(item, attr::POLL)?,
+        renewed_at_ms: get_n(item, attr::RENEWED_AT)?,
     })
 }
 
@@ -335,38 +396,40 @@ impl Expr {
 
     fn condition(&mut self, c: &Condition) -> String {
         match c {
-            // No item (every item has a fence), or one that has expired with a lower fence.
-            Condition::Free { now_ms, fence } => {
-                let (e, f) = (self.n(attr::EXPIRES_AT), self.n(attr::FENCE));
+            // No item (every item has a fence), or one that has expired with a lower fence and
+            // another lease_id.
+            Condition::Free { now_ms, fence, lease_id } => {
+                let (e, f, l) = (self.n(attr::EXPIRES_AT), self.n(attr::FENCE), self.n(attr::LEASE_ID));
                 let now = self.v("now", num(*now_ms));
                 let fv = self.v("fence", num(*fence));
-                format!("attribute_not_exists({f}) OR ({e} <= {now} AND {f} < {fv})")
+                let lid = self.v("lease_id", str_(lease_id.expose()));
+                format!("attribute_not_exists({f}) OR ({e} <= {now} AND {f} < {fv} AND {l} <> {lid})")
             }
-            Condition::Live { lease_id, now_ms, timed } => {
+            Condition::Renew { lease_id, now_ms, expires_at_ms } => {
                 let (l, r, e) = (self.n(attr::LEASE_ID), self.n(attr::RELEASED_AT), self.n(attr::EXPIRES_AT));
+                let w = self.n(attr::RENEWED_AT);
                 let lid = self.v("lease_id", str_(lease_id.expose()));
                 let now = self.v("now", num(*now_ms));
-                let mut s =
-                    format!("{l} = {lid} AND attribute_not_exists({r}) AND (attribute_not_exists({e}) OR {e} > {now})");
-                if *timed {
-                    let d = self.n(attr::DURATION);
-                    s.push_str(&format!(" AND attribute_exists({d})"));
-                }
-                s
+                let tail = match expires_at_ms {
+                    Some(x) => {
+                        let xv = self.v("expires_at", num(*x));
+                        format!("(attribute_not_exists({e}) OR {e} <= {xv})")
+                    }
+                    None => format!("attribute_exists({})", self.n(attr::DURATION)),
+                };
+                format!(
+                    "{l} = {lid} AND attribute_not_exists({r}) AND (attribute_not_exists({e}) OR {e} > {now}) \
+                     AND (attribute_not_exists({w}) OR {w} < {now}) AND {tail}"
+                )
             }
-            Condition::Owns { lease_id } => {
-                let l = self.n(attr::LEASE_ID);
+            Condition::Unreleased { lease_id } => {
+                let (l, r) = (self.n(attr::LEASE_ID), self.n(attr::RELEASED_AT));
                 let lid = self.v("lease_id", str_(lease_id.expose()));
-                format!("{l} = {lid}")
+                format!("{l} = {lid} AND attribute_not_exists({r})")
             }
             Condition::Exists => {
                 let k = self.n(attr::KEY);
                 format!("attribute_exists({k})")
-            }
-            Condition::FenceIs(f) => {
-                let a = self.n(attr::FENCE);
-                let v = self.v("expected_fence", num(*f));
-                format!("{a} = {v}")
             }
         }
     }
@@ -387,6 +450,7 @@ impl Expr {
                         self.set(attr::EXPIRES_AT, format!("{d} + {now}"));
                     }
                 }
+                self.set_value(attr::RENEWED_AT, num(*now_ms));
                 self.set_or_remove(attr::TTL, ttl.map(num));
             }
             Mutation::Release { now_ms, ttl } => {
@@ -421,9 +485,10 @@ fn lease_item(key: &str, n: &NewLease) -> HashMap<String, AttributeValue> {
     put(attr::HOLDER, str_(&n.holder));
     put(attr::LEASE_ID, str_(n.lease_id.expose()));
     put(attr::ACQUIRED_AT, num(n.now_ms));
-    put(attr::MIN_HOLD_UNTIL, num(n.now_ms + n.min_hold_ms));
+    put(attr::MIN_HOLD_UNTIL, num(n.now_ms.saturating_add(n.min_hold_ms)));
+    put(attr::RENEWED_AT, num(n.now_ms));
     if let Some(d) = n.duration_ms {
-        put(attr::EXPIRES_AT, num(n.now_ms + d));
+        put(attr::EXPIRES_AT, num(n.now_ms.saturating_add(d)));
         put(attr::DURATION, num(d));
     }
     if let Some(m) = &n.metadata {
@@ -501,6 +566,10 @@ impl DynamoStore {
 impl Store for DynamoStore {
     fn name(&self) -> &'static str {
         "dynamodb"
+    }
+
+    fn clock(&self) -> Option<&ClockSamples> {
+        Some(&self.clock)
     }
 
     async fn get(&self, key: &str) -> Result<Option<Record>> {

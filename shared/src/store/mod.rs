@@ -10,6 +10,7 @@
 use async_trait::async_trait;
 use serde_json::{Map, Value};
 
+use crate::clock::ClockSamples;
 use crate::error::Result;
 use crate::model::{Keepalive, LeaseId, Record};
 
@@ -19,27 +20,33 @@ pub mod sqlite;
 pub use dynamo::DynamoStore;
 pub use sqlite::SqliteStore;
 
-/// Conditions a write is made under. Semantics are defined by [`Condition::holds`].
+/// Conditions a write is made under. Semantics are defined by [`Condition::holds`]; the
+/// DynamoDB text of each is in DESIGN.md, and a test renders each and compares.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Condition {
-    /// The key can be taken with fence `fence`: no item, or an item whose expiry is present
-    /// and `<= now_ms` and whose last fence is below `fence`.
-    /// DynamoDB: `attribute_not_exists(fence) OR (expires_at_ms <= :now AND fence < :fence)`
-    /// (every item has a fence)
-    Free { now_ms: u64, fence: u64 },
-    /// `lease_id` holds the key: same lease_id, not released, no expiry or expiry `> now_ms`.
-    /// With `timed`, the lease must also have a stored duration (heartbeat without a duration).
+    /// The key can be taken with fence `fence` by `lease_id`: no item, or an item whose expiry
+    /// is present and `<= now_ms`, whose last fence is below `fence`, and whose last lease is
+    /// not `lease_id` (a lease_id is single-use: once its lease ended it is never granted again).
+    /// DynamoDB: `attribute_not_exists(fence) OR (expires_at_ms <= :now AND fence < :fence AND
+    /// lease_id <> :lease_id)` (every item has a fence)
+    Free { now_ms: u64, fence: u64, lease_id: LeaseId },
+    /// `lease_id` holds the key and this renewal is newer than the last one: same lease_id, not
+    /// released, no expiry or expiry `> now_ms`, and no renewal at or after `now_ms` (a delayed
+    /// duplicate of a heartbeat whose retry already landed is refused). With `expires_at_ms`
+    /// (a heartbeat naming its duration) the current expiry must not be later than the new one;
+    /// without (extend by the stored duration) the lease must have a stored duration. Either
+    /// way the expiry never moves backwards.
     /// DynamoDB: `lease_id = :lease_id AND attribute_not_exists(released_at_ms) AND
-    /// (attribute_not_exists(expires_at_ms) OR expires_at_ms > :now)`
-    /// [`AND attribute_exists(duration_ms)`]
-    Live { lease_id: LeaseId, now_ms: u64, timed: bool },
-    /// The item carries `lease_id`, whatever its state. DynamoDB: `lease_id = :lease_id`
-    Owns { lease_id: LeaseId },
+    /// (attribute_not_exists(expires_at_ms) OR expires_at_ms > :now) AND
+    /// (attribute_not_exists(renewed_at_ms) OR renewed_at_ms < :now) AND`
+    /// `(attribute_not_exists(expires_at_ms) OR expires_at_ms <= :expires_at)` |
+    /// `attribute_exists(duration_ms)`
+    Renew { lease_id: LeaseId, now_ms: u64, expires_at_ms: Option<u64> },
+    /// The item carries `lease_id` and has not been released (a release or force-release
+    /// already ended it). DynamoDB: `lease_id = :lease_id AND attribute_not_exists(released_at_ms)`
+    Unreleased { lease_id: LeaseId },
     /// The item exists. DynamoDB: `attribute_exists(#key)`
     Exists,
-    /// The item exists and its last fence is `fence` (compare-and-set).
-    /// DynamoDB: `fence = :fence`
-    FenceIs(u64),
 }
 
 impl Condition {
@@ -47,15 +54,19 @@ impl Condition {
     pub fn holds(&self, item: Option<&Record>) -> bool {
         match (self, item) {
             (Condition::Free { .. }, None) => true,
-            (Condition::Free { now_ms, fence }, Some(r)) => {
-                matches!(r.expires_at_ms, Some(e) if e <= *now_ms) && r.fence < *fence
+            (Condition::Free { now_ms, fence, lease_id }, Some(r)) => {
+                matches!(r.expires_at_ms, Some(e) if e <= *now_ms) && r.fence < *fence && &r.lease_id != lease_id
             }
-            (Condition::Live { lease_id, now_ms, timed }, Some(r)) => {
-                r.is_live_for(lease_id, *now_ms) && (!timed || r.duration_ms.is_some())
+            (Condition::Renew { lease_id, now_ms, expires_at_ms }, Some(r)) => {
+                r.is_live_for(lease_id, *now_ms)
+                    && r.renewed_at_ms.is_none_or(|t| t < *now_ms)
+                    && match expires_at_ms {
+                        Some(new) => r.expires_at_ms.is_none_or(|e| e <= *new),
+                        None => r.duration_ms.is_some(),
+                    }
             }
-            (Condition::Owns { lease_id }, Some(r)) => &r.lease_id == lease_id,
+            (Condition::Unreleased { lease_id }, Some(r)) => &r.lease_id == lease_id && r.released_at_ms.is_none(),
             (Condition::Exists, Some(_)) => true,
-            (Condition::FenceIs(f), Some(r)) => r.fence == *f,
             (_, None) => false,
         }
     }
@@ -89,13 +100,14 @@ impl NewLease {
             holder: self.holder.clone(),
             lease_id: self.lease_id.clone(),
             acquired_at_ms: self.now_ms,
-            expires_at_ms: self.duration_ms.map(|d| self.now_ms + d),
+            expires_at_ms: self.duration_ms.map(|d| self.now_ms.saturating_add(d)),
             duration_ms: self.duration_ms,
-            min_hold_until_ms: self.now_ms + self.min_hold_ms,
+            min_hold_until_ms: self.now_ms.saturating_add(self.min_hold_ms),
             released_at_ms: None,
             metadata: self.metadata.clone(),
             keepalive: self.keepalive.clone(),
             ttl: self.ttl,
+            renewed_at_ms: Some(self.now_ms),
             poll_ms: self.poll_ms,
         }
     }
@@ -106,8 +118,8 @@ impl NewLease {
 pub enum Mutation {
     /// Take the key: the whole item is replaced by the new lease (DynamoDB: one PutItem).
     Acquire(NewLease),
-    /// Extend a live lease: expires_at = now + (duration, or the stored duration_ms).
-    /// A given duration replaces the stored one.
+    /// Extend a live lease: expires_at = now + (duration, or the stored duration_ms),
+    /// renewed_at = now. A given duration replaces the stored one.
     Extend { now_ms: u64, duration_ms: Option<u64>, ttl: Option<u64> },
     /// Release: expires_at = min_hold_until (never earlier than acquired_at + min_hold),
     /// released_at = now, keep-alive removed. Fence, holder and lease_id stay.
@@ -127,8 +139,9 @@ impl Mutation {
             Mutation::Extend { now_ms, duration_ms, ttl } => {
                 let mut r = old.expect("extend applies to an existing item").clone();
                 let d = duration_ms.or(r.duration_ms).expect("extend needs a duration");
-                r.expires_at_ms = Some(now_ms + d);
+                r.expires_at_ms = Some(now_ms.saturating_add(d));
                 r.duration_ms = Some(d);
+                r.renewed_at_ms = Some(*now_ms);
                 r.ttl = *ttl;
                 r
             }
@@ -142,7 +155,7 @@ impl Mutation {
             }
             Mutation::ForceRelease { now_ms, ttl } => {
                 let mut r = old.expect("force-release applies to an existing item").clone();
-                r.fence += 1;
+                r.fence = r.fence.saturating_add(1);
                 r.expires_at_ms = Some(0);
                 r.released_at_ms = Some(*now_ms);
                 r.keepalive = None;
@@ -200,6 +213,13 @@ pub trait Store: Send + Sync + 'static {
 
     /// One page of at most `limit` items after `start`.
     async fn scan(&self, kind: &ScanKind, start: Option<&str>, limit: u32) -> Result<Page>;
+
+    /// Evidence of the store's own clock (the `Date` of its answers), when the store is remote:
+    /// coordinators check their clock against it before judging or writing expiries. `None`:
+    /// the store shares the coordinators' clock (the embedded store, one machine).
+    fn clock(&self) -> Option<&ClockSamples> {
+        None
+    }
 }
 
 /// Number of keep-alive shards (partitions of the sparse keep-alive index).

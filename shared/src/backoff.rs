@@ -1,0 +1,35 @@
+//! Randomised pauses: exponential backoff for retries, and uniform jitter for pacing.
+
+use std::time::Duration;
+
+/// Exponential backoff with "equal jitter": each pause is uniform in [d/2, d].
+#[derive(Debug, Clone)]
+pub struct Backoff {
+    next: Duration,
+    max: Duration,
+}
+
+impl Backoff {
+    pub fn new(base: Duration, max: Duration) -> Self {
+        Backoff { next: base, max }
+    }
+
+    pub fn next_pause(&mut self) -> Duration {
+        let d = self.next;
+        self.next = (self.next * 2).min(self.max);
+        jitter(d)
+    }
+}
+
+/// A uniform random duration in [d/2, d].
+pub fn jitter(d: Duration) -> Duration {
+    uniform(d / 2, d)
+}
+
+/// A uniform random duration in [lo, hi] (`lo` when `hi <= lo`).
+pub fn uniform(lo: Duration, hi: Duration) -> Duration {
+    let mut b = [0u8; 8];
+    let r = if getrandom::fill(&mut b).is_ok() { u64::from_le_bytes(b) } else { 0 };
+    let span = hi.saturating_sub(lo).as_nanos() as u64;
+    lo + Duration::from_nanos(if span == 0 { 0 } else { r % (span + 1) })
+}
