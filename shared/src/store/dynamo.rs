@@ -474,6 +474,18 @@ impl Expr {
     }
 }
 
+/// The expressions a write is sent with: `ConditionExpression`, and `UpdateExpression` (empty
+/// for an acquire, which is a `PutItem` of the whole item). DESIGN.md prints each, and a test
+/// compares them, so the specification cannot drift from what is sent.
+pub fn expressions(condition: &Condition, mutation: &Mutation) -> (String, String) {
+    let mut x = Expr::default();
+    let cond = x.condition(condition);
+    if !matches!(mutation, Mutation::Acquire(_)) {
+        x.mutation(mutation);
+    }
+    (cond, x.update_expression())
+}
+
 /// The item an acquire writes: the whole lease, nothing of the previous one.
 fn lease_item(key: &str, n: &NewLease) -> HashMap<String, AttributeValue> {
     let mut item = HashMap::with_capacity(12);
@@ -724,4 +736,40 @@ fn decode_token(token: &str) -> Result<HashMap<String, AttributeValue>> {
         out.insert(name.clone(), av);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// DESIGN.md is the specification: every expression the store sends is printed there, word
+    /// for word (`ConditionExpression: ` / `UpdateExpression: ` followed by it in backticks).
+    #[test]
+    fn design_prints_every_expression_sent() {
+        let design = include_str!("../../../DESIGN.md");
+        let id = LeaseId::generate();
+        let (now, ttl) = (1, Some(2));
+        let writes = [
+            (Condition::Free { now_ms: now, fence: 3, lease_id: id.clone() }, None),
+            (
+                Condition::Renew { lease_id: id.clone(), now_ms: now, expires_at_ms: Some(4) },
+                Some(Mutation::Extend { now_ms: now, duration_ms: Some(3), ttl }),
+            ),
+            (
+                Condition::Renew { lease_id: id.clone(), now_ms: now, expires_at_ms: None },
+                Some(Mutation::Extend { now_ms: now, duration_ms: None, ttl }),
+            ),
+            (Condition::Unreleased { lease_id: id.clone() }, Some(Mutation::Release { now_ms: now, ttl: 2 })),
+            (Condition::Exists, Some(Mutation::ForceRelease { now_ms: now, ttl: 2 })),
+        ];
+        for (c, m) in writes {
+            let (cond, update) = expressions(&c, m.as_ref().unwrap_or(&Mutation::ClearKeepalive));
+            let line = format!("ConditionExpression: `{cond}`");
+            assert!(design.contains(&line), "DESIGN.md lacks {line}");
+            if m.is_some() {
+                let line = format!("UpdateExpression: `{update}`");
+                assert!(design.contains(&line), "DESIGN.md lacks {line}");
+            }
+        }
+    }
 }
