@@ -260,7 +260,6 @@ impl Coordinator {
     ) -> Result<Lease> {
         let start = Instant::now();
         self.check_acquire(key, holder, duration, &opts)?;
-        self.check_clock(key).await?;
         let wait_deadline = start + opts.wait.unwrap_or_default();
         let deadline = wait_deadline.max(start + self.config.retry_budget);
         let mut lease_id = opts.lease_id.clone().unwrap_or_else(LeaseId::generate);
@@ -271,6 +270,8 @@ impl Coordinator {
         // The last fence seen on this key: the next one must be above it.
         let mut seen_fence: Option<u64> = None;
         loop {
+            // Every attempt judges expiry with this clock: it must agree with the store's.
+            self.check_clock(key).await?;
             wait.attempts += 1;
             let new = |now: u64, fence: u64| NewLease {
                 holder: holder.to_string(),
