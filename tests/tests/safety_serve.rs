@@ -255,21 +255,23 @@ async fn holder(sh: Arc<Shared>, n: usize) {
         }
         sh.write(&name, fence, believed_until);
         let renewals = 1 + rand(&mut seed) % 4;
-        let mut last_sent = sent;
+        // Renewals every 0.7 s: the first 0.7 s after the grant arrived (an acquire may have
+        // waited), then 0.7 s after each heartbeat was sent.
+        let mut next_renewal = start + RENEW_EVERY;
         let mut end = None;
         for _ in 0..renewals {
             // Work a little in the middle of the interval, then renew.
-            let mid = last_sent + RENEW_EVERY / 2;
+            let mid = next_renewal - RENEW_EVERY / 2;
             tokio::time::sleep_until(mid.min(believed_until).into()).await;
             sh.write(&name, fence, believed_until);
-            tokio::time::sleep_until((last_sent + RENEW_EVERY).min(believed_until).into()).await;
+            tokio::time::sleep_until(next_renewal.min(believed_until).into()).await;
             if Instant::now() >= believed_until {
                 t.beliefs_ran_out.fetch_add(1, Ordering::Relaxed);
                 end = Some(believed_until);
                 break;
             }
             let (hb_sent, hb_wall) = (Instant::now(), wall_ms());
-            last_sent = hb_sent;
+            next_renewal = hb_sent + RENEW_EVERY;
             t.requests.fetch_add(1, Ordering::Relaxed);
             let hb = json!({"lease_id": lease_id});
             // It stops believing when its belief runs out, answer or not.
