@@ -12,7 +12,7 @@
 //! holders' believed windows must never intersect, and a fenced resource written only inside
 //! a believed window must never see a fence below one it has already seen.
 //!
-//! `short_serve_safety_run` is in the normal suite; the long run (>= 60 s,
+//! `short_serve_safety_run` (14 s) is in the normal suite; the long run (>= 60 s,
 //! `LEASEHOLD_SAFETY_SECS` to change it) is
 //! `cargo test -p leasehold-tests --test safety_serve -- --ignored --nocapture`.
 
@@ -202,8 +202,8 @@ impl Shared {
     }
 }
 
-/// One holder: acquire, renew every 0.7 s while it believes it holds the key, release after a
-/// random number of renewals; again until the run ends.
+/// One holder: acquire, renew every 0.7 s while it believes it holds the key, release after 2-8
+/// renewals; again until the run ends.
 async fn holder(sh: Arc<Shared>, n: usize) {
     let name = format!("h{n}");
     let mut seed = 0x9E37_79B9_7F4A_7C15u64 ^ ((n as u64 + 1) * 0x1000_0001);
@@ -254,7 +254,7 @@ async fn holder(sh: Arc<Shared>, n: usize) {
             continue;
         }
         sh.write(&name, fence, believed_until);
-        let renewals = 1 + rand(&mut seed) % 4;
+        let renewals = 2 + rand(&mut seed) % 7;
         // Renewals every 0.7 s: the first 0.7 s after the grant arrived (an acquire may have
         // waited), then 0.7 s after each heartbeat was sent.
         let mut next_renewal = start + RENEW_EVERY;
@@ -427,14 +427,14 @@ async fn serve_safety_run(seconds: u64) {
     );
     // The run must have exercised what it claims to.
     assert!(proxy.late_forwarded() > 0, "no delayed duplicate reached DynamoDB");
-    assert!(t.acquired.load(Ordering::Relaxed) >= 4, "too few acquisitions to mean anything");
-    assert!(t.heartbeats.load(Ordering::Relaxed) >= 4, "too few renewals to mean anything");
+    assert!(t.acquired.load(Ordering::Relaxed) >= 2, "the key never changed hands");
+    assert!(t.heartbeats.load(Ordering::Relaxed) >= 5, "too few renewals to mean anything");
     drop(server);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn short_serve_safety_run() {
-    serve_safety_run(15).await;
+    serve_safety_run(14).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
