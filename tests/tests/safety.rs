@@ -72,11 +72,14 @@ struct Scenario {
     offsets: Vec<i64>,
     /// A coordinator whose clock is this far off (ms) contends as well: it must be refused.
     rogue: Option<i64>,
+    /// Only delayed duplicates, on this share (per mille) of the UpdateItems (heartbeats and
+    /// releases), instead of the mixed faults on every request.
+    duplicates_only: Option<u32>,
 }
 
 impl Scenario {
     fn new(seconds: u64, workers: usize, keys: usize) -> Scenario {
-        Scenario { seconds, workers, keys, offsets: Vec::new(), rogue: None }
+        Scenario { seconds, workers, keys, offsets: Vec::new(), rogue: None, duplicates_only: None }
     }
 }
 
@@ -102,14 +105,17 @@ fn faults() -> Vec<ProxyFault> {
         ProxyFault::Throttle,
         ProxyFault::ServerError,
         ProxyFault::Stall(Duration::from_millis(1500)),
-        // Scaled to the run's 1.2 s leases: held half a lease, then the original lands after
-        // the coordinator's retry, within one lease of being sent.
-        ProxyFault::DelayedDuplicate { hold: Duration::from_millis(600), forward_after: Duration::from_millis(1100) },
+        DUPLICATE,
     ]
 }
 
+/// Scaled to the runs' 1.2 s leases: held half a lease, then the original lands after the
+/// coordinator's retry, within one lease of being sent.
+const DUPLICATE: ProxyFault =
+    ProxyFault::DelayedDuplicate { hold: Duration::from_millis(600), forward_after: Duration::from_millis(1100) };
+
 async fn safety_run(sc: Scenario) -> Report {
-    let Scenario { seconds, workers, keys, ref offsets, rogue } = sc;
+    let Scenario { seconds, workers, keys, ref offsets, rogue, duplicates_only } = sc;
     let (proxy, table, conf) = proxied_table().await;
     let local = dynamo_local();
     let mut cfg = test_config();
@@ -122,7 +128,10 @@ async fn safety_run(sc: Scenario) -> Report {
     let rogue_errors: Arc<Mutex<BTreeMap<String, u64>>> = Arc::default();
     let rogue_grants = Arc::new(AtomicU64::new(0));
     let totals = Arc::new(Totals::default());
-    proxy.random_faults(80, &faults(), 0x5EED);
+    match duplicates_only {
+        None => proxy.random_faults(80, &faults(), 0x5EED),
+        Some(per_mille) => proxy.random_faults_on("UpdateItem", per_mille, &[DUPLICATE], 0x5EED),
+    }
     let stop_at = Instant::now() + Duration::from_secs(seconds);
     // How late this runtime's timers fire under the run's load: no holder can be told of a
     // loss sooner than its runtime wakes it, so lateness is judged against this lag.
@@ -197,7 +206,8 @@ async fn safety_run(sc: Scenario) -> Report {
                 let fence = held.fence();
                 let start = Instant::now();
                 let mut last_safe_write = start;
-                let writes = 1 + rand(&mut seed) % 4;
+                // Under duplicates only, holders work through several renewals.
+                let writes = if duplicates_only.is_some() { 4 + rand(&mut seed) % 9 } else { 1 + rand(&mut seed) % 4 };
                 let outcome = held
                     .run(async {
                         for _ in 0..writes {
@@ -220,11 +230,14 @@ async fn safety_run(sc: Scenario) -> Report {
                         }
                     })
                     .await;
+                // The holder believed it held the key until it stopped (to release, or told
+                // of the loss) or its last safe time, whichever came first.
+                let believed_until = held.last_safe_until().map_or(last_safe_write, |t| t.min(Instant::now()));
                 windows.lock().unwrap().entry(k).or_default().push(Window {
                     holder: format!("w{w}"),
                     fence,
                     start,
-                    end: last_safe_write,
+                    end: believed_until.max(last_safe_write),
                 });
                 match outcome {
                     Ok(()) => {
@@ -404,23 +417,31 @@ async fn safety_run(sc: Scenario) -> Report {
 
 /// The run must have exercised something, and broken nothing.
 #[track_caller]
-fn assert_safe(r: &Report) {
+fn assert_safe(r: &Report, min_acquired: u64) {
     assert!(r.violations.is_empty(), "{} violation(s):\n{}", r.violations.len(), r.violations.join("\n"));
     assert!(r.injected > 10, "the run must actually inject faults: {}", r.injected);
     assert!(r.late_duplicates > 0, "no delayed duplicate reached DynamoDB late");
-    assert!(r.acquired > 20, "too little happened to mean anything: {} acquisitions", r.acquired);
+    assert!(r.acquired >= min_acquired, "too little happened to mean anything: {} acquisitions", r.acquired);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn short_safety_run() {
-    assert_safe(&safety_run(Scenario::new(10, 16, 3)).await);
+    assert_safe(&safety_run(Scenario::new(10, 16, 3)).await, 20);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "long run (>= 60 s): cargo test -p leasehold-tests --test safety -- --ignored --nocapture"]
 async fn long_safety_run() {
     let secs = std::env::var("LEASEHOLD_SAFETY_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(60);
-    assert_safe(&safety_run(Scenario::new(secs, 16, 3)).await);
+    assert_safe(&safety_run(Scenario::new(secs, 16, 3)).await, 20);
+}
+
+/// The library's holders (`Coordinator::hold`, renewing by themselves) under the failure
+/// leases exist for: 40% of the UpdateItems (heartbeats, releases) are delayed duplicates
+/// whose original lands after the coordinator's retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn delayed_duplicates_of_renewals_stay_safe() {
+    assert_safe(&safety_run(Scenario { duplicates_only: Some(400), ..Scenario::new(12, 12, 2) }).await, 6);
 }
 
 /// Coordinators whose clocks disagree by up to the skew margin (offsets spread evenly over
@@ -431,7 +452,7 @@ async fn coordinators_on_clocks_within_the_margin_stay_safe() {
     let workers = 12;
     let half = test_config().skew_margin.as_millis() as i64 / 2;
     let offsets = (0..workers as i64).map(|w| -half + 2 * half * w / (workers as i64 - 1)).collect();
-    assert_safe(&safety_run(Scenario { offsets, ..Scenario::new(8, workers, 3) }).await);
+    assert_safe(&safety_run(Scenario { offsets, ..Scenario::new(8, workers, 3) }).await, 15);
 }
 
 /// One coordinator whose clock is far beyond the skew margin (5 s, 2 h, 300 years ahead: a
