@@ -1,6 +1,8 @@
 //! An HTTP proxy between a DynamoDB client and DynamoDB Local that counts requests per
 //! `X-Amz-Target` and injects faults: added latency, a response dropped after the request was
-//! forwarded (an ambiguous write), connection resets, stalls, and throttling / 5xx answers.
+//! forwarded (an ambiguous write), connection resets, stalls, delayed duplicates (a request
+//! the client gave up on that still reaches the server after the client's retry), and
+//! throttling / 5xx answers.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
@@ -32,6 +34,11 @@ pub enum ProxyFault {
     Throttle,
     /// Answer 500 InternalServerError without forwarding.
     ServerError,
+    /// A delayed duplicate: hold the request `hold`, then close the client's connection
+    /// without an answer (so the client retries, on a new connection), and forward the
+    /// ORIGINAL request upstream `forward_after` its arrival, on a connection and task of its
+    /// own, so that it lands after the client's retry (as a packet stuck in a network does).
+    DelayedDuplicate { hold: Duration, forward_after: Duration },
 }
 
 /// One forwarded (or faulted) request, for tests that reason about timing.
@@ -44,6 +51,9 @@ pub struct ProxyEvent {
     pub status: u16,
     pub fault: Option<ProxyFault>,
     pub request: String,
+    /// This event is the late forward of a [`ProxyFault::DelayedDuplicate`] (the client's
+    /// connection was closed long before): `status` is what the upstream answered it.
+    pub late: bool,
 }
 
 #[derive(Default)]
@@ -53,8 +63,12 @@ struct State {
     /// Each request draws a fault with this probability (per mille) from `random_faults`.
     random_per_mille: u32,
     random_faults: Vec<ProxyFault>,
+    /// Random faults only hit this operation (`X-Amz-Target`, e.g. "UpdateItem") when set.
+    random_target: Option<String>,
     rng: u64,
     injected: u64,
+    /// Delayed duplicates whose original request reached the upstream (and was answered).
+    late_forwarded: u64,
     record: bool,
     events: Vec<ProxyEvent>,
 }
@@ -70,12 +84,13 @@ impl State {
         x.wrapping_mul(0x2545_F491_4F6C_DD1D)
     }
 
-    fn pick(&mut self) -> Option<ProxyFault> {
+    fn pick(&mut self, target: &str) -> Option<ProxyFault> {
         if let Some(f) = self.queue.pop_front() {
             self.injected += 1;
             return Some(f);
         }
-        if self.random_per_mille > 0 && !self.random_faults.is_empty() {
+        let targeted = self.random_target.as_deref().is_none_or(|t| t == target);
+        if targeted && self.random_per_mille > 0 && !self.random_faults.is_empty() {
             let r = self.next_random();
             if (r % 1000) < self.random_per_mille as u64 {
                 let f = self.random_faults[(r / 1000) as usize % self.random_faults.len()];
@@ -143,7 +158,21 @@ impl Proxy {
         let mut s = self.state.lock().unwrap();
         s.random_per_mille = per_mille;
         s.random_faults = faults.to_vec();
+        s.random_target = None;
         s.rng = seed.max(1);
+    }
+
+    /// [`Proxy::random_faults`], but only requests for the operation `target` (the
+    /// `X-Amz-Target` operation name, e.g. "UpdateItem") draw a fault; others pass untouched.
+    pub fn random_faults_on(&self, target: &str, per_mille: u32, faults: &[ProxyFault], seed: u64) {
+        self.random_faults(per_mille, faults, seed);
+        self.state.lock().unwrap().random_target = Some(target.to_string());
+    }
+
+    /// How many delayed duplicates have reached the upstream so far (after their client was
+    /// cut off).
+    pub fn late_forwarded(&self) -> u64 {
+        self.state.lock().unwrap().late_forwarded
     }
 
     pub fn clear_faults(&self) {
@@ -218,7 +247,7 @@ async fn handle(
     let (fault, record) = {
         let mut s = st.lock().unwrap();
         *s.counts.entry(target.clone()).or_default() += 1;
-        (s.pick(), s.record)
+        (s.pick(&target), s.record)
     };
     let log = |status: u16| {
         if record {
@@ -229,6 +258,7 @@ async fn handle(
                 status,
                 fault,
                 request: String::from_utf8_lossy(&body).into_owned(),
+                late: false,
             });
         }
     };
@@ -257,6 +287,40 @@ async fn handle(
         fwd = fwd.header(k, v);
     }
     let fwd = fwd.body(Full::new(body.clone())).map_err(std::io::Error::other)?;
+    if let Some(ProxyFault::DelayedDuplicate { hold, forward_after }) = fault {
+        // The original goes on by itself, on a fresh upstream connection, at its own time.
+        let arrived = tokio::time::Instant::now();
+        let (st2, target2, body2) = (st.clone(), target.clone(), body.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep_until(arrived + forward_after).await;
+            let own: Upstream = Arc::new(tokio::sync::Mutex::new(None));
+            let status = match forward(&own, upstream, fwd).await {
+                Ok(resp) => {
+                    let status = resp.status().as_u16();
+                    let _ = resp.into_body().collect().await;
+                    status
+                }
+                Err(_) => 0,
+            };
+            let mut s = st2.lock().unwrap();
+            if status != 0 {
+                s.late_forwarded += 1;
+            }
+            if record {
+                s.events.push(ProxyEvent {
+                    at_ms: now_ms(),
+                    target: target2,
+                    status,
+                    fault,
+                    request: String::from_utf8_lossy(&body2).into_owned(),
+                    late: true,
+                });
+            }
+        });
+        tokio::time::sleep(hold).await;
+        log(0);
+        return Err(std::io::Error::other("injected: request held, connection closed without an answer"));
+    }
     let resp = if let Some(ProxyFault::Stall(d)) = fault {
         // The stalled request is forwarded by a task of its own, so it still lands after the
         // client gave up and closed its connection (as a request stuck in a network would).

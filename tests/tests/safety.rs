@@ -1,23 +1,28 @@
 //! A Jepsen-style safety run: many workers contend on a few keys through a fault-injecting
-//! proxy in front of DynamoDB Local (lost responses, resets, delays, stalls, throttles, 5xx),
-//! holders are randomly paused longer than their lease, and every write goes to a resource
-//! guarded by fences. Invariants checked:
+//! proxy in front of DynamoDB Local (lost responses, resets, delays, stalls, delayed
+//! duplicates, throttles, 5xx), holders are randomly paused longer than their lease, and every
+//! write goes to a resource guarded by fences. Invariants checked:
 //! 1. the resource never accepts a fence below one it has seen (by construction) and never
 //!    rejects a write made by a holder before its `safe_until`;
 //! 2. fences strictly increase per key in grant order;
 //! 3. no two holders' safe windows on one key overlap;
 //! 4. after the run every key is free again within its duration + skew margin (no lease is
-//!    stranded by a lost response);
+//!    stranded by a lost response, nor by a coordinator with a wrong clock);
 //! 5. a holder whose renewals fail is told no later than its safe time.
 //!
-//! `short_safety_run` runs in the normal suite; the long run (>= 60 s) is
+//! The coordinators may run on different clocks (`Config::clock_offset_ms`): within the skew
+//! margin nothing changes; a coordinator whose clock is far off must be refused
+//! (`ClockSkew`) and must not disturb the others.
+//!
+//! `short_safety_run` and the clock runs are in the normal suite; the long run (>= 60 s) is
 //! `cargo test -p leasehold-tests --test safety -- --ignored --nocapture`.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use aws_sdk_dynamodb::types::AttributeValue;
 use leasehold::store::DynamoStore;
 use leasehold::{AcquireOptions, Coordinator, Error, Lost};
 use leasehold_tests::proxy::ProxyFault;
@@ -34,8 +39,8 @@ struct Resource {
 
 #[derive(Debug, Clone)]
 struct Window {
+    holder: String,
     fence: u64,
-    acquired_at_ms: u64,
     start: Instant,
     end: Instant,
 }
@@ -58,7 +63,59 @@ fn rand(seed: &mut u64) -> u64 {
     *seed
 }
 
-async fn safety_run(seconds: u64, workers: usize, keys: usize) {
+/// What one run does.
+struct Scenario {
+    seconds: u64,
+    workers: usize,
+    keys: usize,
+    /// Clock offset (ms) of each worker's coordinator; workers past the end use 0.
+    offsets: Vec<i64>,
+    /// A coordinator whose clock is this far off (ms) contends as well: it must be refused.
+    rogue: Option<i64>,
+    /// Only delayed duplicates, on this share (per mille) of the UpdateItems (heartbeats and
+    /// releases), instead of the mixed faults on every request.
+    duplicates_only: Option<u32>,
+}
+
+impl Scenario {
+    fn new(seconds: u64, workers: usize, keys: usize) -> Scenario {
+        Scenario { seconds, workers, keys, offsets: Vec::new(), rogue: None, duplicates_only: None }
+    }
+}
+
+/// What a run found. `violations` lists every broken invariant, each in words.
+#[derive(Default)]
+struct Report {
+    violations: Vec<String>,
+    acquired: u64,
+    injected: u64,
+    late_duplicates: u64,
+    /// Leases granted to the rogue coordinator (must be 0).
+    rogue_grants: u64,
+    /// The rogue coordinator's errors by `Error::name()`.
+    rogue_errors: BTreeMap<String, u64>,
+}
+
+/// The faults of every run: each request draws one with probability 8%.
+fn faults() -> Vec<ProxyFault> {
+    vec![
+        ProxyFault::DropResponse,
+        ProxyFault::Reset,
+        ProxyFault::Delay(Duration::from_millis(150)),
+        ProxyFault::Throttle,
+        ProxyFault::ServerError,
+        ProxyFault::Stall(Duration::from_millis(1500)),
+        DUPLICATE,
+    ]
+}
+
+/// Scaled to the runs' 1.2 s leases: held half a lease, then the original lands after the
+/// coordinator's retry, within one lease of being sent.
+const DUPLICATE: ProxyFault =
+    ProxyFault::DelayedDuplicate { hold: Duration::from_millis(600), forward_after: Duration::from_millis(1100) };
+
+async fn safety_run(sc: Scenario) -> Report {
+    let Scenario { seconds, workers, keys, ref offsets, rogue, duplicates_only } = sc;
     let (proxy, table, conf) = proxied_table().await;
     let local = dynamo_local();
     let mut cfg = test_config();
@@ -67,19 +124,14 @@ async fn safety_run(seconds: u64, workers: usize, keys: usize) {
     let lease = Duration::from_millis(1200);
     let resources: Arc<Vec<Mutex<Resource>>> = Arc::new((0..keys).map(|_| Mutex::new(Resource::default())).collect());
     let windows: Arc<Mutex<HashMap<usize, Vec<Window>>>> = Arc::new(Mutex::new(HashMap::new()));
+    let problems: Arc<Mutex<Vec<String>>> = Arc::default();
+    let rogue_errors: Arc<Mutex<BTreeMap<String, u64>>> = Arc::default();
+    let rogue_grants = Arc::new(AtomicU64::new(0));
     let totals = Arc::new(Totals::default());
-    proxy.random_faults(
-        80,
-        &[
-            ProxyFault::DropResponse,
-            ProxyFault::Reset,
-            ProxyFault::Delay(Duration::from_millis(150)),
-            ProxyFault::Throttle,
-            ProxyFault::ServerError,
-            ProxyFault::Stall(Duration::from_millis(1500)),
-        ],
-        0x5EED,
-    );
+    match duplicates_only {
+        None => proxy.random_faults(80, &faults(), 0x5EED),
+        Some(per_mille) => proxy.random_faults_on("UpdateItem", per_mille, &[DUPLICATE], 0x5EED),
+    }
     let stop_at = Instant::now() + Duration::from_secs(seconds);
     // How late this runtime's timers fire under the run's load: no holder can be told of a
     // loss sooner than its runtime wakes it, so lateness is judged against this lag.
@@ -96,15 +148,17 @@ async fn safety_run(seconds: u64, workers: usize, keys: usize) {
             }
         })
     };
+    // Every worker has its own client, as separate machines would.
+    let coordinator = |offset_ms: i64| {
+        let mut c = cfg.clone();
+        c.clock_offset_ms = offset_ms;
+        Coordinator::new(Arc::new(DynamoStore::new(aws_sdk_dynamodb::Client::new(&conf), table.clone())), c)
+    };
     let mut tasks = Vec::new();
     for w in 0..workers {
-        // Every worker has its own client, as separate machines would.
-        let coord = Coordinator::new(
-            Arc::new(DynamoStore::new(aws_sdk_dynamodb::Client::new(&conf), table.clone())),
-            cfg.clone(),
-        );
-        let (resources, windows, totals, timer_lag_us) =
-            (resources.clone(), windows.clone(), totals.clone(), timer_lag_us.clone());
+        let coord = coordinator(offsets.get(w).copied().unwrap_or(0));
+        let (resources, windows, totals, timer_lag_us, problems) =
+            (resources.clone(), windows.clone(), totals.clone(), timer_lag_us.clone(), problems.clone());
         tasks.push(tokio::spawn(async move {
             let mut seed = 0x9E37_79B9_7F4A_7C15u64 ^ ((w as u64 + 1) * 0x1000_0001);
             while Instant::now() < stop_at {
@@ -135,18 +189,25 @@ async fn safety_run(seconds: u64, workers: usize, keys: usize) {
                         totals.held_errors.fetch_add(1, Ordering::Relaxed);
                         continue;
                     }
-                    Err(e) => {
-                        assert!(e.is_transient(), "worker {w}: unexpected {e}");
+                    Err(e) if e.is_transient() => {
                         totals.store_errors.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
+                    Err(e) => {
+                        problems
+                            .lock()
+                            .unwrap()
+                            .push(format!("worker w{w} (honest clock): unexpected {}: {e}", e.name()));
+                        tokio::time::sleep(Duration::from_millis(100)).await;
                         continue;
                     }
                 };
                 totals.acquired.fetch_add(1, Ordering::Relaxed);
                 let fence = held.fence();
-                let acquired_at_ms = held.lease().map(|l| l.acquired_at_ms).unwrap_or(0);
                 let start = Instant::now();
                 let mut last_safe_write = start;
-                let writes = 1 + rand(&mut seed) % 4;
+                // Under duplicates only, holders work through several renewals.
+                let writes = if duplicates_only.is_some() { 4 + rand(&mut seed) % 9 } else { 1 + rand(&mut seed) % 4 };
                 let outcome = held
                     .run(async {
                         for _ in 0..writes {
@@ -169,11 +230,14 @@ async fn safety_run(seconds: u64, workers: usize, keys: usize) {
                         }
                     })
                     .await;
+                // The holder believed it held the key until it stopped (to release, or told
+                // of the loss) or its last safe time, whichever came first.
+                let believed_until = held.last_safe_until().map_or(last_safe_write, |t| t.min(Instant::now()));
                 windows.lock().unwrap().entry(k).or_default().push(Window {
+                    holder: format!("w{w}"),
                     fence,
-                    acquired_at_ms,
                     start,
-                    end: last_safe_write,
+                    end: believed_until.max(last_safe_write),
                 });
                 match outcome {
                     Ok(()) => {
@@ -197,88 +261,265 @@ async fn safety_run(seconds: u64, workers: usize, keys: usize) {
             }
         }));
     }
+    if let Some(offset) = rogue {
+        // The coordinator with the wrong clock tries the same keys the same way; whatever it
+        // is granted is recorded like any holder's, so an overlap it causes is found.
+        let coord = coordinator(offset);
+        let (resources, windows, rogue_errors, rogue_grants) =
+            (resources.clone(), windows.clone(), rogue_errors.clone(), rogue_grants.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut seed = 0xDEAD_BEEF_u64;
+            while Instant::now() < stop_at {
+                let k = (rand(&mut seed) % keys as u64) as usize;
+                let key = format!("safety-{k}");
+                let opts = AcquireOptions { wait: Some(Duration::from_millis(300)), ..Default::default() };
+                match coord.acquire(&key, "rogue", Some(lease), opts).await {
+                    Ok(l) => {
+                        rogue_grants.fetch_add(1, Ordering::Relaxed);
+                        let start = Instant::now();
+                        let mut end = start;
+                        while l.safe_until.is_some_and(|t| Instant::now() < t) {
+                            {
+                                let mut r = resources[k].lock().unwrap();
+                                if l.fence < r.highest {
+                                    r.rejected_safe += 1;
+                                } else {
+                                    r.highest = l.fence;
+                                    r.accepted += 1;
+                                }
+                            }
+                            end = Instant::now();
+                            // Its idea of its safe window can be long: stop writing after a lease.
+                            if end > start + lease {
+                                break;
+                            }
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                        }
+                        windows.lock().unwrap().entry(k).or_default().push(Window {
+                            holder: "rogue".into(),
+                            fence: l.fence,
+                            start,
+                            end,
+                        });
+                        let _ = coord.release(&key, &l.lease_id).await;
+                    }
+                    Err(e) => *rogue_errors.lock().unwrap().entry(e.name().to_string()).or_default() += 1,
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }));
+    }
     for t in tasks {
         t.await.unwrap();
     }
     let injected = proxy.injected();
     proxy.clear_faults();
     lag_monitor.abort();
+    let mut violations = std::mem::take(&mut *problems.lock().unwrap());
 
-    // 4. No stranded lease: every key is free within lease + margin after the run.
+    // 4. No stranded lease: every key is free within lease + margin after the run (give or
+    // take a loaded machine's scheduling).
     let clean = Coordinator::new(Arc::new(DynamoStore::new(local.client().await, table.clone())), test_config());
     let deadline = Instant::now() + lease + margin + Duration::from_millis(2000);
     for k in 0..keys {
         let key = format!("safety-{k}");
-        let l = clean
+        let wait = deadline.saturating_duration_since(Instant::now());
+        match clean
             .acquire(
                 &key,
                 "checker",
                 Some(Duration::from_secs(5)),
-                AcquireOptions { wait: Some(deadline.saturating_duration_since(Instant::now())), ..Default::default() },
+                AcquireOptions { wait: Some(wait), ..Default::default() },
             )
             .await
-            .unwrap_or_else(|e| panic!("{key} stayed held after the run: {e}"));
-        clean.release(&key, &l.lease_id).await.unwrap();
+        {
+            Ok(l) => {
+                let _ = clean.release(&key, &l.lease_id).await;
+            }
+            Err(e) => violations.push(format!("{key} stayed unusable for an honest coordinator after the run: {e}")),
+        }
     }
 
-    // 2 + 3. Fences strictly increase per key in grant order; safe windows never overlap.
-    let mut violations = 0u64;
-    let windows = windows.lock().unwrap();
-    for (k, ws) in windows.iter() {
-        let mut ws = ws.clone();
-        ws.sort_by_key(|w| (w.acquired_at_ms, w.fence));
-        for pair in ws.windows(2) {
-            if pair[1].fence <= pair[0].fence {
-                violations += 1;
-                eprintln!("key {k}: fence {} granted after {}", pair[1].fence, pair[0].fence);
-            }
-            if pair[1].start < pair[0].end {
-                violations += 1;
-                eprintln!("key {k}: safe windows of fences {} and {} overlap", pair[0].fence, pair[1].fence);
+    // 2 + 3. In the order the holders learned of their grants, fences strictly increase per
+    // key and no safe window starts before an earlier one ended.
+    {
+        let windows = windows.lock().unwrap();
+        for (k, ws) in windows.iter() {
+            let mut ws = ws.clone();
+            ws.sort_by_key(|w| w.start);
+            for (i, b) in ws.iter().enumerate() {
+                for a in &ws[..i] {
+                    if a.end > b.start {
+                        violations.push(format!(
+                            "key {k}: safe windows overlap: {} (fence {}) until {:?} after {} (fence {}) started",
+                            a.holder,
+                            a.fence,
+                            a.end - b.start,
+                            b.holder,
+                            b.fence
+                        ));
+                    }
+                }
+                if i > 0 && b.fence <= ws[i - 1].fence {
+                    violations.push(format!(
+                        "key {k}: fence {} ({}) granted after {} ({})",
+                        b.fence,
+                        b.holder,
+                        ws[i - 1].fence,
+                        ws[i - 1].holder
+                    ));
+                }
             }
         }
     }
     let mut accepted = 0;
     let mut rejected_stale = 0;
-    for r in resources.iter() {
+    for (k, r) in resources.iter().enumerate() {
         let r = r.lock().unwrap();
         if r.rejected_safe > 0 {
-            eprintln!("{} write(s) inside a safe window were rejected", r.rejected_safe);
+            violations.push(format!("key {k}: {} write(s) inside a safe window were rejected", r.rejected_safe));
         }
-        violations += r.rejected_safe;
         accepted += r.accepted;
         rejected_stale += r.rejected_stale;
     }
     let late = totals.late_loss_notices.load(Ordering::Relaxed);
     if late > 0 {
-        eprintln!("{late} holder(s) were told of a lost lease after their safe time");
+        violations.push(format!("{late} holder(s) were told of a lost lease after their safe time"));
     }
-    violations += late;
     let t = &totals;
+    let report = Report {
+        acquired: t.acquired.load(Ordering::Relaxed),
+        injected,
+        late_duplicates: proxy.late_forwarded(),
+        rogue_grants: rogue_grants.load(Ordering::Relaxed),
+        rogue_errors: rogue_errors.lock().unwrap().clone(),
+        violations,
+    };
     println!(
-        "safety: {seconds} s, {workers} workers, {keys} keys: operations {}, acquired {}, LeaseHeld {}, store errors {}, \
-         losses {}, pauses {}, writes accepted {accepted}, stale writes rejected {rejected_stale}, faults injected {injected}, max timer lag {} ms, violations {violations}",
+        "safety: {seconds} s, {workers} workers (clock offsets {offsets:?} ms), {keys} keys, rogue clock {rogue:?} ms: \
+         operations {}, acquired {}, LeaseHeld {}, store errors {}, losses {}, pauses {}, writes accepted {accepted}, \
+         stale writes rejected {rejected_stale}, faults injected {injected}, duplicates forwarded late {}, \
+         rogue grants {}, rogue errors {:?}, max timer lag {} ms, violations {}",
         t.operations.load(Ordering::Relaxed),
-        t.acquired.load(Ordering::Relaxed),
+        report.acquired,
         t.held_errors.load(Ordering::Relaxed),
         t.store_errors.load(Ordering::Relaxed),
         t.losses.load(Ordering::Relaxed),
         t.pauses.load(Ordering::Relaxed),
+        report.late_duplicates,
+        report.rogue_grants,
+        report.rogue_errors,
         timer_lag_us.load(Ordering::Relaxed) / 1000,
+        report.violations.len(),
     );
-    assert_eq!(violations, 0);
-    assert!(injected > 10, "the run must actually inject faults: {injected}");
-    assert!(t.acquired.load(Ordering::Relaxed) > 20, "too little happened to mean anything");
+    report
+}
+
+/// The run must have exercised something, and broken nothing.
+#[track_caller]
+fn assert_safe(r: &Report, min_acquired: u64) {
+    assert!(r.violations.is_empty(), "{} violation(s):\n{}", r.violations.len(), r.violations.join("\n"));
+    assert!(r.injected > 10, "the run must actually inject faults: {}", r.injected);
+    assert!(r.late_duplicates > 0, "no delayed duplicate reached DynamoDB late");
+    assert!(r.acquired >= min_acquired, "too little happened to mean anything: {} acquisitions", r.acquired);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn short_safety_run() {
-    safety_run(10, 16, 3).await;
+    assert_safe(&safety_run(Scenario::new(10, 16, 3)).await, 20);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "long run (>= 60 s): cargo test -p leasehold-tests --test safety -- --ignored --nocapture"]
 async fn long_safety_run() {
     let secs = std::env::var("LEASEHOLD_SAFETY_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(60);
-    safety_run(secs, 16, 3).await;
+    assert_safe(&safety_run(Scenario::new(secs, 16, 3)).await, 20);
+}
+
+/// The library's holders (`Coordinator::hold`, renewing by themselves) under the failure
+/// leases exist for: 40% of the UpdateItems (heartbeats, releases) are delayed duplicates
+/// whose original lands after the coordinator's retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn delayed_duplicates_of_renewals_stay_safe() {
+    assert_safe(&safety_run(Scenario { duplicates_only: Some(400), ..Scenario::new(12, 12, 2) }).await, 6);
+}
+
+/// Coordinators whose clocks disagree by up to the skew margin (offsets spread evenly over
+/// ±margin/2, so two of them are a whole margin apart) keep every invariant: the margin is
+/// what `safe_until` subtracts for exactly this.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn coordinators_on_clocks_within_the_margin_stay_safe() {
+    let workers = 12;
+    let half = test_config().skew_margin.as_millis() as i64 / 2;
+    let offsets = (0..workers as i64).map(|w| -half + 2 * half * w / (workers as i64 - 1)).collect();
+    assert_safe(&safety_run(Scenario { offsets, ..Scenario::new(8, workers, 3) }).await, 15);
+}
+
+/// One coordinator whose clock is far beyond the skew margin (5 s, 2 h, 300 years ahead: a
+/// misconfigured host, a bad NTP answer) contends with honest ones. It must be refused with
+/// `ClockSkew` and never granted a lease, so it can neither cause an overlap nor leave a key
+/// held (or its fence pushed out of reach) for the honest coordinators afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_coordinator_with_a_clock_far_off_is_refused() {
+    const YEAR_MS: i64 = 365 * 24 * 3600 * 1000;
+    let mut failures = Vec::new();
+    for (what, offset) in [("+5 s", 5_000), ("+2 h", 2 * 3600 * 1000), ("+300 years", 300 * YEAR_MS)] {
+        let r = safety_run(Scenario { rogue: Some(offset), ..Scenario::new(5, 8, 2) }).await;
+        let mut problems = r.violations.clone();
+        if r.rogue_grants > 0 {
+            problems.push(format!("it was granted {} lease(s)", r.rogue_grants));
+        }
+        if r.rogue_errors.get("ClockSkew").copied().unwrap_or(0) == 0 {
+            problems.push(format!("it was never refused with ClockSkew (its errors: {:?})", r.rogue_errors));
+        }
+        if r.acquired < 5 {
+            problems.push(format!("the honest coordinators acquired only {} lease(s)", r.acquired));
+        }
+        if !problems.is_empty() {
+            failures.push(format!("clock {what}:\n  {}", problems.join("\n  ")));
+        }
+    }
+    assert!(failures.is_empty(), "a coordinator with a clock far off:\n{}", failures.join("\n"));
+}
+
+/// The delayed-duplicate fault does what the safety runs rely on: the client's request is
+/// held, its connection closed without an answer, the client's retry is answered, and then
+/// the ORIGINAL request reaches DynamoDB Local and overwrites what the retry wrote.
+#[tokio::test]
+async fn a_delayed_duplicate_lands_after_the_retry() {
+    let (proxy, table, conf) = proxied_table().await;
+    let client = aws_sdk_dynamodb::Client::new(&conf);
+    let put = |v: &'static str| {
+        client
+            .update_item()
+            .table_name(&table)
+            .key("key", AttributeValue::S("dup".into()))
+            .update_expression("SET note = :v")
+            .expression_attribute_values(":v", AttributeValue::S(v.into()))
+            .send()
+    };
+    proxy.record(true);
+    let (hold, forward_after) = (Duration::from_millis(300), Duration::from_millis(2000));
+    proxy.inject(&[ProxyFault::DelayedDuplicate { hold, forward_after }]);
+    let sent = Instant::now();
+    assert!(put("original").await.is_err(), "the held request must fail without an answer");
+    assert!(sent.elapsed() >= hold, "the connection was closed after {:?}, before the hold", sent.elapsed());
+    put("retry").await.expect("the retry is answered");
+    assert_eq!(proxy.late_forwarded(), 0, "the original must not land before the retry");
+    // Wait for the original to land (bounded; not a speed assertion).
+    let limit = Instant::now() + Duration::from_secs(20);
+    while proxy.late_forwarded() == 0 {
+        assert!(Instant::now() < limit, "the original never reached DynamoDB");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(sent.elapsed() >= forward_after);
+    let got = client.get_item().table_name(&table).key("key", AttributeValue::S("dup".into())).send().await.unwrap();
+    let note = got.item().and_then(|i| i.get("note")).and_then(|v| v.as_s().ok()).cloned();
+    assert_eq!(note.as_deref(), Some("original"), "the late original overwrites the retry");
+    let ev: Vec<_> = proxy.events().into_iter().filter(|e| e.target == "UpdateItem").collect();
+    assert_eq!(ev.len(), 3, "{ev:?}");
+    assert_eq!((ev[0].status, ev[0].late), (0, false), "held, closed without an answer");
+    assert_eq!((ev[1].status, ev[1].late), (200, false), "the retry");
+    assert_eq!((ev[2].status, ev[2].late), (200, true), "the original, late");
+    assert!(ev[2].request.contains("original") && ev[1].request.contains("retry"));
 }
