@@ -152,6 +152,8 @@ fn stack() -> &'static Stack {
                 ("AWS_SECRET_ACCESS_KEY", secret),
                 ("AWS_REGION", region.clone()),
                 ("AWS_DEFAULT_REGION", region.clone()),
+                ("LEASEHOLD_SWEEP_PERIOD_MS", SWEEP_PERIOD_MS.to_string()),
+                ("LEASEHOLD_MIN_DURATION_MS", "500".to_string()),
             ]
             .into_iter()
             .map(|(k, v)| (k.to_string(), v))
@@ -219,6 +221,8 @@ fn definition(machine: &str, work: &str) -> String {
             "AcquireFunctionArn" => "acquire",
             "ReleaseFunctionArn" => "release",
             "WorkFunctionArn" => work,
+            "Partition" => "aws",
+            "KeepaliveDurationMs" => KEEPALIVE_DURATION_MS,
             other => panic!("unexpected substitution {other}"),
         };
         text = text.replace(&format!("${{{name}}}"), value);
@@ -228,6 +232,10 @@ fn definition(machine: &str, work: &str) -> String {
 }
 
 const SINGLE_FLIGHT: &str = "SingleFlightStateMachine";
+/// The sweep period the functions are told (LEASEHOLD_SWEEP_PERIOD_MS), and the keep-alive
+/// duration the template's mapping gives the workflow for it (3 periods).
+const SWEEP_PERIOD_MS: &str = "600";
+const KEEPALIVE_DURATION_MS: &str = "1800";
 const SCHEDULED: &str = "ScheduledJobStateMachine";
 
 // ---- executions ---------------------------------------------------------------------------------
