@@ -13,6 +13,7 @@ use async_trait::async_trait;
 use leasehold::store::{Condition, DynamoStore, Mutation, Page, ScanKind, SqliteStore, Store, Write};
 use leasehold::{Config, Coordinator, Error, Record, Result};
 
+pub mod apigw;
 pub mod emulator;
 pub mod http;
 pub mod proxy;
