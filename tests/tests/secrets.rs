@@ -41,7 +41,9 @@ async fn no_lease_id_in_any_log_line() {
     let writer = capture.clone();
     // The functions' own logging set-up, at the most verbose RUST_LOG there is: the SDK's
     // wire logging and the runtime's event logging stay capped.
+    // LOG_SENSITIVE_BODIES makes the SDK log request and response bodies at trace.
     std::env::set_var("RUST_LOG", "trace");
+    std::env::set_var("LOG_SENSITIVE_BODIES", "true");
     let subscriber = leasehold::env::subscriber(true, move || writer.clone());
     let _guard = tracing::subscriber::set_default(subscriber);
 
