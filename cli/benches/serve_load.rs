@@ -99,8 +99,8 @@ fn main() {
         tasks.push(rt.spawn(async move {
             let mut conn = endpoint.connect().await.expect("connect");
             let key = format!("bench%2Fclient-{c}");
-            let acquire = format!("/leases/{key}/acquire");
-            let release = format!("/leases/{key}/release");
+            let acquire = format!("/leases/acquire/{key}");
+            let release = format!("/leases/release/{key}");
             let body = br#"{"holder":"bench","duration_ms":30000}"#.to_vec();
             let mut st = Stats::default();
             while !stop.load(Ordering::Relaxed) {

@@ -96,11 +96,22 @@ impl Conn {
     }
 }
 
-/// Percent-encodes a lease key for a path segment (a `/` in a key becomes `%2F`).
+/// Percent-encodes a lease key for the greedy last part of a route path: every byte but
+/// the unreserved characters and `/` (the key's own separators travel as path separators,
+/// as API Gateway needs them: it decodes the path before it matches a route).
 pub fn encode_key(key: &str) -> String {
     const SET: &percent_encoding::AsciiSet =
-        &percent_encoding::NON_ALPHANUMERIC.remove(b'-').remove(b'_').remove(b'.').remove(b'~');
+        &percent_encoding::NON_ALPHANUMERIC.remove(b'-').remove(b'_').remove(b'.').remove(b'~').remove(b'/');
     percent_encoding::utf8_percent_encode(key, SET).to_string()
+}
+
+/// The path of an operation on `key` (see `leasehold::api::ROUTES`).
+pub fn path(op: leasehold::api::Operation, key: &str) -> String {
+    use leasehold::api::Operation;
+    match op {
+        Operation::Get => format!("/leases/{}", encode_key(key)),
+        op => format!("/leases/{}/{}", op.as_str(), encode_key(key)),
+    }
 }
 
 #[cfg(test)]
@@ -116,6 +127,12 @@ mod tests {
         assert!(Endpoint::parse("https://example.com").unwrap_err().contains("plain http"));
         assert!(Endpoint::parse("127.0.0.1:7878").is_err());
         assert!(Endpoint::parse("http:///x").is_err());
-        assert_eq!(encode_key("jobs/nightly run"), "jobs%2Fnightly%20run");
+        assert_eq!(encode_key("jobs/nightly run"), "jobs/nightly%20run");
+        assert_eq!(encode_key("a%41?#é"), "a%2541%3F%23%C3%A9");
+        use leasehold::api::Operation;
+        assert_eq!(path(Operation::Acquire, "orders/42"), "/leases/acquire/orders/42");
+        assert_eq!(path(Operation::Heartbeat, "k"), "/leases/heartbeat/k");
+        assert_eq!(path(Operation::Release, "k"), "/leases/release/k");
+        assert_eq!(path(Operation::Get, "acquire/x"), "/leases/acquire/x");
     }
 }

@@ -20,10 +20,11 @@ use crate::target::{choose, Either, Failure};
 use crate::{duration, exit, output, Global};
 
 pub const HELP: &str = "\
-Routes:
-  POST /leases/{key}/acquire | heartbeat | release   (JSON bodies, see /openapi.json)
-  GET  /leases/{key}    GET /openapi.json    GET /health
-A key containing '/' is sent as %2F. Bodies over 64 KiB are refused with 413.
+Routes (the same as the HTTP API of the AWS deployment):
+  POST /leases/acquire/{key}   POST /leases/heartbeat/{key}   POST /leases/release/{key}
+  GET  /leases/{key}           GET /openapi.json              GET /health
+The key is the rest of the path, '/' included (/leases/acquire/jobs/nightly is the key
+jobs/nightly); the path is percent-decoded once. Bodies over 64 KiB are refused with 413.
 
 Examples:
   leasehold serve                                   # embedded store, 127.0.0.1:7878
@@ -90,7 +91,7 @@ async fn serve(g: &Global, args: ServeArgs) -> i32 {
         let _ = writeln!(out, "leasehold: serving the HTTP API on http://{addr} ({})", choice.describe());
         let _ = writeln!(
             out,
-            "try: curl -s -X POST http://{addr}/leases/demo/acquire -H 'content-type: application/json' -d '{{\"holder\":\"me\",\"duration_ms\":30000}}'"
+            "try: curl -s -X POST http://{addr}/leases/acquire/jobs/demo -H 'content-type: application/json' -d '{{\"holder\":\"me\",\"duration_ms\":30000}}'"
         );
         let _ = out.flush();
     }
@@ -183,10 +184,10 @@ async fn handle(coord: Coordinator, req: Request<Incoming>) -> Result<Response<F
         too_large()
     } else {
         match Limited::new(req.into_body(), MAX_BODY_BYTES).collect().await {
-            Ok(body) => {
-                let req = HttpRequest { method, path, body: body.to_bytes().to_vec() };
-                api::handle_http(&coord, req, None).await
-            }
+            Ok(body) => match HttpRequest::from_raw(&method, &path, body.to_bytes().to_vec()) {
+                Ok(req) => api::handle_http(&coord, req, None).await,
+                Err(resp) => resp,
+            },
             Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => too_large(),
             Err(e) => {
                 HttpResponse::json(400, &Error::invalid(format!("could not read the request body: {e}")).to_json())

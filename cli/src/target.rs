@@ -9,7 +9,7 @@ use leasehold::store::Store;
 use leasehold::{Coordinator, Error};
 use serde_json::{json, Value};
 
-use crate::client::{encode_key, Endpoint};
+use crate::client::{self, Endpoint};
 use crate::{exit, Global};
 
 /// A failed command: the API's error JSON (`{"error": NAME, "message": ...}`) and an exit code.
@@ -113,11 +113,11 @@ impl Target {
         match self {
             Target::Local(c) => Ok(api::run(c, op, Some(key), body, None).await?),
             Target::Http(e) => {
+                // A key API Gateway would change on the way is refused before it is sent.
+                leasehold::validate::key_travels(key)?;
                 let (method, path, body) = match op {
-                    Operation::Acquire => ("POST", format!("/leases/{}/acquire", encode_key(key)), Some(body)),
-                    Operation::Heartbeat => ("POST", format!("/leases/{}/heartbeat", encode_key(key)), Some(body)),
-                    Operation::Release => ("POST", format!("/leases/{}/release", encode_key(key)), Some(body)),
-                    Operation::Get => ("GET", format!("/leases/{}", encode_key(key)), None),
+                    Operation::Get => ("GET", client::path(op, key), None),
+                    _ => ("POST", client::path(op, key), Some(body)),
                 };
                 let mut conn = e.connect().await.map_err(Failure::unreachable)?;
                 let body = body.map(|b| serde_json::to_vec(&b).expect("request serialises"));

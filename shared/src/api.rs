@@ -12,7 +12,7 @@ use crate::model::Keepalive;
 use crate::protocol::{AcquireOptions, Coordinator};
 use crate::validate;
 
-/// Body of an acquire (direct invoke, `POST /leases/{key}/acquire`, CLI).
+/// Body of an acquire (direct invoke, `POST /leases/acquire/{key}`, CLI).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AcquireRequest {
@@ -191,9 +191,26 @@ pub async fn run(
 #[derive(Debug, Clone)]
 pub struct HttpRequest {
     pub method: String,
-    /// The path as sent, still percent-encoded.
+    /// The path without the query string, percent-decoded exactly once: API Gateway's
+    /// `rawPath` as it arrives (API Gateway decodes before it matches a route), or the request
+    /// path `leasehold serve` decoded. Never decoded again.
     pub path: String,
+    /// The key API Gateway matched (`pathParameters.key`), which wins over the key in `path`.
+    pub key: Option<String>,
     pub body: Vec<u8>,
+}
+
+impl HttpRequest {
+    /// A request whose path is still percent-encoded, as it arrives at an HTTP server: the
+    /// query string is dropped and the path decoded once. A path that is not UTF-8 once
+    /// decoded is answered with `InvalidRequest`.
+    pub fn from_raw(method: &str, raw_path: &str, body: Vec<u8>) -> std::result::Result<HttpRequest, HttpResponse> {
+        let path = raw_path.split('?').next().unwrap_or("");
+        let path = percent_encoding::percent_decode_str(path).decode_utf8().map_err(|_| {
+            route_error(400, "InvalidRequest", "the path is not valid UTF-8 once percent-decoded".into())
+        })?;
+        Ok(HttpRequest { method: method.to_string(), path: path.into_owned(), key: None, body })
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -277,10 +294,20 @@ fn method_not_allowed(allow: &str, message: String) -> HttpResponse {
     r
 }
 
-/// Maps method + path to a route. Keys are percent-decoded from the path; a key containing
-/// `/` must be sent as `%2F`.
-pub fn route(method: &str, raw_path: &str) -> std::result::Result<Route, HttpResponse> {
-    let path = raw_path.split('?').next().unwrap_or("");
+/// The routes of the HTTP API, the same in API Gateway (template.yaml) and `leasehold serve`.
+/// The key is the greedy last part of the path, so it may contain `/`.
+pub const ROUTES: [(&str, &str, Operation); 4] = [
+    ("POST", "/leases/acquire/{key+}", Operation::Acquire),
+    ("POST", "/leases/heartbeat/{key+}", Operation::Heartbeat),
+    ("POST", "/leases/release/{key+}", Operation::Release),
+    ("GET", "/leases/{key+}", Operation::Get),
+];
+
+/// Maps method + decoded path ([`HttpRequest::path`]) to a route: `POST
+/// /leases/{acquire|heartbeat|release}/{key+}` and `GET /leases/{key+}`, where the key is
+/// everything after the prefix, `/` included. A path prefix before `/leases/` (an API
+/// Gateway stage) is ignored.
+pub fn route(method: &str, path: &str) -> std::result::Result<Route, HttpResponse> {
     if path == "/openapi.json" {
         return if method == "GET" {
             Ok(Route::OpenApi)
@@ -294,27 +321,20 @@ pub fn route(method: &str, raw_path: &str) -> std::result::Result<Route, HttpRes
     let Some(rest) = path.find("/leases/").map(|i| &path[i + "/leases/".len()..]) else {
         return Err(route_error(404, "UnknownRoute", format!("no route for {method} {path}")));
     };
-    let (encoded_key, action) = match rest.rsplit_once('/') {
-        Some((k, a @ ("acquire" | "heartbeat" | "release"))) => (k, Some(a)),
-        _ => (rest, None),
+    if method == "GET" {
+        return Ok(Route::Op(Operation::Get, rest.to_string()));
+    }
+    let (action, key) = rest.split_once('/').unwrap_or((rest, ""));
+    let op = match action {
+        "acquire" => Operation::Acquire,
+        "heartbeat" => Operation::Heartbeat,
+        "release" => Operation::Release,
+        _ => return Err(method_not_allowed("GET", format!("use GET for /leases/{{key}}, not {method}"))),
     };
-    let key = percent_encoding::percent_decode_str(encoded_key)
-        .decode_utf8()
-        .map_err(|_| {
-            route_error(400, "InvalidRequest", "the key in the path is not valid UTF-8 once percent-decoded".into())
-        })?
-        .into_owned();
-    let op = match (method, action) {
-        ("POST", Some("acquire")) => Operation::Acquire,
-        ("POST", Some("heartbeat")) => Operation::Heartbeat,
-        ("POST", Some("release")) => Operation::Release,
-        ("GET", None) => Operation::Get,
-        (_, Some(a)) => {
-            return Err(method_not_allowed("POST", format!("use POST for /leases/{{key}}/{a}, not {method}")))
-        }
-        (_, None) => return Err(method_not_allowed("GET", format!("use GET for /leases/{{key}}, not {method}"))),
-    };
-    Ok(Route::Op(op, key))
+    if method != "POST" {
+        return Err(method_not_allowed("POST", format!("use POST for /leases/{action}/{{key}}, not {method}")));
+    }
+    Ok(Route::Op(op, key.to_string()))
 }
 
 /// The OpenAPI 3 description of the HTTP API (committed as shared/openapi.json).
@@ -336,7 +356,7 @@ pub async fn handle_http(coord: &Coordinator, req: HttpRequest, remaining: Optio
             }
         }
         Route::Health => return HttpResponse::json(200, &json!({"status": "ok", "store": coord.store().name()})),
-        Route::Op(op, key) => (op, key),
+        Route::Op(op, key) => (op, req.key.clone().unwrap_or(key)),
     };
     if req.body.len() > MAX_BODY_BYTES {
         return HttpResponse::error(
@@ -358,5 +378,45 @@ pub async fn handle_http(coord: &Coordinator, req: HttpRequest, remaining: Optio
     match run(coord, op, Some(&key), payload, remaining).await {
         Ok(v) => HttpResponse::json(200, &v),
         Err(e) => HttpResponse::error(&e, coord.now_ms()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn op(method: &str, path: &str) -> (Operation, String) {
+        match route(method, path) {
+            Ok(Route::Op(op, key)) => (op, key),
+            other => panic!("{method} {path}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_key_is_the_rest_of_the_path() {
+        assert_eq!(op("POST", "/leases/acquire/orders/42"), (Operation::Acquire, "orders/42".into()));
+        assert_eq!(op("POST", "/leases/heartbeat/a b/c"), (Operation::Heartbeat, "a b/c".into()));
+        assert_eq!(op("POST", "/leases/release/x"), (Operation::Release, "x".into()));
+        assert_eq!(op("GET", "/leases/jobs/nightly"), (Operation::Get, "jobs/nightly".into()));
+        // GET is only ever a read: this is the key "acquire/x".
+        assert_eq!(op("GET", "/leases/acquire/x"), (Operation::Get, "acquire/x".into()));
+        // An API Gateway stage before /leases/.
+        assert_eq!(op("POST", "/prod/leases/acquire/k"), (Operation::Acquire, "k".into()));
+        // Never decoded here: the path arrives decoded once.
+        assert_eq!(op("POST", "/leases/acquire/a%41"), (Operation::Acquire, "a%41".into()));
+        for (method, path, allow) in
+            [("PUT", "/leases/acquire/k", "POST"), ("POST", "/leases/k", "GET"), ("DELETE", "/leases/k", "GET")]
+        {
+            let r = route(method, path).unwrap_err();
+            assert_eq!((r.status, r.header("allow")), (405, Some(allow)), "{method} {path}");
+        }
+        assert_eq!(route("GET", "/nothing").unwrap_err().status, 404);
+    }
+
+    #[test]
+    fn a_raw_path_is_decoded_once_without_its_query() {
+        let r = HttpRequest::from_raw("POST", "/leases/acquire/a%2Fb%2541?x=%2F", vec![]).unwrap();
+        assert_eq!(r.path, "/leases/acquire/a/b%41");
+        assert_eq!(HttpRequest::from_raw("GET", "/leases/%FF", vec![]).unwrap_err().status, 400);
     }
 }

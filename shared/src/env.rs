@@ -25,7 +25,8 @@ fn env_u64(name: &str) -> Result<Option<u64>> {
 /// `LEASEHOLD_DEFAULT_DURATION_MS`, `LEASEHOLD_MIN_DURATION_MS`, `LEASEHOLD_MAX_DURATION_MS`,
 /// `LEASEHOLD_MAX_WAIT_MS`, `LEASEHOLD_SKEW_MARGIN_MS`, `LEASEHOLD_TTL_GRACE_S`,
 /// `LEASEHOLD_RETRY_BUDGET_MS`, `LEASEHOLD_POLL_MAX_MS` (longest pause between a waiting
-/// acquire's attempts; see DESIGN.md, "Contention").
+/// acquire's attempts; see DESIGN.md, "Contention"), `LEASEHOLD_SWEEP_PERIOD_MS` (period of
+/// the scheduled keep-alive sweep: keep-alive leases must last 3 periods; 0 = no sweep).
 pub fn config_from_env() -> Result<Config> {
     let mut c = Config::default();
     let ms = Duration::from_millis;
@@ -55,6 +56,9 @@ pub fn config_from_env() -> Result<Config> {
             return Err(Error::invalid("LEASEHOLD_POLL_MAX_MS must be at least 10"));
         }
         c.poll_max = ms(v);
+    }
+    if let Some(v) = env_u64("LEASEHOLD_SWEEP_PERIOD_MS")? {
+        c.limits.keepalive_sweep_period = ms(v);
     }
     if c.limits.min_duration > c.limits.max_duration {
         return Err(Error::invalid("LEASEHOLD_MIN_DURATION_MS exceeds LEASEHOLD_MAX_DURATION_MS"));
@@ -102,21 +106,75 @@ impl StoreChoice {
     }
 }
 
+/// Log targets (prefixes) capped at `info` whatever `RUST_LOG` says, even a more specific
+/// directive: the Lambda runtime logs raw events, the AWS SDK (smithy, hyper, h2) logs the
+/// requests and responses on the wire, and both carry lease_ids.
+pub const CAPPED_LOG_TARGETS: [&str; 6] = ["lambda_runtime", "aws_smithy", "aws_sdk", "aws_config", "hyper", "h2"];
+
+/// Whether an event of `target` at `level` may be logged (see [`CAPPED_LOG_TARGETS`]).
+pub fn log_allowed(target: &str, level: &tracing::Level) -> bool {
+    *level <= tracing::Level::INFO
+        || !CAPPED_LOG_TARGETS.iter().any(|p| {
+            target
+                .strip_prefix(p)
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with("::") || rest.starts_with('_'))
+        })
+}
+
 /// Logging: JSON lines (Lambda, `--log-format json`) or compact text, filtered by
 /// `RUST_LOG` (default `info`), to stderr. lease_ids never reach a log line: `LeaseId`'s
 /// `Debug` is redacted and no log statement records one.
 pub fn init_tracing(json: bool) {
+    let _ = tracing::subscriber::set_global_default(subscriber(json, std::io::stderr));
+}
+
+/// The subscriber [`init_tracing`] installs, writing to `writer` (tests capture it).
+pub fn subscriber<W>(json: bool, writer: W) -> Box<dyn tracing::Subscriber + Send + Sync>
+where
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
+    use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::EnvFilter;
-    let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    // The Lambda runtime logs raw events (which carry lease_ids) at debug/trace: cap it, so
-    // no RUST_LOG setting can put a lease_id in the logs.
-    for target in ["lambda_runtime=info", "lambda_runtime_api_client=info"] {
-        filter = filter.add_directive(target.parse().expect("static directive"));
-    }
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    let _ = if json {
-        builder.json().with_current_span(true).with_span_list(false).flatten_event(true).without_time().try_init()
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    // No RUST_LOG setting can put a lease_id in the logs: see CAPPED_LOG_TARGETS.
+    let cap = tracing_subscriber::filter::filter_fn(|m| log_allowed(m.target(), m.level()));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(writer);
+    if json {
+        Box::new(
+            builder
+                .json()
+                .with_current_span(true)
+                .with_span_list(false)
+                .flatten_event(true)
+                .without_time()
+                .finish()
+                .with(cap),
+        )
     } else {
-        builder.compact().with_target(false).try_init()
-    };
+        Box::new(builder.compact().with_target(false).finish().with(cap))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tracing::Level;
+
+    #[test]
+    fn wire_logging_is_capped_at_info() {
+        for target in [
+            "aws_smithy_runtime::client::orchestrator",
+            "aws_smithy_http_client",
+            "hyper_util::client",
+            "h2::codec",
+            "lambda_runtime_api_client",
+            "aws_sdk_dynamodb::config",
+        ] {
+            assert!(!log_allowed(target, &Level::DEBUG), "{target}");
+            assert!(!log_allowed(target, &Level::TRACE), "{target}");
+            assert!(log_allowed(target, &Level::INFO), "{target}");
+        }
+        assert!(log_allowed("leasehold::protocol", &Level::TRACE));
+        assert!(log_allowed("hyperion", &Level::TRACE), "a prefix of a word is not a match");
+    }
 }

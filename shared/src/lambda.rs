@@ -40,7 +40,7 @@ impl Function {
         }
     }
     /// The HTTP operations this function answers: its own, and for heartbeat also the
-    /// read-only `GET /leases/{key}`.
+    /// read-only `GET /leases/{key+}`.
     pub fn serves(self, op: Operation) -> bool {
         op == self.operation() || (self == Function::Heartbeat && op == Operation::Get)
     }
@@ -160,7 +160,19 @@ fn emit_metric(function: &str, outcome: &str, latency_ms: f64) {
     println!("{line}");
 }
 
-fn http_request(event: Value) -> Result<HttpRequest, Error> {
+/// How long API Gateway waits for an HTTP API integration before it answers 503 itself.
+pub const HTTP_API_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Time left before API Gateway gives up on a request that arrived at `time_epoch_ms`
+/// (`requestContext.timeEpoch`); `None` when the event carries no arrival time.
+pub fn http_api_remaining(time_epoch_ms: i64, now_ms: u64) -> Option<Duration> {
+    let arrived = u64::try_from(time_epoch_ms).ok().filter(|t| *t > 0)?;
+    let deadline = arrived + HTTP_API_TIMEOUT.as_millis() as u64;
+    Some(Duration::from_millis(deadline.saturating_sub(now_ms)))
+}
+
+/// An HTTP API event as a request, and the time API Gateway still waits for its answer.
+fn http_request(event: Value) -> Result<(HttpRequest, Option<Duration>), Error> {
     let req: ApiGatewayV2httpRequest =
         serde_json::from_value(event).map_err(|e| Error::invalid(format!("malformed HTTP API event: {e}")))?;
     let body = match req.body {
@@ -169,11 +181,17 @@ fn http_request(event: Value) -> Result<HttpRequest, Error> {
             .map_err(|_| Error::invalid("the body is marked base64 but does not decode"))?,
         Some(b) => b.into_bytes(),
     };
-    Ok(HttpRequest {
+    let now_ms = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+    let remaining = http_api_remaining(req.request_context.time_epoch, now_ms);
+    // API Gateway decoded the path once before it matched the route: `rawPath` and
+    // `pathParameters` are used as they are, never decoded again.
+    let request = HttpRequest {
         method: req.request_context.http.method.as_str().to_string(),
         path: req.raw_path.unwrap_or_default(),
+        key: req.path_parameters.get("key").cloned(),
         body,
-    })
+    };
+    Ok((request, remaining))
 }
 
 fn http_response(r: api::HttpResponse) -> Value {
@@ -199,14 +217,18 @@ impl Handler {
         let (result, outcome) = match kind {
             EventKind::Http => {
                 let resp = match http_request(event) {
-                    Ok(req) => match api::route(&req.method, &req.path) {
+                    Ok((req, api_remaining)) => match api::route(&req.method, &req.path) {
                         // Each function serves only its own routes, so its IAM policy is all
                         // a route can reach even if API Gateway were mis-wired.
                         Ok(api::Route::Op(op, _)) if !self.function.serves(op) => api::HttpResponse::json(
                             404,
                             &json!({"error": "UnknownRoute", "message": format!("the {} function does not serve {} {}", self.function.name(), req.method, req.path)}),
                         ),
-                        _ => api::handle_http(&self.coord, req, Some(remaining)).await,
+                        // An acquire waits no longer than API Gateway does for the answer.
+                        _ => {
+                            let remaining = api_remaining.map_or(remaining, |r| r.min(remaining));
+                            api::handle_http(&self.coord, req, Some(remaining)).await
+                        }
                     },
                     Err(e) => api::HttpResponse::error(&e, self.coord.now_ms()),
                 };
@@ -312,4 +334,19 @@ pub async fn run(function: Function) -> Result<(), lambda_runtime::Error> {
         }
     }))
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn http_api_remaining_counts_from_the_arrival() {
+        let ms = Duration::from_millis;
+        assert_eq!(http_api_remaining(1_000_000, 1_000_000), Some(ms(30_000)));
+        assert_eq!(http_api_remaining(1_000_000, 1_027_500), Some(ms(2_500)));
+        assert_eq!(http_api_remaining(1_000_000, 1_031_000), Some(Duration::ZERO), "already past");
+        assert_eq!(http_api_remaining(0, 1_000_000), None, "no arrival time");
+        assert_eq!(http_api_remaining(-5, 1_000_000), None);
+    }
 }

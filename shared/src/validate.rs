@@ -16,6 +16,10 @@ pub struct Limits {
     pub max_duration: Duration,
     pub max_wait: Duration,
     pub max_metadata_bytes: usize,
+    /// Period of the scheduled keep-alive sweep: a keep-alive lease must last at least
+    /// [`KEEPALIVE_SWEEPS`] periods, so that one late or failed sweep cannot let it lapse.
+    /// Zero: no sweep runs and no minimum applies.
+    pub keepalive_sweep_period: Duration,
 }
 
 impl Default for Limits {
@@ -27,6 +31,7 @@ impl Default for Limits {
             max_duration: Duration::from_secs(12 * 3600),
             max_wait: Duration::from_secs(12 * 3600),
             max_metadata_bytes: 4096,
+            keepalive_sweep_period: Duration::from_secs(60),
         }
     }
 }
@@ -35,6 +40,8 @@ impl Default for Limits {
 /// a UUID, 36 chars, is accepted so that `States.UUID()` can make one in a state machine).
 pub const LEASE_ID_MIN_LEN: usize = 22;
 pub const LEASE_ID_MAX_LEN: usize = 128;
+/// A keep-alive lease lasts at least this many sweep periods.
+pub const KEEPALIVE_SWEEPS: u32 = 3;
 /// Longest Step Functions execution ARN accepted for keep-alive.
 pub const MAX_EXECUTION_ARN_LEN: usize = 2048;
 
@@ -54,9 +61,42 @@ fn text(field: &str, value: &str, max: usize) -> Result<()> {
     Ok(())
 }
 
+/// The key rule, the same on every interface: a key must reach the functions unchanged
+/// through API Gateway, which percent-decodes the request path before it matches a route.
+/// So no `?` or `#` (a decoded one ends the path), and, split at `/`, no empty segment (no
+/// leading, trailing or doubled `/`) and no `.` or `..` segment (clients and proxies
+/// normalise those away).
+pub fn key_travels(key: &str) -> Result<()> {
+    if let Some(c) = key.chars().find(|c| matches!(c, '?' | '#')) {
+        return Err(Error::invalid(format!(
+            "key must not contain {c:?} (keys travel in the HTTP path, where it would end the path)"
+        )));
+    }
+    for segment in key.split('/') {
+        match segment {
+            "" => return Err(Error::invalid(
+                "key must not start or end with '/' or contain '//' (every '/'-separated segment must be non-empty)",
+            )),
+            "." | ".." => {
+                return Err(Error::invalid(format!(
+                    "key must not have a {segment:?} segment (HTTP clients remove dot segments from paths)"
+                )))
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 impl Limits {
     pub fn key(&self, key: &str) -> Result<()> {
-        text("key", key, self.max_key_bytes)
+        text("key", key, self.max_key_bytes)?;
+        key_travels(key)
+    }
+
+    /// Shortest duration of a keep-alive lease.
+    pub fn min_keepalive_duration(&self) -> Duration {
+        self.keepalive_sweep_period * KEEPALIVE_SWEEPS
     }
 
     pub fn holder(&self, holder: &str) -> Result<()> {
@@ -118,8 +158,17 @@ impl Limits {
     }
 
     pub fn keepalive(&self, k: &Keepalive, now_ms: u64, duration: Option<Duration>) -> Result<()> {
-        if duration.is_none() {
+        let Some(duration) = duration else {
             return Err(Error::invalid("keepalive needs a lease with a duration (not fail_closed)"));
+        };
+        let min = self.min_keepalive_duration();
+        if duration < min {
+            return Err(Error::invalid(format!(
+                "duration_ms is {} ms; a keepalive lease needs at least {} ms ({KEEPALIVE_SWEEPS} periods of the {} ms keep-alive sweep), so that a late sweep cannot let it lapse",
+                duration.as_millis(),
+                min.as_millis(),
+                self.keepalive_sweep_period.as_millis()
+            )));
         }
         if k.until_ms <= now_ms {
             return Err(Error::invalid(format!("keepalive.until_ms ({}) is in the past", k.until_ms)));
@@ -150,4 +199,34 @@ pub fn lease_id(s: &str) -> Result<LeaseId> {
         return Err(Error::invalid("lease_id may contain only A-Z, a-z, 0-9, '-' and '_'"));
     }
     Ok(LeaseId::from_string(s))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_that_travel_through_an_http_path() {
+        let l = Limits::default();
+        for ok in ["a", "orders/42", "a b", "100%", "a%2Fb", "café/🔒", "...", ".hidden", "a..b", "a+b"] {
+            assert!(l.key(ok).is_ok(), "{ok:?}");
+        }
+        assert!(l.key(&"k".repeat(1024)).is_ok());
+        for bad in ["", "/a", "a/", "a//b", ".", "..", "a/./b", "a/..", "a?b", "a#b", "a\nb"] {
+            let e = l.key(bad).unwrap_err();
+            assert_eq!(e.name(), "InvalidRequest", "{bad:?}");
+        }
+        assert!(l.key(&"k".repeat(1025)).is_err());
+    }
+
+    #[test]
+    fn keepalive_leases_outlast_three_sweeps() {
+        let l = Limits { keepalive_sweep_period: Duration::from_secs(60), ..Limits::default() };
+        let k = Keepalive { until_ms: 2_000_000, execution_arn: None };
+        let e = l.keepalive(&k, 1_000_000, Some(Duration::from_secs(60))).unwrap_err();
+        assert!(e.to_string().contains("180000 ms"), "names the minimum: {e}");
+        assert!(l.keepalive(&k, 1_000_000, Some(Duration::from_secs(180))).is_ok());
+        let none = Limits { keepalive_sweep_period: Duration::ZERO, ..Limits::default() };
+        assert!(none.keepalive(&k, 1_000_000, Some(Duration::from_secs(1))).is_ok());
+    }
 }

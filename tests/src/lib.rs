@@ -13,6 +13,7 @@ use async_trait::async_trait;
 use leasehold::store::{Condition, DynamoStore, Mutation, Page, ScanKind, SqliteStore, Store, Write};
 use leasehold::{Config, Coordinator, Error, Record, Result};
 
+pub mod apigw;
 pub mod emulator;
 pub mod http;
 pub mod proxy;
@@ -253,6 +254,8 @@ pub fn test_config() -> Config {
     c.limits.min_duration = Duration::from_millis(100);
     c.skew_margin = Duration::from_millis(50);
     c.retry_budget = Duration::from_secs(3);
+    // A sweep every 50 ms: keep-alive leases from 150 ms.
+    c.limits.keepalive_sweep_period = Duration::from_millis(50);
     c
 }
 

@@ -260,6 +260,14 @@ fn usage_errors_exit_2_with_a_clear_message() {
     let mut c = clean_command();
     c.args(["--url", "http://127.0.0.1:1", "run", "k", "--", "true"]);
     assert!(output(c).code(2).stderr.contains("not over --url"));
+    // A key that could not travel unchanged in an HTTP path is refused before anything is
+    // sent (nothing listens on port 1: an attempt would fail as unreachable instead).
+    for key in ["jobs/../admin", "a//b", "report?month=11"] {
+        let mut c = clean_command();
+        c.args(["--url", "http://127.0.0.1:1", "get", key]);
+        let o = output(c).code(2);
+        assert!(o.stderr.contains("key must not"), "{key}: {:?}", o.stderr);
+    }
 }
 
 #[test]

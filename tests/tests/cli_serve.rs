@@ -30,16 +30,21 @@ fn banner_names_the_address_and_a_working_curl_example() {
     assert!(server.banner[0].contains("embedded store"), "{:?}", server.banner);
     let ex = &server.banner[1];
     assert!(ex.starts_with("try: curl "), "{ex}");
-    let post = format!("-X POST {}/leases/demo/acquire", server.url);
+    let post = format!("-X POST {}/leases/acquire/jobs/demo", server.url);
     assert!(ex.contains(&post), "{ex} lacks {post}");
     // Send exactly the example's body to the example's route: it takes the lease.
     let body = ex.split_once("-d '").map(|(_, b)| b.trim_end_matches('\'')).expect("a -d body");
-    let (status, headers, answer) =
-        http(&server.addr, "POST", "/leases/demo/acquire", &[("content-type", "application/json")], body.as_bytes());
+    let (status, headers, answer) = http(
+        &server.addr,
+        "POST",
+        "/leases/acquire/jobs/demo",
+        &[("content-type", "application/json")],
+        body.as_bytes(),
+    );
     assert_eq!(status, 200, "{answer}");
     assert_eq!(header(&headers, "content-type"), Some("application/json"));
     let lease = json(&answer);
-    assert_eq!(lease["key"], "demo");
+    assert_eq!(lease["key"], "jobs/demo");
     assert!(lease["fence"].as_u64().is_some() && lease["lease_id"].as_str().is_some());
 }
 
@@ -53,23 +58,23 @@ fn routes_and_errors_on_the_wire() {
     assert_eq!(s, 200);
     assert!(json(&b)["openapi"].as_str().is_some_and(|v| v.starts_with('3')));
 
-    // Full cycle with a key containing '/', sent as %2F.
-    let (s, _, b) = http(a, "POST", "/leases/a%2Fb/acquire", &[], br#"{"holder":"h1","duration_ms":30000}"#);
+    // Full cycle with a key containing '/': sent as is or as %2F, the path is decoded once.
+    let (s, _, b) = http(a, "POST", "/leases/acquire/a/b", &[], br#"{"holder":"h1","duration_ms":30000}"#);
     assert_eq!(s, 200, "{b}");
     let lease = json(&b);
     assert_eq!(lease["key"], "a/b");
     let id = lease["lease_id"].as_str().unwrap().to_string();
-    let (s, h, b) = http(a, "POST", "/leases/a%2Fb/acquire", &[], br#"{"holder":"h2"}"#);
+    let (s, h, b) = http(a, "POST", "/leases/acquire/a%2Fb", &[], br#"{"holder":"h2"}"#);
     assert_eq!(s, 409);
     assert_eq!(json(&b)["error"], "LeaseHeld");
     assert!(header(&h, "retry-after").is_some_and(|v| v.parse::<u64>().is_ok()));
-    let (s, _, b) = http(a, "GET", "/leases/a%2Fb", &[], b"");
+    let (s, _, b) = http(a, "GET", "/leases/a/b", &[], b"");
     assert_eq!((s, json(&b)["holder"].as_str()), (200, Some("h1")));
     let hb = format!(r#"{{"lease_id":"{id}"}}"#);
-    assert_eq!(http(a, "POST", "/leases/a%2Fb/heartbeat", &[], hb.as_bytes()).0, 200);
-    assert_eq!(http(a, "POST", "/leases/a%2Fb/release", &[], hb.as_bytes()).0, 200);
+    assert_eq!(http(a, "POST", "/leases/heartbeat/a/b", &[], hb.as_bytes()).0, 200);
+    assert_eq!(http(a, "POST", "/leases/release/a%2Fb", &[], hb.as_bytes()).0, 200);
     // Released lease: heartbeat answers 410 NotHolder.
-    let (s, _, b) = http(a, "POST", "/leases/a%2Fb/heartbeat", &[], hb.as_bytes());
+    let (s, _, b) = http(a, "POST", "/leases/heartbeat/a/b", &[], hb.as_bytes());
     assert_eq!((s, json(&b)["error"].as_str()), (410, Some("NotHolder")));
     // The CLI on the same store sees what the server wrote.
     assert_eq!(store.run(&["get", "a/b", "--json"]).ok().json()["held"], false);
@@ -94,26 +99,43 @@ fn routes_and_errors_on_the_wire() {
         br#"{"holder":"h","wait_ms":99999999999999}"#,
     ];
     for body in bad {
-        let (s, h, b) = http(a, "POST", "/leases/k/acquire", &[("content-type", "application/json")], body);
+        let (s, h, b) = http(a, "POST", "/leases/acquire/k", &[("content-type", "application/json")], body);
         assert_eq!(s, 400, "body {:?} answered {s} {b}", String::from_utf8_lossy(body));
         assert_eq!(header(&h, "content-type"), Some("application/json"));
         let e = json(&b);
         assert_eq!(e["error"], "InvalidRequest", "{b}");
         assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()));
     }
-    for (body, path) in [(&br#"{"lease_id":"nope"}"#[..], "/leases/k/heartbeat"), (b"{}", "/leases/k/release")] {
+    for (body, path) in [(&br#"{"lease_id":"nope"}"#[..], "/leases/heartbeat/k"), (b"{}", "/leases/release/k")] {
         let (s, _, b) = http(a, "POST", path, &[], body);
         assert_eq!((s, json(&b)["error"].as_str()), (400, Some("InvalidRequest")), "{path}: {b}");
     }
     // Unknown routes, wrong methods, undecodable keys, a missing key.
     let (s, _, b) = http(a, "GET", "/nothing/here", &[], b"");
     assert_eq!((s, json(&b)["error"].as_str()), (404, Some("UnknownRoute")));
-    let (s, _, b) = http(a, "GET", "/leases/k/acquire", &[], b"");
-    assert_eq!((s, json(&b)["error"].as_str()), (405, Some("MethodNotAllowed")));
+    let (s, h, b) = http(a, "PUT", "/leases/acquire/k", &[], b"");
+    assert_eq!((s, json(&b)["error"].as_str(), header(&h, "allow")), (405, Some("MethodNotAllowed"), Some("POST")));
+    let (s, h, b) = http(a, "POST", "/leases/k", &[], b"{}");
+    assert_eq!((s, json(&b)["error"].as_str(), header(&h, "allow")), (405, Some("MethodNotAllowed"), Some("GET")));
+    // GET takes the whole rest of the path as the key: this is the key "acquire/k".
+    let (s, _, b) = http(a, "GET", "/leases/acquire/k", &[], b"");
+    assert_eq!((s, json(&b)["error"].as_str()), (404, Some("NotFound")));
     let (s, _, b) = http(a, "DELETE", "/leases/k", &[], b"");
     assert_eq!((s, json(&b)["error"].as_str()), (405, Some("MethodNotAllowed")));
     let (s, _, b) = http(a, "GET", "/leases/%FF%FE", &[], b"");
     assert_eq!((s, json(&b)["error"].as_str()), (400, Some("InvalidRequest")));
+    // Keys that could not travel through API Gateway unchanged are refused here too, and a
+    // percent sign decoded once stays a percent sign (no second decoding).
+    for path in
+        ["/leases/a//b", "/leases/a/./b", "/leases/a/%2E%2E/b", "/leases/trailing/", "/leases/a%3Fb", "/leases/a%23b"]
+    {
+        let (s, _, b) = http(a, "GET", path, &[], b"");
+        assert_eq!((s, json(&b)["error"].as_str()), (400, Some("InvalidRequest")), "{path}: {b}");
+    }
+    let (s, _, b) = http(a, "POST", "/leases/acquire/a%2541", &[], br#"{"holder":"h"}"#);
+    assert_eq!((s, json(&b)["key"].as_str()), (200, Some("a%41")), "{b}");
+    let (s, _, b) = http(a, "GET", "/leases/aA", &[], b"");
+    assert_eq!((s, json(&b)["error"].as_str()), (404, Some("NotFound")), "a%41 is not aA: {b}");
     let (s, _, b) = http(a, "GET", "/leases/never-taken", &[], b"");
     assert_eq!((s, json(&b)["error"].as_str()), (404, Some("NotFound")));
     let long_key = "k".repeat(2000);
@@ -134,7 +156,7 @@ fn oversized_bodies_are_refused_without_reading_them() {
     // no body at all and still gets its answer.
     let mut s = TcpStream::connect(a).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    write!(s, "POST /leases/k/acquire HTTP/1.1\r\nhost: x\r\ncontent-length: 1073741824\r\n\r\n").unwrap();
+    write!(s, "POST /leases/acquire/k HTTP/1.1\r\nhost: x\r\ncontent-length: 1073741824\r\n\r\n").unwrap();
     let (status, headers, body) = read_response(&mut s);
     assert_eq!(status, 413, "{body}");
     assert_eq!(json(&body)["error"], "InvalidRequest");
@@ -143,7 +165,7 @@ fn oversized_bodies_are_refused_without_reading_them() {
     // A chunked body is cut off at the limit.
     let mut s = TcpStream::connect(a).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    write!(s, "POST /leases/k/acquire HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n").unwrap();
+    write!(s, "POST /leases/acquire/k HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n").unwrap();
     // Written from another thread: the server may answer (and close) mid-body.
     let mut w = s.try_clone().unwrap();
     let writer = std::thread::spawn(move || {
@@ -166,7 +188,7 @@ fn oversized_bodies_are_refused_without_reading_them() {
     big.resize(limit - 3, b'x');
     big.extend_from_slice(br#""}}"#);
     assert_eq!(big.len(), limit);
-    let (status, _, body) = http(a, "POST", "/leases/k/acquire", &[], &big);
+    let (status, _, body) = http(a, "POST", "/leases/acquire/k", &[], &big);
     assert_eq!((status, json(&body)["error"].as_str()), (400, Some("InvalidRequest")), "{body}");
     assert_eq!(http(a, "GET", "/health", &[], b"").0, 200);
 }
@@ -181,7 +203,7 @@ fn keep_alive_connections_serve_many_requests() {
     let mut req = Vec::new();
     for (i, close) in [(0, false), (1, false), (2, true)] {
         let head = format!(
-            "POST /leases/ka{i}/acquire HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n{}\r\n",
+            "POST /leases/acquire/ka{i} HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n{}\r\n",
             body.len(),
             if close { "connection: close\r\n" } else { "" }
         );
@@ -214,11 +236,11 @@ fn serve_on_dynamodb_local() {
     let ddb = Target::dynamo();
     let server = Server::start(&ddb.args, &ddb.env);
     assert!(server.banner[0].contains("DynamoDB table"), "{:?}", server.banner);
-    let (s, _, b) = http(&server.addr, "POST", "/leases/ddb/acquire", &[], br#"{"holder":"srv","duration_ms":30000}"#);
+    let (s, _, b) = http(&server.addr, "POST", "/leases/acquire/ddb", &[], br#"{"holder":"srv","duration_ms":30000}"#);
     assert_eq!(s, 200, "{b}");
-    let (s, _, b) = http(&server.addr, "POST", "/leases/ddb/acquire", &[], br#"{"holder":"srv2"}"#);
+    let (s, _, b) = http(&server.addr, "POST", "/leases/acquire/ddb", &[], br#"{"holder":"srv2"}"#);
     assert_eq!((s, json(&b)["error"].as_str()), (409, Some("LeaseHeld")));
-    let (s, _, b) = http(&server.addr, "POST", "/leases/ddb/acquire", &[], b"{not json");
+    let (s, _, b) = http(&server.addr, "POST", "/leases/acquire/ddb", &[], b"{not json");
     assert_eq!((s, json(&b)["error"].as_str()), (400, Some("InvalidRequest")));
     assert_eq!(ddb.run(&["get", "ddb", "--json"]).ok().json()["holder"], "srv");
 }

@@ -53,7 +53,7 @@ fn schemathesis_finds_no_server_error() {
     assert!(out.status.success(), "schemathesis found failures:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     // It really exercised the API.
     let xml = std::fs::read_to_string(&report).expect("junit report");
-    assert!(xml.contains("POST /leases/{key}/acquire") && xml.contains("GET /leases/{key}"), "{xml}");
+    assert!(xml.contains("POST /leases/acquire/{key}") && xml.contains("GET /leases/{key}"), "{xml}");
     let generated: u64 = stdout
         .lines()
         .find_map(|l| match l.split_whitespace().collect::<Vec<_>>()[..] {

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use leasehold::store::{keepalive_shard, Condition, DynamoStore, ScanKind, Store, KEEPALIVE_SHARDS};
 use leasehold::{AcquireOptions, Coordinator, Keepalive, LeaseId, LeaseState, Record};
+use leasehold_tests::apigw;
 use leasehold_tests::emulator::{Emulator, Invocation, Moto};
 use leasehold_tests::{dynamo_local, free_port, repo_root, sdk_config_for, test_config};
 use serde_json::{json, Map, Value};
@@ -221,15 +222,24 @@ fn http_answer(inv: &Invocation) -> Result<HttpAnswer, String> {
     Ok(HttpAnswer { status, headers, body })
 }
 
-/// An API Gateway HTTP API (payload 2.0) event built from events/http-acquire.json.
-fn http_event(method: &str, raw_path: &str, route_key: &str, body: Option<&str>) -> Value {
+/// An API Gateway HTTP API (payload 2.0) event built from events/http-acquire.json, for a
+/// path as API Gateway delivers it (decoded once), arriving now. `pathParameters.key` is the
+/// key the route takes from the path (none for a path no route takes).
+fn http_event(method: &str, path: &str, route_key: &str, body: Option<&str>) -> Value {
     let mut ev = read_event("http-acquire.json");
-    ev["rawPath"] = json!(raw_path);
+    ev["rawPath"] = json!(path);
     ev["routeKey"] = json!(route_key);
     ev["requestContext"]["routeKey"] = json!(route_key);
     ev["requestContext"]["http"]["method"] = json!(method);
-    ev["requestContext"]["http"]["path"] = json!(raw_path);
+    ev["requestContext"]["http"]["path"] = json!(path);
     ev["requestContext"]["requestId"] = json!(format!("req-{}", LeaseId::generate().expose()));
+    ev["requestContext"]["timeEpoch"] = json!(now_ms());
+    match leasehold::api::route(method, path) {
+        Ok(leasehold::api::Route::Op(_, key)) => ev["pathParameters"] = json!({ "key": key }),
+        _ => {
+            ev.as_object_mut().unwrap().remove("pathParameters");
+        }
+    }
     let obj = ev.as_object_mut().unwrap();
     match body {
         Some(b) => {
@@ -243,23 +253,6 @@ fn http_event(method: &str, raw_path: &str, route_key: &str, body: Option<&str>)
         }
     }
     ev
-}
-
-fn encode_key(key: &str) -> String {
-    percent_encode(key)
-}
-
-/// Percent-encodes everything but unreserved characters (so `/` becomes `%2F`).
-fn percent_encode(s: &str) -> String {
-    let mut out = String::new();
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
 }
 
 // ------------------------------------------------------------------------------------------
@@ -540,13 +533,11 @@ async fn direct_invoke_flow_acquire_held_heartbeat_release_reacquire() {
 async fn http_api_flow_statuses_headers_and_bodies() {
     let lab = Lab::start(&[], &[]).await;
     let key = "tenants/acme/jobs/nightly";
-    let enc = encode_key(key);
-    assert!(enc.contains("%2F"));
     let acquire = |holder: &str, ms: u64| {
         http_event(
             "POST",
-            &format!("/leases/{enc}/acquire"),
-            "POST /leases/{key}/acquire",
+            &format!("/leases/acquire/{key}"),
+            "POST /leases/acquire/{key+}",
             Some(&json!({"holder": holder, "duration_ms": ms}).to_string()),
         )
     };
@@ -557,7 +548,7 @@ async fn http_api_flow_statuses_headers_and_bodies() {
 
     let a = call("acquire", acquire("worker-a", 20_000)).await;
     assert_eq!(a.status, 200, "{:?}", a.body);
-    assert_eq!(a.body["key"], key, "the %2F in the path is part of the key");
+    assert_eq!(a.body["key"], key, "the whole rest of the path is the key");
     let lease_a = a.body["lease_id"].as_str().unwrap().to_string();
     let fence = a.body["fence"].as_u64().unwrap();
 
@@ -572,8 +563,8 @@ async fn http_api_flow_statuses_headers_and_bodies() {
     let hb_ev = |id: &str| {
         http_event(
             "POST",
-            &format!("/leases/{enc}/heartbeat"),
-            "POST /leases/{key}/heartbeat",
+            &format!("/leases/heartbeat/{key}"),
+            "POST /leases/heartbeat/{key+}",
             Some(&json!({"lease_id": id}).to_string()),
         )
     };
@@ -584,8 +575,8 @@ async fn http_api_flow_statuses_headers_and_bodies() {
     let rel_ev = |id: &str| {
         http_event(
             "POST",
-            &format!("/leases/{enc}/release"),
-            "POST /leases/{key}/release",
+            &format!("/leases/release/{key}"),
+            "POST /leases/release/{key+}",
             Some(&json!({"lease_id": id}).to_string()),
         )
     };
@@ -597,13 +588,13 @@ async fn http_api_flow_statuses_headers_and_bodies() {
     assert_eq!(gone.body["error"], "NotHolder");
     assert_eq!(gone.body["reason"], "released");
 
-    let get = call("heartbeat", http_event("GET", &format!("/leases/{enc}"), "GET /leases/{key}", None)).await;
+    let get = call("heartbeat", http_event("GET", &format!("/leases/{key}"), "GET /leases/{key+}", None)).await;
     assert_eq!(get.status, 200);
     assert_eq!(get.body["held"], false);
     assert_eq!(get.body["fence"].as_u64(), Some(fence));
     assert!(get.body.get("lease_id").is_none(), "GET never shows the lease_id");
 
-    let unknown = call("heartbeat", http_event("GET", "/leases/no%2Fsuch%2Fkey", "GET /leases/{key}", None)).await;
+    let unknown = call("heartbeat", http_event("GET", "/leases/no/such/key", "GET /leases/{key+}", None)).await;
     assert_eq!(unknown.status, 404);
     assert_eq!(unknown.body["error"], "NotFound");
 
@@ -611,22 +602,26 @@ async fn http_api_flow_statuses_headers_and_bodies() {
     assert_eq!(c.status, 200, "{:?}", c.body);
     assert!(c.body["fence"].as_u64().unwrap() > fence);
 
-    // A unicode key, percent-encoded in the path.
+    // A unicode key (API Gateway delivers it decoded).
     let ukey = "café/ключ/🔒";
-    let uenc = encode_key(ukey);
     let u = call(
         "acquire",
-        http_event("POST", &format!("/leases/{uenc}/acquire"), "POST /leases/{key}/acquire", Some(r#"{"holder":"w"}"#)),
+        http_event(
+            "POST",
+            &format!("/leases/acquire/{ukey}"),
+            "POST /leases/acquire/{key+}",
+            Some(r#"{"holder":"w"}"#),
+        ),
     )
     .await;
     assert_eq!(u.status, 200, "{:?}", u.body);
     assert_eq!(u.body["key"], ukey);
-    let ug = call("heartbeat", http_event("GET", &format!("/leases/{uenc}"), "GET /leases/{key}", None)).await;
+    let ug = call("heartbeat", http_event("GET", &format!("/leases/{ukey}"), "GET /leases/{key+}", None)).await;
     assert_eq!(ug.body["held"], true);
 
     // Bad inputs: always a 4xx with a JSON error body, never a 500 or a function error.
-    let p = format!("/leases/{enc}/acquire");
-    let rk = "POST /leases/{key}/acquire";
+    let p = format!("/leases/acquire/{key}");
+    let rk = "POST /leases/acquire/{key+}";
     let mut bad: Vec<(&str, Value, u64)> = vec![
         ("malformed JSON", http_event("POST", &p, rk, Some("{\"holder\": ")), 400),
         ("no body", http_event("POST", &p, rk, None), 400),
@@ -642,11 +637,12 @@ async fn http_api_flow_statuses_headers_and_bodies() {
         ("wrong types", http_event("POST", &p, rk, Some(r#"{"holder":["w"],"wait_ms":"1s"}"#)), 400),
         ("unknown field", http_event("POST", &p, rk, Some(r#"{"holder":"w","steal":true}"#)), 400),
         ("non-object", http_event("POST", &p, rk, Some(r#""x""#)), 400),
-        ("control chars in key", http_event("POST", "/leases/a%00b/acquire", rk, Some(r#"{"holder":"w"}"#)), 400),
-        ("invalid UTF-8 key", http_event("POST", "/leases/%FF%FE/acquire", rk, Some(r#"{"holder":"w"}"#)), 400),
+        ("control chars in key", http_event("POST", "/leases/acquire/a\u{0}b", rk, Some(r#"{"holder":"w"}"#)), 400),
+        ("dot segment in key", http_event("POST", "/leases/acquire/a/../b", rk, Some(r#"{"holder":"w"}"#)), 400),
+        ("empty segment in key", http_event("POST", "/leases/acquire/a//b", rk, Some(r#"{"holder":"w"}"#)), 400),
         (
             "2 KB key",
-            http_event("POST", &format!("/leases/{}/acquire", "k".repeat(2048)), rk, Some(r#"{"holder":"w"}"#)),
+            http_event("POST", &format!("/leases/acquire/{}", "k".repeat(2048)), rk, Some(r#"{"holder":"w"}"#)),
             400,
         ),
         (
@@ -654,7 +650,7 @@ async fn http_api_flow_statuses_headers_and_bodies() {
             http_event("POST", &p, rk, Some(&format!(r#"{{"holder":"{}"}}"#, "w".repeat(70_000)))),
             413,
         ),
-        ("wrong method", http_event("PUT", &p, "PUT /leases/{key}/acquire", Some("{}")), 405),
+        ("wrong method", http_event("PUT", &p, "PUT /leases/acquire/{key+}", Some("{}")), 405),
         ("unknown route", http_event("GET", "/nothing/here", "GET /nothing/here", None), 404),
     ];
     let mut b64 = http_event("POST", &p, rk, Some("%%% not base64 %%%"));
@@ -680,7 +676,7 @@ async fn http_api_flow_statuses_headers_and_bodies() {
         }
     }
     // Route ownership: the release function does not take an acquire.
-    let ev = http_event("POST", "/leases/owned/acquire", "POST /leases/{key}/acquire", Some(r#"{"holder":"w"}"#));
+    let ev = http_event("POST", "/leases/acquire/owned", "POST /leases/acquire/{key+}", Some(r#"{"holder":"w"}"#));
     let a = http_answer(&lab.invoke("release", &ev).await).unwrap();
     assert_eq!((a.status, a.body["error"].as_str()), (404, Some("UnknownRoute")), "{:?}", a.body);
     assert_eq!(lab.snapshot().await, before, "rejected HTTP requests changed the table");
@@ -705,8 +701,8 @@ async fn acquire_wait_is_cut_to_fit_the_invocation() {
     // The same over HTTP: 409 before the deadline.
     let ev = http_event(
         "POST",
-        "/leases/wait%2Fcut/acquire",
-        "POST /leases/{key}/acquire",
+        "/leases/acquire/wait/cut",
+        "POST /leases/acquire/{key+}",
         Some(r#"{"holder":"w","wait_ms":20000}"#),
     );
     let t = Instant::now();
@@ -1051,4 +1047,126 @@ async fn keepalive_sweep_against_step_functions() {
     // no crash either.
     lab.assert_no_crash();
     bounded.assert_no_respawn();
+}
+
+// ------------------------------------------------------------------------------------------
+// API Gateway's own routing, from template.yaml
+// ------------------------------------------------------------------------------------------
+
+/// Sends a client's request through the emulated API Gateway of template.yaml to the real
+/// function it routes to; `None` when API Gateway would answer 404 itself.
+async fn through_api_gateway(
+    lab: &Lab,
+    routes: &[apigw::Route],
+    method: &str,
+    target: &str,
+    body: Option<&str>,
+) -> Option<HttpAnswer> {
+    let (function, ev) = apigw::request(routes, method, target, body, now_ms())?;
+    Some(http_answer(&lab.invoke(&function, &ev).await).unwrap_or_else(|e| panic!("{method} {target}: {e}")))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_api_routes_from_the_template_carry_every_key() {
+    let lab = Lab::start(&[], &[]).await;
+    let routes = tokio::task::spawn_blocking(|| apigw::routes(&apigw::raw_template())).await.unwrap();
+    assert_eq!(routes.len(), 4, "{routes:?}");
+    let corpus: Vec<String> = vec![
+        "orders/42".into(),
+        "jobs/nightly".into(),
+        "tenants/acme/jobs/nightly run".into(),
+        "100%".into(),
+        "a%41".into(),
+        "a%2Fb".into(),
+        "x+y=z&w;v,u:t@s!$'()*".into(),
+        "café/ключ/🔒".into(),
+        "...".into(),
+        "acquire/x".into(),
+        "k".repeat(1024),
+        format!("{}/{}", "é".repeat(300), "k".repeat(423)),
+    ];
+    for (i, key) in corpus.iter().enumerate() {
+        assert!(key.len() <= 1024);
+        // Clients send the key's '/' as is or as %2F: API Gateway decodes both alike.
+        let enc = apigw::encode(key, i % 2 == 1);
+        let short = &key[..key.char_indices().nth(24).map_or(key.len(), |(i, _)| i)];
+        let body = json!({"holder": "gw", "duration_ms": 30_000}).to_string();
+        let a = through_api_gateway(&lab, &routes, "POST", &format!("/leases/acquire/{enc}"), Some(&body))
+            .await
+            .unwrap_or_else(|| panic!("{short:?}: API Gateway finds no acquire route"));
+        assert_eq!(a.status, 200, "{short:?}: {:?}", a.body);
+        assert_eq!(a.body["key"], key.as_str(), "the key arrives as the client meant it");
+        let fence = a.body["fence"].as_u64().unwrap();
+        let id = a.body["lease_id"].as_str().unwrap().to_string();
+        // The same lease in the table the library and direct invoke use.
+        let state = lab.state(key).await;
+        assert!(state.held && state.fence == fence && state.holder == "gw", "{short:?}: {state:?}");
+
+        let g = through_api_gateway(&lab, &routes, "GET", &format!("/leases/{enc}"), None).await.expect("GET route");
+        assert_eq!((g.status, g.body["key"].as_str(), g.body["held"].as_bool()), (200, Some(key.as_str()), Some(true)));
+        let lease = json!({"lease_id": id}).to_string();
+        let h = through_api_gateway(&lab, &routes, "POST", &format!("/leases/heartbeat/{enc}"), Some(&lease))
+            .await
+            .expect("heartbeat route");
+        assert_eq!((h.status, h.body["fence"].as_u64()), (200, Some(fence)), "{short:?}: {:?}", h.body);
+        let r = through_api_gateway(&lab, &routes, "POST", &format!("/leases/release/{enc}"), Some(&lease))
+            .await
+            .expect("release route");
+        assert_eq!(r.status, 200, "{short:?}: {:?}", r.body);
+
+        // Direct invoke names the same lease: the next fence on the same key.
+        let d = lab.invoke("acquire", &json!({"key": key, "holder": "direct", "duration_ms": 30_000})).await;
+        assert!(d.error_type.is_none(), "{short:?}: {}", d.body);
+        assert!(d.body["fence"].as_u64().unwrap() > fence, "{short:?}: the same key over invoke and HTTP");
+        let id = d.body["lease_id"].as_str().unwrap();
+        assert!(lab.invoke("release", &json!({"key": key, "lease_id": id})).await.error_type.is_none());
+    }
+
+    // Keys that would not travel through API Gateway unchanged are refused on every other
+    // interface, so nobody can hold a lease that HTTP callers cannot name.
+    let before = lab.snapshot().await;
+    for key in ["a//b", "/lead", "trail/", "a/./b", "a/../b", ".", "..", "a?b=1", "a#frag"] {
+        let d = lab.invoke("acquire", &json!({"key": key, "holder": "direct"})).await;
+        assert_eq!(d.error_type.as_deref(), Some("InvalidRequest"), "direct invoke of {key:?}: {}", d.body);
+        let e = lab.coord.acquire(key, "lib", Some(Duration::from_secs(30)), AcquireOptions::default()).await;
+        assert_eq!(e.map_err(|e| e.name()).err(), Some("InvalidRequest"), "library acquire of {key:?}");
+    }
+    assert_eq!(lab.snapshot().await, before, "refused keys changed the table");
+    lab.assert_no_respawn();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_acquire_answers_before_api_gateway_gives_up() {
+    // MaxWaitMs raised to its maximum does not matter: API Gateway stops waiting 30 s after
+    // the request arrived, so the wait ends 1.5 s before that.
+    let lab = Lab::start(&[("LEASEHOLD_MAX_WAIT_MS", "58000".to_string())], &[]).await;
+    let routes = tokio::task::spawn_blocking(|| apigw::routes(&apigw::raw_template())).await.unwrap();
+    let key = "gw/deadline";
+    let other = lab.take(key, "other-worker", 60_000, Default::default()).await;
+    let body = r#"{"holder":"w","wait_ms":58000}"#;
+    let ask = |arrived_ms_ago: u64| {
+        let (function, mut ev) =
+            apigw::request(&routes, "POST", "/leases/acquire/gw/deadline", Some(body), now_ms()).unwrap();
+        ev["requestContext"]["timeEpoch"] = json!(now_ms() - arrived_ms_ago);
+        let lab = &lab;
+        async move {
+            let t = Instant::now();
+            let a = http_answer(&lab.invoke(&function, &ev).await).unwrap();
+            (a, t.elapsed())
+        }
+    };
+    // Arrived 29.2 s ago: 0.8 s left, less than the 1.5 s kept to answer, so no wait at all
+    // (the function's own deadline, 3 s in the emulator, would allow a 1.5 s wait).
+    let (a, took) = ask(29_200).await;
+    assert_eq!((a.status, a.body["error"].as_str()), (409, Some("LeaseHeld")), "{:?}", a.body);
+    assert!(took < Duration::from_millis(1200), "answered at once, not after the function's own cut: {took:?}");
+    // Arrived 28 s ago: 2 s left, so a wait of about 0.5 s.
+    let (a, took) = ask(28_000).await;
+    assert_eq!(a.status, 409, "{:?}", a.body);
+    assert!(took >= Duration::from_millis(300), "the wait that fits is honoured: {took:?}");
+    assert!(took < Duration::from_millis(1400), "{took:?}");
+    // Nothing was taken behind API Gateway's back.
+    let state = lab.state(key).await;
+    assert!(state.held && state.holder == "other-worker" && state.fence == other.fence, "{state:?}");
+    lab.assert_no_respawn();
 }

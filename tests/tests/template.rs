@@ -205,6 +205,9 @@ fn every_http_route_requires_iam() {
     assert_eq!(p["DefaultRouteSettings"]["ThrottlingBurstLimit"], json!({"Ref": "ApiThrottlingBurstLimit"}));
     let dest = p["AccessLogSettings"]["DestinationArn"]["Fn::GetAtt"][0].as_str().expect("access log group");
     assert_eq!(t["Resources"][dest]["Type"], "AWS::Logs::LogGroup");
+    // API Gateway's log delivery writes to /aws/vendedlogs/ without a growing resource policy.
+    let name = t["Resources"][dest]["Properties"]["LogGroupName"]["Fn::Sub"].as_str().expect("a named log group");
+    assert!(name.starts_with("/aws/vendedlogs/"), "{name}");
 
     let mut routes = BTreeSet::new();
     for (name, f) in resources_of(t, "AWS::Serverless::Function") {
@@ -219,15 +222,25 @@ fn every_http_route_requires_iam() {
         }
     }
     let want: BTreeSet<(String, String, &str)> = [
-        ("POST", "/leases/{key}/acquire", "AcquireFunction"),
-        ("POST", "/leases/{key}/heartbeat", "HeartbeatFunction"),
-        ("POST", "/leases/{key}/release", "ReleaseFunction"),
-        ("GET", "/leases/{key}", "HeartbeatFunction"),
+        ("POST", "/leases/acquire/{key+}", "AcquireFunction"),
+        ("POST", "/leases/heartbeat/{key+}", "HeartbeatFunction"),
+        ("POST", "/leases/release/{key+}", "ReleaseFunction"),
+        ("GET", "/leases/{key+}", "HeartbeatFunction"),
     ]
     .into_iter()
     .map(|(m, p, f)| (m.to_string(), p.to_string(), f))
     .collect();
     assert_eq!(routes, want);
+    // The routes `leasehold serve` and the functions' router answer are the template's.
+    let served: BTreeSet<(String, String)> =
+        leasehold::api::ROUTES.iter().map(|(m, p, _)| (m.to_string(), p.to_string())).collect();
+    let deployed: BTreeSet<(String, String)> = routes.iter().map(|(m, p, _)| (m.clone(), p.clone())).collect();
+    assert_eq!(served, deployed);
+    // The key is a greedy `{key+}`, the last segment: keys with `/` match, and an
+    // execute-api:Invoke policy can grant a key prefix (.../POST/leases/acquire/tenants/acme/*).
+    for (_, path, _) in &routes {
+        assert!(path.ends_with("/{key+}") && path.matches('{').count() == 1, "{path}");
+    }
 
     // After the transform: the OpenAPI body has exactly these routes, each with SigV4 security.
     let body = &transformed()["Resources"]["Api"]["Properties"]["Body"];
@@ -243,16 +256,21 @@ fn every_http_route_requires_iam() {
 }
 
 /// The ARNs a function role may name: the table, its keep-alive index, its own log group,
-/// and (DescribeExecution only) the account's Step Functions executions.
+/// and (DescribeExecution only) the executions of the template's state machines or of those
+/// named by the KeepaliveStateMachineArns parameter.
 fn allowed_resource(action: &str, resource: &Value, own_log_group: &str) -> bool {
     let table = json!({"Fn::GetAtt": ["LeaseTable", "Arn"]});
     let index = json!({"Fn::Sub": format!("${{LeaseTable.Arn}}/index/{KEEPALIVE_INDEX}")});
-    let executions = json!({"Fn::Sub": "arn:${AWS::Partition}:states:${AWS::Region}:${AWS::AccountId}:execution:*"});
+    let executions = |machine: &str| json!({"Fn::Sub": format!("arn:${{AWS::Partition}}:states:${{AWS::Region}}:${{AWS::AccountId}}:execution:${{{machine}.Name}}:*")});
     let log_group = json!({"Fn::GetAtt": [own_log_group, "Arn"]});
     match action {
         "dynamodb:Query" => *resource == index,
         a if a.starts_with("dynamodb:") => *resource == table,
-        "states:DescribeExecution" => *resource == executions,
+        "states:DescribeExecution" => {
+            MACHINES.iter().any(|m| *resource == executions(m))
+                || (resource.get("Fn::Split").is_some()
+                    && resource.to_string().contains(r#"{"Ref":"KeepaliveStateMachineArns"}"#))
+        }
         "logs:CreateLogStream" | "logs:PutLogEvents" => *resource == log_group,
         _ => false,
     }
@@ -290,6 +308,14 @@ fn function_roles_are_least_privilege() {
         let mut granted = BTreeSet::new();
         for policy in role["Policies"].as_array().expect("inline policies") {
             for st in policy["PolicyDocument"]["Statement"].as_array().unwrap() {
+                // A conditional statement: checked as the statement it is when its condition holds.
+                let st = match st.get("Fn::If") {
+                    Some(branches) => {
+                        assert_eq!(branches[2], json!({"Ref": "AWS::NoValue"}), "{role_name}: {st}");
+                        &branches[1]
+                    }
+                    None => st,
+                };
                 assert_eq!(st["Effect"], "Allow", "{role_name}: {st}");
                 assert!(st.get("NotAction").is_none() && st.get("NotResource").is_none(), "{role_name}: {st}");
                 let actions = as_list(&st["Action"]);
@@ -317,10 +343,38 @@ fn keepalive_sweep_is_scheduled() {
     let events = &t["Resources"]["HeartbeatFunction"]["Properties"]["Events"];
     let sweep: Vec<&Value> = events.as_object().unwrap().values().filter(|e| e["Type"] == "Schedule").collect();
     assert_eq!(sweep.len(), 1);
-    assert_eq!(sweep[0]["Properties"]["Schedule"], json!({"Ref": "KeepaliveSweepSchedule"}));
+    let period = json!({"Ref": "KeepaliveSweepPeriodMinutes"});
+    assert_eq!(sweep[0]["Properties"]["Schedule"], json!({"Fn::FindInMap": ["SweepPeriod", period, "Schedule"]}));
     // No Input: the function must receive EventBridge's own Scheduled Event to run the sweep.
     assert!(sweep[0]["Properties"].get("Input").is_none());
-    assert_eq!(t["Parameters"]["KeepaliveSweepSchedule"]["Default"], "rate(1 minute)");
+    assert_eq!(t["Parameters"]["KeepaliveSweepPeriodMinutes"]["Default"], 1);
+    // The functions know the period (keep-alive leases must last KEEPALIVE_SWEEPS of them),
+    // and the mapping's schedule, period and keep-alive duration agree for every allowed value.
+    assert_eq!(
+        t["Globals"]["Function"]["Environment"]["Variables"]["LEASEHOLD_SWEEP_PERIOD_MS"],
+        json!({"Fn::FindInMap": ["SweepPeriod", period, "Ms"]})
+    );
+    let map = t["Mappings"]["SweepPeriod"].as_object().expect("SweepPeriod mapping");
+    let allowed: BTreeSet<String> = t["Parameters"]["KeepaliveSweepPeriodMinutes"]["AllowedValues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_string().trim_matches('"').to_string())
+        .collect();
+    assert_eq!(allowed, map.keys().cloned().collect::<BTreeSet<_>>());
+    for (minutes, row) in map {
+        let m: u64 = minutes.parse().unwrap();
+        let schedule = if m == 1 { "rate(1 minute)".to_string() } else { format!("rate({m} minutes)") };
+        assert_eq!(row["Schedule"], schedule.as_str());
+        assert_eq!(row["Ms"].as_u64(), Some(m * 60_000), "{minutes}");
+        let min = leasehold::validate::KEEPALIVE_SWEEPS as u64 * m * 60_000;
+        assert_eq!(row["KeepaliveMs"].as_u64(), Some(min), "{minutes}: the workflow's default keep-alive duration");
+    }
+    // The example workflow asks for that duration when it keeps a lease alive.
+    let subs = &t["Resources"]["SingleFlightStateMachine"]["Properties"]["DefinitionSubstitutions"];
+    assert_eq!(subs["KeepaliveDurationMs"], json!({"Fn::FindInMap": ["SweepPeriod", period, "KeepaliveMs"]}));
+    let ka = &states(definition("SingleFlightStateMachine"))["KeepaliveDefaults"]["Parameters"]["defaults"];
+    assert_eq!(ka["duration_ms.$"], "States.StringToJson('${KeepaliveDurationMs}')");
     // Only the heartbeat function takes scheduled events.
     for f in ["AcquireFunction", "ReleaseFunction"] {
         let ev = &t["Resources"][f]["Properties"]["Events"];
@@ -405,7 +459,7 @@ fn state_machines_release_on_every_path() {
             if s["Type"] != "Task" {
                 continue;
             }
-            assert_eq!(s["Resource"], "arn:aws:states:::lambda:invoke", "{machine}.{name}");
+            assert_eq!(s["Resource"], "arn:${Partition}:states:::lambda:invoke", "{machine}.{name}");
             if name == release {
                 // The release's own failure still ends the execution in a failure state.
                 let catches = s["Catch"].as_array().expect("Release catches");
@@ -534,4 +588,143 @@ fn state_machines_are_idempotent_and_carry_the_fence() {
     let events = &raw()["Resources"]["ScheduledJobStateMachine"]["Properties"]["Events"];
     let schedule = events.as_object().unwrap().values().find(|e| e["Type"] == "Schedule").expect("scheduled");
     assert_eq!(schedule["Properties"]["Schedule"], json!({"Ref": "ScheduledJobSchedule"}));
+}
+
+// ---- hardening ------------------------------------------------------------------------------
+
+#[test]
+fn waiting_acquires_cannot_exhaust_the_account_concurrency() {
+    let t = raw();
+    let p = &t["Resources"]["AcquireFunction"]["Properties"];
+    assert_eq!(
+        p["ReservedConcurrentExecutions"],
+        json!({"Fn::If": ["ReserveAcquireConcurrency", {"Ref": "AcquireReservedConcurrency"}, {"Ref": "AWS::NoValue"}]})
+    );
+    assert_eq!(
+        t["Conditions"]["ReserveAcquireConcurrency"],
+        json!({"Fn::Not": [{"Fn::Equals": [{"Ref": "AcquireReservedConcurrency"}, 0]}]})
+    );
+    let reserved = t["Parameters"]["AcquireReservedConcurrency"]["Default"].as_u64().expect("a numeric default");
+    assert!(reserved > 0, "reserved by default");
+    // Sized with the API throttle: a burst of acquires cannot take more than the reservation.
+    assert!(reserved <= t["Parameters"]["ApiThrottlingBurstLimit"]["Default"].as_u64().unwrap());
+    let out = &transformed()["Resources"]["AcquireFunction"]["Properties"];
+    assert!(out.get("ReservedConcurrentExecutions").is_some(), "the reservation reaches CloudFormation");
+}
+
+#[test]
+fn state_machines_survive_what_states_all_cannot_catch() {
+    let t = raw();
+    let acquire_timeout = t["Resources"]["AcquireFunction"]["Properties"]["Timeout"].as_u64().unwrap();
+    for machine in MACHINES {
+        let props = &t["Resources"][machine]["Properties"];
+        assert_eq!(props["DefinitionSubstitutions"]["Partition"], json!({"Ref": "AWS::Partition"}), "{machine}");
+        let text = props["Definition"].to_string();
+        assert!(!text.contains("arn:aws:"), "{machine}: a hard-coded partition");
+        let all = states(definition(machine));
+        // The work's result is dropped: a huge result (States.DataLimitExceeded) or an odd
+        // one (a ResultSelector path that is missing: States.Runtime) is not caught by
+        // States.ALL and would skip the release.
+        let work = &all["Work"];
+        assert_eq!(work["ResultPath"], Value::Null, "{machine}: Work has ResultPath null");
+        assert!(work.as_object().unwrap().contains_key("ResultPath"), "{machine}: ResultPath: null, not absent");
+        assert!(work.get("ResultSelector").is_none(), "{machine}");
+        assert!(work.get("OutputPath").is_none(), "{machine}");
+        // Every Lambda task retries the Lambda client's own timeout too.
+        for (name, s) in all {
+            if s["Type"] != "Task" {
+                continue;
+            }
+            let retries = s["Retry"].as_array().unwrap_or_else(|| panic!("{machine}.{name} retries"));
+            let lambda_list = retries
+                .iter()
+                .find(|r| r["ErrorEquals"].to_string().contains("Lambda.ServiceException"))
+                .unwrap_or_else(|| panic!("{machine}.{name} retries Lambda errors"));
+            for e in [
+                "Lambda.ServiceException",
+                "Lambda.AWSLambdaException",
+                "Lambda.SdkClientException",
+                "Lambda.TooManyRequestsException",
+                "Lambda.ClientExecutionTimeoutException",
+            ] {
+                assert!(lambda_list["ErrorEquals"].as_array().unwrap().contains(&json!(e)), "{machine}.{name}: {e}");
+            }
+        }
+        // The acquire task waits at least as long as the function may run.
+        let timeout = all["Acquire"]["TimeoutSeconds"].as_u64().expect("Acquire TimeoutSeconds");
+        assert!(timeout >= acquire_timeout, "{machine}: Acquire TimeoutSeconds {timeout} < {acquire_timeout}");
+    }
+}
+
+/// Evaluates the intrinsic functions an EventBridge Input may use here (`Fn::Sub` with a
+/// variable map, `Fn::Base64`, `Ref` to a parameter) for the given parameter values.
+fn evaluate(v: &Value, params: &serde_json::Map<String, Value>) -> String {
+    if let Some(s) = v.as_str() {
+        return s.to_string();
+    }
+    if let Some(name) = v.get("Ref").and_then(Value::as_str) {
+        return params.get(name).and_then(Value::as_str).unwrap_or_else(|| panic!("no parameter {name}")).to_string();
+    }
+    if let Some(inner) = v.get("Fn::Base64") {
+        return aws_smithy_types::base64::encode(evaluate(inner, params));
+    }
+    if let Some(sub) = v.get("Fn::Sub") {
+        let (text, vars) = match sub {
+            Value::String(s) => (s.as_str(), serde_json::Map::new()),
+            Value::Array(a) => (a[0].as_str().unwrap(), a[1].as_object().unwrap().clone()),
+            other => panic!("Fn::Sub {other}"),
+        };
+        let mut out = text.to_string();
+        for (name, value) in &vars {
+            out = out.replace(&format!("${{{name}}}"), &evaluate(value, params));
+        }
+        for (name, value) in params {
+            out = out.replace(&format!("${{{name}}}"), value.as_str().unwrap());
+        }
+        assert!(!out.contains("${"), "unresolved: {out}");
+        return out;
+    }
+    panic!("cannot evaluate {v}")
+}
+
+#[test]
+fn the_scheduled_jobs_input_is_valid_json_for_any_key() {
+    let events = &raw()["Resources"]["ScheduledJobStateMachine"]["Properties"]["Events"];
+    let schedule = events.as_object().unwrap().values().find(|e| e["Type"] == "Schedule").expect("scheduled");
+    for key in [r#"jobs/"quoted""#, r"jobs\back\slash", "jobs/scheduled-example", "jobs/ünïcødé", r#"{"key": 1}"#] {
+        let params = json!({"ScheduledJobKey": key}).as_object().unwrap().clone();
+        let input = evaluate(&schedule["Properties"]["Input"], &params);
+        let v: Value =
+            serde_json::from_str(&input).unwrap_or_else(|e| panic!("{key:?}: input {input} is not JSON: {e}"));
+        let decoded = aws_smithy_types::base64::decode(v["key_base64"].as_str().expect("key_base64"));
+        assert_eq!(String::from_utf8(decoded.unwrap()).unwrap(), key);
+    }
+    // The state machine decodes it before anything else.
+    let all = states(definition("ScheduledJobStateMachine"));
+    let start = &all[definition("ScheduledJobStateMachine")["StartAt"].as_str().unwrap()];
+    assert_eq!(start["Choices"][0]["Variable"], "$.key_base64");
+    let decode = &all[start["Choices"][0]["Next"].as_str().unwrap()];
+    assert_eq!(decode["Parameters"]["key.$"], "States.Base64Decode($.key_base64)");
+}
+
+#[test]
+fn sam_build_builds_the_architecture_sam_deploy_deploys() {
+    // sam build reads parameter overrides from its own section or the global one, never from
+    // [default.deploy.parameters]: the Architecture must be set where both read it.
+    let text = std::fs::read_to_string(repo_root().join("samconfig.toml")).unwrap();
+    let mut section = String::new();
+    let mut global_arch = None;
+    for line in text.lines().map(str::trim) {
+        if line.starts_with('[') {
+            section = line.to_string();
+        } else if line.starts_with("parameter_overrides") {
+            assert_eq!(section, "[default.global.parameters]", "parameter_overrides only in the global section");
+            global_arch = line.split_whitespace().find_map(|w| w.trim_matches('"').strip_prefix("Architecture="));
+        }
+    }
+    let arch = global_arch.expect("samconfig.toml sets Architecture for build and deploy");
+    let allowed = &raw()["Parameters"]["Architecture"]["AllowedValues"];
+    assert!(allowed.as_array().unwrap().contains(&json!(arch)), "{arch}");
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
+    assert!(readme.contains("Architecture=x86_64"), "the README says how to build for the other architecture");
 }

@@ -152,6 +152,8 @@ fn stack() -> &'static Stack {
                 ("AWS_SECRET_ACCESS_KEY", secret),
                 ("AWS_REGION", region.clone()),
                 ("AWS_DEFAULT_REGION", region.clone()),
+                ("LEASEHOLD_SWEEP_PERIOD_MS", SWEEP_PERIOD_MS.to_string()),
+                ("LEASEHOLD_MIN_DURATION_MS", "500".to_string()),
             ]
             .into_iter()
             .map(|(k, v)| (k.to_string(), v))
@@ -219,6 +221,8 @@ fn definition(machine: &str, work: &str) -> String {
             "AcquireFunctionArn" => "acquire",
             "ReleaseFunctionArn" => "release",
             "WorkFunctionArn" => work,
+            "Partition" => "aws",
+            "KeepaliveDurationMs" => KEEPALIVE_DURATION_MS,
             other => panic!("unexpected substitution {other}"),
         };
         text = text.replace(&format!("${{{name}}}"), value);
@@ -228,6 +232,10 @@ fn definition(machine: &str, work: &str) -> String {
 }
 
 const SINGLE_FLIGHT: &str = "SingleFlightStateMachine";
+/// The sweep period the functions are told (LEASEHOLD_SWEEP_PERIOD_MS), and the keep-alive
+/// duration the template's mapping gives the workflow for it (3 periods).
+const SWEEP_PERIOD_MS: &str = "600";
+const KEEPALIVE_DURATION_MS: &str = "1800";
 const SCHEDULED: &str = "ScheduledJobStateMachine";
 
 // ---- executions ---------------------------------------------------------------------------------
@@ -597,7 +605,52 @@ async fn single_flight_lease_taken_over_during_work_fails_the_execution() {
     coord.release(&key, &other.lease_id).await.unwrap();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_flight_keepalive_lasts_three_sweeps_and_shorter_is_refused() {
+    tokio::task::spawn_blocking(stack).await.unwrap();
+    let coord = coordinator().await;
+    let until = coord.now_ms() + 10 * 60 * 1000;
+    // No duration_ms: the workflow asks for the template's keep-alive duration (3 sweeps),
+    // not its 60 s default... here the test's 600 ms sweep, so 1800 ms.
+    let key = unique("keepalive-default");
+    let run = start(SINGLE_FLIGHT, "", json!({"key": key, "work_seconds": 0, "keepalive_until_ms": until})).await;
+    let end = wait_end(&run, LONG).await;
+    assert_eq!(end.status, ExecutionStatus::Succeeded, "{}", end.describe());
+    let lease = end.task_payload("Acquire");
+    let want: u64 = KEEPALIVE_DURATION_MS.parse().unwrap();
+    assert_eq!(lease["duration_ms"].as_u64(), Some(want), "{lease}");
+    assert_eq!(want, 3 * SWEEP_PERIOD_MS.parse::<u64>().unwrap());
+
+    // A shorter keep-alive lease is refused (InvalidRequest naming the minimum): nothing is
+    // taken, and the execution fails after its release.
+    let key = unique("keepalive-short");
+    let run = start(SINGLE_FLIGHT, "", json!({"key": key, "duration_ms": 1000, "keepalive_until_ms": until})).await;
+    let end = wait_end(&run, LONG).await;
+    assert_eq!(end.status, ExecutionStatus::Failed, "{}", end.describe());
+    assert_eq!(end.error.as_deref(), Some("WorkflowFailed"));
+    assert_eq!(end.task_errors("Acquire"), vec!["InvalidRequest".to_string()]);
+    let cause: Value = serde_json::from_str(end.cause.as_deref().unwrap()).unwrap();
+    assert!(cause["Cause"].as_str().unwrap().contains(&format!("{want} ms")), "names the minimum: {cause}");
+    assert!(coord.get(&key).await.is_err(), "nothing was written for the refused lease");
+}
+
 // ---- scheduled single execution -----------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scheduled_job_takes_its_key_base64_encoded_from_the_schedule() {
+    tokio::task::spawn_blocking(stack).await.unwrap();
+    // The schedule's input as the template builds it (Fn::Base64 of ScheduledJobKey): a key
+    // with a quote and a backslash stays valid JSON and arrives intact.
+    let key = format!("{}/\"quoted\"\\back\\slash", unique("scheduled-b64"));
+    let input = json!({"key_base64": aws_smithy_types::base64::encode(&key)});
+    let run = start(SCHEDULED, "", input).await;
+    let end = wait_end(&run, LONG).await;
+    assert_eq!(end.status, ExecutionStatus::Succeeded, "{}", end.describe());
+    assert_eq!(end.output["skipped"], false, "{}", end.output);
+    assert_eq!(end.output["key"], key.as_str());
+    let state = lease_state(&key).await;
+    assert!(!state.held && state.fence == end.output["fence"].as_u64().unwrap(), "{state:?}");
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scheduled_job_runs_once_and_the_overlapping_run_skips() {
@@ -663,6 +716,6 @@ async fn scheduled_job_failing_work_still_releases() {
 fn regions_are_distinct() {
     let set: std::collections::BTreeSet<&str> = REGIONS.iter().copied().collect();
     assert_eq!(set.len(), REGIONS.len());
-    // Executions started by the tests (at most 12 here) fit, with the functions' region left out.
-    assert!(REGIONS.len() > 12);
+    // Executions started by the tests (at most 13 here) fit, with the functions' region left out.
+    assert!(REGIONS.len() > 14);
 }
