@@ -86,6 +86,9 @@ fn describe(reason: NotHolderReason) -> &'static str {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// How the message of a `StoreUnavailable` that was never sent begins (see [`Error::not_sent`]).
+const NOT_SENT: &str = "not sent: ";
+
 impl Error {
     pub fn invalid(msg: impl Into<String>) -> Self {
         Error::InvalidRequest(msg.into())
@@ -102,6 +105,22 @@ impl Error {
             Error::Throttled(_) => "Throttled",
             Error::OutcomeUnknown { .. } => "OutcomeUnknown",
             Error::ClockSkew(_) => "ClockSkew",
+        }
+    }
+
+    /// A store failure where the request certainly never reached the store (no connection could
+    /// be made): unlike a timeout or a lost answer, nothing can have landed.
+    pub fn not_sent(msg: impl std::fmt::Display) -> Self {
+        Error::StoreUnavailable(format!("{NOT_SENT}{msg}"))
+    }
+
+    /// Could a write that failed with this error have landed all the same? Throttles and
+    /// requests that were never sent did not; a timeout, a lost answer or a 5xx may have.
+    pub fn may_have_landed(&self) -> bool {
+        match self {
+            Error::StoreUnavailable(m) => !m.starts_with(NOT_SENT),
+            Error::OutcomeUnknown { .. } => true,
+            _ => false,
         }
     }
 

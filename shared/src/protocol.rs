@@ -18,12 +18,6 @@ use crate::validate::Limits;
 /// reached in the year 2255).
 pub const MAX_FENCE: u64 = 1 << 53;
 
-/// How far ahead of a coordinator's clock a key's last fence may plausibly be (µs). Honest
-/// fences are a clock reading within the skew margin, or one more than an earlier fence; a
-/// fence further ahead was issued by a wrong clock and is never copied. It also bounds how far
-/// a fence can be ahead of the time its item's TTL is computed from (see `ttl_after`).
-pub const FENCE_LEAD_US: u64 = 60 * 1_000_000;
-
 /// Coordinator settings. Every field has a documented default.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -45,6 +39,11 @@ pub struct Config {
     pub poll_max: Duration,
     /// Added to the wall clock (tests use it to play a coordinator with a skewed clock).
     pub clock_offset_ms: i64,
+    /// How far ahead of this coordinator's clock a key's last fence may plausibly be. Honest
+    /// fences are a clock reading within the skew margin, or one more than an earlier fence; a
+    /// fence further ahead was issued by a wrong clock and is never copied. It also bounds how
+    /// far a fence can be ahead of the time its item's TTL is computed from (see `ttl_after`).
+    pub fence_lead: Duration,
 }
 
 impl Default for Config {
@@ -59,6 +58,7 @@ impl Default for Config {
             retry_budget: Duration::from_secs(5),
             poll_max: Duration::from_millis(500),
             clock_offset_ms: 0,
+            fence_lead: Duration::from_secs(60),
         }
     }
 }
@@ -124,10 +124,11 @@ impl Coordinator {
 
     /// TTL attribute (epoch seconds) for an item that stops mattering at `ms`: the grace after
     /// that, and never before the grace after its fence's own time (a fence is at most
-    /// [`FENCE_LEAD_US`] ahead of the clock of the write that issued it, and every later write
-    /// runs later), so that a key deleted by TTL restarts its fences above the old ones.
+    /// `fence_lead` ahead of the clock of the write that issued it, and every later write runs
+    /// later), so that a key deleted by TTL restarts its fences above the old ones.
     pub(crate) fn ttl_after(&self, ms: u64) -> u64 {
-        ms.saturating_add(FENCE_LEAD_US / 1000).div_ceil(1000) + self.config.ttl_grace.as_secs()
+        let lead = self.config.fence_lead.as_millis() as u64;
+        ms.saturating_add(lead).div_ceil(1000) + self.config.ttl_grace.as_secs()
     }
 
     pub(crate) fn max_duration_ms(&self) -> u64 {
@@ -180,8 +181,7 @@ impl Coordinator {
             match self.store.update(key, &cond, &m).await {
                 Ok(w) => return Ok((w, sent, now)),
                 Err(e) if e.is_transient() => {
-                    // A throttle is refused before the write; anything else may have landed.
-                    maybe_landed |= !matches!(e, Error::Throttled(_));
+                    maybe_landed |= e.may_have_landed();
                     let pause = backoff.next_pause();
                     if Instant::now() + pause >= deadline {
                         return Err(Failed { error: e, maybe_landed });
@@ -232,12 +232,13 @@ impl Coordinator {
     /// error) or when the fence would pass [`MAX_FENCE`].
     fn next_fence(&self, key: &str, seen: Option<u64>) -> Result<u64> {
         let now_us = self.now_us();
-        if let Some(s) = seen.filter(|&s| s > now_us.saturating_add(FENCE_LEAD_US)) {
+        let lead = self.config.fence_lead.as_micros() as u64;
+        if let Some(s) = seen.filter(|&s| s > now_us.saturating_add(lead)) {
             return Err(Error::ClockSkew(format!(
-                "the last fence of {key:?} is {} s ahead of this coordinator's clock (at most {} s is plausible): \
+                "the last fence of {key:?} is {} ms ahead of this coordinator's clock (at most {} ms is plausible): \
                  this clock, or the clock of the coordinator that issued it, is wrong",
-                (s - now_us) / 1_000_000,
-                FENCE_LEAD_US / 1_000_000
+                (s - now_us) / 1000,
+                lead / 1000
             )));
         }
         let fence = now_us.max(seen.map_or(0, |f| f.saturating_add(1)));
@@ -293,7 +294,7 @@ impl Coordinator {
                     Ok((cond, Mutation::Acquire(new(now, fence))))
                 })
                 .await
-                .map_err(|f| f.into_error(key, true))?;
+                .map_err(|f| f.into_error(key))?;
             match sort_acquire(w, &lease_id, fence, now)? {
                 AcquireAnswer::Granted(r) => {
                     check_fence(&r)?;
@@ -398,7 +399,7 @@ impl Coordinator {
                 Ok((cond, Mutation::Extend { now_ms: now, duration_ms, ttl }))
             })
             .await
-            .map_err(|f| f.into_error(key, false))?;
+            .map_err(|f| f.into_error(key))?;
         match w {
             Write::Applied(r) => {
                 check_fence(&r)?;
@@ -435,7 +436,7 @@ impl Coordinator {
                 Ok((Condition::Unreleased { lease_id: lease_id.clone() }, Mutation::Release { now_ms: now, ttl }))
             })
             .await
-            .map_err(|f| f.into_error(key, false))?;
+            .map_err(|f| f.into_error(key))?;
         let released = |r: &Record, already_released| Released {
             key: key.to_string(),
             fence: r.fence,
@@ -461,7 +462,7 @@ impl Coordinator {
                 Ok((Condition::Exists, Mutation::ForceRelease { now_ms: now, ttl: self.ttl_after(now + max) }))
             })
             .await
-            .map_err(|f| f.into_error(key, false))?;
+            .map_err(|f| f.into_error(key))?;
         match w {
             Write::Applied(r) => Ok(r.state(now)),
             Write::Rejected(_) => Err(Error::NotFound { key: key.to_string() }),
@@ -505,14 +506,16 @@ struct Failed {
 }
 
 impl Failed {
-    /// The error to report. An acquire whose write may have landed is `OutcomeUnknown`: the
-    /// caller's lease_id reaches that lease (a retry returns it, a release frees it).
-    fn into_error(self, key: &str, acquire: bool) -> Error {
+    /// The error to report. A write that may have landed is `OutcomeUnknown`: the caller's
+    /// lease_id reaches what it did (an acquire's retry returns the lease and a release frees
+    /// it; a release's retry answers `already_released`).
+    fn into_error(self, key: &str) -> Error {
         match self.error {
-            e @ Error::StoreUnavailable(_) if self.maybe_landed && acquire => Error::OutcomeUnknown {
+            e @ Error::StoreUnavailable(_) if self.maybe_landed => Error::OutcomeUnknown {
                 key: key.to_string(),
                 message: format!(
-                    "{e}; a write may have landed: retry with the same lease_id (idempotent) or release with it"
+                    "{e}; a write may have landed: send the same request again with the same lease_id (it is \
+                     idempotent), or release with it"
                 ),
             },
             e => e,

@@ -405,7 +405,7 @@ impl Store for Faulty {
                 Err(Error::StoreUnavailable("injected: response lost after the write".into()))
             }
             Some(Fault::Throttle) => Err(Error::Throttled("injected throttle".into())),
-            Some(Fault::Unavailable) => Err(Error::StoreUnavailable("injected outage".into())),
+            Some(Fault::Unavailable) => Err(Error::not_sent("injected outage")),
             Some(Fault::DelayedDuplicate(after)) => {
                 let (inner, key, c, m) = (self.inner.clone(), key.to_string(), c.clone(), m.clone());
                 tokio::spawn(async move {

@@ -42,7 +42,7 @@ const MARGIN_MS: u64 = 200;
 
 /// The one place the HTTP routes are spelled: `op` is "acquire", "heartbeat" or "release".
 fn lease_path(key: &str, op: &str) -> String {
-    format!("/leases/{key}/{op}")
+    format!("/leases/{op}/{key}")
 }
 
 fn wall_ms() -> u64 {

@@ -11,6 +11,9 @@ fn short_ttl_config() -> leasehold::Config {
     let mut c = test_config();
     c.ttl_grace = Duration::ZERO;
     c.limits.max_duration = Duration::from_secs(2);
+    // TTLs also wait out the fence lead (see `Coordinator::ttl_after`): short here, so that the
+    // sweep comes soon; the clocks below stay within it unless a test says otherwise.
+    c.fence_lead = Duration::from_secs(1);
     c
 }
 
@@ -59,9 +62,9 @@ async fn sqlite_purge_keeps_fences_monotonic() {
     c.release("p", &l.lease_id).await.unwrap();
     // Not yet past its TTL (release time + max_duration).
     assert_eq!(store.purge_expired(c.now_ms()).await.unwrap(), 0);
-    // Four seconds later (played by a coordinator whose clock is 4 s ahead) it is purged, and
+    // Six seconds later (played by a coordinator whose clock is 6 s ahead) it is purged, and
     // a fresh acquire at that time starts above the purged fence.
-    let later = at(4_000);
+    let later = at(6_000);
     assert_eq!(store.purge_expired(later.now_ms()).await.unwrap(), 1);
     assert!(matches!(later.get("p").await, Err(Error::NotFound { .. })));
     let again = later.acquire("p", "h", Some(Duration::from_secs(1)), AcquireOptions::default()).await.unwrap();
@@ -72,14 +75,15 @@ async fn sqlite_purge_keeps_fences_monotonic() {
     let fast = at(60_000);
     let f = fast.acquire("skewed", "h", Some(Duration::from_secs(1)), AcquireOptions::default()).await.unwrap();
     c.release("skewed", &f.lease_id).await.unwrap();
-    assert_eq!(store.purge_expired(c.now_ms() + 3_000).await.unwrap(), 0, "fence ahead of the clock: kept");
+    assert_eq!(store.purge_expired(c.now_ms() + 6_000).await.unwrap(), 0, "fence ahead of the clock: kept");
     // (Its release frees the key at its own clock's acquired_at, a minute ahead.)
     let next =
         at(61_000).acquire("skewed", "h", Some(Duration::from_secs(1)), AcquireOptions::default()).await.unwrap();
     assert!(next.fence > f.fence);
 
     // A fail-closed lease carries no TTL and is never purged.
-    let fc = c.acquire("forever", "h", None, AcquireOptions::default()).await.unwrap();
+    let id = Some(leasehold::LeaseId::generate());
+    let fc = c.acquire("forever", "h", None, AcquireOptions { lease_id: id, ..Default::default() }).await.unwrap();
     assert_eq!(store.purge_expired(c.now_ms() + 10_000_000).await.unwrap(), 2, "only the timed items go");
     assert_eq!(c.get("forever").await.unwrap().fence, fc.fence);
 }

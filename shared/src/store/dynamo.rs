@@ -253,6 +253,12 @@ fn map_err<E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static, 
             }
         }
         SdkError::TimeoutError(_) => Error::StoreUnavailable("request to DynamoDB timed out".into()),
+        SdkError::DispatchFailure(d) if d.as_connector_error().is_some_and(|c| never_connected(c)) => Error::not_sent(
+            format!("could not connect to DynamoDB: {}", aws_smithy_types::error::display::DisplayErrorContext(&e)),
+        ),
+        SdkError::ConstructionFailure(_) => {
+            Error::not_sent(format!("DynamoDB: {}", aws_smithy_types::error::display::DisplayErrorContext(&e)))
+        }
         SdkError::DispatchFailure(d) => Error::StoreUnavailable(format!(
             "could not reach DynamoDB: {}",
             aws_smithy_types::error::display::DisplayErrorContext(
@@ -264,6 +270,25 @@ fn map_err<E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static, 
             Error::StoreUnavailable(format!("DynamoDB: {}", aws_smithy_types::error::display::DisplayErrorContext(&e)))
         }
     }
+}
+
+/// Did the request fail before a connection was made (refused, unreachable, no such host)?
+/// Then it cannot have landed.
+fn never_connected(e: &(dyn std::error::Error + 'static)) -> bool {
+    use std::io::ErrorKind::{AddrNotAvailable, ConnectionRefused, HostUnreachable, NetworkUnreachable};
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            if matches!(io.kind(), ConnectionRefused | AddrNotAvailable | HostUnreachable | NetworkUnreachable) {
+                return true;
+            }
+        }
+        if err.to_string().contains("dns error") {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
 }
 
 fn num(v: u64) -> AttributeValue {
