@@ -3,7 +3,8 @@
 //! Every write is one `BEGIN IMMEDIATE` transaction (SQLite's database-wide write lock, held
 //! across processes) that reads the item, evaluates the [`Condition`] and applies the
 //! [`Mutation`] with their reference semantics, so the embedded store is linearizable for
-//! every process that opens the same file. WAL mode lets readers proceed during writes.
+//! every process that opens the same file. WAL mode lets readers proceed during writes;
+//! `synchronous=FULL` makes every commit durable before it is answered (DESIGN.md).
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -49,7 +50,7 @@ impl SqliteStore {
         let conn = Connection::open(&path).map_err(store_err)?;
         conn.busy_timeout(Duration::from_secs(5)).map_err(store_err)?;
         conn.pragma_update(None, "journal_mode", "WAL").map_err(store_err)?;
-        conn.pragma_update(None, "synchronous", "NORMAL").map_err(store_err)?;
+        conn.pragma_update(None, "synchronous", "FULL").map_err(store_err)?;
         conn.execute_batch(
             "CREATE TABLE IF NOT EXISTS leases (
                 key TEXT PRIMARY KEY NOT NULL,
