@@ -214,3 +214,22 @@ impl Store for SqliteStore {
         .await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every commit is synced before it is answered: `synchronous=FULL` (2) on the connection
+    /// that writes, in WAL mode. NORMAL (1) could lose answered grants on power loss.
+    #[test]
+    fn every_commit_is_durable() {
+        let dir = std::env::temp_dir().join(format!("leasehold-sync-{}", std::process::id()));
+        let store = SqliteStore::open(dir.join("leases.db")).unwrap();
+        let conn = store.conn.lock().unwrap();
+        let sync: i64 = conn.query_row("PRAGMA synchronous", [], |r| r.get(0)).unwrap();
+        let mode: String = conn.query_row("PRAGMA journal_mode", [], |r| r.get(0)).unwrap();
+        drop(conn);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!((sync, mode.as_str()), (2, "wal"), "synchronous must be FULL (2) in WAL mode");
+    }
+}
