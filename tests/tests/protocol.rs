@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use leasehold::store::{Condition, Write};
 use leasehold::{AcquireOptions, Coordinator, Error, Keepalive, LeaseId, Lost, NotHolderReason};
-use leasehold_tests::{test_config, Backend, Counting, Fault, Faulty, GuardedResource, Holds};
+use leasehold_tests::{test_config, Backend, Counting, Fault, Faulty, Gated, GuardedResource, Holds};
 use serde_json::json;
 
 macro_rules! both_backends {
@@ -43,6 +43,7 @@ both_backends!(
     waiters_share_a_contended_key_evenly,
     crash_handover_within_bound,
     held_lease_renews_and_notices_loss,
+    late_heartbeat_does_not_keep_a_lost_lease,
     keepalive_and_metadata_round_trip,
     two_handles_on_one_store,
 );
@@ -592,6 +593,55 @@ async fn held_lease_renews_and_notices_loss(b: Backend) {
         Instant::now() - safe
     );
     faulty.plan.lock().unwrap().clear();
+}
+
+/// A renewal held up in the network past the holder's safe time: the holder is told the lease
+/// is lost, then the renewal lands (its condition carries the time it was sent, when the lease
+/// was live) and extends the lease. The holder must release what it may still hold, or the key
+/// stays blocked for another duration with nobody working under it. Ordering only: the key
+/// must be free before the expiry the late renewal wrote.
+async fn late_heartbeat_does_not_keep_a_lost_lease(b: Backend) {
+    for drop_first in [false, true] {
+        let key = format!("late-{drop_first}");
+        let gated = Gated::new(b.store());
+        let c = Coordinator::new(gated.clone(), test_config());
+        let other = b.coordinator(test_config());
+        gated.arm();
+        let held = c.hold(&key, "a", Duration::from_millis(900), AcquireOptions::default()).await.unwrap();
+        assert_eq!(held.lost().await, Lost::SafeTimeExpired);
+        if drop_first {
+            // The holder gives up its handle as soon as it is told.
+            drop_handle(held);
+            gated.open();
+            check_late(&gated, &other, &key).await;
+        } else {
+            // The holder keeps its handle (a `run` waiting for its command to stop).
+            gated.open();
+            check_late(&gated, &other, &key).await;
+            drop(held);
+        }
+    }
+}
+
+fn drop_handle(held: leasehold::HeldLease) {
+    drop(held);
+}
+
+async fn check_late(gated: &Gated, other: &Coordinator, key: &str) {
+    let late = gated.wait_landed().await;
+    let got = other.acquire(key, "b", secs(5), AcquireOptions { wait: secs(10), ..Default::default() }).await.unwrap();
+    match late {
+        Write::Applied(r) => {
+            let blocked_until = r.expires_at_ms.unwrap();
+            assert!(
+                got.acquired_at_ms < blocked_until,
+                "{key}: the late renewal kept the key blocked until {blocked_until} (acquired at {})",
+                got.acquired_at_ms
+            );
+        }
+        // The release after the loss landed first: the late renewal found the lease released.
+        Write::Rejected(r) => assert!(r.unwrap().released_at_ms.is_some(), "{key}: rejected for another reason"),
+    }
 }
 
 async fn keepalive_and_metadata_round_trip(b: Backend) {
