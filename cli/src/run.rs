@@ -12,8 +12,9 @@
 //!
 //! Stopping before the safe time ends: with `safe_until` the holder's deadline of the last
 //! renewal (see DESIGN.md, "Clocks"), SIGKILL is scheduled at `safe_until - lead` and
-//! SIGTERM `grace` before it, `grace` being `--grace` clamped to a third of the lease
-//! duration and `lead` = min(100 ms, duration / 20). Every renewal moves both; when renewals
+//! SIGTERM `grace` before it, `grace` being `--grace` clamped to half of what a lease leaves
+//! after one renewal interval, `(2/3 duration - skew_margin) / 2` (9.9 s with the defaults),
+//! and `lead` = min(100 ms, duration / 20). Every renewal moves both; when renewals
 //! fail, the command is stopped before another host can take the key. A loss reported by the
 //! store (taken over, force-released) sends SIGTERM at once and SIGKILL `grace` later (or at
 //! `safe_until - lead`, whichever is first). When the command exits, whatever it left running
@@ -58,8 +59,9 @@ terminal, the command's group gets the terminal (Ctrl-C reaches it directly). SI
 SIGHUP and SIGQUIT sent to run are forwarded to the group.
 
 The command is stopped before the lease's safe time ends: SIGKILL just before it (100 ms, or
-a twentieth of --duration if less) and SIGTERM --grace earlier, --grace being clamped to a
-third of --duration. Every renewal pushes both back, so they only fire when renewals fail.
+a twentieth of --duration if less) and SIGTERM --grace earlier, --grace being clamped to
+half of (2/3 of --duration - the skew margin): 9.9 s with the defaults. Every renewal pushes
+both back, so they only fire when renewals fail.
 If the store reports the lease lost (taken over, force-released), the command gets SIGTERM at
 once and SIGKILL --grace later. Either way run exits 76. Processes the command leaves in its
 group are killed when it exits, before the lease is released.
@@ -98,7 +100,7 @@ pub struct RunArgs {
     /// Who holds the lease (shown to others) [default: user@hostname]
     #[arg(long, env = "LEASEHOLD_HOLDER")]
     pub holder: Option<String>,
-    /// Time between SIGTERM and SIGKILL when the command must stop (at most a third of --duration)
+    /// Time between SIGTERM and SIGKILL when the command must stop (at most (2/3 --duration - skew margin) / 2)
     #[arg(long, default_value = "10s", value_parser = duration::parse, value_name = "D")]
     pub grace: Duration,
     /// The command and its arguments, after `--`
@@ -109,15 +111,20 @@ pub struct RunArgs {
 /// When the command must be stopped, relative to the holder's safe time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StopPlan {
-    /// SIGTERM to SIGKILL: `--grace`, at most a third of the duration.
+    /// SIGTERM to SIGKILL: `--grace`, at most half of `2/3 duration - skew_margin`.
     pub grace: Duration,
     /// SIGKILL goes this long before the safe time ends.
     pub lead: Duration,
 }
 
 impl StopPlan {
-    pub fn new(grace: Duration, duration: Duration) -> StopPlan {
-        StopPlan { grace: grace.min(duration / 3), lead: Duration::from_millis(100).min(duration / 20) }
+    /// After a renewal sent at `t`, the next is due at `t + d/3` and the safe time ends at
+    /// `t + d - skew`: between the two lie `2d/3 - skew`. The grace takes at most half of it,
+    /// so a renewal (with its retries) always has the other half, less `lead`, to land before
+    /// the SIGTERM, and healthy renewals never stop the command.
+    pub fn new(grace: Duration, duration: Duration, skew_margin: Duration) -> StopPlan {
+        let between = (duration * 2 / 3).saturating_sub(skew_margin);
+        StopPlan { grace: grace.min(between / 2), lead: Duration::from_millis(100).min(duration / 20) }
     }
 }
 
@@ -155,7 +162,7 @@ async fn run(g: &Global, args: RunArgs) -> i32 {
     };
     let lease = held.lease();
     let (fence, expires) = (held.fence(), lease.as_ref().and_then(|l| l.expires_at_ms).unwrap_or(0));
-    let plan = StopPlan::new(args.grace, args.duration);
+    let plan = StopPlan::new(args.grace, args.duration, coord.config().skew_margin);
 
     let foreground = terminal_foreground();
     let mut cmd = tokio::process::Command::new(&args.command[0]);

@@ -74,7 +74,9 @@ fn held_skipped_and_lost(t: &Target) {
         termed.display(),
         started.display()
     ));
-    let mut holder = t.spawn(&run_args("busy", &["--duration", "2s", "--holder", "first"], &first));
+    // 6 s: renewals (every 2 s) have 1.8 s to land before run would stop the command (see
+    // StopPlan), room on a loaded machine.
+    let mut holder = t.spawn(&run_args("busy", &["--duration", "6s", "--holder", "first"], &first));
     eventually(LIMIT, "the first command to start", || started.exists());
 
     let ran = dir.join("ran");
@@ -202,6 +204,16 @@ fn waiting_run_takes_the_key_when_it_frees_and_can_be_interrupted() {
 
 fn still_alive(pids: &[u32]) -> Vec<u32> {
     pids.iter().copied().filter(|p| alive(*p)).collect()
+}
+
+/// The stop timers move with every renewal: a command running for several durations of a
+/// short lease is not stopped while renewals succeed.
+#[test]
+fn renewals_keep_a_long_command_running() {
+    let t = Target::embedded();
+    let out = t.spawn(&run_args("long", &["--duration", "2s"], &sh("sleep 5; exit 4"))).wait(LIMIT);
+    assert_eq!(out.code, 4, "{out:?}");
+    assert!(out.stderr.is_empty(), "{out:?}");
 }
 
 /// The case of the issue: `sh -c 'sleep 300'` force-released leaves nothing behind, neither
