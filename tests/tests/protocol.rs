@@ -812,6 +812,14 @@ async fn keepalive_sweep_renews_every_live_lease(b: Backend) {
         report.renewed as f64 / took.as_secs_f64()
     );
     assert_eq!((report.scanned, report.renewed, report.skipped), (live, live, 0), "{report:?}");
+    // A run given a third of that time stops by its deadline (plus the scheduling delay
+    // measured meanwhile), not after the page it is in, and says it is incomplete.
+    let lag = Lag::start();
+    let deadline = Instant::now() + took / 3;
+    let report = c.keepalive_sweep(None, budget, deadline).await;
+    let over = Instant::now().saturating_duration_since(deadline);
+    assert!(over <= lag.max() + Duration::from_millis(1), "returned {over:?} after its deadline: {report:?}");
+    assert!(!report.complete && report.renewed < live, "{report:?}");
     // Stale entries of the first run are untouched otherwise (free, same fence).
     let s = c.get("a/stale-0").await.unwrap();
     assert!(!s.held && s.keepalive.is_none(), "{s:?}");
