@@ -2,10 +2,24 @@
 //!
 //! The lease is taken with [`leasehold::Coordinator::hold`] and renewed in the background
 //! (every third of its duration). The command gets `LEASEHOLD_KEY`, `LEASEHOLD_FENCE` and
-//! `LEASEHOLD_EXPIRES_AT` (epoch ms, as of the start) in its environment. SIGINT and SIGTERM
-//! are forwarded to it. If the lease is lost while it runs (taken over, force-released, or
-//! renewals failing until the safe time ran out), the command gets SIGTERM, then SIGKILL
-//! after `--grace`. The lease is released when the command exits.
+//! `LEASEHOLD_EXPIRES_AT` (epoch ms, as of the start) in its environment.
+//!
+//! The command runs in its own process group, and every signal `run` sends goes to the whole
+//! group, so a command tree (`make`, `sh -c 'a && b'`) stops as one. When `run` is the
+//! foreground job of a terminal, the terminal is handed to the command's group (Ctrl-C and
+//! keyboard input reach the command directly) and taken back afterwards. SIGINT, SIGTERM,
+//! SIGHUP and SIGQUIT that reach `run` are forwarded to the group.
+//!
+//! Stopping before the safe time ends: with `safe_until` the holder's deadline of the last
+//! renewal (see DESIGN.md, "Clocks"), SIGKILL is scheduled at `safe_until - lead` and
+//! SIGTERM `grace` before it, `grace` being `--grace` clamped to half of what a lease leaves
+//! after one renewal interval, `(2/3 duration - skew_margin) / 2` (9.9 s with the defaults),
+//! and `lead` = min(100 ms, duration / 20). Every renewal moves both; when renewals
+//! fail, the command is stopped before another host can take the key. A loss reported by the
+//! store (taken over, force-released) sends SIGTERM at once and SIGKILL `grace` later (or at
+//! `safe_until - lead`, whichever is first). When the command exits, whatever it left running
+//! in its group is killed before the lease is released, and the group is killed as well when
+//! `run` exits any other way.
 //!
 //! Exit codes:
 //!
@@ -15,7 +29,7 @@
 //! | 128+N | the command was killed by signal N (also when `run` itself is interrupted while waiting) |
 //! | 2     | usage error (bad flag, bad duration, invalid request) |
 //! | 75    | the lease is held: not acquired within `--wait`, or held at once with `--skip-if-held` |
-//! | 76    | the lease was lost while the command ran; the command was stopped |
+//! | 76    | the lease was lost (or about to be) while the command ran; the command was stopped |
 //! | 77    | the store could not be reached |
 //! | 126   | the command could not be executed |
 //! | 127   | the command was not found |
@@ -24,8 +38,8 @@ use std::io::{IsTerminal, Write};
 use std::os::unix::process::ExitStatusExt;
 use std::time::{Duration, Instant};
 
-use leasehold::{AcquireOptions, Coordinator, Error, HeldLease};
-use tokio::signal::unix::{signal, SignalKind};
+use leasehold::{AcquireOptions, Coordinator, Error, HeldLease, HoldState};
+use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use crate::duration::{self, human};
 use crate::output::{failure, now_ms};
@@ -40,15 +54,23 @@ The command's environment gets LEASEHOLD_KEY, LEASEHOLD_FENCE (pass it with ever
 the guarded resource) and LEASEHOLD_EXPIRES_AT (epoch ms, as of the start; renewed in the
 background every third of --duration).
 
-SIGINT and SIGTERM are forwarded to the command (SIGINT only when it did not come from the
-terminal, which already delivered it to the command). If the lease is lost while the
-command runs, the command gets SIGTERM, then SIGKILL after --grace, and run exits 76.
+The command runs in its own process group; every signal goes to the whole group. On a
+terminal, the command's group gets the terminal (Ctrl-C reaches it directly). SIGINT, SIGTERM,
+SIGHUP and SIGQUIT sent to run are forwarded to the group.
+
+The command is stopped before the lease's safe time ends: SIGKILL just before it (100 ms, or
+a twentieth of --duration if less) and SIGTERM --grace earlier, --grace being clamped to
+half of (2/3 of --duration - the skew margin): 9.9 s with the defaults. Every renewal pushes
+both back, so they only fire when renewals fail.
+If the store reports the lease lost (taken over, force-released), the command gets SIGTERM at
+once and SIGKILL --grace later. Either way run exits 76. Processes the command leaves in its
+group are killed when it exits, before the lease is released.
 
 Exit codes:
   N      the command's exit status (128+N if it was killed by signal N)
   2      usage error (bad flag, bad duration, invalid request)
   75     lease held: not acquired within --wait, or held at once with --skip-if-held
-  76     lease lost while the command ran; the command was stopped
+  76     lease lost (or its safe time ending) while the command ran; the command was stopped
   77     store unreachable
   126    command cannot be executed; 127 command not found
   130/143 interrupted (SIGINT/SIGTERM) while waiting for the lease
@@ -78,12 +100,32 @@ pub struct RunArgs {
     /// Who holds the lease (shown to others) [default: user@hostname]
     #[arg(long, env = "LEASEHOLD_HOLDER")]
     pub holder: Option<String>,
-    /// After a lost lease, time between SIGTERM and SIGKILL to the command
+    /// Time between SIGTERM and SIGKILL when the command must stop (at most (2/3 --duration - skew margin) / 2)
     #[arg(long, default_value = "10s", value_parser = duration::parse, value_name = "D")]
     pub grace: Duration,
     /// The command and its arguments, after `--`
     #[arg(last = true, required = true, value_name = "CMD")]
     pub command: Vec<String>,
+}
+
+/// When the command must be stopped, relative to the holder's safe time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StopPlan {
+    /// SIGTERM to SIGKILL: `--grace`, at most half of `2/3 duration - skew_margin`.
+    pub grace: Duration,
+    /// SIGKILL goes this long before the safe time ends.
+    pub lead: Duration,
+}
+
+impl StopPlan {
+    /// After a renewal sent at `t`, the next is due at `t + d/3` and the safe time ends at
+    /// `t + d - skew`: between the two lie `2d/3 - skew`. The grace takes at most half of it,
+    /// so a renewal (with its retries) always has the other half, less `lead`, to land before
+    /// the SIGTERM, and healthy renewals never stop the command.
+    pub fn new(grace: Duration, duration: Duration, skew_margin: Duration) -> StopPlan {
+        let between = (duration * 2 / 3).saturating_sub(skew_margin);
+        StopPlan { grace: grace.min(between / 2), lead: Duration::from_millis(100).min(duration / 20) }
+    }
 }
 
 pub fn main(g: &Global, args: RunArgs) -> i32 {
@@ -112,88 +154,240 @@ async fn run(g: &Global, args: RunArgs) -> i32 {
         Ok(h) => h,
         Err(code) => return code,
     };
+    // From here on a hangup or quit must not end `run` without stopping the command.
+    let (Ok(mut sighup), Ok(mut sigquit)) = (signal(SignalKind::hangup()), signal(SignalKind::quit())) else {
+        eprintln!("leasehold: error: cannot install signal handlers");
+        release(held, &args.key, false).await;
+        return exit::STORE;
+    };
     let lease = held.lease();
     let (fence, expires) = (held.fence(), lease.as_ref().and_then(|l| l.expires_at_ms).unwrap_or(0));
+    let plan = StopPlan::new(args.grace, args.duration, coord.config().skew_margin);
 
+    let foreground = terminal_foreground();
     let mut cmd = tokio::process::Command::new(&args.command[0]);
     cmd.args(&args.command[1..])
         .env("LEASEHOLD_KEY", &args.key)
         .env("LEASEHOLD_FENCE", fence.to_string())
         .env("LEASEHOLD_EXPIRES_AT", expires.to_string())
         .env_remove("LEASEHOLD_LEASE_ID");
+    // SAFETY: the hook only calls async-signal-safe functions (setpgid, sigprocmask,
+    // tcsetpgrp, getpid) between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setpgid(0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if foreground {
+                // Take the terminal before exec, so the command never reads it from the
+                // background (the parent does the same: whichever runs first wins the race).
+                hand_terminal_to(libc::getpid());
+            }
+            Ok(())
+        });
+    }
     let mut child = match cmd.spawn() {
         Ok(c) => c,
         Err(e) => {
             eprintln!("leasehold: error: cannot run {:?}: {e}", args.command[0]);
-            if let Err(e) = held.release().await {
-                eprintln!("leasehold: warning: release of {:?} failed: {e}", args.key);
-            }
+            release(held, &args.key, false).await;
             return if e.kind() == std::io::ErrorKind::NotFound { 127 } else { 126 };
         }
     };
-    let pid = child.id().map(|p| p as libc::pid_t);
-    let send = |sig: libc::c_int| {
-        if let Some(pid) = pid {
-            // SAFETY: plain kill(2) on the child we spawned and have not reaped yet.
-            unsafe { libc::kill(pid, sig) };
-        }
+    let Some(pid) = child.id().map(|p| p as libc::pid_t) else {
+        eprintln!("leasehold: error: the command has no process id");
+        release(held, &args.key, false).await;
+        return exit::STORE;
     };
+    let group = Group::new(pid, foreground);
 
-    let mut lost = None;
-    let status = {
-        let lost_fut = held.lost();
-        tokio::pin!(lost_fut);
-        let mut kill_at: Option<Instant> = None;
-        loop {
-            let kill_deadline = kill_at.unwrap_or_else(Instant::now);
-            tokio::select! {
-                st = child.wait() => break st,
-                _ = sigint.recv() => {
-                    if !terminal_delivered_sigint() {
-                        send(libc::SIGINT);
-                    }
-                }
-                _ = sigterm.recv() => send(libc::SIGTERM),
-                l = &mut lost_fut, if lost.is_none() => {
-                    eprintln!(
-                        "leasehold: {l} on {:?}; stopping the command (SIGTERM, then SIGKILL after {})",
-                        args.key,
-                        human(args.grace)
-                    );
-                    send(libc::SIGTERM);
-                    lost = Some(l);
-                    kill_at = Some(Instant::now() + args.grace);
-                }
-                _ = tokio::time::sleep_until(kill_deadline.into()), if kill_at.is_some() => {
-                    eprintln!("leasehold: the command did not stop within {}; sending SIGKILL", human(args.grace));
-                    send(libc::SIGKILL);
-                    kill_at = None;
-                }
-            }
-        }
-    };
-    let code = match &status {
+    let outcome =
+        supervise(&mut child, &group, &held, &args, plan, [&mut sigint, &mut sigterm, &mut sighup, &mut sigquit]).await;
+    // Nothing of the command may outlive it while `run` still holds the lease, nor after.
+    group.kill_rest(Instant::now() + Duration::from_secs(2)).await;
+    drop(group);
+    let code = match &outcome.status {
         Ok(st) => st.code().unwrap_or_else(|| 128 + st.signal().unwrap_or(0)),
         Err(e) => {
             eprintln!("leasehold: error: waiting for the command failed: {e}");
             exit::STORE
         }
     };
-    if lost.is_some() {
-        drop(held);
-        return exit::LOST;
+    release(held, &args.key, outcome.stopped).await;
+    if outcome.stopped {
+        exit::LOST
+    } else {
+        code
     }
-    if let Err(e) = held.release().await {
-        eprintln!("leasehold: warning: release of {:?} failed: {e}", args.key);
-    }
-    code
 }
 
-/// True when this process is in the foreground process group of the terminal on stdin: a
-/// SIGINT then came from the keyboard and reached the command already.
-fn terminal_delivered_sigint() -> bool {
+/// Releases the lease; after a loss the release only frees what a late renewal may still
+/// hold (it is conditional on the lease_id), so its refusal is expected and not reported.
+async fn release(held: HeldLease, key: &str, lost: bool) {
+    match held.release().await {
+        Ok(_) => {}
+        Err(Error::NotHolder { .. }) if lost => {}
+        Err(e) => eprintln!("leasehold: warning: release of {key:?} failed: {e}"),
+    }
+}
+
+struct Outcome {
+    status: std::io::Result<std::process::ExitStatus>,
+    /// The command was stopped because the lease was lost or its safe time was ending.
+    stopped: bool,
+}
+
+/// Waits for the command, forwarding signals and stopping it when the lease is lost or its
+/// safe time is about to end.
+async fn supervise(
+    child: &mut tokio::process::Child,
+    group: &Group,
+    held: &HeldLease,
+    args: &RunArgs,
+    plan: StopPlan,
+    signals: [&mut Signal; 4],
+) -> Outcome {
+    let [sigint, sigterm, sighup, sigquit] = signals;
+    let mut state = held.watch();
+    let mut safe_until = held.safe_until();
+    let mut renewals_open = true;
+    // Set once the command was told to stop: when, and the latest time for SIGKILL.
+    let mut termed: Option<Instant> = None;
+    let mut killed = false;
+    let far = || Instant::now() + Duration::from_secs(86_400 * 365);
+    loop {
+        let kill_at = {
+            let by_safe = safe_until.map(|s| s.checked_sub(plan.lead).unwrap_or(s));
+            let by_term = termed.map(|t| t + plan.grace);
+            match (by_safe, by_term) {
+                (Some(a), Some(b)) => a.min(b),
+                (a, b) => a.or(b).unwrap_or_else(far),
+            }
+        };
+        let term_at = kill_at.checked_sub(plan.grace).unwrap_or(kill_at);
+        tokio::select! {
+            st = child.wait() => return Outcome { status: st, stopped: termed.is_some() },
+            _ = sigint.recv() => group.signal(libc::SIGINT),
+            _ = sigterm.recv() => group.signal(libc::SIGTERM),
+            _ = sighup.recv() => group.signal(libc::SIGHUP),
+            _ = sigquit.recv() => group.signal(libc::SIGQUIT),
+            changed = state.changed(), if renewals_open && termed.is_none() => {
+                if changed.is_err() {
+                    // The renewal task ended: the last safe time stands.
+                    renewals_open = false;
+                    continue;
+                }
+                let now_state = state.borrow_and_update().clone();
+                match now_state {
+                    HoldState::Held(l) => safe_until = l.safe_until,
+                    HoldState::Lost(l) => {
+                        eprintln!(
+                            "leasehold: {l} on {:?}; stopping the command (SIGTERM, then SIGKILL after {})",
+                            args.key,
+                            human(plan.grace)
+                        );
+                        group.signal(libc::SIGTERM);
+                        termed = Some(Instant::now());
+                    }
+                }
+            }
+            _ = tokio::time::sleep_until(term_at.into()), if termed.is_none() => {
+                eprintln!(
+                    "leasehold: lease lost: no renewal of {:?} within its safe time, which ends in {}; stopping the command (SIGTERM, then SIGKILL after {})",
+                    args.key,
+                    human(safe_until.map(|s| s.saturating_duration_since(Instant::now())).unwrap_or_default()),
+                    human(plan.grace)
+                );
+                group.signal(libc::SIGTERM);
+                termed = Some(Instant::now());
+            }
+            _ = tokio::time::sleep_until(kill_at.into()), if termed.is_some() && !killed => {
+                eprintln!("leasehold: the command did not stop in time; sending SIGKILL to its process group");
+                group.signal(libc::SIGKILL);
+                killed = true;
+            }
+        }
+    }
+}
+
+/// The command's process group. Dropped, it kills whatever is left of the group and gives the
+/// terminal back to `run`'s own group.
+struct Group {
+    pgid: libc::pid_t,
+    foreground: bool,
+}
+
+impl Group {
+    fn new(pid: libc::pid_t, foreground: bool) -> Group {
+        // SAFETY: plain libc calls on the child we spawned. setpgid may fail with EACCES once
+        // the child has exec'd: it already did the same itself.
+        unsafe {
+            libc::setpgid(pid, pid);
+            if foreground {
+                // `run` is in the background from now on: writing to (or taking back) the
+                // terminal must not stop it.
+                libc::signal(libc::SIGTTOU, libc::SIG_IGN);
+                libc::tcsetpgrp(0, pid);
+            }
+        }
+        Group { pgid: pid, foreground }
+    }
+
+    fn signal(&self, sig: libc::c_int) {
+        // SAFETY: kill(2) on the negative process group id: every process of the group.
+        unsafe { libc::kill(-self.pgid, sig) };
+    }
+
+    /// True while some process of the group exists (zombies included).
+    fn exists(&self) -> bool {
+        // SAFETY: signal 0 only checks for existence.
+        unsafe { libc::kill(-self.pgid, 0) == 0 }
+    }
+
+    /// SIGKILL to whatever is left of the group; waits (at most until `until`) for it to go.
+    async fn kill_rest(&self, until: Instant) {
+        if !self.exists() {
+            return;
+        }
+        self.signal(libc::SIGKILL);
+        while self.exists() && Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        if self.exists() {
+            self.signal(libc::SIGKILL);
+        }
+        if self.foreground {
+            // SAFETY: give the terminal back to our own group (SIGTTOU is ignored).
+            unsafe { libc::tcsetpgrp(0, libc::getpgrp()) };
+        }
+    }
+}
+
+/// True when stdin is a terminal and `run` is in its foreground process group: the command's
+/// group is then given the terminal, and Ctrl-C reaches it without `run`.
+fn terminal_foreground() -> bool {
     // SAFETY: plain libc queries on fd 0 and on this process.
     unsafe { libc::isatty(0) == 1 && libc::tcgetpgrp(0) == libc::getpgrp() }
+}
+
+/// In the child between fork and exec: make its (new) group the terminal's foreground group.
+/// A background group calling tcsetpgrp gets SIGTTOU, so it is blocked around the call.
+fn hand_terminal_to(pgid: libc::pid_t) {
+    // SAFETY: async-signal-safe calls only; the mask is restored before returning.
+    unsafe {
+        let mut block: libc::sigset_t = std::mem::zeroed();
+        let mut old: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut block);
+        libc::sigaddset(&mut block, libc::SIGTTOU);
+        libc::sigprocmask(libc::SIG_BLOCK, &block, &mut old);
+        libc::tcsetpgrp(0, pgid);
+        libc::sigprocmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
+    }
 }
 
 async fn acquire(

@@ -40,6 +40,10 @@ pub enum HoldState {
 
 /// A lease held by this process and renewed in the background (every third of its duration).
 /// Dropping it releases the lease in the background; [`HeldLease::release`] does so and waits.
+/// Both also release after a loss: a renewal sent before the loss may have landed late and
+/// extended the lease (the release is conditional on the lease_id, so it cannot free a lease
+/// somebody else took over). When renewals fail until the safe time ends, the renewal task
+/// itself sends that release at once.
 pub struct HeldLease {
     coord: Coordinator,
     key: String,
@@ -112,6 +116,7 @@ async fn renew_loop(
             Some(Err(e)) if e.is_transient() || Instant::now() >= safe_until => {
                 tracing::warn!(key = %lease.key, fence = lease.fence, error = e.name(), "renewals failed until safe time");
                 let _ = tx.send(HoldState::Lost(Lost::SafeTimeExpired));
+                release_after_loss(&coord, &lease).await;
                 return;
             }
             Some(Err(e)) => {
@@ -121,9 +126,21 @@ async fn renew_loop(
             None => {
                 tracing::warn!(key = %lease.key, fence = lease.fence, "renewal did not finish before safe time");
                 let _ = tx.send(HoldState::Lost(Lost::SafeTimeExpired));
+                release_after_loss(&coord, &lease).await;
                 return;
             }
         }
+    }
+}
+
+/// After the safe time ran out without a renewal, a heartbeat still in flight may land and
+/// extend the lease, blocking the key for another duration while this holder has already
+/// stopped. The release is conditional on the lease_id: it frees what a late heartbeat
+/// extended and changes nothing if the lease was taken over (`NotHolder`).
+async fn release_after_loss(coord: &Coordinator, lease: &Lease) {
+    match coord.release(&lease.key, &lease.lease_id).await {
+        Ok(_) => tracing::info!(key = %lease.key, fence = lease.fence, "released after the loss"),
+        Err(e) => tracing::debug!(key = %lease.key, error = e.name(), "release after the loss"),
     }
 }
 
@@ -216,7 +233,7 @@ impl Drop for HeldLease {
         if let Some(t) = self.task.take() {
             t.abort();
         }
-        if self.released || self.is_lost() {
+        if self.released {
             return;
         }
         if let Ok(handle) = tokio::runtime::Handle::try_current() {

@@ -37,10 +37,12 @@ pub struct SweepReport {
     pub released: u32,
     /// Found in the index but expired, released or past its keep-alive deadline.
     pub skipped: u32,
+    /// Of the skipped, how many had their keep-alive attributes removed (they leave the index).
+    pub cleared: u32,
     /// Changed under the sweep (released or taken over in between): left alone.
     pub raced: u32,
     pub errors: u32,
-    /// False when the item or time budget ran out before every shard was read.
+    /// False when the lease budget or the time ran out before every shard was read.
     pub complete: bool,
 }
 
@@ -48,18 +50,29 @@ pub struct SweepReport {
 const CONCURRENCY: usize = 16;
 const PAGE: u32 = 50;
 
+/// Where consecutive sweeps of this process start (each run starts one shard further on, from
+/// a point set by the clock, so that fresh processes do not all start at shard 0).
+static NEXT_START: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(u32::MAX);
+
 enum Outcome {
     Renewed,
     Released,
-    Skipped,
+    Skipped { cleared: bool },
     Raced,
     Error,
 }
 
 impl Coordinator {
-    /// One keep-alive pass over the sparse index, reading at most `max_items` leases and
-    /// stopping at `deadline`. Safe to run concurrently with itself: every write is
-    /// conditional on the lease_id read from the index.
+    /// One keep-alive pass over the sparse index, handling at most `max_items` live leases
+    /// and stopping before `deadline`. Safe to run concurrently with itself: every write is
+    /// conditional on what was read from the index.
+    ///
+    /// Shards are read interleaved, one page of each in turn, starting at a shard that rotates
+    /// from run to run, so a run cut short by its budget shares it among the shards. Entries
+    /// that are no longer live (expired, or past their keep-alive deadline) do not count
+    /// against `max_items` and leave the index (a conditional `ClearKeepalive`), so they cost
+    /// one read and one write once, not every run. A page is not started unless the longest
+    /// page so far still fits before `deadline`, and every request is cut at `deadline`.
     pub async fn keepalive_sweep(
         &self,
         executions: Option<Arc<dyn Executions>>,
@@ -67,48 +80,74 @@ impl Coordinator {
         deadline: Instant,
     ) -> SweepReport {
         let mut report = SweepReport { complete: true, ..Default::default() };
-        for shard in 0..KEEPALIVE_SHARDS {
-            let mut start: Option<String> = None;
-            loop {
-                if Instant::now() >= deadline || report.scanned >= max_items {
+        let shards = KEEPALIVE_SHARDS;
+        let _ = NEXT_START.compare_exchange(
+            u32::MAX,
+            (self.now_ms() / 1000) as u32 % shards,
+            std::sync::atomic::Ordering::Relaxed,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        let first = NEXT_START.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % shards;
+        // Per shard: where to continue, or None once the shard is done.
+        let mut cursors: Vec<(u32, Option<Option<String>>)> =
+            (0..shards).map(|i| ((first + i) % shards, Some(None))).collect();
+        let mut handled: u32 = 0;
+        let mut longest_page = std::time::Duration::ZERO;
+        while cursors.iter().any(|(_, c)| c.is_some()) {
+            for (shard, cursor) in cursors.iter_mut() {
+                let Some(start) = cursor.clone() else { continue };
+                let began = Instant::now();
+                if handled >= max_items || began + longest_page >= deadline {
                     report.complete = false;
                     return report;
                 }
-                let limit = PAGE.min(max_items - report.scanned);
-                let page = match self
-                    .store()
-                    .scan(&ScanKind::Keepalive { shard, after_ms: self.now_ms() }, start.as_deref(), limit)
-                    .await
-                {
-                    Ok(p) => p,
-                    Err(e) => {
-                        tracing::warn!(shard, error = e.name(), "keep-alive scan failed");
-                        report.errors += 1;
-                        report.complete = false;
-                        break;
-                    }
-                };
+                let limit = PAGE.min(max_items - handled);
+                let kind = ScanKind::Keepalive { shard: *shard, after_ms: self.now_ms() };
+                let page =
+                    match tokio::time::timeout_at(deadline.into(), self.store().scan(&kind, start.as_deref(), limit))
+                        .await
+                    {
+                        Ok(Ok(p)) => p,
+                        Ok(Err(e)) => {
+                            tracing::warn!(shard = *shard, error = e.name(), "keep-alive scan failed");
+                            report.errors += 1;
+                            report.complete = false;
+                            *cursor = None;
+                            continue;
+                        }
+                        Err(_) => {
+                            report.complete = false;
+                            return report;
+                        }
+                    };
                 report.scanned += page.items.len() as u32;
                 for chunk in page.items.chunks(CONCURRENCY) {
                     let mut set = tokio::task::JoinSet::new();
                     for rec in chunk.iter().cloned() {
                         let (c, ex) = (self.clone(), executions.clone());
-                        set.spawn(async move { c.keep_one(rec, ex).await });
+                        set.spawn(async move {
+                            tokio::time::timeout_at(deadline.into(), c.keep_one(rec, ex))
+                                .await
+                                .unwrap_or(Outcome::Error)
+                        });
                     }
                     while let Some(r) = set.join_next().await {
                         match r.unwrap_or(Outcome::Error) {
                             Outcome::Renewed => report.renewed += 1,
                             Outcome::Released => report.released += 1,
-                            Outcome::Skipped => report.skipped += 1,
+                            Outcome::Skipped { cleared } => {
+                                report.skipped += 1;
+                                report.cleared += cleared as u32;
+                                continue;
+                            }
                             Outcome::Raced => report.raced += 1,
                             Outcome::Error => report.errors += 1,
                         }
+                        handled += 1;
                     }
                 }
-                match page.next {
-                    Some(n) => start = Some(n),
-                    None => break,
-                }
+                longest_page = longest_page.max(began.elapsed());
+                *cursor = page.next.map(Some);
             }
         }
         report
@@ -116,9 +155,9 @@ impl Coordinator {
 
     async fn keep_one(&self, rec: Record, executions: Option<Arc<dyn Executions>>) -> Outcome {
         let now = self.now_ms();
-        let Some(ka) = rec.keepalive.clone() else { return Outcome::Skipped };
+        let Some(ka) = rec.keepalive.clone() else { return Outcome::Skipped { cleared: false } };
         if !rec.is_live_for(&rec.lease_id, now) || ka.until_ms <= now || rec.duration_ms.is_none() {
-            return Outcome::Skipped;
+            return Outcome::Skipped { cleared: self.clear_keepalive(&rec).await };
         }
         let state = match (&ka.execution_arn, &executions) {
             (Some(arn), Some(ex)) => ex.state(arn).await,
@@ -150,6 +189,21 @@ impl Coordinator {
             Err(e) => {
                 tracing::warn!(key = %rec.key, error = e.name(), "keep-alive write failed");
                 Outcome::Error
+            }
+        }
+    }
+
+    /// Takes a lease that can no longer be kept alive (expired, released, past its keep-alive
+    /// deadline, or without a duration) out of the index. The condition is the grant's fence:
+    /// a grant that stopped being live never becomes live again, and a newer grant on the key
+    /// has a higher fence, so its keep-alive is never touched.
+    async fn clear_keepalive(&self, rec: &Record) -> bool {
+        match self.store().update(&rec.key, &Condition::FenceIs(rec.fence), &Mutation::ClearKeepalive).await {
+            Ok(Write::Applied(_)) => true,
+            Ok(Write::Rejected(_)) => false,
+            Err(e) => {
+                tracing::warn!(key = %rec.key, error = e.name(), "keep-alive clear failed");
+                false
             }
         }
     }

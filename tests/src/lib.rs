@@ -429,6 +429,75 @@ impl Store for Faulty {
     }
 }
 
+/// Holds back the next heartbeat (an `Extend` write) until [`Gated::open`] is called, then
+/// applies it: a request that was sent, then sat in the network while its sender gave up on
+/// it, and lands later. The write runs in its own task, so a caller dropping its future (a
+/// timeout) does not stop it from landing, as with a real request already on the wire.
+pub struct Gated {
+    pub inner: Arc<dyn Store>,
+    armed: std::sync::atomic::AtomicBool,
+    gate: Arc<tokio::sync::Notify>,
+    /// The held-back write's outcome, once it landed.
+    pub landed: tokio::sync::watch::Sender<Option<Write>>,
+}
+
+impl Gated {
+    pub fn new(inner: Arc<dyn Store>) -> Arc<Gated> {
+        Arc::new(Gated {
+            inner,
+            armed: std::sync::atomic::AtomicBool::new(false),
+            gate: Arc::new(tokio::sync::Notify::new()),
+            landed: tokio::sync::watch::channel(None).0,
+        })
+    }
+    /// Hold back the next heartbeat.
+    pub fn arm(&self) {
+        self.armed.store(true, Ordering::SeqCst);
+    }
+    /// Let the held-back heartbeat land.
+    pub fn open(&self) {
+        self.gate.notify_one();
+    }
+    /// Waits until the held-back heartbeat landed; its outcome.
+    pub async fn wait_landed(&self) -> Write {
+        let mut rx = self.landed.subscribe();
+        let w = rx.wait_for(|w| w.is_some()).await.expect("gated store alive");
+        w.clone().expect("landed")
+    }
+}
+
+#[async_trait]
+impl Store for Gated {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    async fn get(&self, key: &str) -> Result<Option<Record>> {
+        self.inner.get(key).await
+    }
+    async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> Result<Write> {
+        if !matches!(m, Mutation::Extend { .. }) || !self.armed.swap(false, Ordering::SeqCst) {
+            return self.inner.update(key, c, m).await;
+        }
+        let (inner, gate, landed) = (self.inner.clone(), self.gate.clone(), self.landed.clone());
+        let (key, c, m) = (key.to_string(), c.clone(), m.clone());
+        let task = tokio::spawn(async move {
+            gate.notified().await;
+            let r = inner.update(&key, &c, &m).await;
+            if let Ok(w) = &r {
+                landed.send_replace(Some(w.clone()));
+            }
+            r
+        });
+        task.await.unwrap_or_else(|e| Err(Error::StoreUnavailable(format!("gated write: {e}"))))
+    }
+    async fn delete(&self, key: &str, c: &Condition) -> Result<Write> {
+        self.inner.delete(key, c).await
+    }
+    async fn scan(&self, k: &ScanKind, s: Option<&str>, l: u32) -> Result<Page> {
+        self.inner.scan(k, s, l).await
+    }
+}
+
 /// Counts holds that overlap: a worker calls `enter` when it starts working under a lease and
 /// `leave` when it stops; `overlaps` is how many holds started while another was running.
 #[derive(Default)]

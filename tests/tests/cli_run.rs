@@ -1,13 +1,16 @@
 //! `leasehold run`, end to end: the command's environment and exit status, mutual exclusion
-//! between racing runs, --skip-if-held / --wait, a lost lease stopping the command, and
-//! signal forwarding. On the embedded store and on DynamoDB Local.
+//! between racing runs, --skip-if-held / --wait, a lost lease stopping the whole command tree
+//! (before another host can take the key when renewals fail), signal forwarding to the
+//! command's process group, and a terminal's Ctrl-C and input reaching the command. On the
+//! embedded store and on DynamoDB Local.
 
 mod cli_support;
 
 use std::path::Path;
 use std::time::Duration;
 
-use cli_support::{eventually, Target};
+use cli_support::{alive, clean_command, descendants, dynamo_env, eventually, pids_in, spawn, Target};
+use leasehold_tests::{dynamo_local, proxied_table, proxy::ProxyFault, TempDir};
 
 const LIMIT: Duration = Duration::from_secs(60);
 
@@ -71,7 +74,9 @@ fn held_skipped_and_lost(t: &Target) {
         termed.display(),
         started.display()
     ));
-    let mut holder = t.spawn(&run_args("busy", &["--duration", "2s", "--holder", "first"], &first));
+    // 6 s: renewals (every 2 s) have 1.8 s to land before run would stop the command (see
+    // StopPlan), room on a loaded machine.
+    let mut holder = t.spawn(&run_args("busy", &["--duration", "6s", "--holder", "first"], &first));
     eventually(LIMIT, "the first command to start", || started.exists());
 
     let ran = dir.join("ran");
@@ -195,4 +200,189 @@ fn waiting_run_takes_the_key_when_it_frees_and_can_be_interrupted() {
     assert_eq!(out.code, 143, "{out:?}");
     assert!(!never.exists());
     assert_eq!(t.run(&["get", "forever", "--json"]).ok().json()["holder"], "other");
+}
+
+fn still_alive(pids: &[u32]) -> Vec<u32> {
+    pids.iter().copied().filter(|p| alive(*p)).collect()
+}
+
+/// The stop timers move with every renewal: a command running for several durations of a
+/// short lease is not stopped while renewals succeed.
+#[test]
+fn renewals_keep_a_long_command_running() {
+    let t = Target::embedded();
+    let out = t.spawn(&run_args("long", &["--duration", "2s"], &sh("sleep 5; exit 4"))).wait(LIMIT);
+    assert_eq!(out.code, 4, "{out:?}");
+    assert!(out.stderr.is_empty(), "{out:?}");
+}
+
+/// The case of the issue: `sh -c 'sleep 300'` force-released leaves nothing behind, neither
+/// the shell nor the `sleep` below it (dash runs it as a child or execs it: both are
+/// covered by collecting every descendant of `run` while it runs).
+#[test]
+fn force_release_leaves_no_process_of_the_command_tree() {
+    let t = Target::embedded();
+    for script in ["sleep 300", "sleep 300; :", "sleep 300 & sh -c 'sleep 301; :' & wait"] {
+        let mut run = t.spawn(&run_args("tree", &["--duration", "30s", "--grace", "2s"], &sh(script)));
+        let pid = run.pid();
+        let mut tree = Vec::new();
+        eventually(LIMIT, "the command's sleep to start", || {
+            tree = descendants(pid);
+            let sleeps = tree.iter().filter(|p| read(Path::new(&format!("/proc/{p}/comm"))).trim() == "sleep").count();
+            sleeps == if script.contains("301") { 2 } else { 1 }
+        });
+        t.run(&["force-release", "tree"]).ok();
+        let out = run.wait(LIMIT);
+        assert_eq!(out.code, 76, "{script}: {out:?}");
+        assert_eq!(still_alive(&tree), Vec::<u32>::new(), "{script}: processes left behind ({tree:?}); {out:?}");
+    }
+}
+
+/// A command that exits normally leaves no background process running without the lease:
+/// the rest of its group is killed before the lease is released.
+#[test]
+fn background_processes_do_not_outlive_the_command() {
+    let t = Target::embedded();
+    let pidfile = t.dir.path().join("bg");
+    let cmd = sh(&format!("sleep 300 & echo $! > '{}'; exit 3", pidfile.display()));
+    t.spawn(&run_args("bg", &["--duration", "30s"], &cmd)).wait(LIMIT).code(3);
+    let pids = pids_in(&pidfile);
+    assert_eq!(pids.len(), 1, "{pids:?}");
+    assert_eq!(still_alive(&pids), Vec::<u32>::new(), "the background sleep outlived the command");
+    assert_eq!(t.run(&["get", "bg", "--json"]).ok().json()["held"], false);
+}
+
+/// SIGTERM sent to `run` reaches every process of the command's group, not only the shell.
+#[test]
+fn forwarded_sigterm_reaches_the_whole_group() {
+    let t = Target::embedded();
+    let pidfile = t.dir.path().join("pids");
+    let cmd = sh(&format!("sleep 300 & echo $! > '{}'; wait", pidfile.display()));
+    let mut run = t.spawn(&run_args("grp", &["--duration", "30s"], &cmd));
+    eventually(LIMIT, "the command to start", || pids_in(&pidfile).len() == 1);
+    let pids = [pids_in(&pidfile), descendants(run.pid())].concat();
+    run.signal("TERM");
+    let out = run.wait(LIMIT);
+    assert_eq!(out.code, 143, "{out:?}");
+    assert_eq!(still_alive(&pids), Vec::<u32>::new(), "{out:?}");
+}
+
+/// Renewals stall (every request of the run goes through a proxy that holds it): the run must
+/// have killed the whole command tree, which ignores SIGTERM, before another host can acquire
+/// the key. Ordering, not wall-clock slack: a second run, talking to DynamoDB Local directly,
+/// gets the key only once the lease has expired, and its command checks then that no process
+/// of the first command is left.
+#[test]
+fn stalled_renewals_stop_the_command_tree_before_the_lease_expires() {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let (proxy, table, _) = rt.block_on(proxied_table());
+    let local = dynamo_local();
+    let dir = TempDir::new("cli-stall");
+    let pidfile = dir.path().join("pids");
+    let verdict = dir.path().join("verdict");
+    // Both the shell and everything below it ignore SIGTERM: only SIGKILL stops them.
+    let script = format!(
+        "trap '' TERM; echo $$ > '{p}'; sleep 300 & echo $! >> '{p}'; sh -c 'while :; do sleep 0.05; done' & echo $! >> '{p}'; wait",
+        p = pidfile.display()
+    );
+    let mut first = clean_command();
+    first.args(["--table", &table]).args(run_args("stall", &["--duration", "3s", "--grace", "10s"], &sh(&script)));
+    first.envs(dynamo_env(&proxy.endpoint()));
+    let mut first = spawn(first);
+    eventually(LIMIT, "the first command to start", || pids_in(&pidfile).len() == 3);
+    // From now on every request of the first run hangs in the proxy.
+    proxy.inject(&[ProxyFault::Stall(Duration::from_secs(120)); 1000]);
+
+    let check = format!(
+        "for p in $(cat '{p}'); do s=$(sed 's/.*) //' /proc/$p/stat 2>/dev/null | cut -d' ' -f1); \
+         [ -n \"$s\" ] && [ \"$s\" != Z ] && echo \"$p $s\"; done > '{v}'; touch '{v}.done'",
+        p = pidfile.display(),
+        v = verdict.display()
+    );
+    let mut second = clean_command();
+    second.args(["--table", &table]).args(run_args("stall", &["--wait", "60s", "--holder", "second"], &sh(&check)));
+    second.envs(dynamo_env(&local.endpoint));
+    let out2 = spawn(second).wait(LIMIT);
+    assert_eq!(out2.code, 0, "{out2:?}");
+    assert!(Path::new(&format!("{}.done", verdict.display())).exists());
+    let out1 = first.wait(LIMIT);
+    assert_eq!(
+        read(&verdict),
+        "",
+        "processes of the first command were alive when the second run got the key; first run: {out1:?}"
+    );
+    assert_eq!(out1.code, 76, "{out1:?}");
+    assert!(out1.stderr.contains("SIGKILL"), "{out1:?}");
+    drop(proxy);
+}
+
+/// On a terminal the command's group gets the terminal: it reads keyboard input (a background
+/// group would be stopped by SIGTTIN), Ctrl-C reaches it (and not `run`), and what the command
+/// left in its group is killed when it exits. Driven through a pseudo-terminal.
+#[test]
+fn terminal_input_and_ctrl_c_reach_the_command() {
+    let t = Target::embedded();
+    let d = t.dir.path();
+    let (pidfile, got, intr, ready) = (d.join("pid"), d.join("got"), d.join("int"), d.join("ready"));
+    let script = format!(
+        "trap 'echo int > \"{intr}\"; exit 6' INT; sleep 300 & echo $! > '{pid}'; read x; echo \"$x\" > '{got}'; \
+         touch '{ready}'; while :; do sleep 0.05; done",
+        intr = intr.display(),
+        pid = pidfile.display(),
+        got = got.display(),
+        ready = ready.display()
+    );
+    let driver = r#"
+import os, pty, select, sys, time
+bin, db, script, pidfile, ready = sys.argv[1:6]
+pid, fd = pty.fork()
+if pid == 0:
+    os.execv(bin, [bin, "--db", db, "run", "tty", "--duration", "30s", "--", "sh", "-c", script])
+deadline = time.time() + 60
+out = b""
+def pump():
+    global out
+    r, _, _ = select.select([fd], [], [], 0.02)
+    if r:
+        try:
+            out += os.read(fd, 4096)
+        except OSError:
+            pass
+def wait_for(path):
+    while not os.path.exists(path):
+        if time.time() > deadline:
+            sys.exit("timed out waiting for " + path + ": " + out.decode(errors="replace"))
+        pump()
+wait_for(pidfile)
+os.write(fd, b"hello\n")
+wait_for(ready)
+os.write(fd, b"\x03")
+while True:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+    if time.time() > deadline:
+        sys.exit("run did not exit: " + out.decode(errors="replace"))
+    pump()
+sys.stderr.write(out.decode(errors="replace"))
+print(os.waitstatus_to_exitcode(status))
+"#;
+    let db = d.join("leases.db");
+    let bin = cli_support::bin();
+    let out = std::process::Command::new("python3")
+        .args(["-c", driver])
+        .arg(&bin)
+        .arg(&db)
+        .arg(&script)
+        .arg(&pidfile)
+        .arg(&ready)
+        .output()
+        .expect("python3");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(stdout.trim(), "6", "run's exit status; terminal output: {stderr}");
+    assert_eq!(read(&got).trim(), "hello", "the command read the terminal");
+    assert_eq!(read(&intr).trim(), "int", "Ctrl-C reached the command");
+    let pids = pids_in(&pidfile);
+    assert_eq!(still_alive(&pids), Vec::<u32>::new(), "the background sleep outlived the command");
 }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use leasehold::store::{Condition, Write};
 use leasehold::{AcquireOptions, Coordinator, Error, Keepalive, LeaseId, Lost, NotHolderReason};
-use leasehold_tests::{test_config, Backend, Counting, Fault, Faulty, GuardedResource, Holds};
+use leasehold_tests::{test_config, Backend, Counting, Fault, Faulty, Gated, GuardedResource, Holds};
 use serde_json::json;
 
 macro_rules! both_backends {
@@ -43,7 +43,9 @@ both_backends!(
     waiters_share_a_contended_key_evenly,
     crash_handover_within_bound,
     held_lease_renews_and_notices_loss,
+    late_heartbeat_does_not_keep_a_lost_lease,
     keepalive_and_metadata_round_trip,
+    keepalive_sweep_renews_every_live_lease,
     two_handles_on_one_store,
 );
 
@@ -53,6 +55,54 @@ fn secs(s: u64) -> Option<Duration> {
 
 fn ms(m: u64) -> Option<Duration> {
     Some(Duration::from_millis(m))
+}
+
+/// The scheduling delay this runtime suffers while a timing check runs: a task sleeping 1 ms
+/// over and over records the largest overshoot. A deadline the code promises to meet can be
+/// met no sooner than its timer fires plus this delay, so the checks below add exactly it
+/// instead of a fixed slack that only a quiet machine keeps.
+struct Lag {
+    max_us: Arc<std::sync::atomic::AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Lag {
+    fn start() -> Lag {
+        let max_us = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let m = max_us.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let t = Instant::now();
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                let over = t.elapsed().saturating_sub(Duration::from_millis(1));
+                m.fetch_max(over.as_micros() as u64, Ordering::Relaxed);
+            }
+        });
+        Lag { max_us, task }
+    }
+
+    fn max(&self) -> Duration {
+        Duration::from_micros(self.max_us.load(Ordering::Relaxed))
+    }
+}
+
+impl Drop for Lag {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The longest of a few refused acquires (one request each) on a held key: what one attempt
+/// costs on this machine right now.
+async fn attempt_time(c: &Coordinator, held_key: &str) -> Duration {
+    let mut worst = Duration::ZERO;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let r = c.acquire(held_key, "probe", secs(1), AcquireOptions::default()).await;
+        assert!(matches!(r, Err(Error::LeaseHeld { .. })), "{r:?}");
+        worst = worst.max(t.elapsed());
+    }
+    worst
 }
 
 async fn acquire_get_release(b: Backend) {
@@ -373,26 +423,45 @@ async fn fail_closed_lease(b: Backend) {
 }
 
 async fn wait_for_release(b: Backend) {
-    let c = b.coordinator(test_config());
+    let cfg = test_config();
+    let poll_max = cfg.poll_max;
+    let c = b.coordinator(cfg);
+    let lag = Lag::start();
     let l = c.acquire("wr", "a", secs(30), AcquireOptions::default()).await.unwrap();
+    let attempt = attempt_time(&c, "wr").await;
     let c2 = c.clone();
     let waiter = tokio::spawn(async move {
         let t = Instant::now();
         let r = c2.acquire("wr", "b", secs(30), AcquireOptions { wait: secs(10), ..Default::default() }).await;
-        (r, t.elapsed())
+        (r, t.elapsed(), Instant::now())
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
     c.release("wr", &l.lease_id).await.unwrap();
-    let (r, waited) = waiter.await.unwrap();
+    let released = Instant::now();
+    let (r, waited, got_at) = waiter.await.unwrap();
     let got = r.unwrap();
     assert_eq!(got.holder, "b");
     assert!(got.fence > l.fence, "{} after {}", got.fence, l.fence);
-    assert!(waited >= Duration::from_millis(300) && waited < Duration::from_secs(3), "{waited:?}");
-    // A wait that runs out reports LeaseHeld.
+    assert!(waited >= Duration::from_millis(300), "{waited:?}");
+    // A waiter polling a key whose lease does not change sleeps at most 1.5 x poll_max
+    // between tries (DESIGN.md, "Contention"): after the release it tries within that, and
+    // the try costs one attempt; plus the scheduling delay measured meanwhile.
+    let after = got_at.saturating_duration_since(released);
+    let bound = poll_max.mul_f64(1.5) + 2 * attempt + lag.max();
+    assert!(
+        after <= bound,
+        "took the key {after:?} after the release, bound {bound:?} (attempt {attempt:?}, lag {:?})",
+        lag.max()
+    );
+    // A wait that runs out reports LeaseHeld, never before its end and at most one attempt
+    // (plus the scheduling delay) after it.
+    let attempt = attempt_time(&c, "wr").await;
     let t = Instant::now();
     let r = c.acquire("wr", "c", secs(30), AcquireOptions { wait: ms(400), ..Default::default() }).await;
+    let took = t.elapsed();
     assert!(matches!(r, Err(Error::LeaseHeld { .. })), "{r:?}");
-    assert!(t.elapsed() >= Duration::from_millis(400) && t.elapsed() < Duration::from_secs(3));
+    let bound = Duration::from_millis(400) + 2 * attempt + lag.max();
+    assert!(took >= Duration::from_millis(400) && took <= bound, "{took:?}, bound {bound:?}");
 }
 
 async fn one_request_per_uncontended_operation(b: Backend) {
@@ -490,30 +559,38 @@ async fn contenders_never_overlap(b: Backend) {
 /// bounded number of requests each (DESIGN.md, "Contention").
 async fn waiters_share_a_contended_key_evenly(b: Backend) {
     const WORKERS: usize = 6;
+    // Judged on a number of turns, not on what a machine manages in a fixed time: a loaded
+    // machine takes longer to reach it, the evenness is the same. The limit only guards hangs.
+    const TURNS: u64 = 150;
     let holds = Arc::new(Holds::default());
-    let stop_at = Instant::now() + Duration::from_secs(10);
+    let taken = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let limit = Instant::now() + Duration::from_secs(300);
     let mut tasks = Vec::new();
     let mut counters = Vec::new();
     for w in 0..WORKERS {
         let counting = Counting::new(b.reopen());
         counters.push(counting.clone());
         let c = Coordinator::new(counting, test_config());
-        let holds = holds.clone();
+        let (holds, taken) = (holds.clone(), taken.clone());
         tasks.push(tokio::spawn(async move {
             let mut mine = 0u64;
-            while Instant::now() < stop_at {
-                let wait = stop_at.saturating_duration_since(Instant::now());
+            while taken.load(Ordering::SeqCst) < TURNS {
+                let wait = limit.saturating_duration_since(Instant::now());
                 let opts = AcquireOptions { wait: Some(wait), ..Default::default() };
                 let l = match c.acquire("turns", &format!("w{w}"), secs(10), opts).await {
                     Ok(l) => l,
-                    Err(Error::LeaseHeld { .. }) => break,
                     Err(e) => panic!("worker {w}: {e}"),
                 };
-                holds.enter();
-                tokio::time::sleep(Duration::from_millis(5)).await;
-                holds.leave();
+                // A turn counts only while the target is not reached (the others are still
+                // waiting for theirs); later ones are handed straight back.
+                let counted = taken.fetch_add(1, Ordering::SeqCst) < TURNS;
+                if counted {
+                    holds.enter();
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    holds.leave();
+                    mine += 1;
+                }
                 c.release("turns", &l.lease_id).await.unwrap();
-                mine += 1;
             }
             mine
         }));
@@ -525,12 +602,13 @@ async fn waiters_share_a_contended_key_evenly(b: Backend) {
     let total: u64 = per_worker.iter().sum();
     let requests: usize = counters.iter().map(|c| c.total()).sum();
     assert_eq!(holds.overlaps(), 0, "two holds overlapped");
-    assert!(total >= 80, "too few acquisitions to judge: {per_worker:?}");
+    assert_eq!(total, TURNS, "{per_worker:?}");
     // A fair share is total / WORKERS; random polling spreads it, a releaser that wins again
     // at once starves the others far below it.
     let fair = total as f64 / WORKERS as f64;
     assert!(per_worker.iter().all(|n| *n as f64 >= 0.4 * fair), "uneven turns: {per_worker:?} (fair share {fair:.0})");
-    let per_acquisition = requests as f64 / total as f64;
+    // Per acquisition, the turns handed straight back after the target included.
+    let per_acquisition = requests as f64 / taken.load(Ordering::SeqCst) as f64;
     eprintln!("turns per worker {per_worker:?}, {per_acquisition:.2} requests per acquisition");
     assert!(per_acquisition <= 3.0, "{per_acquisition:.2} requests per acquisition, {per_worker:?}");
 }
@@ -543,16 +621,26 @@ async fn crash_handover_within_bound(b: Backend) {
     let c = b.coordinator(cfg);
     for trial in 0..3 {
         let key = format!("crash-{trial}");
+        let lag = Lag::start();
         let before_write = c.now_ms();
         let l = c.acquire(&key, "doomed", Some(Duration::from_millis(1000)), AcquireOptions::default()).await.unwrap();
+        let attempt = attempt_time(&c, &key).await;
         // The holder "crashes": it never renews. A waiter is already waiting.
         let taken =
             c.acquire(&key, "heir", secs(10), AcquireOptions { wait: secs(5), ..Default::default() }).await.unwrap();
         let gap = taken.acquired_at_ms - l.acquired_at_ms;
         assert!(taken.acquired_at_ms >= l.expires_at_ms.unwrap(), "trial {trial}: taken before expiry");
         assert!(gap >= 1000, "trial {trial}: handover after {gap} ms, before the 1000 ms duration");
-        let bound = 1000 + margin.as_millis() as u64 + 100;
-        assert!(gap <= bound, "trial {trial}: handover after {gap} ms > {bound} ms");
+        // A waiter never sleeps past the holder's expiry: its winning try is sent by then plus
+        // the skew margin, one refused try that was already on its way (an attempt), the
+        // millisecond resolution of both timestamps and the scheduling delay measured meanwhile.
+        let slack = attempt + lag.max() + Duration::from_millis(2);
+        let bound = 1000 + margin.as_millis() as u64 + slack.as_millis() as u64;
+        assert!(
+            gap <= bound,
+            "trial {trial}: handover after {gap} ms > {bound} ms (attempt {attempt:?}, lag {:?})",
+            lag.max()
+        );
         assert!(l.acquired_at_ms >= before_write);
         assert!(taken.fence > l.fence, "{} after {}", taken.fence, l.fence);
     }
@@ -560,10 +648,13 @@ async fn crash_handover_within_bound(b: Backend) {
 
 async fn held_lease_renews_and_notices_loss(b: Backend) {
     let c = b.coordinator(test_config());
-    let held = c.hold("bg", "h", Duration::from_millis(600), AcquireOptions::default()).await.unwrap();
+    // Survives 2.5 durations thanks to renewals. A renewal has the duration less a third and
+    // the skew margin to land (1.28 s here): a loaded 2-core machine can hold a request to
+    // DynamoDB Local for longer than the 350 ms a 600 ms lease leaves, which is a slow store,
+    // not a defect; a duration of 2 s checks the same thing.
+    let held = c.hold("bg", "h", Duration::from_secs(2), AcquireOptions::default()).await.unwrap();
     let fence = held.fence();
-    // Survives well past its duration thanks to renewals.
-    let out = held.run(tokio::time::sleep(Duration::from_millis(1500))).await;
+    let out = held.run(tokio::time::sleep(Duration::from_millis(5000))).await;
     assert!(out.is_ok(), "{out:?}");
     let s = c.get("bg").await.unwrap();
     assert!(s.held && s.fence == fence);
@@ -585,17 +676,67 @@ async fn held_lease_renews_and_notices_loss(b: Backend) {
     // Renewals that keep failing end the hold before its safe time runs out.
     let faulty = Faulty::new(b.store());
     let fc = Coordinator::new(faulty.clone(), test_config());
+    let lag = Lag::start();
     let held = fc.hold("bg3", "h", Duration::from_millis(600), AcquireOptions::default()).await.unwrap();
     let safe = held.safe_until().unwrap();
     faulty.inject(&[Fault::Unavailable; 10_000]);
     let lost = held.lost().await;
+    let told = Instant::now();
     assert_eq!(lost, Lost::SafeTimeExpired);
-    assert!(
-        Instant::now() <= safe + Duration::from_millis(50),
-        "told late: {:?} after safe time",
-        Instant::now() - safe
-    );
+    // Told when its timer at the safe time fires: late by no more than the scheduling delay
+    // this runtime showed meanwhile (plus 1 ms of timer resolution).
+    let late = told.saturating_duration_since(safe);
+    assert!(late <= lag.max() + Duration::from_millis(1), "told late: {late:?} after safe time (lag {:?})", lag.max());
     faulty.plan.lock().unwrap().clear();
+}
+
+/// A renewal held up in the network past the holder's safe time: the holder is told the lease
+/// is lost, then the renewal lands (its condition carries the time it was sent, when the lease
+/// was live) and extends the lease. The holder must release what it may still hold, or the key
+/// stays blocked for another duration with nobody working under it. Ordering only: the key
+/// must be free before the expiry the late renewal wrote.
+async fn late_heartbeat_does_not_keep_a_lost_lease(b: Backend) {
+    for drop_first in [false, true] {
+        let key = format!("late-{drop_first}");
+        let gated = Gated::new(b.store());
+        let c = Coordinator::new(gated.clone(), test_config());
+        let other = b.coordinator(test_config());
+        gated.arm();
+        let held = c.hold(&key, "a", Duration::from_millis(900), AcquireOptions::default()).await.unwrap();
+        assert_eq!(held.lost().await, Lost::SafeTimeExpired);
+        if drop_first {
+            // The holder gives up its handle as soon as it is told.
+            drop_handle(held);
+            gated.open();
+            check_late(&gated, &other, &key).await;
+        } else {
+            // The holder keeps its handle (a `run` waiting for its command to stop).
+            gated.open();
+            check_late(&gated, &other, &key).await;
+            drop(held);
+        }
+    }
+}
+
+fn drop_handle(held: leasehold::HeldLease) {
+    drop(held);
+}
+
+async fn check_late(gated: &Gated, other: &Coordinator, key: &str) {
+    let late = gated.wait_landed().await;
+    let got = other.acquire(key, "b", secs(5), AcquireOptions { wait: secs(10), ..Default::default() }).await.unwrap();
+    match late {
+        Write::Applied(r) => {
+            let blocked_until = r.expires_at_ms.unwrap();
+            assert!(
+                got.acquired_at_ms < blocked_until,
+                "{key}: the late renewal kept the key blocked until {blocked_until} (acquired at {})",
+                got.acquired_at_ms
+            );
+        }
+        // The release after the loss landed first: the late renewal found the lease released.
+        Write::Rejected(r) => assert!(r.unwrap().released_at_ms.is_some(), "{key}: rejected for another reason"),
+    }
 }
 
 async fn keepalive_and_metadata_round_trip(b: Backend) {
@@ -630,6 +771,62 @@ async fn keepalive_and_metadata_round_trip(b: Backend) {
     assert_eq!(c.get("meta").await.unwrap().keepalive, None);
     let listed = c.list(100).await.unwrap();
     assert!(listed.iter().all(|s| s.key != "meta"), "released keys are not listed as held");
+}
+
+/// More keep-alive entries than one run's lease budget, most of them stale (their lease
+/// expired): every live one is renewed in one run, the stale ones do not count against the
+/// budget and leave the index, so the next run reads only the live ones. Prints the renewal
+/// rate of a run (the per-run capacity in DESIGN.md comes from it).
+async fn keepalive_sweep_renews_every_live_lease(b: Backend) {
+    let c = b.coordinator(test_config());
+    let ka = Keepalive { until_ms: c.now_ms() + 600_000, execution_arn: None };
+    let opts = || AcquireOptions { keepalive: Some(ka.clone()), ..Default::default() };
+    let (stale, live, budget) = (150, 60, 100u32);
+    // "a/..." sorts before "z/..." in every shard: a sweep reading shards from the start and
+    // counting stale entries spends its budget on them first.
+    for i in 0..stale {
+        c.acquire(&format!("a/stale-{i}"), "gone", ms(100), opts()).await.unwrap();
+    }
+    let mut lives = Vec::new();
+    for i in 0..live {
+        lives.push(c.acquire(&format!("z/live-{i}"), "etl", secs(60), opts()).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let started = c.now_ms();
+    let report = c.keepalive_sweep(None, budget, Instant::now() + Duration::from_secs(60)).await;
+    println!("{} sweep 1: {report:?}", b.store().name());
+    for l in &lives {
+        let s = c.get(&l.key).await.unwrap();
+        assert!(
+            s.expires_at_ms.unwrap() >= started + 60_000,
+            "{} not renewed by a run whose budget ({budget}) covers every live lease: {report:?}",
+            l.key
+        );
+        assert_eq!(s.fence, l.fence);
+    }
+    assert_eq!((report.renewed, report.skipped, report.cleared, report.errors), (live, stale, stale, 0), "{report:?}");
+    assert!(report.complete, "{report:?}");
+    // The stale entries left the index: the next run reads the live leases only.
+    let t0 = Instant::now();
+    let report = c.keepalive_sweep(None, budget, Instant::now() + Duration::from_secs(60)).await;
+    let took = t0.elapsed();
+    println!(
+        "{} sweep 2: {report:?} in {took:?}: {:.0} renewals/s",
+        b.store().name(),
+        report.renewed as f64 / took.as_secs_f64()
+    );
+    assert_eq!((report.scanned, report.renewed, report.skipped), (live, live, 0), "{report:?}");
+    // A run given a third of that time stops by its deadline (plus the scheduling delay
+    // measured meanwhile), not after the page it is in, and says it is incomplete.
+    let lag = Lag::start();
+    let deadline = Instant::now() + took / 3;
+    let report = c.keepalive_sweep(None, budget, deadline).await;
+    let over = Instant::now().saturating_duration_since(deadline);
+    assert!(over <= lag.max() + Duration::from_millis(1), "returned {over:?} after its deadline: {report:?}");
+    assert!(!report.complete && report.renewed < live, "{report:?}");
+    // Stale entries of the first run are untouched otherwise (free, same fence).
+    let s = c.get("a/stale-0").await.unwrap();
+    assert!(!s.held && s.keepalive.is_none(), "{s:?}");
 }
 
 async fn two_handles_on_one_store(b: Backend) {

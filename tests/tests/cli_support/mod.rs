@@ -72,10 +72,46 @@ impl Out {
     }
 }
 
-/// A child process killed when the test ends (even by a panic).
-pub struct Proc(pub Option<Child>);
+/// A child process killed when the test ends (even by a panic). Its stdout and stderr are
+/// drained by threads, so that a process the command left behind holding the pipes cannot
+/// make [`Proc::wait`] hang.
+pub struct Proc(pub Option<Child>, Option<Drains>);
+
+struct Drains {
+    out: std::thread::JoinHandle<String>,
+    err: std::thread::JoinHandle<String>,
+}
+
+fn drain(r: Option<impl Read + Send + 'static>) -> std::thread::JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        if let Some(mut r) = r {
+            let _ = r.read_to_end(&mut buf);
+        }
+        String::from_utf8_lossy(&buf).into_owned()
+    })
+}
+
+/// What a drain thread read, once the pipe closed; empty if something still holds it open
+/// after `limit` (a process left behind: the test says so itself).
+fn join_within(h: std::thread::JoinHandle<String>, limit: Duration) -> String {
+    let deadline = Instant::now() + limit;
+    while !h.is_finished() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    if h.is_finished() {
+        h.join().unwrap_or_default()
+    } else {
+        "<pipe still held open by a process left behind>".into()
+    }
+}
 
 impl Proc {
+    pub fn new(mut child: Child) -> Proc {
+        let drains = Drains { out: drain(child.stdout.take()), err: drain(child.stderr.take()) };
+        Proc(Some(child), Some(drains))
+    }
+
     pub fn pid(&self) -> u32 {
         self.0.as_ref().expect("running").id()
     }
@@ -91,14 +127,12 @@ impl Proc {
         let deadline = Instant::now() + limit;
         loop {
             if let Some(st) = child.try_wait().expect("try_wait") {
-                let mut out = String::new();
-                let mut err = String::new();
-                if let Some(mut s) = child.stdout.take() {
-                    let _ = s.read_to_string(&mut out);
-                }
-                if let Some(mut s) = child.stderr.take() {
-                    let _ = s.read_to_string(&mut err);
-                }
+                let (out, err) = match self.1.take() {
+                    Some(d) => {
+                        (join_within(d.out, Duration::from_secs(10)), join_within(d.err, Duration::from_secs(10)))
+                    }
+                    None => (String::new(), String::new()),
+                };
                 use std::os::unix::process::ExitStatusExt;
                 let code = st.code().unwrap_or_else(|| 128 + st.signal().unwrap_or(0));
                 return Out { code, stdout: out, stderr: err };
@@ -217,7 +251,7 @@ pub fn output(mut c: Command) -> Out {
 
 pub fn spawn(mut c: Command) -> Proc {
     c.stdout(Stdio::piped()).stderr(Stdio::piped());
-    Proc(Some(c.spawn().expect("spawn leasehold")))
+    Proc::new(c.spawn().expect("spawn leasehold"))
 }
 
 /// A `leasehold serve` owned by a test, on a free port it reports itself.
@@ -256,7 +290,7 @@ impl Server {
             let mut sink = String::new();
             let _ = reader.read_to_string(&mut sink);
         });
-        Server { proc: Proc(Some(child)), url, addr, banner }
+        Server { proc: Proc(Some(child), None), url, addr, banner }
     }
 }
 
@@ -327,4 +361,47 @@ pub fn eventually(limit: Duration, what: &str, mut f: impl FnMut() -> bool) {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
         std::thread::sleep(Duration::from_millis(25));
     }
+}
+
+/// True while process `pid` exists and is not a zombie (a killed process whose parent has not
+/// reaped it yet is gone for every purpose of these tests).
+pub fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state is the first field after the parenthesised command name.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|s| s != "Z" && s != "X"),
+        Err(_) => false,
+    }
+}
+
+/// Every live process below `root` (children, grandchildren, ...), from /proc.
+pub fn descendants(root: u32) -> Vec<u32> {
+    let mut parent_of = Vec::new();
+    if let Ok(entries) = std::fs::read_dir("/proc") {
+        for e in entries.flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+            let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
+            if let Some(ppid) = ppid {
+                parent_of.push((pid, ppid));
+            }
+        }
+    }
+    let mut found = vec![root];
+    let mut i = 0;
+    while i < found.len() {
+        let p = found[i];
+        found.extend(parent_of.iter().filter(|(_, pp)| *pp == p).map(|(c, _)| *c));
+        i += 1;
+    }
+    found.remove(0);
+    found.retain(|p| alive(*p));
+    found
+}
+
+/// The pids listed (whitespace-separated) in a file the command wrote.
+pub fn pids_in(p: &Path) -> Vec<u32> {
+    std::fs::read_to_string(p).unwrap_or_default().split_whitespace().filter_map(|w| w.parse().ok()).collect()
 }
