@@ -80,6 +80,13 @@ impl Coordinator {
         deadline: Instant,
     ) -> SweepReport {
         let mut report = SweepReport { complete: true, ..Default::default() };
+        // Renewals write expiries: not with a clock the store's disagrees with.
+        if let Err(e) = self.check_clock("leasehold/keepalive-sweep").await {
+            tracing::error!(error = e.name(), message = %e, "keep-alive sweep refused");
+            report.errors += 1;
+            report.complete = false;
+            return report;
+        }
         let shards = KEEPALIVE_SHARDS;
         let _ = NEXT_START.compare_exchange(
             u32::MAX,

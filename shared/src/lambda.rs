@@ -130,7 +130,8 @@ pub struct Handler {
     pub function: Function,
     pub coord: Coordinator,
     pub executions: Option<Arc<dyn Executions>>,
-    /// Most keep-alive leases one scheduled run reads.
+    /// Most live keep-alive leases one scheduled run renews or releases (stale index entries
+    /// do not count).
     pub sweep_max_items: u32,
 }
 

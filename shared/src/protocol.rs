@@ -143,7 +143,7 @@ impl Coordinator {
     /// Refuses to judge or write expiries with a clock that is certainly further from the
     /// store's than the skew margin (DESIGN.md, "Clocks"). The evidence is the `Date` of the
     /// store's recent answers; a coordinator that has none yet asks once (a read of `key`).
-    async fn check_clock(&self, key: &str) -> Result<()> {
+    pub(crate) async fn check_clock(&self, key: &str) -> Result<()> {
         let Some(samples) = self.store.clock() else { return Ok(()) };
         if samples.is_empty() {
             let _ = self.store.get(key).await;

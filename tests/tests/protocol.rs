@@ -7,23 +7,8 @@ use std::time::{Duration, Instant};
 
 use leasehold::store::{Condition, Write};
 use leasehold::{AcquireOptions, Coordinator, Error, Keepalive, LeaseId, Lost, NotHolderReason};
-use leasehold_tests::{test_config, Backend, Counting, Fault, Faulty, Gated, GuardedResource, Holds};
+use leasehold_tests::{both_backends, test_config, Backend, Counting, Fault, Faulty, Gated, GuardedResource, Holds};
 use serde_json::json;
-
-macro_rules! both_backends {
-    ($($case:ident),* $(,)?) => {$(
-        mod $case {
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn sqlite() {
-                super::$case(leasehold_tests::Backend::sqlite().await).await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn dynamodb() {
-                super::$case(leasehold_tests::Backend::dynamo().await).await
-            }
-        }
-    )*};
-}
 
 both_backends!(
     acquire_get_release,

@@ -456,6 +456,11 @@ impl Expr {
                 let k = self.n(attr::KEY);
                 format!("attribute_exists({k})")
             }
+            Condition::FenceIs(f) => {
+                let a = self.n(attr::FENCE);
+                let v = self.v("expected_fence", num(*f));
+                format!("{a} = {v}")
+            }
         }
     }
 
@@ -786,6 +791,7 @@ mod tests {
             ),
             (Condition::Unreleased { lease_id: id.clone() }, Some(Mutation::Release { now_ms: now, ttl: 2 })),
             (Condition::Exists, Some(Mutation::ForceRelease { now_ms: now, ttl: 2 })),
+            (Condition::FenceIs(3), Some(Mutation::ClearKeepalive)),
         ];
         for (c, m) in writes {
             let (cond, update) = expressions(&c, m.as_ref().unwrap_or(&Mutation::ClearKeepalive));

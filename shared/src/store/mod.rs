@@ -47,6 +47,9 @@ pub enum Condition {
     Unreleased { lease_id: LeaseId },
     /// The item exists. DynamoDB: `attribute_exists(#key)`
     Exists,
+    /// The item's last fence is `fence`: the same lease as when it was read (every grant and
+    /// force-release changes the fence). DynamoDB: `fence = :expected_fence`
+    FenceIs(u64),
 }
 
 impl Condition {
@@ -67,6 +70,7 @@ impl Condition {
             }
             (Condition::Unreleased { lease_id }, Some(r)) => &r.lease_id == lease_id && r.released_at_ms.is_none(),
             (Condition::Exists, Some(_)) => true,
+            (Condition::FenceIs(f), Some(r)) => r.fence == *f,
             (_, None) => false,
         }
     }
