@@ -770,13 +770,14 @@ async fn keepalive_sweep_renews_every_live_lease(b: Backend) {
     // "a/..." sorts before "z/..." in every shard: a sweep reading shards from the start and
     // counting stale entries spends its budget on them first.
     for i in 0..stale {
-        c.acquire(&format!("a/stale-{i}"), "gone", ms(100), opts()).await.unwrap();
+        // The shortest keep-alive lease the test config allows (3 sweep periods of 50 ms).
+        c.acquire(&format!("a/stale-{i}"), "gone", ms(150), opts()).await.unwrap();
     }
     let mut lives = Vec::new();
     for i in 0..live {
         lives.push(c.acquire(&format!("z/live-{i}"), "etl", secs(60), opts()).await.unwrap());
     }
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let started = c.now_ms();
     let report = c.keepalive_sweep(None, budget, Instant::now() + Duration::from_secs(60)).await;
     println!("{} sweep 1: {report:?}", b.store().name());

@@ -12,8 +12,14 @@
 //! holders' believed windows must never intersect, and a fenced resource written only inside
 //! a believed window must never see a fence below one it has already seen.
 //!
-//! `short_serve_safety_run` (14 s) is in the normal suite; the long run (>= 60 s,
-//! `LEASEHOLD_SAFETY_SECS` to change it) is
+//! The holders talk to three coordinators (three `leasehold serve` processes on the same
+//! table) whose wall clocks differ by up to 120 ms, within the 200 ms skew margin (Debian's
+//! `faketime` shifts a process's clock). A second run adds coordinators whose clocks are 5 s
+//! ahead and 5 s behind, beyond the margin: their holders must be refused (`ClockSkew`), never
+//! granted, and the honest holders must neither overlap nor lose the key.
+//!
+//! `short_serve_safety_run` (14 s) and `wrong_clocks_are_refused_through_serve` are in the
+//! normal suite; the long run (>= 60 s, `LEASEHOLD_SAFETY_SECS` to change it) is
 //! `cargo test -p leasehold-tests --test safety_serve -- --ignored --nocapture`.
 
 mod cli_support;
@@ -24,7 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use cli_support::{dynamo_env, Server};
+use cli_support::{command_with_clock, dynamo_env, Server};
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
@@ -160,7 +166,14 @@ fn belief(sent: Instant, sent_wall_ms: u64, answer: &Value, missing: &AtomicBool
 }
 
 struct Shared {
-    addr: String,
+    /// Coordinators whose clocks are within the margin; holder n < `honest_holders` talks to
+    /// `honest[n % len]`.
+    honest: Vec<String>,
+    honest_holders: usize,
+    /// Coordinators whose clocks are beyond the margin; the other holders talk to these.
+    rogue: Vec<String>,
+    /// Leases granted to such holders (must stay 0).
+    rogue_granted: AtomicU64,
     key: String,
     stop_at: Instant,
     t0: Instant,
@@ -207,7 +220,12 @@ impl Shared {
 async fn holder(sh: Arc<Shared>, n: usize) {
     let name = format!("h{n}");
     let mut seed = 0x9E37_79B9_7F4A_7C15u64 ^ ((n as u64 + 1) * 0x1000_0001);
-    let mut conn = Conn::new(&sh.addr);
+    let rogue = n >= sh.honest_holders;
+    let mut conn = if rogue {
+        Conn::new(&sh.rogue[(n - sh.honest_holders) % sh.rogue.len()])
+    } else {
+        Conn::new(&sh.honest[n % sh.honest.len()])
+    };
     let t = &sh.totals;
     while Instant::now() < sh.stop_at {
         // Its own lease_id, so that a retried acquire returns the lease a lost attempt took.
@@ -240,7 +258,16 @@ async fn holder(sh: Arc<Shared>, n: usize) {
                 }
             }
         }
-        let Some((sent, sent_wall, answer)) = granted else { continue };
+        let Some((sent, sent_wall, answer)) = granted else {
+            if rogue {
+                // Refused at once: ask again a little later.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            continue;
+        };
+        if rogue {
+            sh.rogue_granted.fetch_add(1, Ordering::Relaxed);
+        }
         let start = Instant::now();
         let fence = answer["fence"].as_u64().expect("fence in the acquire answer");
         let mut believed_until = belief(sent, sent_wall, &answer, &sh.missing_safe_for);
@@ -351,8 +378,12 @@ fn overlaps(sh: &Shared) -> Vec<String> {
     found
 }
 
-async fn serve_safety_run(seconds: u64) {
+/// Clock offsets (s) of the coordinators within the margin: up to 120 ms apart.
+const HONEST_CLOCKS: [f64; 3] = [0.0, 0.06, -0.06];
+
+async fn serve_safety_run(seconds: u64, rogue_clocks: &[f64]) {
     let holders = 12;
+    let rogue_holders = if rogue_clocks.is_empty() { 0 } else { 4 };
     let (proxy, table, _) = proxied_table().await;
     let mut env = dynamo_env(&proxy.endpoint());
     for (k, v) in [
@@ -364,7 +395,14 @@ async fn serve_safety_run(seconds: u64) {
         env.push((k.to_string(), v));
     }
     let store_args = vec!["--table".to_string(), table.clone()];
-    let server = tokio::task::spawn_blocking(move || Server::start(&store_args, &env)).await.expect("start server");
+    let start = |offsets: Vec<f64>| {
+        let (store_args, env) = (store_args.clone(), env.clone());
+        tokio::task::spawn_blocking(move || {
+            offsets.iter().map(|&o| Server::start_command(command_with_clock(o), &store_args, &env)).collect::<Vec<_>>()
+        })
+    };
+    let honest = start(HONEST_CLOCKS.to_vec()).await.expect("start servers");
+    let rogue = start(rogue_clocks.to_vec()).await.expect("start servers");
     proxy.random_faults_on(
         "UpdateItem",
         400,
@@ -376,7 +414,10 @@ async fn serve_safety_run(seconds: u64) {
     );
     let t0 = Instant::now();
     let sh = Arc::new(Shared {
-        addr: server.addr.clone(),
+        honest: honest.iter().map(|s| s.addr.clone()).collect(),
+        honest_holders: holders,
+        rogue: rogue.iter().map(|s| s.addr.clone()).collect(),
+        rogue_granted: AtomicU64::new(0),
         key: "contended".into(),
         stop_at: t0 + Duration::from_secs(seconds),
         t0,
@@ -385,7 +426,7 @@ async fn serve_safety_run(seconds: u64) {
         totals: Totals::default(),
         missing_safe_for: AtomicBool::new(false),
     });
-    let tasks: Vec<_> = (0..holders).map(|n| tokio::spawn(holder(sh.clone(), n))).collect();
+    let tasks: Vec<_> = (0..holders + rogue_holders).map(|n| tokio::spawn(holder(sh.clone(), n))).collect();
     for task in tasks {
         task.await.expect("holder");
     }
@@ -398,10 +439,12 @@ async fn serve_safety_run(seconds: u64) {
     // Acquires are PutItems; heartbeats and releases are the UpdateItems the faults hit.
     let store_requests = proxy.counts();
     println!(
-        "serve safety: {seconds} s, {holders} holders on one key: HTTP requests {}, acquisitions {}, LeaseHeld {}, \
+        "serve safety: {seconds} s, {holders} holders on one key through coordinators with clocks {HONEST_CLOCKS:?} s, \
+         {rogue_holders} more through clocks {rogue_clocks:?} s (granted {}): HTTP requests {}, acquisitions {}, LeaseHeld {}, \
          heartbeats {}, releases {}, beliefs run out {}, answers too late to believe {}, errors {:?}, \
          DynamoDB requests {store_requests:?}, faults injected {}, duplicates forwarded late {}, writes accepted {}, \
          stale writes {}, overlaps {}{}",
+        sh.rogue_granted.load(Ordering::Relaxed),
         t.requests.load(Ordering::Relaxed),
         t.acquired.load(Ordering::Relaxed),
         t.held.load(Ordering::Relaxed),
@@ -429,17 +472,27 @@ async fn serve_safety_run(seconds: u64) {
     assert!(proxy.late_forwarded() > 0, "no delayed duplicate reached DynamoDB");
     assert!(t.acquired.load(Ordering::Relaxed) >= 2, "the key never changed hands");
     assert!(t.heartbeats.load(Ordering::Relaxed) >= 5, "too few renewals to mean anything");
-    drop(server);
+    if rogue_holders > 0 {
+        let refused = t.errors.lock().unwrap().iter().filter(|(k, _)| k.contains("ClockSkew")).map(|(_, n)| *n).sum::<u64>();
+        assert_eq!(sh.rogue_granted.load(Ordering::Relaxed), 0, "a coordinator with a wrong clock granted a lease");
+        assert!(refused > 0, "the wrong clocks were never refused with ClockSkew: {:?}", t.errors.lock().unwrap());
+    }
+    drop((honest, rogue));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn short_serve_safety_run() {
-    serve_safety_run(14).await;
+    serve_safety_run(14, &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_clocks_are_refused_through_serve() {
+    serve_safety_run(8, &[5.0, -5.0]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "long run (>= 60 s): cargo test -p leasehold-tests --test safety_serve -- --ignored --nocapture"]
 async fn long_serve_safety_run() {
     let secs = std::env::var("LEASEHOLD_SAFETY_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(60);
-    serve_safety_run(secs).await;
+    serve_safety_run(secs, &[]).await;
 }

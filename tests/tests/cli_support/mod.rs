@@ -228,7 +228,20 @@ pub fn dynamo_env(endpoint: &str) -> Vec<(String, String)> {
 
 /// The binary with no leasehold settings inherited from the environment.
 pub fn clean_command() -> Command {
-    let mut c = Command::new(bin());
+    clean(Command::new(bin()))
+}
+
+/// The binary, as [`clean_command`], with its wall clock shifted by `offset_s` seconds (Debian's
+/// `faketime`, installed by scripts/install-test-deps.sh; the monotonic clock is left alone):
+/// a coordinator on a machine whose clock is wrong.
+pub fn command_with_clock(offset_s: f64) -> Command {
+    let faketime = ["/usr/bin/faketime", "/usr/local/bin/faketime"].into_iter().find(|p| Path::new(p).exists());
+    let mut c = Command::new(faketime.expect("faketime is not installed: run scripts/install-test-deps.sh"));
+    c.arg("-f").arg(format!("{offset_s:+}")).arg(bin()).env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+    clean(c)
+}
+
+fn clean(mut c: Command) -> Command {
     for (k, _) in std::env::vars_os() {
         if k.to_string_lossy().starts_with("LEASEHOLD_") || k == "RUST_LOG" {
             c.env_remove(k);
@@ -265,7 +278,11 @@ pub struct Server {
 
 impl Server {
     pub fn start(store_args: &[String], env: &[(String, String)]) -> Server {
-        let mut c = clean_command();
+        Server::start_command(clean_command(), store_args, env)
+    }
+
+    /// [`Server::start`] of the binary as `c` runs it (e.g. [`command_with_clock`]).
+    pub fn start_command(mut c: Command, store_args: &[String], env: &[(String, String)]) -> Server {
         c.args(store_args).args(["serve", "--addr", "127.0.0.1:0"]);
         for (k, v) in env {
             c.env(k, v);
