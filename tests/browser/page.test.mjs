@@ -110,6 +110,10 @@ try {
   await page.fill("#prefix", "");
   await until(page, "clearing the filter shows every key", async () => (await keys(page)).length === 3);
 
+  const first = screenshot.replace(/\.png$/, "-held.png");
+  await page.screenshot({ path: first, fullPage: true });
+  console.log("SCREENSHOT " + first);
+
   // Force-release behind a confirmation: accepted, the fence advances and the row goes.
   const before = BigInt((await row(page, "jobs/b")).fence);
   await page.click('#rows tr[data-key="jobs/b"] button');

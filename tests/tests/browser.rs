@@ -2,8 +2,9 @@
 //! package, driven by playwright-core from tests/browser/page.test.mjs) loads the page of the
 //! real binary on the embedded store while this test takes and releases leases through the
 //! HTTP API. The script checks the rows, the countdown, the prefix filter, force-release
-//! behind its confirmation and that no lease_id reaches the page; it leaves a screenshot in
-//! target/artifacts/.
+//! behind its confirmation and that no lease_id reaches the page; it leaves two screenshots in
+//! target/artifacts/: operator-page-held.png (three held keys) and operator-page.png (after a
+//! release and a force-release from the page).
 
 mod cli_support;
 
@@ -60,6 +61,7 @@ fn the_operator_page_shows_the_leases_live_in_chromium() {
     std::fs::create_dir_all(&artifacts).unwrap();
     let shot = artifacts.join("operator-page.png");
     let _ = std::fs::remove_file(&shot);
+    let _ = std::fs::remove_file(artifacts.join("operator-page-held.png"));
     let mut node = Command::new("node")
         .arg(repo_root().join("tests/browser/page.test.mjs"))
         .arg(format!("{}/", server.url))
@@ -97,8 +99,11 @@ fn the_operator_page_shows_the_leases_live_in_chromium() {
     let status = node.wait().unwrap();
     assert!(failed.is_none() && status.success(), "the browser checks failed: {failed:?} (passed: {checks:#?})");
     assert!(checks.len() >= 15, "{checks:#?}");
-    assert!(shot.is_file(), "no screenshot at {}", shot.display());
-    println!("screenshot: {}", shot.display());
+    let held = artifacts.join("operator-page-held.png");
+    for s in [&held, &shot] {
+        assert!(s.is_file(), "no screenshot at {}", s.display());
+        println!("screenshot: {}", s.display());
+    }
 
     // What the page reported is what the store holds: jobs/b free, with the fence the page showed.
     let result = result.expect("a RESULT line");
