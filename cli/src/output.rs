@@ -146,12 +146,50 @@ fn state(v: &Value) -> String {
     t
 }
 
+/// One refresh of `get --watch`: a JSON line with `--json`; otherwise the state under a
+/// header, after clearing the screen when stdout is a terminal (a blank line between
+/// refreshes when it is not).
+pub fn watch_frame(g: &Global, key: &str, every: Duration, result: Result<Value, Failure>) {
+    use std::io::IsTerminal;
+    if g.json {
+        match result {
+            Ok(v) => print(&v.to_string()),
+            Err(f) => print(&f.json.to_string()),
+        }
+        return;
+    }
+    let body = match result {
+        Ok(v) => state(&v),
+        Err(f) => format!("{key:?}: {}", f.message()),
+    };
+    let head = format!(
+        "every {} · {} · Ctrl-C to stop",
+        human(every),
+        rfc3339(now_ms()).split('.').next().unwrap_or_default().replace('T', " ") + " UTC"
+    );
+    let clear = if std::io::stdout().is_terminal() { "\x1b[H\x1b[2J" } else { "" };
+    print(&format!("{clear}{head}\n{body}\n"));
+}
+
+/// The STATE column: `held`, `fail-closed` (held until released) or `free` (it expired since
+/// it was listed).
+fn list_state(v: &Value) -> &'static str {
+    let held = v.get("held").and_then(Value::as_bool).unwrap_or(false);
+    match n(v, "expires_at_ms") {
+        _ if !held => "free",
+        None => "fail-closed",
+        Some(e) if e <= now_ms() => "free",
+        Some(_) => "held",
+    }
+}
+
 fn list(v: &Value) -> String {
     let items = v.get("leases").and_then(Value::as_array).cloned().unwrap_or_default();
     if items.is_empty() {
         return "no keys are held".to_string();
     }
-    let rows: Vec<[String; 4]> = items
+    let now = now_ms();
+    let rows: Vec<[String; 5]> = items
         .iter()
         .map(|i| {
             [
@@ -159,25 +197,43 @@ fn list(v: &Value) -> String {
                 s(i, "holder").to_string(),
                 n(i, "fence").unwrap_or(0).to_string(),
                 match n(i, "expires_at_ms") {
-                    Some(e) => rfc3339(e),
-                    None => "never (fail-closed)".into(),
+                    Some(e) if e > now => human(Duration::from_millis(e - now)),
+                    Some(_) => "expired".into(),
+                    None => "never".into(),
                 },
+                list_state(i).to_string(),
             ]
         })
         .collect();
-    let head = ["KEY", "HOLDER", "FENCE", "EXPIRES"];
-    let mut width = head.map(str::len);
+    let head = ["KEY", "HOLDER", "FENCE", "EXPIRES IN", "STATE"];
+    let mut width = head.map(|h| h.chars().count());
     for r in &rows {
         for (w, c) in width.iter_mut().zip(r) {
             *w = (*w).max(c.chars().count());
         }
     }
-    let line = |r: [&str; 4]| {
-        format!("{:<w0$}  {:<w1$}  {:>w2$}  {}", r[0], r[1], r[2], r[3], w0 = width[0], w1 = width[1], w2 = width[2])
-            .trim_end()
-            .to_string()
+    // Left-aligned text, right-aligned numbers; padding counts characters, not bytes.
+    let pad = |c: &str, w: usize, right: bool| {
+        let fill = " ".repeat(w.saturating_sub(c.chars().count()));
+        if right {
+            format!("{fill}{c}")
+        } else {
+            format!("{c}{fill}")
+        }
+    };
+    let line = |r: [&str; 5]| {
+        [
+            pad(r[0], width[0], false),
+            pad(r[1], width[1], false),
+            pad(r[2], width[2], true),
+            pad(r[3], width[3], true),
+            r[4].to_string(),
+        ]
+        .join("  ")
+        .trim_end()
+        .to_string()
     };
     let mut out = vec![line(head)];
-    out.extend(rows.iter().map(|r| line([&r[0], &r[1], &r[2], &r[3]])));
+    out.extend(rows.iter().map(|r| line([&r[0], &r[1], &r[2], &r[3], &r[4]])));
     out.join("\n")
 }

@@ -23,6 +23,11 @@ pub const HELP: &str = "\
 Routes (the same as the HTTP API of the AWS deployment):
   POST /leases/acquire/{key}   POST /leases/heartbeat/{key}   POST /leases/release/{key}
   GET  /leases/{key}           GET /openapi.json              GET /health
+Operator routes (this server only):
+  GET  /                       the live page: held keys, a prefix filter, force-release
+  GET  /leases?prefix=P&limit=N                 POST /leases/force-release/{key}
+Anyone who can reach the server can use every route, force-release included: keep it on
+127.0.0.1 (the default) or behind something that authenticates.
 The key is the rest of the path, '/' included (/leases/acquire/jobs/nightly is the key
 jobs/nightly); the path is percent-decoded once. Bodies over 64 KiB are refused with 413.
 
@@ -180,12 +185,32 @@ async fn handle(coord: Coordinator, req: Request<Incoming>) -> Result<Response<F
         .get(hyper::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u64>().ok());
+    let json_body = req
+        .headers()
+        .get(hyper::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.split(';').next().unwrap_or("").trim().eq_ignore_ascii_case("application/json"));
     let resp = if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
         too_large()
     } else {
         match Limited::new(req.into_body(), MAX_BODY_BYTES).collect().await {
             Ok(body) => match HttpRequest::from_raw(&method, &path, body.to_bytes().to_vec()) {
-                Ok(req) => api::handle_http(&coord, req, None).await,
+                Ok(req) if req.path == "/" => page(&method),
+                Ok(req) if req.path.starts_with("/leases/force-release/") && method == "POST" && !json_body => {
+                    // A browser sends application/json across origins only after a preflight
+                    // this server never approves: another site's page cannot force-release.
+                    HttpResponse::json(
+                        415,
+                        &Error::invalid("force-release needs the header content-type: application/json").to_json(),
+                    )
+                }
+                Ok(req) => {
+                    let query = path.split_once('?').map(|(_, q)| q).unwrap_or("");
+                    match api::handle_operator(&coord, &req, query).await {
+                        Some(resp) => resp,
+                        None => api::handle_http(&coord, req, None).await,
+                    }
+                }
                 Err(resp) => resp,
             },
             Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => too_large(),
@@ -195,6 +220,34 @@ async fn handle(coord: Coordinator, req: Request<Incoming>) -> Result<Response<F
         }
     };
     Ok(to_hyper(resp))
+}
+
+/// The operator page: one static file, its script polling `GET /leases` (no lease_id ever
+/// reaches it: the listing carries none).
+const PAGE_HTML: &str = include_str!("page.html");
+
+fn page(method: &str) -> HttpResponse {
+    if method != "GET" && method != "HEAD" {
+        let mut r = HttpResponse::json(
+            405,
+            &serde_json::json!({"error": "MethodNotAllowed", "message": format!("use GET for /, not {method}")}),
+        );
+        r.headers.push(("allow".into(), "GET".into()));
+        return r;
+    }
+    HttpResponse {
+        status: 200,
+        headers: vec![
+            ("content-type".into(), "text/html; charset=utf-8".into()),
+            ("cache-control".into(), "no-store".into()),
+            (
+                "content-security-policy".into(),
+                "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; frame-ancestors 'none'".into(),
+            ),
+            ("x-content-type-options".into(), "nosniff".into()),
+        ],
+        body: PAGE_HTML.to_string(),
+    }
 }
 
 fn to_hyper(r: HttpResponse) -> Response<Full<Bytes>> {

@@ -115,27 +115,14 @@ impl Target {
             Target::Http(e) => {
                 // A key API Gateway would change on the way is refused before it is sent.
                 leasehold::validate::key_travels(key)?;
-                let (method, path, body) = match op {
-                    Operation::Get => ("GET", client::path(op, key), None),
-                    _ => ("POST", client::path(op, key), Some(body)),
+                let (method, body) = match op {
+                    Operation::Get => ("GET", None),
+                    _ => ("POST", Some(body)),
                 };
-                let mut conn = e.connect().await.map_err(Failure::unreachable)?;
-                let body = body.map(|b| serde_json::to_vec(&b).expect("request serialises"));
-                let (status, answer) = conn.request(method, &path, body).await.map_err(Failure::unreachable)?;
-                let json: Option<Value> = serde_json::from_slice(&answer).ok();
-                match (status, json) {
-                    (200, Some(v)) => Ok(v),
-                    (_, Some(v)) if v.get("error").is_some_and(Value::is_string) => Err(Failure::from_json(v)),
-                    (s, _) => Err(Failure::unreachable(format!(
-                        "{} answered HTTP {s}: {}",
-                        e.url(),
-                        String::from_utf8_lossy(&answer[..answer.len().min(200)])
-                    ))),
-                }
+                http(e, method, &client::path(op, key), body, None).await
             }
         }
     }
-
     pub async fn acquire(&self, key: &str, req: AcquireRequest) -> Result<Value, Failure> {
         self.op(Operation::Acquire, key, serde_json::to_value(req).expect("serialises")).await
     }
@@ -152,23 +139,59 @@ impl Target {
         self.op(Operation::Get, key, json!({})).await
     }
 
-    pub async fn list(&self, limit: usize) -> Result<Value, Failure> {
+    pub async fn list(&self, prefix: &str, limit: usize) -> Result<Value, Failure> {
         match self {
-            Target::Local(c) => Ok(json!({ "leases": c.list(limit).await? })),
-            Target::Http(_) => Err(not_over_http("list")),
+            Target::Local(c) => Ok(json!({ "leases": c.list_prefix(prefix, limit).await? })),
+            Target::Http(e) => {
+                let mut path = format!("/leases?limit={limit}");
+                if !prefix.is_empty() {
+                    path.push_str(&format!("&prefix={}", client::encode_query(prefix)));
+                }
+                http(e, "GET", &path, None, Some("list")).await
+            }
         }
     }
 
     pub async fn force_release(&self, key: &str) -> Result<Value, Failure> {
         match self {
             Target::Local(c) => Ok(serde_json::to_value(c.force_release(key).await?).expect("serialises")),
-            Target::Http(_) => Err(not_over_http("force-release")),
+            Target::Http(e) => {
+                leasehold::validate::key_travels(key)?;
+                let path = format!("/leases/force-release/{}", client::encode_key(key));
+                http(e, "POST", &path, Some(json!({})), Some("force-release")).await
+            }
         }
+    }
+}
+
+/// One request to the HTTP API: the answer's JSON, or its error as a [`Failure`].
+/// `operator`: the command, for the routes only `leasehold serve` has (an API without them,
+/// such as the AWS deployment, answers 404 without an error of ours).
+async fn http(
+    e: &Endpoint,
+    method: &str,
+    path: &str,
+    body: Option<Value>,
+    operator: Option<&str>,
+) -> Result<Value, Failure> {
+    let mut conn = e.connect().await.map_err(Failure::unreachable)?;
+    let body = body.map(|b| serde_json::to_vec(&b).expect("request serialises"));
+    let (status, answer) = conn.request(method, path, body).await.map_err(Failure::unreachable)?;
+    let json: Option<Value> = serde_json::from_slice(&answer).ok();
+    match (status, json) {
+        (200, Some(v)) => Ok(v),
+        (_, Some(v)) if v.get("error").is_some_and(Value::is_string) => Err(Failure::from_json(v)),
+        (404, _) if operator.is_some() => Err(not_over_http(operator.unwrap_or_default())),
+        (s, _) => Err(Failure::unreachable(format!(
+            "{} answered HTTP {s}: {}",
+            e.url(),
+            String::from_utf8_lossy(&answer[..answer.len().min(200)])
+        ))),
     }
 }
 
 fn not_over_http(cmd: &str) -> Failure {
     Failure::usage(format!(
-        "{cmd} is not supported over the HTTP API (it has no route for it): use --db or --table on the store the server uses"
+        "{cmd} is not supported by this HTTP API (only `leasehold serve` has the route): use --db or --table on the store it uses"
     ))
 }

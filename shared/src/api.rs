@@ -337,6 +337,100 @@ pub fn route(method: &str, path: &str) -> std::result::Result<Route, HttpRespons
     Ok(Route::Op(op, key.to_string()))
 }
 
+/// Routes only `leasehold serve` answers: the operator page, the listing and force-release.
+/// They are not deployed on the AWS HTTP API (DESIGN.md, "The operator page"): an operator
+/// lists and force-releases a deployment's table with `leasehold --table NAME`.
+pub const SERVE_ROUTES: [(&str, &str); 3] =
+    [("GET", "/"), ("GET", "/leases"), ("POST", "/leases/force-release/{key+}")];
+
+/// Most keys one `GET /leases` returns (and its default `limit`).
+pub const MAX_LIST_LIMIT: usize = 1000;
+
+/// The query of `GET /leases`: `prefix` (keys starting with it) and `limit` (1..=1000).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListQuery {
+    pub prefix: String,
+    pub limit: usize,
+}
+
+impl ListQuery {
+    /// Parses a raw (still percent-encoded) query string; `+` is a space, as in a form.
+    /// Unknown or repeated parameters and a bad limit are `InvalidRequest`.
+    pub fn parse(query: &str) -> Result<ListQuery> {
+        let (mut prefix, mut limit) = (None, None);
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+            let value = percent_encoding::percent_decode_str(&value.replace('+', " "))
+                .decode_utf8()
+                .map_err(|_| Error::invalid(format!("the query parameter {name:?} is not valid UTF-8 once decoded")))?
+                .into_owned();
+            let slot = match name {
+                "prefix" => &mut prefix,
+                "limit" => &mut limit,
+                _ => return Err(Error::invalid(format!("unknown query parameter {name:?}: use prefix and limit"))),
+            };
+            if slot.replace(value).is_some() {
+                return Err(Error::invalid(format!("the query parameter {name:?} is given twice")));
+            }
+        }
+        let limit = match limit {
+            None => MAX_LIST_LIMIT,
+            Some(l) => match l.parse::<usize>() {
+                Ok(n) if (1..=MAX_LIST_LIMIT).contains(&n) => n,
+                _ => {
+                    return Err(Error::invalid(format!("limit must be an integer in 1..={MAX_LIST_LIMIT}, not {l:?}")))
+                }
+            },
+        };
+        Ok(ListQuery { prefix: prefix.unwrap_or_default(), limit })
+    }
+}
+
+/// Answers the operator routes of `leasehold serve` other than the page (`GET /leases`,
+/// `POST /leases/force-release/{key+}`); `None` for every other request. `raw_query`: the
+/// query string as it arrived (still percent-encoded), without the `?`.
+pub async fn handle_operator(coord: &Coordinator, req: &HttpRequest, raw_query: &str) -> Option<HttpResponse> {
+    let result = if req.path == "/leases" {
+        if req.method != "GET" {
+            return Some(method_not_allowed("GET", format!("use GET for /leases, not {}", req.method)));
+        }
+        match ListQuery::parse(raw_query) {
+            Ok(q) => coord.list_prefix(&q.prefix, q.limit).await.map(|l| json!({ "leases": l })),
+            Err(e) => Err(e),
+        }
+    } else if let Some(key) = req.path.strip_prefix("/leases/force-release/") {
+        match req.method.as_str() {
+            "POST" => {}
+            // GET /leases/force-release/x reads the key "force-release/x".
+            "GET" => return None,
+            m => {
+                return Some(method_not_allowed("POST", format!("use POST for /leases/force-release/{{key}}, not {m}")))
+            }
+        }
+        if !req.body.is_empty() {
+            if let Err(e) = serde_json::from_slice::<Value>(&req.body)
+                .map_err(|e| Error::invalid(format!("the body is not valid JSON: {e}")))
+                .and_then(|v| {
+                    if v.as_object().is_some_and(Map::is_empty) {
+                        Ok(())
+                    } else {
+                        Err(Error::invalid("force-release takes no fields: send {} or no body"))
+                    }
+                })
+            {
+                return Some(HttpResponse::error(&e, coord.now_ms()));
+            }
+        }
+        coord.force_release(key).await.map(|s| serde_json::to_value(s).expect("state serialises"))
+    } else {
+        return None;
+    };
+    Some(match result {
+        Ok(v) => HttpResponse::json(200, &v),
+        Err(e) => HttpResponse::error(&e, coord.now_ms()),
+    })
+}
+
 /// The OpenAPI 3 description of the HTTP API (committed as shared/openapi.json).
 pub const OPENAPI_JSON: &str = include_str!("../openapi.json");
 
@@ -411,6 +505,18 @@ mod tests {
             assert_eq!((r.status, r.header("allow")), (405, Some(allow)), "{method} {path}");
         }
         assert_eq!(route("GET", "/nothing").unwrap_err().status, 404);
+    }
+
+    #[test]
+    fn list_queries() {
+        assert_eq!(ListQuery::parse("").unwrap(), ListQuery { prefix: String::new(), limit: MAX_LIST_LIMIT });
+        assert_eq!(
+            ListQuery::parse("prefix=jobs%2Fa+b&limit=5").unwrap(),
+            ListQuery { prefix: "jobs/a b".into(), limit: 5 }
+        );
+        for bad in ["limit=0", "limit=1001", "limit=x", "limit=", "other=1", "prefix=a&prefix=b", "prefix=%FF"] {
+            assert!(matches!(ListQuery::parse(bad), Err(Error::InvalidRequest(_))), "{bad}");
+        }
     }
 
     #[test]

@@ -20,6 +20,7 @@ use tracing::Instrument;
 use crate::api::{self, HttpRequest, Operation};
 use crate::env::{config_from_env, init_tracing, StoreChoice};
 use crate::error::Error;
+use crate::keepalive::SweepReport;
 use crate::keepalive::{ExecutionState, Executions};
 use crate::protocol::Coordinator;
 
@@ -141,16 +142,73 @@ pub fn diagnostic(e: &Error) -> Diagnostic {
     Diagnostic { error_type: e.name().to_string(), error_message: e.to_json().to_string() }
 }
 
-fn emit_metric(function: &str, outcome: &str, latency_ms: f64) {
-    // CloudWatch Embedded Metric Format: one JSON line on stdout per invocation.
+/// The CloudWatch namespace of every metric the functions emit.
+pub const METRIC_NAMESPACE: &str = "leasehold";
+
+/// Per-invocation metrics with dimensions `Function` and `Outcome` (`ok` or the error name;
+/// `sweep` for a keep-alive sweep).
+pub const OUTCOME_METRICS: [&str; 2] = ["Latency", "Invocations"];
+
+/// Counts published per `Function` and over all functions (no dimension). Each invocation
+/// sends those that apply to it, 0 or more: `Acquired`, `Contended` (answered `LeaseHeld`)
+/// and `Waited` (asked to wait: `wait_ms` > 0) for acquires; `Lost` (`NotHolder`, lease gone
+/// for good: HTTP 410) for heartbeats and releases; `Throttled` for every function; and the
+/// keep-alive sweep's report: `SweepScanned`, `SweepRenewed`, `SweepReleased` (leases of
+/// executions that ended without releasing: crashed or stopped), `SweepErrors`,
+/// `SweepIncomplete` (1 when the budget or the time ran out before every shard was read).
+pub const COUNT_METRICS: [&str; 10] = [
+    "Acquired",
+    "Contended",
+    "Waited",
+    "Lost",
+    "Throttled",
+    "SweepScanned",
+    "SweepRenewed",
+    "SweepReleased",
+    "SweepErrors",
+    "SweepIncomplete",
+];
+
+/// The counts of one invocation (names from [`COUNT_METRICS`]).
+fn counts(function: Function, outcome: &str, waited: bool, lost: bool) -> Vec<(&'static str, u64)> {
+    let mut c = vec![("Throttled", u64::from(outcome == "Throttled"))];
+    match function {
+        Function::Acquire => c.extend([
+            ("Acquired", u64::from(outcome == "ok")),
+            ("Contended", u64::from(outcome == "LeaseHeld")),
+            ("Waited", u64::from(waited)),
+        ]),
+        Function::Heartbeat | Function::Release => c.push(("Lost", u64::from(lost))),
+    }
+    c
+}
+
+fn sweep_counts(r: &SweepReport) -> Vec<(&'static str, u64)> {
+    vec![
+        ("Throttled", 0),
+        ("SweepScanned", r.scanned.into()),
+        ("SweepRenewed", r.renewed.into()),
+        ("SweepReleased", r.released.into()),
+        ("SweepErrors", r.errors.into()),
+        ("SweepIncomplete", u64::from(!r.complete)),
+    ]
+}
+
+/// One CloudWatch Embedded Metric Format line: Latency and Invocations by Function and
+/// Outcome, and the counts by Function and in total.
+pub fn metric_line(function: &str, outcome: &str, latency_ms: f64, counts: &[(&'static str, u64)]) -> Value {
     let ts = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
-    let line = json!({
+    let mut line = json!({
         "_aws": {
             "Timestamp": ts,
             "CloudWatchMetrics": [{
-                "Namespace": "leasehold",
+                "Namespace": METRIC_NAMESPACE,
                 "Dimensions": [["Function", "Outcome"]],
                 "Metrics": [{"Name": "Latency", "Unit": "Milliseconds"}, {"Name": "Invocations", "Unit": "Count"}]
+            }, {
+                "Namespace": METRIC_NAMESPACE,
+                "Dimensions": [["Function"], []],
+                "Metrics": counts.iter().map(|(n, _)| json!({"Name": n, "Unit": "Count"})).collect::<Vec<_>>()
             }]
         },
         "Function": function,
@@ -158,7 +216,20 @@ fn emit_metric(function: &str, outcome: &str, latency_ms: f64) {
         "Latency": latency_ms,
         "Invocations": 1
     });
-    println!("{line}");
+    for (n, v) in counts {
+        line[*n] = json!(v);
+    }
+    line
+}
+
+fn emit_metric(function: &str, outcome: &str, latency_ms: f64, counts: &[(&'static str, u64)]) {
+    // CloudWatch Embedded Metric Format: one JSON line on stdout per invocation.
+    println!("{}", metric_line(function, outcome, latency_ms, counts));
+}
+
+/// Does an acquire request ask to wait for the key?
+fn asks_to_wait(body: Option<&Value>) -> bool {
+    body.and_then(|b| b.get("wait_ms")).and_then(Value::as_u64).is_some_and(|w| w > 0)
 }
 
 /// How long API Gateway waits for an HTTP API integration before it answers 503 itself.
@@ -215,10 +286,16 @@ impl Handler {
     pub async fn handle(&self, event: Value, remaining: Duration) -> Result<Value, Error> {
         let started = Instant::now();
         let kind = classify(&event);
+        let (mut waited, mut lost, mut sweep) = (false, false, None);
         let (result, outcome) = match kind {
             EventKind::Http => {
                 let resp = match http_request(event) {
                     Ok((req, api_remaining)) => match api::route(&req.method, &req.path) {
+                        Ok(api::Route::Op(Operation::Acquire, _)) if self.function == Function::Acquire => {
+                            waited = asks_to_wait(serde_json::from_slice::<Value>(&req.body).ok().as_ref());
+                            let remaining = api_remaining.map_or(remaining, |r| r.min(remaining));
+                            api::handle_http(&self.coord, req, Some(remaining)).await
+                        }
                         // Each function serves only its own routes, so its IAM policy is all
                         // a route can reach even if API Gateway were mis-wired.
                         Ok(api::Route::Op(op, _)) if !self.function.serves(op) => api::HttpResponse::json(
@@ -233,6 +310,7 @@ impl Handler {
                     },
                     Err(e) => api::HttpResponse::error(&e, self.coord.now_ms()),
                 };
+                lost = resp.status == 410;
                 let outcome = if resp.status == 200 {
                     "ok".to_string()
                 } else {
@@ -256,6 +334,7 @@ impl Handler {
                     complete = report.complete,
                     "keep-alive sweep"
                 );
+                sweep = Some(sweep_counts(&report));
                 (Ok(serde_json::to_value(&report).expect("report serialises")), "sweep".to_string())
             }
             EventKind::Schedule => (
@@ -265,11 +344,13 @@ impl Handler {
             EventKind::Direct => {
                 let key = event.get("key").and_then(Value::as_str).map(str::to_string);
                 let holder = event.get("holder").and_then(Value::as_str).map(str::to_string);
+                waited = self.function == Function::Acquire && asks_to_wait(Some(&event));
                 let r = api::run(&self.coord, self.function.operation(), None, event, Some(remaining)).await;
                 let outcome = match &r {
                     Ok(_) => "ok".to_string(),
                     Err(e) => e.name().to_string(),
                 };
+                lost = matches!(&r, Err(Error::NotHolder { reason, .. }) if reason.is_lost());
                 let fence = r.as_ref().ok().and_then(|v| v.get("fence")).and_then(Value::as_u64);
                 tracing::info!(
                     key = key.as_deref().unwrap_or(""), holder = holder.as_deref().unwrap_or(""),
@@ -279,7 +360,8 @@ impl Handler {
                 (r, outcome)
             }
         };
-        emit_metric(self.function.name(), &outcome, started.elapsed().as_secs_f64() * 1000.0);
+        let counts = sweep.unwrap_or_else(|| counts(self.function, &outcome, waited, lost));
+        emit_metric(self.function.name(), &outcome, started.elapsed().as_secs_f64() * 1000.0, &counts);
         result
     }
 }
@@ -287,7 +369,12 @@ impl Handler {
 impl Handler {
     /// Answers a payload that is not JSON: `InvalidRequest`, nothing read or written.
     pub fn reject_malformed(&self, parse_error: &str) -> Result<Value, Error> {
-        emit_metric(self.function.name(), "InvalidRequest", 0.0);
+        emit_metric(
+            self.function.name(),
+            "InvalidRequest",
+            0.0,
+            &counts(self.function, "InvalidRequest", false, false),
+        );
         Err(Error::invalid(format!("the payload is not valid JSON: {parse_error}")))
     }
 }
@@ -340,6 +427,45 @@ pub async fn run(function: Function) -> Result<(), lambda_runtime::Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn metric_lines_declare_what_they_carry() {
+        let sweep =
+            SweepReport { scanned: 9, renewed: 5, released: 2, errors: 1, complete: false, ..Default::default() };
+        let cases = [
+            ("acquire", "ok", counts(Function::Acquire, "ok", true, false)),
+            ("acquire", "LeaseHeld", counts(Function::Acquire, "LeaseHeld", false, false)),
+            ("heartbeat", "NotHolder", counts(Function::Heartbeat, "NotHolder", false, true)),
+            ("release", "Throttled", counts(Function::Release, "Throttled", false, false)),
+            ("heartbeat", "sweep", sweep_counts(&sweep)),
+        ];
+        for (f, outcome, c) in &cases {
+            let line = metric_line(f, outcome, 1.5, c);
+            let directives = line["_aws"]["CloudWatchMetrics"].as_array().unwrap();
+            for d in directives {
+                assert_eq!(d["Namespace"], METRIC_NAMESPACE);
+                for m in d["Metrics"].as_array().unwrap() {
+                    let name = m["Name"].as_str().unwrap();
+                    assert!(OUTCOME_METRICS.contains(&name) || COUNT_METRICS.contains(&name), "{name}");
+                    assert!(line[name].is_number(), "{name} has a value in {line}");
+                }
+                for set in d["Dimensions"].as_array().unwrap() {
+                    for dim in set.as_array().unwrap() {
+                        assert!(line[dim.as_str().unwrap()].is_string(), "dimension {dim} in {line}");
+                    }
+                }
+            }
+        }
+        let get = |i: usize, n: &str| metric_line("x", "y", 0.0, &cases[i].2)[n].as_u64();
+        assert_eq!((get(0, "Acquired"), get(0, "Waited"), get(0, "Contended")), (Some(1), Some(1), Some(0)));
+        assert_eq!((get(1, "Acquired"), get(1, "Contended")), (Some(0), Some(1)));
+        assert_eq!((get(2, "Lost"), get(2, "Acquired")), (Some(1), None));
+        assert_eq!((get(3, "Throttled"), get(3, "Lost")), (Some(1), Some(0)));
+        assert_eq!(
+            ["SweepScanned", "SweepRenewed", "SweepReleased", "SweepErrors", "SweepIncomplete"].map(|n| get(4, n)),
+            [Some(9), Some(5), Some(2), Some(1), Some(1)]
+        );
+    }
 
     #[test]
     fn http_api_remaining_counts_from_the_arrival() {

@@ -108,6 +108,7 @@ impl Record {
             expires_at_ms: self.expires_at_ms,
             duration_ms: self.duration_ms,
             released_at_ms: self.released_at_ms,
+            min_hold_until_ms: Some(self.min_hold_until_ms).filter(|m| *m > self.acquired_at_ms),
             metadata: self.metadata.clone(),
             keepalive: self.keepalive.clone(),
         }
@@ -192,6 +193,10 @@ pub struct LeaseState {
     pub duration_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub released_at_ms: Option<u64>,
+    /// A release does not free the key before this instant (acquired_at + min_hold); absent
+    /// when the lease was taken without a min-hold.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_hold_until_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metadata: Option<Map<String, Value>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -480,12 +480,18 @@ impl Coordinator {
 
     /// Keys held right now, at most `limit` of them, in the store's order.
     pub async fn list(&self, limit: usize) -> Result<Vec<LeaseState>> {
+        self.list_prefix("", limit).await
+    }
+
+    /// Keys held right now that start with `prefix`, at most `limit` of them, in the store's
+    /// order. The filter runs over the full scan (an operator listing, not a hot path).
+    pub async fn list_prefix(&self, prefix: &str, limit: usize) -> Result<Vec<LeaseState>> {
         let mut out = Vec::new();
         let mut start: Option<String> = None;
         loop {
             let page = self.store.scan(&ScanKind::All, start.as_deref(), 100).await?;
             let now = self.now_ms();
-            out.extend(page.items.iter().filter(|r| r.is_held(now)).map(|r| r.state(now)));
+            out.extend(page.items.iter().filter(|r| r.is_held(now) && r.key.starts_with(prefix)).map(|r| r.state(now)));
             if out.len() >= limit {
                 out.truncate(limit);
                 return Ok(out);

@@ -5,6 +5,7 @@ mod cli_support;
 
 use cli_support::{clean_command, output, Target};
 use serde_json::Value;
+use std::process::Command;
 
 const LEASE_FIELDS: &[&str] =
     &["key", "holder", "lease_id", "fence", "acquired_at_ms", "expires_at_ms", "duration_ms", "min_hold_until_ms"];
@@ -128,14 +129,8 @@ fn every_subcommand(t: &Target) {
     assert!(inv["message"].as_str().unwrap().contains("duration"), "{inv}");
     assert_eq!(t.run(&["acquire", "bad", "--lease-id", "short", "--json"]).code(2).json()["error"], "InvalidRequest");
 
-    if t.is_http() {
-        for args in [&["list"][..], &["force-release", "jobs/nightly"][..]] {
-            let o = t.run(args).code(2);
-            assert!(o.stderr.contains("not supported over the HTTP API"), "{o:?}");
-        }
-        return;
-    }
-
+    // list and force-release work on every target, `leasehold serve` included (its operator
+    // routes GET /leases and POST /leases/force-release/{key}).
     // list: the held keys, not the released or expired ones.
     let l = t.run(&["list", "--json"]).ok().json();
     let keys: Vec<&str> = l["leases"].as_array().unwrap().iter().map(|s| s["key"].as_str().unwrap()).collect();
@@ -149,6 +144,29 @@ fn every_subcommand(t: &Target) {
         text.stdout.starts_with("KEY") && text.stdout.contains("jobs/nightly") && text.stdout.contains("w2"),
         "{text:?}"
     );
+    // An aligned table: every column starts where its header does.
+    let lines: Vec<&str> = text.stdout.lines().collect();
+    let head = lines[0];
+    assert!(head.split_whitespace().eq(["KEY", "HOLDER", "FENCE", "EXPIRES", "IN", "STATE"]), "{head}");
+    for line in &lines[1..] {
+        assert_eq!(
+            line.chars().count() - line.split_whitespace().last().unwrap().chars().count(),
+            head.find("STATE").unwrap(),
+            "STATE column of {line:?} in\n{}",
+            text.stdout
+        );
+        assert_eq!(line.find(' '), Some(line.split_whitespace().next().unwrap().len()), "{line}");
+    }
+    let row = |k: &str| {
+        lines.iter().find(|l| l.starts_with(&format!("{k} "))).unwrap_or_else(|| panic!("{k} in {lines:?}")).to_string()
+    };
+    assert!(row("cfg/closed").ends_with(" never  fail-closed"), "{}", row("cfg/closed"));
+    assert!(row("jobs/nightly").ends_with("  held"), "{}", row("jobs/nightly"));
+    let fence = u(&t.run(&["get", "jobs/nightly", "--json"]).ok().json(), "fence").to_string();
+    assert!(row("jobs/nightly").split_whitespace().any(|c| c == fence), "{} lacks {fence}", row("jobs/nightly"));
+    let only_cfg = t.run(&["list", "--prefix", "cfg/", "--json"]).ok().json();
+    assert!(only_cfg["leases"].as_array().unwrap().iter().all(|l| l["key"].as_str().unwrap().starts_with("cfg/")));
+    assert!(only_cfg["leases"].as_array().unwrap().len() >= 2, "{only_cfg}");
 
     // force-release: frees the key at once, advances the fence; the evicted holder is out.
     let before = u(&t.run(&["get", "jobs/nightly", "--json"]).ok().json(), "fence");
@@ -315,4 +333,70 @@ fn configuration_from_the_environment_is_validated() {
     let mut c = t.cmd(&["acquire", "cfg/poll", "--json"]);
     c.env("LEASEHOLD_POLL_MAX_MS", "50");
     assert_eq!(output(c).code(0).json()["key"], "cfg/poll");
+}
+
+/// `get --watch` redraws until interrupted: the refreshes follow the key live, and SIGINT
+/// (Ctrl-C) or SIGTERM ends it with exit 0.
+fn watch_follows_the_key(t: &Target) {
+    use std::io::{BufRead, BufReader};
+    let lease = t.run(&["acquire", "watch/k", "--duration", "30s", "--json"]).ok().json();
+    let id = lease["lease_id"].as_str().unwrap().to_string();
+
+    let mut c = t.cmd(&["get", "watch/k", "--watch", "--every", "200ms", "--json"]);
+    c.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut next = || -> Value { serde_json::from_str(&lines.next().expect("a refresh").unwrap()).unwrap() };
+    let started = std::time::Instant::now();
+    for _ in 0..2 {
+        let v = next();
+        assert_eq!((v["held"].as_bool(), v["holder"].as_str()), (Some(true), Some("tester")), "{v}");
+        assert!(v.get("lease_id").is_none());
+    }
+    assert!(started.elapsed() >= std::time::Duration::from_millis(150), "refreshes are --every apart");
+    t.run(&["release", "watch/k", "--lease-id", &id]).ok();
+    let mut seen_free = false;
+    for _ in 0..25 {
+        if next()["held"] == false {
+            seen_free = true;
+            break;
+        }
+    }
+    assert!(seen_free, "the watch never showed the release");
+    let kill = |sig: &str, pid: u32| {
+        assert!(Command::new("kill").arg(format!("-{sig}")).arg(pid.to_string()).status().unwrap().success())
+    };
+    kill("INT", child.id());
+    let st = child.wait().unwrap();
+    assert_eq!(st.code(), Some(0), "Ctrl-C ends a watch with exit 0: {st:?}");
+
+    // Text: a header per refresh, the state under it; SIGTERM ends it too.
+    let mut c = t.cmd(&["get", "watch/k", "--watch", "--every", "200ms"]);
+    c.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut headers = 0;
+    while headers < 2 {
+        let line = lines.next().expect("output").unwrap();
+        if line.starts_with("every 200ms · ") && line.ends_with("Ctrl-C to stop") {
+            headers += 1;
+            let state = lines.next().unwrap().unwrap();
+            assert!(state.starts_with("\"watch/k\" is free (last holder tester"), "{state}");
+        }
+    }
+    kill("TERM", child.id());
+    assert_eq!(child.wait().unwrap().code(), Some(0));
+
+    // --every only goes with --watch.
+    assert!(t.run(&["get", "watch/k", "--every", "1s"]).code(2).stderr.contains("--watch"));
+}
+
+#[test]
+fn get_watch_embedded() {
+    watch_follows_the_key(&Target::embedded());
+}
+
+#[test]
+fn get_watch_over_http_api() {
+    watch_follows_the_key(&Target::served());
 }

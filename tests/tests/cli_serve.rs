@@ -251,3 +251,65 @@ fn listening_twice_on_one_address_fails_clearly() {
     let o = store.run(&["serve", "--addr", &server.addr]).code(1);
     assert!(o.stderr.contains("cannot listen on"), "{o:?}");
 }
+
+#[test]
+fn operator_routes_list_force_release_and_the_page() {
+    let (server, _store) = embedded_server();
+    let a = &server.addr;
+    let take = |key: &str, holder: &str| {
+        let body = format!(r#"{{"holder":"{holder}","duration_ms":30000}}"#);
+        let (s, _, b) = http(a, "POST", &format!("/leases/acquire/{key}"), &[], body.as_bytes());
+        assert_eq!(s, 200, "{b}");
+        json(&b)
+    };
+    let first = take("jobs/a", "w1");
+    take("jobs/b%20b", "w2");
+    take("other/c", "w3");
+    let keys = |query: &str| -> Vec<String> {
+        let (s, _, b) = http(a, "GET", &format!("/leases{query}"), &[], b"");
+        assert_eq!(s, 200, "{b}");
+        assert!(!b.contains("lease_id"), "a listing never carries a lease_id: {b}");
+        let mut k: Vec<String> =
+            json(&b)["leases"].as_array().unwrap().iter().map(|l| l["key"].as_str().unwrap().to_string()).collect();
+        k.sort();
+        k
+    };
+    assert_eq!(keys(""), ["jobs/a", "jobs/b b", "other/c"]);
+    assert_eq!(keys("?prefix=jobs%2F"), ["jobs/a", "jobs/b b"]);
+    assert_eq!(keys("?prefix=jobs/b+b"), ["jobs/b b"]);
+    assert_eq!(keys("?prefix=jobs/&limit=1").len(), 1);
+    for bad in ["?limit=0", "?limit=x", "?prefix=a&prefix=b", "?lease_id=1"] {
+        let (s, _, b) = http(a, "GET", &format!("/leases{bad}"), &[], b"");
+        assert_eq!((s, json(&b)["error"].as_str()), (400, Some("InvalidRequest")), "{bad}: {b}");
+    }
+    let (s, h, _) = http(a, "DELETE", "/leases", &[], b"");
+    assert_eq!((s, header(&h, "allow")), (405, Some("GET")));
+
+    // Force-release needs application/json: a cross-site form post cannot send it.
+    let (s, _, b) = http(a, "POST", "/leases/force-release/jobs/a", &[("content-type", "text/plain")], b"{}");
+    assert_eq!((s, json(&b)["error"].as_str()), (415, Some("InvalidRequest")));
+    let ct = [("content-type", "application/json")];
+    let (s, _, b) = http(a, "POST", "/leases/force-release/jobs/a", &ct, br#"{"x":1}"#);
+    assert_eq!((s, json(&b)["error"].as_str()), (400, Some("InvalidRequest")));
+    let (s, _, b) = http(a, "POST", "/leases/force-release/jobs/a", &ct, b"{}");
+    assert_eq!(s, 200, "{b}");
+    let freed = json(&b);
+    assert_eq!((freed["held"].as_bool(), freed["holder"].as_str()), (Some(false), Some("w1")));
+    assert!(freed["fence"].as_u64() > first["fence"].as_u64());
+    assert!(freed.get("lease_id").is_none());
+    assert_eq!(keys(""), ["jobs/b b", "other/c"]);
+    let (s, _, b) = http(a, "POST", "/leases/force-release/never/taken", &ct, b"");
+    assert_eq!((s, json(&b)["error"].as_str()), (404, Some("NotFound")));
+    let (s, h, _) = http(a, "PUT", "/leases/force-release/jobs/a", &ct, b"");
+    assert_eq!((s, header(&h, "allow")), (405, Some("POST")));
+    // GET is still a read: the key "force-release/jobs/a" was never taken.
+    assert_eq!(http(a, "GET", "/leases/force-release/jobs/a", &[], b"").0, 404);
+
+    // The page: static HTML over these routes.
+    let (s, h, b) = http(a, "GET", "/", &[], b"");
+    assert_eq!((s, header(&h, "content-type")), (200, Some("text/html; charset=utf-8")));
+    assert!(header(&h, "content-security-policy").is_some_and(|c| c.contains("frame-ancestors 'none'")));
+    assert!(b.contains("fetch(\"/leases?") && b.contains("/leases/force-release/") && !b.contains("lease_id"));
+    let (s, h, _) = http(a, "POST", "/", &[], b"");
+    assert_eq!((s, header(&h, "allow")), (405, Some("GET")));
+}

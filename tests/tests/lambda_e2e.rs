@@ -526,6 +526,18 @@ async fn direct_invoke_flow_acquire_held_heartbeat_release_reacquire() {
         assert!(!log.contains(id), "a lease_id was logged");
     }
     assert!(log.contains("\"Namespace\":\"leasehold\""), "an EMF metric line per invocation");
+    // The counts the dashboard and alarms read: an acquire, a heartbeat that found its lease
+    // gone (Lost), one that renewed (not lost).
+    let emf: Vec<Value> = log
+        .lines()
+        .filter(|l| l.contains("\"_aws\""))
+        .filter_map(|l| l.find('{').and_then(|i| serde_json::from_str(&l[i..]).ok()))
+        .collect();
+    let has = |function: &str, outcome: &str, metric: &str, value: u64| {
+        emf.iter().any(|m| m["Function"] == function && m["Outcome"] == outcome && m[metric] == value)
+    };
+    assert!(has("acquire", "ok", "Acquired", 1) && has("acquire", "ok", "Contended", 0), "{emf:#?}");
+    assert!(has("heartbeat", "NotHolder", "Lost", 1) && has("heartbeat", "ok", "Lost", 0), "{emf:#?}");
     lab.assert_no_respawn();
 }
 

@@ -728,3 +728,154 @@ fn sam_build_builds_the_architecture_sam_deploy_deploys() {
     let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
     assert!(readme.contains("Architecture=x86_64"), "the README says how to build for the other architecture");
 }
+
+// ---- observability -------------------------------------------------------------------------
+
+/// The dashboard body with its `${...}` substitutions replaced, parsed.
+fn dashboard_body() -> Value {
+    let dashboards = resources_of(raw(), "AWS::CloudWatch::Dashboard");
+    assert_eq!(dashboards.len(), 1, "one dashboard");
+    let sub = dashboards[0].1["Properties"]["DashboardBody"]["Fn::Sub"].as_str().expect("a !Sub body");
+    let mut text = String::new();
+    let mut rest = sub;
+    while let Some(i) = rest.find("${") {
+        let end = rest[i..].find('}').expect("closed ${") + i;
+        let name = &rest[i + 2..end];
+        if name != "AWS::Region" {
+            // Only an alarm's ARN, each named by the template.
+            let alarm = name.strip_suffix(".Arn").unwrap_or_else(|| panic!("unexpected substitution ${{{name}}}"));
+            assert_eq!(raw()["Resources"][alarm]["Type"], "AWS::CloudWatch::Alarm", "{name}");
+        }
+        text.push_str(&rest[..i]);
+        text.push_str(&format!("SUB:{name}"));
+        rest = &rest[end + 1..];
+    }
+    text.push_str(rest);
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("the dashboard body is not JSON once substituted: {e}"))
+}
+
+/// The dimensions a metric is emitted with (shared/src/lambda.rs): Latency and Invocations by
+/// Function and Outcome; the counts by Function or with none.
+fn emitted_with(metric: &str, dims: &[(&str, &str)]) -> bool {
+    use leasehold::lambda::{COUNT_METRICS, OUTCOME_METRICS};
+    let names: Vec<&str> = dims.iter().map(|(n, _)| *n).collect();
+    let functions = ["acquire", "heartbeat", "release"];
+    let values_ok = dims.iter().all(|(n, v)| match *n {
+        "Function" => functions.contains(v),
+        "Outcome" => !v.is_empty(),
+        _ => false,
+    });
+    values_ok
+        && if OUTCOME_METRICS.contains(&metric) {
+            names == ["Function", "Outcome"]
+        } else {
+            COUNT_METRICS.contains(&metric) && (names.is_empty() || names == ["Function"])
+        }
+}
+
+#[test]
+fn the_dashboard_reads_the_metrics_the_functions_emit() {
+    use leasehold::lambda::{COUNT_METRICS, METRIC_NAMESPACE};
+    let body = dashboard_body();
+    let mut shown: BTreeSet<String> = BTreeSet::new();
+    let mut stats: BTreeSet<String> = BTreeSet::new();
+    let mut alarms_listed: BTreeSet<String> = BTreeSet::new();
+    for w in body["widgets"].as_array().expect("widgets") {
+        let p = &w["properties"];
+        match w["type"].as_str() {
+            Some("metric") => {
+                assert_eq!(p["region"], "SUB:AWS::Region", "{w}");
+                for m in p["metrics"].as_array().expect("metrics") {
+                    let parts = m.as_array().unwrap();
+                    let (opts, plain) = match parts.last() {
+                        Some(Value::Object(o)) => (Some(o), &parts[..parts.len() - 1]),
+                        _ => (None, &parts[..]),
+                    };
+                    let plain: Vec<&str> = plain.iter().map(|v| v.as_str().expect("a string")).collect();
+                    assert_eq!(plain[0], METRIC_NAMESPACE, "{m}");
+                    let dims: Vec<(&str, &str)> = plain[2..].chunks(2).map(|c| (c[0], c[1])).collect();
+                    assert!(emitted_with(plain[1], &dims), "the functions never emit {m}");
+                    shown.insert(plain[1].to_string());
+                    let stat = opts.and_then(|o| o.get("stat")).or(p.get("stat")).and_then(Value::as_str);
+                    let stat = stat.unwrap_or_else(|| panic!("{m} has a statistic"));
+                    stats.insert(format!("{}:{stat}", plain[1]));
+                }
+            }
+            Some("alarm") => {
+                for a in p["alarms"].as_array().unwrap() {
+                    alarms_listed
+                        .insert(a.as_str().unwrap().trim_start_matches("SUB:").trim_end_matches(".Arn").into());
+                }
+            }
+            other => panic!("unexpected widget type {other:?}"),
+        }
+    }
+    // Every count is on the dashboard, with latency percentiles.
+    for metric in COUNT_METRICS {
+        assert!(shown.contains(metric), "{metric} is not on the dashboard");
+    }
+    for p in ["p50", "p90", "p99"] {
+        assert!(stats.contains(&format!("Latency:{p}")), "latency {p}: {stats:?}");
+    }
+    // The alarm widget shows every alarm of the template.
+    let alarms: BTreeSet<String> =
+        resources_of(raw(), "AWS::CloudWatch::Alarm").into_iter().map(|(n, _)| n.to_string()).collect();
+    assert_eq!(alarms_listed, alarms);
+}
+
+#[test]
+fn alarms_watch_the_sweep_and_throttles_and_notify_the_optional_topic() {
+    let t = raw();
+    assert_eq!(t["Parameters"]["AlarmTopicArn"]["Default"], "");
+    assert_eq!(t["Conditions"]["HasAlarmTopic"], json!({"Fn::Not": [{"Fn::Equals": [{"Ref": "AlarmTopicArn"}, ""]}]}));
+    let alarms = resources_of(t, "AWS::CloudWatch::Alarm");
+    let mut watched = BTreeSet::new();
+    for (name, a) in &alarms {
+        let p = &a["Properties"];
+        assert_eq!(p["Namespace"], leasehold::lambda::METRIC_NAMESPACE, "{name}");
+        let metric = p["MetricName"].as_str().unwrap();
+        let dims: Vec<(&str, &str)> = as_list(&p["Dimensions"])
+            .iter()
+            .map(|d| (d["Name"].as_str().unwrap(), d["Value"].as_str().unwrap()))
+            .collect();
+        assert!(emitted_with(metric, &dims), "{name}: the functions never emit {metric} with {dims:?}");
+        assert_eq!(
+            p["AlarmActions"],
+            json!({"Fn::If": ["HasAlarmTopic", [{"Ref": "AlarmTopicArn"}], {"Ref": "AWS::NoValue"}]}),
+            "{name} notifies the topic when one is given"
+        );
+        assert!(p["AlarmDescription"].as_str().is_some_and(|d| d.len() > 40), "{name} tells the operator what to do");
+        watched.insert(format!("{metric}:{}", p["ComparisonOperator"].as_str().unwrap()));
+        if metric == "Invocations" {
+            // No sweep at all: missing data is the failure itself.
+            assert_eq!(dims, [("Function", "heartbeat"), ("Outcome", "sweep")]);
+            assert_eq!(p["TreatMissingData"], "breaching", "{name}");
+            assert_eq!(p["Period"]["Fn::FindInMap"][1], json!({"Ref": "KeepaliveSweepPeriodMinutes"}));
+        } else {
+            assert_eq!(p["TreatMissingData"], "notBreaching", "{name}");
+        }
+    }
+    let want: BTreeSet<String> = [
+        "SweepErrors:GreaterThanOrEqualToThreshold",
+        "SweepIncomplete:GreaterThanOrEqualToThreshold",
+        "Invocations:LessThanThreshold",
+        "Throttled:GreaterThanOrEqualToThreshold",
+        "SweepReleased:GreaterThanOrEqualToThreshold",
+    ]
+    .into_iter()
+    .map(String::from)
+    .collect();
+    assert_eq!(watched, want);
+    // "Sustained" throttling: every datapoint of 5 one-minute periods.
+    let (_, throttled) = alarms.iter().find(|(_, a)| a["Properties"]["MetricName"] == "Throttled").unwrap();
+    assert_eq!(
+        (throttled["Properties"]["EvaluationPeriods"].as_u64(), throttled["Properties"]["DatapointsToAlarm"].as_u64()),
+        (Some(5), Some(5))
+    );
+    // One "not running" period per sweep period the template allows: 3 sweep periods.
+    let periods = t["Mappings"]["SweepPeriod"].as_object().unwrap();
+    for (minutes, m) in periods {
+        let s = t["Mappings"]["SweepAlarm"][minutes]["MissingPeriodS"].as_u64();
+        assert_eq!(s, m["Ms"].as_u64().map(|ms| ms * 3 / 1000), "sweep period {minutes}");
+    }
+}
