@@ -6,6 +6,7 @@
 #     and cargo-audit (the offline dependency audit)
 #   - the browser test's parts: Debian's chromium package (apt-get, as root) and
 #     playwright-core (npm, pinned) to drive it
+#   - Debian's faketime (apt-get, as root): the safety run's coordinators on wrong clocks
 # Needs only what a fresh machine has: the Rust toolchain, Python/pip, Node/npm and Java 17.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -48,15 +49,18 @@ if [ ! -f "$stamp" ]; then
   "$venv/bin/pip" install --quiet --disable-pip-version-check "${PY_PACKAGES[@]}"
   touch "$stamp"
 fi
-# --- Browser test: Chromium and playwright-core ----------------------------------------
-if [ ! -x /usr/bin/chromium ]; then
-  log "chromium (Debian package)"
+# --- Debian packages: chromium (browser test), faketime (coordinators on wrong clocks) ---
+apt_packages=()
+[ -x /usr/bin/chromium ] || apt_packages+=(chromium)
+command -v faketime >/dev/null || apt_packages+=(faketime)
+if [ "${#apt_packages[@]}" -gt 0 ]; then
+  log "Debian packages: ${apt_packages[*]}"
   if [ "$(id -u)" -ne 0 ]; then
-    log "installing chromium needs root: run 'sudo apt-get install chromium', then this script again"
+    log "installing ${apt_packages[*]} needs root: run 'sudo apt-get install ${apt_packages[*]}', then this script again"
     exit 1
   fi
   apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${apt_packages[@]}" >/dev/null
 fi
 browser="$tools/browser"
 if [ ! -f "$browser/node_modules/playwright-core/.installed-$PLAYWRIGHT_CORE_VERSION" ]; then
@@ -66,4 +70,4 @@ if [ ! -f "$browser/node_modules/playwright-core/.installed-$PLAYWRIGHT_CORE_VER
   (cd "$browser" && npm install --silent --no-audit --no-fund --save-exact "playwright-core@$PLAYWRIGHT_CORE_VERSION")
   touch "$browser/node_modules/playwright-core/.installed-$PLAYWRIGHT_CORE_VERSION"
 fi
-log "ready: $ddb_dir, $venv, $browser, /usr/bin/chromium"
+log "ready: $ddb_dir, $venv, $browser, /usr/bin/chromium, $(command -v faketime)"
