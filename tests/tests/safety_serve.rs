@@ -473,7 +473,8 @@ async fn serve_safety_run(seconds: u64, rogue_clocks: &[f64]) {
     assert!(t.acquired.load(Ordering::Relaxed) >= 2, "the key never changed hands");
     assert!(t.heartbeats.load(Ordering::Relaxed) >= 5, "too few renewals to mean anything");
     if rogue_holders > 0 {
-        let refused = t.errors.lock().unwrap().iter().filter(|(k, _)| k.contains("ClockSkew")).map(|(_, n)| *n).sum::<u64>();
+        let refused =
+            t.errors.lock().unwrap().iter().filter(|(k, _)| k.contains("ClockSkew")).map(|(_, n)| *n).sum::<u64>();
         assert_eq!(sh.rogue_granted.load(Ordering::Relaxed), 0, "a coordinator with a wrong clock granted a lease");
         assert!(refused > 0, "the wrong clocks were never refused with ClockSkew: {:?}", t.errors.lock().unwrap());
     }
