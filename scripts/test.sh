@@ -25,10 +25,21 @@ cargo build --workspace --all-targets --locked
 
 echo "== tests"
 log="$(mktemp)"
+# Anything a test started from this tree and left running (a server whose test panicked) is
+# stopped when the tests end: it would otherwise keep this script's output open.
+leftovers() {
+  pkill -TERM -f "$root/target/" 2>/dev/null || true
+  pkill -TERM -f "$root/.tools/" 2>/dev/null || true
+}
+trap leftovers EXIT
 set +e
-cargo test --workspace --locked --no-fail-fast -- --test-threads "${LEASEHOLD_TEST_THREADS:-8}" 2>&1 | tee "$log"
-status=${PIPESTATUS[0]}
+# The output goes to the terminal and the log through a process substitution, so the script
+# waits for cargo only, not for whatever might still hold the pipe.
+cargo test --workspace --locked --no-fail-fast -- --test-threads "${LEASEHOLD_TEST_THREADS:-8}" > >(tee "$log") 2>&1
+status=$?
 set -e
+leftovers
+sleep 0.5
 # One closing line for the whole suite (cargo prints one per test binary).
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i; if ($(i+1) ~ /^ignored/) s += $i } }
      END { printf "tests: %d passed, %d failed, %d skipped\n", p, f, s }' "$log"

@@ -232,12 +232,19 @@ pub fn clean_command() -> Command {
 }
 
 /// The binary, as [`clean_command`], with its wall clock shifted by `offset_s` seconds (Debian's
-/// `faketime`, installed by scripts/install-test-deps.sh; the monotonic clock is left alone):
-/// a coordinator on a machine whose clock is wrong.
+/// libfaketime, installed by scripts/install-test-deps.sh, preloaded into the binary itself, so
+/// that the process a test stops is the server; the monotonic clock is left alone): a
+/// coordinator on a machine whose clock is wrong.
 pub fn command_with_clock(offset_s: f64) -> Command {
-    let faketime = ["/usr/bin/faketime", "/usr/local/bin/faketime"].into_iter().find(|p| Path::new(p).exists());
-    let mut c = Command::new(faketime.expect("faketime is not installed: run scripts/install-test-deps.sh"));
-    c.arg("-f").arg(format!("{offset_s:+}")).arg(bin()).env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+    let lib = std::fs::read_dir("/usr/lib")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|d| d.path().join("faketime/libfaketimeMT.so.1"))
+        .find(|p| p.exists())
+        .expect("libfaketime is not installed: run scripts/install-test-deps.sh");
+    let mut c = Command::new(bin());
+    c.env("LD_PRELOAD", lib).env("FAKETIME", format!("{offset_s:+}")).env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
     clean(c)
 }
 
