@@ -172,7 +172,7 @@ fn shutdown_signal() -> impl std::future::Future<Output = ()> {
 
 fn too_large() -> HttpResponse {
     let e = Error::invalid(format!("the body is larger than {MAX_BODY_BYTES} bytes"));
-    let mut r = HttpResponse::json(413, &e.to_json());
+    let mut r = HttpResponse::error(&e, 0).with_status(413);
     r.headers.push(("connection".into(), "close".into()));
     r
 }
@@ -199,10 +199,11 @@ async fn handle(coord: Coordinator, req: Request<Incoming>) -> Result<Response<F
                 Ok(req) if req.path.starts_with("/leases/force-release/") && method == "POST" && !json_body => {
                     // A browser sends application/json across origins only after a preflight
                     // this server never approves: another site's page cannot force-release.
-                    HttpResponse::json(
-                        415,
-                        &Error::invalid("force-release needs the header content-type: application/json").to_json(),
+                    HttpResponse::error(
+                        &Error::invalid("force-release needs the header content-type: application/json"),
+                        0,
                     )
+                    .with_status(415)
                 }
                 Ok(req) => {
                     let query = path.split_once('?').map(|(_, q)| q).unwrap_or("");
@@ -214,9 +215,7 @@ async fn handle(coord: Coordinator, req: Request<Incoming>) -> Result<Response<F
                 Err(resp) => resp,
             },
             Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => too_large(),
-            Err(e) => {
-                HttpResponse::json(400, &Error::invalid(format!("could not read the request body: {e}")).to_json())
-            }
+            Err(e) => HttpResponse::error(&Error::invalid(format!("could not read the request body: {e}")), 0),
         }
     };
     Ok(to_hyper(resp))
@@ -228,12 +227,7 @@ const PAGE_HTML: &str = include_str!("page.html");
 
 fn page(method: &str) -> HttpResponse {
     if method != "GET" && method != "HEAD" {
-        let mut r = HttpResponse::json(
-            405,
-            &serde_json::json!({"error": "MethodNotAllowed", "message": format!("use GET for /, not {method}")}),
-        );
-        r.headers.push(("allow".into(), "GET".into()));
-        return r;
+        return api::method_not_allowed("GET", format!("use GET for /, not {method}"));
     }
     HttpResponse {
         status: 200,
@@ -247,6 +241,7 @@ fn page(method: &str) -> HttpResponse {
             ("x-content-type-options".into(), "nosniff".into()),
         ],
         body: PAGE_HTML.to_string(),
+        error: None,
     }
 }
 

@@ -6,13 +6,14 @@ use std::sync::Arc;
 use leasehold::api::{self, AcquireRequest, HeartbeatRequest, Operation, ReleaseRequest};
 use leasehold::env::StoreChoice;
 use leasehold::store::Store;
-use leasehold::{Coordinator, Error};
+use leasehold::{Coordinator, Error, ErrorName};
 use serde_json::{json, Value};
 
 use crate::client::{self, Endpoint};
 use crate::{exit, Global};
 
-/// A failed command: the API's error JSON (`{"error": NAME, "message": ...}`) and an exit code.
+/// A failed command: the error JSON printed by `--json` (`{"error": NAME, "message": ...}`) and
+/// the exit code of its name.
 #[derive(Debug, Clone)]
 pub struct Failure {
     pub json: Value,
@@ -20,43 +21,43 @@ pub struct Failure {
 }
 
 impl Failure {
-    pub fn new(name: &str, message: impl Into<String>, code: i32) -> Failure {
-        Failure { json: json!({ "error": name, "message": message.into() }), code }
+    pub fn new(name: ErrorName, message: impl Into<String>) -> Failure {
+        Failure { json: json!({ "error": name.as_str(), "message": message.into() }), code: code_of(Some(name)) }
     }
 
     pub fn usage(message: impl Into<String>) -> Failure {
-        Failure::new("InvalidRequest", message, exit::USAGE)
+        Failure::new(ErrorName::InvalidRequest, message)
     }
 
     pub fn unreachable(message: impl Into<String>) -> Failure {
-        Failure::new("StoreUnavailable", message, exit::STORE)
+        Failure::new(ErrorName::StoreUnavailable, message)
     }
 
     pub fn message(&self) -> String {
         self.json.get("message").and_then(Value::as_str).unwrap_or("unknown error").to_string()
     }
 
-    /// From an error JSON body (local error or HTTP answer).
+    /// From the error body of an HTTP answer (`--url`): the only place a name is read from text.
     pub fn from_json(json: Value) -> Failure {
-        let code = code_of(json.get("error").and_then(Value::as_str).unwrap_or(""));
+        let code = code_of(json.get("error").and_then(Value::as_str).and_then(ErrorName::parse));
         Failure { json, code }
     }
 }
 
 impl From<Error> for Failure {
     fn from(e: Error) -> Failure {
-        Failure::from_json(e.to_json())
+        Failure { json: e.to_json(), code: code_of(Some(e.error_name())) }
     }
 }
 
-/// The exit code of an error name.
-pub fn code_of(name: &str) -> i32 {
+/// The exit code of an error.
+pub fn code_of(name: Option<ErrorName>) -> i32 {
+    use ErrorName::*;
     match name {
-        "LeaseHeld" => exit::HELD,
-        "NotHolder" | "NotFound" => exit::FAILED,
-        "InvalidRequest" | "MethodNotAllowed" | "UnknownRoute" => exit::USAGE,
-        "StoreUnavailable" | "Throttled" | "OutcomeUnknown" | "ClockSkew" => exit::STORE,
-        _ => exit::FAILED,
+        Some(LeaseHeld) => exit::HELD,
+        Some(NotHolder | NotFound) | None => exit::FAILED,
+        Some(InvalidRequest | MethodNotAllowed | UnknownRoute) => exit::USAGE,
+        Some(StoreUnavailable | Throttled | OutcomeUnknown | ClockSkew) => exit::STORE,
     }
 }
 

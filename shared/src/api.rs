@@ -7,7 +7,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorName, Result};
 use crate::model::Keepalive;
 use crate::protocol::{AcquireOptions, Coordinator};
 use crate::validate;
@@ -207,7 +207,7 @@ impl HttpRequest {
     pub fn from_raw(method: &str, raw_path: &str, body: Vec<u8>) -> std::result::Result<HttpRequest, HttpResponse> {
         let path = raw_path.split('?').next().unwrap_or("");
         let path = percent_encoding::percent_decode_str(path).decode_utf8().map_err(|_| {
-            route_error(400, "InvalidRequest", "the path is not valid UTF-8 once percent-decoded".into())
+            route_error(400, ErrorName::InvalidRequest, "the path is not valid UTF-8 once percent-decoded".into())
         })?;
         Ok(HttpRequest { method: method.to_string(), path: path.into_owned(), key: None, body })
     }
@@ -218,6 +218,9 @@ pub struct HttpResponse {
     pub status: u16,
     pub headers: Vec<(String, String)>,
     pub body: String,
+    /// The error this response answers with (`None`: a success): what adapters count and log,
+    /// without reading the body back.
+    pub error: Option<ErrorName>,
 }
 
 impl HttpResponse {
@@ -226,10 +229,11 @@ impl HttpResponse {
             status,
             headers: vec![("content-type".into(), "application/json".into())],
             body: body.to_string(),
+            error: None,
         }
     }
 
-    fn with_status(mut self, status: u16) -> Self {
+    pub fn with_status(mut self, status: u16) -> Self {
         self.status = status;
         self
     }
@@ -241,6 +245,7 @@ impl HttpResponse {
     /// The response for an error: status, `Retry-After` where retrying makes sense, JSON body.
     pub fn error(e: &Error, now_ms: u64) -> Self {
         let mut r = HttpResponse::json(http_status(e), &e.to_json());
+        r.error = Some(e.error_name());
         let retry_after = match e {
             Error::LeaseHeld { expires_at_ms: Some(exp), .. } => Some(exp.saturating_sub(now_ms).div_ceil(1000).max(1)),
             Error::LeaseHeld { expires_at_ms: None, .. } => Some(1),
@@ -283,13 +288,16 @@ pub enum Route {
     Health,
 }
 
-fn route_error(status: u16, name: &str, message: String) -> HttpResponse {
-    HttpResponse::json(status, &json!({ "error": name, "message": message }))
+/// An error of the router itself (`UnknownRoute`, `MethodNotAllowed`, ...).
+pub fn route_error(status: u16, name: ErrorName, message: String) -> HttpResponse {
+    let mut r = HttpResponse::json(status, &json!({ "error": name.as_str(), "message": message }));
+    r.error = Some(name);
+    r
 }
 
 /// 405 with the `Allow` header naming the method that route takes (RFC 9110).
-fn method_not_allowed(allow: &str, message: String) -> HttpResponse {
-    let mut r = route_error(405, "MethodNotAllowed", message);
+pub fn method_not_allowed(allow: &str, message: String) -> HttpResponse {
+    let mut r = route_error(405, ErrorName::MethodNotAllowed, message);
     r.headers.push(("allow".into(), allow.into()));
     r
 }
@@ -319,7 +327,7 @@ pub fn route(method: &str, path: &str) -> std::result::Result<Route, HttpRespons
         return Ok(Route::Health);
     }
     let Some(rest) = path.find("/leases/").map(|i| &path[i + "/leases/".len()..]) else {
-        return Err(route_error(404, "UnknownRoute", format!("no route for {method} {path}")));
+        return Err(route_error(404, ErrorName::UnknownRoute, format!("no route for {method} {path}")));
     };
     if method == "GET" {
         return Ok(Route::Op(Operation::Get, rest.to_string()));
@@ -447,6 +455,7 @@ pub async fn handle_http(coord: &Coordinator, req: HttpRequest, remaining: Optio
                 status: 200,
                 headers: vec![("content-type".into(), "application/json".into())],
                 body: OPENAPI_JSON.to_string(),
+                error: None,
             }
         }
         Route::Health => return HttpResponse::json(200, &json!({"status": "ok", "store": coord.store().name()})),
@@ -478,6 +487,26 @@ pub async fn handle_http(coord: &Coordinator, req: HttpRequest, remaining: Optio
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The error names the OpenAPI document lists are exactly the names adapters map from.
+    #[test]
+    fn openapi_lists_every_error_name() {
+        let doc: Value = serde_json::from_str(OPENAPI_JSON).unwrap();
+        let listed: Vec<&str> = doc["components"]["schemas"]["Error"]["properties"]["error"]["enum"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap())
+            .collect();
+        let mut named: Vec<&str> = ErrorName::ALL.iter().map(|n| n.as_str()).collect();
+        let mut listed_sorted = listed.clone();
+        listed_sorted.sort_unstable();
+        named.sort_unstable();
+        assert_eq!(listed_sorted, named);
+        for n in ErrorName::ALL {
+            assert_eq!(ErrorName::parse(n.as_str()), Some(n));
+        }
+    }
 
     fn op(method: &str, path: &str) -> (Operation, String) {
         match route(method, path) {

@@ -37,6 +37,72 @@ impl NotHolderReason {
     }
 }
 
+/// Every `error` name an interface answers with: the [`Error`] variants, and the HTTP
+/// router's own two. Adapters map from it (Lambda `errorType`, CLI exit codes, metrics), never
+/// from the text of a body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorName {
+    LeaseHeld,
+    NotHolder,
+    NotFound,
+    InvalidRequest,
+    StoreUnavailable,
+    Throttled,
+    OutcomeUnknown,
+    ClockSkew,
+    /// HTTP only: no route for the path (or not on this function).
+    UnknownRoute,
+    /// HTTP only: the route takes another method (with `Allow`).
+    MethodNotAllowed,
+}
+
+impl ErrorName {
+    pub const ALL: [ErrorName; 10] = [
+        ErrorName::LeaseHeld,
+        ErrorName::NotHolder,
+        ErrorName::NotFound,
+        ErrorName::InvalidRequest,
+        ErrorName::StoreUnavailable,
+        ErrorName::Throttled,
+        ErrorName::OutcomeUnknown,
+        ErrorName::ClockSkew,
+        ErrorName::UnknownRoute,
+        ErrorName::MethodNotAllowed,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorName::LeaseHeld => "LeaseHeld",
+            ErrorName::NotHolder => "NotHolder",
+            ErrorName::NotFound => "NotFound",
+            ErrorName::InvalidRequest => "InvalidRequest",
+            ErrorName::StoreUnavailable => "StoreUnavailable",
+            ErrorName::Throttled => "Throttled",
+            ErrorName::OutcomeUnknown => "OutcomeUnknown",
+            ErrorName::ClockSkew => "ClockSkew",
+            ErrorName::UnknownRoute => "UnknownRoute",
+            ErrorName::MethodNotAllowed => "MethodNotAllowed",
+        }
+    }
+
+    /// The name an answer carries (`None`: not one of ours).
+    pub fn parse(name: &str) -> Option<ErrorName> {
+        ErrorName::ALL.into_iter().find(|n| n.as_str() == name)
+    }
+}
+
+impl std::fmt::Display for ErrorName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl From<&Error> for ErrorName {
+    fn from(e: &Error) -> ErrorName {
+        e.error_name()
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Error {
     #[error("lease on {key:?} is held by {holder:?} {}", until(*expires_at_ms))]
@@ -94,17 +160,22 @@ impl Error {
         Error::InvalidRequest(msg.into())
     }
 
-    /// The stable machine name of this error.
+    /// The stable machine name of this error, as text (logs, metrics).
     pub fn name(&self) -> &'static str {
+        self.error_name().as_str()
+    }
+
+    /// The stable machine name of this error.
+    pub fn error_name(&self) -> ErrorName {
         match self {
-            Error::LeaseHeld { .. } => "LeaseHeld",
-            Error::NotHolder { .. } => "NotHolder",
-            Error::NotFound { .. } => "NotFound",
-            Error::InvalidRequest(_) => "InvalidRequest",
-            Error::StoreUnavailable(_) => "StoreUnavailable",
-            Error::Throttled(_) => "Throttled",
-            Error::OutcomeUnknown { .. } => "OutcomeUnknown",
-            Error::ClockSkew(_) => "ClockSkew",
+            Error::LeaseHeld { .. } => ErrorName::LeaseHeld,
+            Error::NotHolder { .. } => ErrorName::NotHolder,
+            Error::NotFound { .. } => ErrorName::NotFound,
+            Error::InvalidRequest(_) => ErrorName::InvalidRequest,
+            Error::StoreUnavailable(_) => ErrorName::StoreUnavailable,
+            Error::Throttled(_) => ErrorName::Throttled,
+            Error::OutcomeUnknown { .. } => ErrorName::OutcomeUnknown,
+            Error::ClockSkew(_) => ErrorName::ClockSkew,
         }
     }
 
@@ -126,12 +197,12 @@ impl Error {
 
     /// Errors that may succeed when the same request is sent again.
     pub fn is_transient(&self) -> bool {
-        matches!(self, Error::StoreUnavailable(_) | Error::Throttled(_))
+        matches!(self, Error::StoreUnavailable(_) | Error::Throttled(_) | Error::OutcomeUnknown { .. })
     }
 
     /// `{"error": NAME, "message": ..., <details>}`: the body of every JSON error.
     pub fn to_json(&self) -> Value {
-        let mut body = json!({ "error": self.name(), "message": self.to_string() });
+        let mut body = json!({ "error": self.error_name().as_str(), "message": self.to_string() });
         let obj = body.as_object_mut().expect("object");
         match self {
             Error::LeaseHeld { key, holder, expires_at_ms } => {

@@ -19,7 +19,7 @@ use tracing::Instrument;
 
 use crate::api::{self, HttpRequest, Operation};
 use crate::env::{config_from_env, init_tracing, StoreChoice};
-use crate::error::Error;
+use crate::error::{Error, ErrorName};
 use crate::keepalive::SweepReport;
 use crate::keepalive::{ExecutionState, Executions};
 use crate::protocol::Coordinator;
@@ -138,8 +138,10 @@ pub struct Handler {
 
 /// The error of a direct invoke: `errorType` = stable name, `errorMessage` = the JSON error
 /// body (a state machine can read its fields with `States.StringToJson($.Cause)`).
-pub fn diagnostic(e: &Error) -> Diagnostic {
-    Diagnostic { error_type: e.name().to_string(), error_message: e.to_json().to_string() }
+impl From<&Error> for Diagnostic {
+    fn from(e: &Error) -> Diagnostic {
+        Diagnostic { error_type: e.error_name().as_str().to_string(), error_message: e.to_json().to_string() }
+    }
 }
 
 /// The CloudWatch namespace of every metric the functions emit.
@@ -298,9 +300,10 @@ impl Handler {
                         }
                         // Each function serves only its own routes, so its IAM policy is all
                         // a route can reach even if API Gateway were mis-wired.
-                        Ok(api::Route::Op(op, _)) if !self.function.serves(op) => api::HttpResponse::json(
+                        Ok(api::Route::Op(op, _)) if !self.function.serves(op) => api::route_error(
                             404,
-                            &json!({"error": "UnknownRoute", "message": format!("the {} function does not serve {} {}", self.function.name(), req.method, req.path)}),
+                            ErrorName::UnknownRoute,
+                            format!("the {} function does not serve {} {}", self.function.name(), req.method, req.path),
                         ),
                         // An acquire waits no longer than API Gateway does for the answer.
                         _ => {
@@ -311,14 +314,7 @@ impl Handler {
                     Err(e) => api::HttpResponse::error(&e, self.coord.now_ms()),
                 };
                 lost = resp.status == 410;
-                let outcome = if resp.status == 200 {
-                    "ok".to_string()
-                } else {
-                    serde_json::from_str::<Value>(&resp.body)
-                        .ok()
-                        .and_then(|v| v.get("error").and_then(Value::as_str).map(str::to_string))
-                        .unwrap_or_else(|| resp.status.to_string())
-                };
+                let outcome = resp.error.map_or("ok", ErrorName::as_str).to_string();
                 (Ok(http_response(resp)), outcome)
             }
             EventKind::Schedule if self.function == Function::Heartbeat => {
@@ -418,7 +414,7 @@ pub async fn run(function: Function) -> Result<(), lambda_runtime::Error> {
                 Payload::Json(event) => handler.handle(event, remaining).instrument(span).await,
                 Payload::Malformed(e) => handler.reject_malformed(&e),
             };
-            result.map_err(|e| diagnostic(&e))
+            result.map_err(|e| Diagnostic::from(&e))
         }
     }))
     .await

@@ -18,7 +18,7 @@ pub mod protocol;
 pub mod store;
 pub mod validate;
 
-pub use error::{Error, NotHolderReason, Result};
+pub use error::{Error, ErrorName, NotHolderReason, Result};
 pub use holder::{HeldLease, HoldState, Lost};
 pub use model::{Keepalive, Lease, LeaseId, LeaseState, Record, Released};
 pub use protocol::{AcquireOptions, Config, Coordinator};

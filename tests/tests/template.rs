@@ -543,7 +543,7 @@ fn state_machines_are_idempotent_and_carry_the_fence() {
             .iter()
             .flat_map(|r| r["ErrorEquals"].as_array().unwrap().iter().map(|e| e.as_str().unwrap().to_string()))
             .collect();
-        for e in ["StoreUnavailable", "Throttled", "Lambda.ServiceException", "Lambda.TooManyRequestsException"] {
+        for e in ["StoreUnavailable", "Throttled", "OutcomeUnknown", "Lambda.ServiceException", "Lambda.TooManyRequestsException"] {
             assert!(retried.iter().any(|r| r == e), "{machine}: Acquire retries {e}");
         }
         // The requests name the holder after the execution.
