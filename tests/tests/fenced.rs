@@ -3,18 +3,14 @@
 //! recorded), the caller's own condition, names and values kept through the merge, and the
 //! lease-live commit refused once the lease expired, was released or was taken over.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use aws_sdk_dynamodb::types::{
-    AttributeDefinition, AttributeValue, BillingMode, ConditionCheck, Delete, KeySchemaElement, KeyType, Put,
-    ScalarAttributeType, TransactWriteItem, Update,
-};
+use aws_sdk_dynamodb::types::{AttributeValue, ConditionCheck, Delete, Put, TransactWriteItem, Update};
 use aws_sdk_dynamodb::Client;
 use leasehold::fenced::{recorded_fence, FenceGuard, FencedError, Item, DEFAULT_ATTRIBUTE};
 use leasehold::store::DynamoStore;
 use leasehold::{AcquireOptions, Coordinator};
-use leasehold_tests::{dynamo_local, test_config};
+use leasehold_tests::{dynamo_local, guarded_table, test_config};
 
 struct Env {
     client: Client,
@@ -29,28 +25,10 @@ async fn env() -> Env {
     let local = tokio::task::spawn_blocking(dynamo_local).await.expect("dynamo local");
     let store = local.store().await;
     let client = local.client().await;
-    let table = target_table(&client).await;
+    let table = guarded_table(&client).await;
     let leases = store.table().to_string();
     let coord = Coordinator::new(std::sync::Arc::new(DynamoStore::new(client.clone(), leases.clone())), test_config());
     Env { client, table, leases, coord }
-}
-
-/// A fresh table keyed by `id` (S) on DynamoDB Local.
-pub async fn target_table(client: &Client) -> String {
-    static N: AtomicU64 = AtomicU64::new(0);
-    let table = format!("guarded-{}-{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst));
-    client
-        .create_table()
-        .table_name(&table)
-        .billing_mode(BillingMode::PayPerRequest)
-        .attribute_definitions(
-            AttributeDefinition::builder().attribute_name("id").attribute_type(ScalarAttributeType::S).build().unwrap(),
-        )
-        .key_schema(KeySchemaElement::builder().attribute_name("id").key_type(KeyType::Hash).build().unwrap())
-        .send()
-        .await
-        .expect("create the guarded table");
-    table
 }
 
 fn s(v: &str) -> AttributeValue {
