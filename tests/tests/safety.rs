@@ -114,7 +114,12 @@ fn faults() -> Vec<ProxyFault> {
 const DUPLICATE: ProxyFault =
     ProxyFault::DelayedDuplicate { hold: Duration::from_millis(600), forward_after: Duration::from_millis(1100) };
 
+/// The fault-injected runs share the machine (read); the guarded-table run takes it alone
+/// (write): its load would otherwise stretch their requests past the retry budget.
+static MACHINE: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
 async fn safety_run(sc: Scenario) -> Report {
+    let _shared = MACHINE.read().await;
     let Scenario { seconds, workers, keys, ref offsets, rogue, duplicates_only } = sc;
     let (proxy, table, conf) = proxied_table().await;
     let local = dynamo_local();
@@ -573,6 +578,7 @@ fn history_update(table: &str, id: &str, fence: u64, holder: &str) -> aws_sdk_dy
 async fn guarded_dynamodb_table_accepts_no_stale_write() {
     use leasehold::fenced::{recorded_fence, FenceGuard, FencedError, DEFAULT_ATTRIBUTE};
     const KEYS: u64 = 2;
+    let _alone = MACHINE.write().await;
     let local = tokio::task::spawn_blocking(dynamo_local).await.expect("dynamo local");
     let leases = local.store().await.table().to_string();
     let client = local.client().await;
