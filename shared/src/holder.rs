@@ -7,7 +7,11 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use aws_sdk_dynamodb::operation::transact_write_items::builders::TransactWriteItemsFluentBuilder;
+use aws_sdk_dynamodb::operation::transact_write_items::TransactWriteItemsOutput;
+
 use crate::error::{Error, NotHolderReason, Result};
+use crate::fenced::{FenceGuard, FencedError};
 use crate::model::{Lease, LeaseId, Released};
 use crate::protocol::{AcquireOptions, Coordinator};
 
@@ -216,6 +220,25 @@ impl HeldLease {
             out = work => Ok(out),
             lost = self.lost() => Err(lost),
         }
+    }
+
+    /// A [`FenceGuard`] for this lease's fence: fenced writes to the guarded DynamoDB table
+    /// (see [`crate::fenced`]).
+    pub fn fence_guard(&self) -> FenceGuard {
+        FenceGuard::new(self.fence())
+    }
+
+    /// Sends the transaction `tx` only while this lease is live: a `ConditionCheck` on the
+    /// lease item in `lease_table` (this lease_id, not released, not expired at the
+    /// coordinator's clock plus the skew margin) is appended to the caller's items. Refused:
+    /// [`FencedError::LeaseLost`], or the caller's own item (`ConditionFailed { index }`, or
+    /// `Fenced { index }` for items fenced with [`HeldLease::fence_guard`]).
+    pub async fn commit_while_live(
+        &self,
+        lease_table: &str,
+        tx: TransactWriteItemsFluentBuilder,
+    ) -> std::result::Result<TransactWriteItemsOutput, FencedError> {
+        self.coord.commit_while_live(lease_table, &self.key, &self.lease_id, self.fence(), tx).await
     }
 
     /// Stops renewing and releases the lease.

@@ -10,6 +10,7 @@ pub mod backoff;
 pub mod clock;
 pub mod env;
 pub mod error;
+pub mod fenced;
 pub mod holder;
 pub mod keepalive;
 pub mod model;
@@ -19,6 +20,7 @@ pub mod store;
 pub mod validate;
 
 pub use error::{Error, ErrorName, NotHolderReason, Result};
+pub use fenced::{FenceGuard, FencedError};
 pub use holder::{HeldLease, HoldState, Lost};
 pub use model::{Keepalive, Lease, LeaseId, LeaseState, Record, Released};
 pub use protocol::{AcquireOptions, Config, Coordinator};

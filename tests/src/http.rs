@@ -57,6 +57,33 @@ pub async fn request(method: &str, url: &str, body: Option<&[u8]>) -> std::io::R
     Ok(Response { status, headers, body })
 }
 
+/// A request with the given headers (besides `host`), the answer's headers kept.
+pub async fn request_with_headers(
+    method: &str,
+    url: &str,
+    headers: &[(String, String)],
+    body: &[u8],
+) -> std::io::Result<Response> {
+    let (authority, path) = split(url);
+    let stream = tokio::net::TcpStream::connect(&authority).await?;
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(std::io::Error::other)?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let mut req = hyper::Request::builder().method(method).uri(path).header("host", authority);
+    for (k, v) in headers {
+        req = req.header(k.as_str(), v.as_str());
+    }
+    let req = req.body(Full::new(Bytes::copy_from_slice(body))).map_err(std::io::Error::other)?;
+    let resp = sender.send_request(req).await.map_err(std::io::Error::other)?;
+    let status = resp.status().as_u16();
+    let headers =
+        resp.headers().iter().map(|(k, v)| (k.as_str().to_string(), v.to_str().unwrap_or("").to_string())).collect();
+    let body = resp.into_body().collect().await.map_err(std::io::Error::other)?.to_bytes().to_vec();
+    Ok(Response { status, headers, body })
+}
+
 pub async fn post_json(url: &str, body: &Value) -> std::io::Result<Response> {
     request("POST", url, Some(body.to_string().as_bytes())).await
 }

@@ -203,6 +203,26 @@ pub fn set_local_credentials() {
     });
 }
 
+/// A fresh table keyed by `id` (S) on the server `client` reaches: a resource guarded by
+/// fenced writes.
+pub async fn guarded_table(client: &aws_sdk_dynamodb::Client) -> String {
+    use aws_sdk_dynamodb::types::{AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let table = format!("guarded-{}-{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst));
+    client
+        .create_table()
+        .table_name(&table)
+        .billing_mode(BillingMode::PayPerRequest)
+        .attribute_definitions(
+            AttributeDefinition::builder().attribute_name("id").attribute_type(ScalarAttributeType::S).build().unwrap(),
+        )
+        .key_schema(KeySchemaElement::builder().attribute_name("id").key_type(KeyType::Hash).build().unwrap())
+        .send()
+        .await
+        .expect("create the guarded table");
+    table
+}
+
 /// The DynamoDB Local shared by every test of this process.
 pub fn dynamo_local() -> &'static DynamoLocal {
     static LOCAL: OnceLock<DynamoLocal> = OnceLock::new();

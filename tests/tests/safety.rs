@@ -114,7 +114,12 @@ fn faults() -> Vec<ProxyFault> {
 const DUPLICATE: ProxyFault =
     ProxyFault::DelayedDuplicate { hold: Duration::from_millis(600), forward_after: Duration::from_millis(1100) };
 
+/// The fault-injected runs share the machine (read); the guarded-table run takes it alone
+/// (write): its load would otherwise stretch their requests past the retry budget.
+static MACHINE: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
 async fn safety_run(sc: Scenario) -> Report {
+    let _shared = MACHINE.read().await;
     let Scenario { seconds, workers, keys, ref offsets, rogue, duplicates_only } = sc;
     let (proxy, table, conf) = proxied_table().await;
     let local = dynamo_local();
@@ -522,4 +527,203 @@ async fn a_delayed_duplicate_lands_after_the_retry() {
     assert_eq!((ev[1].status, ev[1].late), (200, false), "the retry");
     assert_eq!((ev[2].status, ev[2].late), (200, true), "the original, late");
     assert!(ev[2].request.contains("original") && ev[1].request.contains("retry"));
+}
+
+// ---- a guarded DynamoDB table ---------------------------------------------------------------
+
+/// What the guarded-table run saw, by helper and by whether the holder was paused past its
+/// lease's expiry before writing.
+#[derive(Default, Debug)]
+struct GuardedCounts {
+    fenced_accepted: u64,
+    fenced_refused: u64,
+    paused_fenced_accepted: u64,
+    paused_fenced_refused: u64,
+    live_committed: u64,
+    live_refused: u64,
+    /// Commits that landed after the holder was paused past its expiry: stale, must be 0.
+    paused_live_committed: u64,
+    paused_live_refused: u64,
+    /// Refusals whose type does not match what they report: must stay empty.
+    mistyped: Vec<String>,
+    other_errors: BTreeMap<String, u64>,
+}
+
+/// Appends `fence` to the item's `history` list (DynamoDB's own serialisation order of the
+/// writes that landed) and names the writer; `frozen` never exists, so the caller's own
+/// condition always holds and only the fence can refuse.
+fn history_update(table: &str, id: &str, fence: u64, holder: &str) -> aws_sdk_dynamodb::types::Update {
+    aws_sdk_dynamodb::types::Update::builder()
+        .table_name(table)
+        .key("id", AttributeValue::S(id.to_string()))
+        .update_expression("SET #h = list_append(if_not_exists(#h, :empty), :me), #w = :w")
+        .condition_expression("attribute_not_exists(#frozen)")
+        .expression_attribute_names("#h", "history")
+        .expression_attribute_names("#w", "writer")
+        .expression_attribute_names("#frozen", "frozen")
+        .expression_attribute_values(":empty", AttributeValue::L(vec![]))
+        .expression_attribute_values(":me", AttributeValue::L(vec![AttributeValue::N(fence.to_string())]))
+        .expression_attribute_values(":w", AttributeValue::S(holder.to_string()))
+        .build()
+        .expect("update")
+}
+
+/// Holders contend on two keys of a real lease table on DynamoDB Local; a third of them are
+/// paused past their lease's expiry before writing. Every holder then writes to a guarded
+/// DynamoDB table through both helpers: a fenced update, and a lease-live transaction. The
+/// items' histories (kept by DynamoDB in commit order) must never show a fence below an
+/// earlier one, no lease-live commit may land after a pause past expiry, and every refusal
+/// must be of the type its reported state calls for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn guarded_dynamodb_table_accepts_no_stale_write() {
+    use leasehold::fenced::{recorded_fence, FenceGuard, FencedError, DEFAULT_ATTRIBUTE};
+    const KEYS: u64 = 2;
+    let _alone = MACHINE.write().await;
+    let local = tokio::task::spawn_blocking(dynamo_local).await.expect("dynamo local");
+    let leases = local.store().await.table().to_string();
+    let client = local.client().await;
+    let target = leasehold_tests::guarded_table(&client).await;
+    let cfg = test_config();
+    let skew = cfg.skew_margin.as_millis() as u64;
+    let duration = Duration::from_millis(300);
+    let counts: Arc<Mutex<GuardedCounts>> = Arc::default();
+    let stop_at = Instant::now() + Duration::from_secs(8);
+    let mut tasks = Vec::new();
+    for w in 0..6u64 {
+        let (client, leases, target, cfg, counts) =
+            (client.clone(), leases.clone(), target.clone(), cfg.clone(), counts.clone());
+        tasks.push(tokio::spawn(async move {
+            let coord = Coordinator::new(Arc::new(DynamoStore::new(client.clone(), leases.clone())), cfg);
+            let holder = format!("w{w}");
+            let mut seed = 0x9E37_79B9_7F4A_7C15 ^ (w + 1);
+            while Instant::now() < stop_at {
+                let key = format!("g{}", rand(&mut seed) % KEYS);
+                let opts = AcquireOptions { wait: Some(Duration::from_millis(600)), ..Default::default() };
+                let Ok(lease) = coord.acquire(&key, &holder, Some(duration), opts).await else { continue };
+                let paused = rand(&mut seed).is_multiple_of(3);
+                let nap = if paused {
+                    duration.as_millis() as u64 + 50 + rand(&mut seed) % 250
+                } else {
+                    rand(&mut seed) % 40
+                };
+                tokio::time::sleep(Duration::from_millis(nap)).await;
+
+                // 1. The fence guard on the resource's own item.
+                let guard = FenceGuard::new(lease.fence);
+                let u = history_update(&target, &key, lease.fence, &holder);
+                let b = client
+                    .update_item()
+                    .table_name(&target)
+                    .set_key(Some(u.key))
+                    .update_expression(u.update_expression)
+                    .set_condition_expression(u.condition_expression)
+                    .set_expression_attribute_names(u.expression_attribute_names)
+                    .set_expression_attribute_values(u.expression_attribute_values);
+                let r = guard.send_update(b).await;
+                {
+                    let mut c = counts.lock().unwrap();
+                    match r {
+                        Ok(_) if paused => c.paused_fenced_accepted += 1,
+                        Ok(_) => c.fenced_accepted += 1,
+                        Err(FencedError::Fenced { seen, index: None }) if seen > lease.fence => {
+                            if paused {
+                                c.paused_fenced_refused += 1
+                            } else {
+                                c.fenced_refused += 1
+                            }
+                        }
+                        Err(FencedError::Dynamo(e)) => *c.other_errors.entry(format!("{e}")).or_default() += 1,
+                        Err(e) => c.mistyped.push(format!("fenced update with fence {}: {e:?}", lease.fence)),
+                    }
+                }
+
+                // 2. The lease-live commit on another item (no fence attribute involved).
+                let u = history_update(&target, &format!("live-{key}"), lease.fence, &holder);
+                let item = aws_sdk_dynamodb::types::TransactWriteItem::builder().update(u).build();
+                let tx = client.transact_write_items().transact_items(item);
+                let r = coord.commit_while_live(&leases, &key, &lease.lease_id, lease.fence, tx).await;
+                let now = coord.now_ms();
+                {
+                    let mut c = counts.lock().unwrap();
+                    match r {
+                        Ok(_) if paused => c.paused_live_committed += 1,
+                        Ok(_) => c.live_committed += 1,
+                        Err(FencedError::LeaseLost { lease: item }) => {
+                            // The lease item as the check saw it: not ours, released, or expired
+                            // at the clock the check used (at most `now` + margin).
+                            let s = |a: &str| match item.as_ref().and_then(|i| i.get(a)) {
+                                Some(AttributeValue::S(v)) => Some(v.clone()),
+                                _ => None,
+                            };
+                            let expires = item.as_ref().and_then(|i| recorded_fence(i, "expires_at_ms"));
+                            let lost = item.is_none()
+                                || s("lease_id").as_deref() != Some(lease.lease_id.expose())
+                                || item.as_ref().is_some_and(|i| i.contains_key("released_at_ms"))
+                                || expires.is_some_and(|e| e <= now + skew);
+                            if !lost {
+                                c.mistyped.push(format!("LeaseLost while the lease item is live: {item:?}"));
+                            } else if paused {
+                                c.paused_live_refused += 1
+                            } else {
+                                c.live_refused += 1
+                            }
+                        }
+                        Err(FencedError::Dynamo(e)) => *c.other_errors.entry(format!("{e}")).or_default() += 1,
+                        Err(e) => c.mistyped.push(format!("lease-live commit: {e:?}")),
+                    }
+                }
+                let _ = coord.release(&key, &lease.lease_id).await;
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("worker");
+    }
+    let c = Arc::try_unwrap(counts).expect("workers done").into_inner().unwrap();
+
+    // Stale writes accepted: a fence below an earlier one in an item's commit-order history.
+    let mut stale = 0;
+    let mut landed = (0, 0);
+    for k in 0..KEYS {
+        for (id, live) in [(format!("g{k}"), false), (format!("live-g{k}"), true)] {
+            let item = client
+                .get_item()
+                .table_name(&target)
+                .key("id", AttributeValue::S(id.clone()))
+                .consistent_read(true)
+                .send()
+                .await
+                .unwrap()
+                .item
+                .unwrap_or_default();
+            let history: Vec<u64> = match item.get("history") {
+                Some(AttributeValue::L(l)) => l.iter().map(|v| v.as_n().unwrap().parse().unwrap()).collect(),
+                _ => Vec::new(),
+            };
+            stale += history.windows(2).filter(|w| w[1] < w[0]).count();
+            if live {
+                landed.1 += history.len() as u64;
+            } else {
+                landed.0 += history.len() as u64;
+                assert_eq!(
+                    recorded_fence(&item, DEFAULT_ATTRIBUTE),
+                    history.last().copied(),
+                    "{id}: the fence recorded"
+                );
+            }
+        }
+    }
+    eprintln!("guarded table: {c:?}; stale writes accepted: {stale}");
+    assert_eq!(stale, 0, "stale writes accepted by the guarded table");
+    assert_eq!(c.paused_live_committed, 0, "lease-live commits landed after a pause past expiry");
+    assert!(c.mistyped.is_empty(), "refusals of the wrong type: {:?}", c.mistyped);
+    assert_eq!(
+        landed,
+        (c.fenced_accepted + c.paused_fenced_accepted, c.live_committed),
+        "every write that landed was counted"
+    );
+    // The run exercised what it claims to.
+    assert!(c.fenced_accepted > 20 && c.live_committed > 20, "too few writes: {c:?}");
+    assert!(c.paused_fenced_refused > 0, "no paused holder was fenced: {c:?}");
+    assert!(c.paused_live_refused > 0, "no paused holder was refused a commit: {c:?}");
 }

@@ -106,7 +106,8 @@ fn sam_transform_output_is_clean_cloudformation() {
     for name in ["AcquireFunction", "HeartbeatFunction", "ReleaseFunction"] {
         assert_eq!(out["Resources"][name]["Type"], "AWS::Lambda::Function", "{name}");
     }
-    assert_eq!(resources_of(out, "AWS::StepFunctions::StateMachine").len(), 2);
+    // SingleFlight, ScheduledJob, and FencedUpdate (deployed only with a target table).
+    assert_eq!(resources_of(out, "AWS::StepFunctions::StateMachine").len(), 3);
     assert_eq!(resources_of(out, "AWS::ApiGatewayV2::Api").len(), 1);
 }
 
@@ -395,6 +396,7 @@ fn outputs_name_every_entry_point() {
         r#"["ReleaseFunction","Arn"]"#,
         r#"{"Ref":"SingleFlightStateMachine"}"#,
         r#"{"Ref":"ScheduledJobStateMachine"}"#,
+        r#"{"Ref":"FencedUpdateStateMachine"}"#,
     ] {
         assert!(values.iter().any(|v| v.contains(needle)), "an output has {needle}: {values:?}");
     }
@@ -543,7 +545,13 @@ fn state_machines_are_idempotent_and_carry_the_fence() {
             .iter()
             .flat_map(|r| r["ErrorEquals"].as_array().unwrap().iter().map(|e| e.as_str().unwrap().to_string()))
             .collect();
-        for e in ["StoreUnavailable", "Throttled", "OutcomeUnknown", "Lambda.ServiceException", "Lambda.TooManyRequestsException"] {
+        for e in [
+            "StoreUnavailable",
+            "Throttled",
+            "OutcomeUnknown",
+            "Lambda.ServiceException",
+            "Lambda.TooManyRequestsException",
+        ] {
             assert!(retried.iter().any(|r| r == e), "{machine}: Acquire retries {e}");
         }
         // The requests name the holder after the execution.
@@ -588,6 +596,70 @@ fn state_machines_are_idempotent_and_carry_the_fence() {
     let events = &raw()["Resources"]["ScheduledJobStateMachine"]["Properties"]["Events"];
     let schedule = events.as_object().unwrap().values().find(|e| e["Type"] == "Schedule").expect("scheduled");
     assert_eq!(schedule["Properties"]["Schedule"], json!({"Ref": "ScheduledJobSchedule"}));
+}
+
+#[test]
+fn fenced_update_writes_with_the_fence_condition_and_releases_on_every_path() {
+    const M: &str = "FencedUpdateStateMachine";
+    let t = raw();
+    let res = &t["Resources"][M];
+    assert_eq!(res["Condition"], "HasFencedTarget", "deployed only with a target table");
+    assert_eq!(
+        t["Conditions"]["HasFencedTarget"],
+        json!({"Fn::Not": [{"Fn::Equals": [{"Ref": "FencedTargetTableName"}, ""]}]})
+    );
+    let def = definition(M);
+    let all = states(def);
+    assert_eq!(lambda_function(&all["Acquire"]), "${AcquireFunctionArn}");
+    assert_eq!(lambda_function(&all["Release"]), "${ReleaseFunctionArn}");
+    assert_eq!(all["Acquire"]["ResultSelector"]["fence.$"], "$.Payload.fence");
+    assert!(all.values().any(|s| s["Type"] == "Pass" && s["Parameters"]["lease_id.$"] == "States.UUID()"));
+    assert_eq!(
+        all["Release"]["Parameters"]["Payload"],
+        json!({"key.$": "$.request.key", "lease_id.$": "$.request.lease_id"})
+    );
+    // The guarded write: the DynamoDB service integration, no Lambda, the library's condition.
+    let w = &all["FencedWrite"];
+    assert_eq!(w["Resource"], "arn:${Partition}:states:::dynamodb:updateItem");
+    let p = &w["Parameters"];
+    assert_eq!(p["TableName"], "${FencedTargetTableName}");
+    assert_eq!(p["ConditionExpression"], leasehold::fenced::FENCE_CONDITION);
+    assert!(p["UpdateExpression"].as_str().unwrap().starts_with("SET #lh_fence = :lh_fence"), "records the fence");
+    assert_eq!(p["ExpressionAttributeNames"]["#lh_fence"], leasehold::fenced::DEFAULT_ATTRIBUTE);
+    assert_eq!(p["ExpressionAttributeValues"][":lh_fence"]["N.$"], "States.JsonToString($.lease.fence)");
+    assert_eq!(w["ResultPath"], Value::Null);
+    let catches = w["Catch"].as_array().unwrap();
+    let refused = catches.iter().find(|c| c["ErrorEquals"] == json!(["DynamoDB.ConditionalCheckFailedException"]));
+    assert_eq!(refused.expect("a refused write is caught")["Next"], "Release");
+    assert!(catches.iter().any(|c| c["ErrorEquals"] == json!(["States.ALL"]) && c["Next"] == "Release"));
+    assert_eq!(w["Next"], "Release");
+    for (name, s) in all {
+        if s["Type"] == "Task" && name != "Release" {
+            let catches = s["Catch"].as_array().unwrap_or_else(|| panic!("{name} catches"));
+            for c in catches {
+                assert!(
+                    reachable(def, c["Next"].as_str().unwrap()).contains("Release"),
+                    "{name}: catch skips the release"
+                );
+            }
+        }
+    }
+    // A refused write fails the execution as Fenced, after the release.
+    assert!(reachable(def, "Release").contains("Fenced"));
+    assert_eq!(all["Fenced"]["Type"], "Fail");
+    assert_eq!(all["Fenced"]["Error"], "Fenced");
+    assert_eq!(reachable(def, def["StartAt"].as_str().unwrap()).len(), all.len(), "unreachable states");
+    // Policies: the two functions, and UpdateItem on the target table only.
+    let policies = res["Properties"]["Policies"].as_array().unwrap();
+    let statements: Vec<&Value> = policies.iter().filter_map(|p| p["Statement"].as_array()).flatten().collect();
+    assert_eq!(statements.len(), 1, "{statements:?}");
+    assert_eq!(statements[0]["Action"], "dynamodb:UpdateItem");
+    let resource = statements[0]["Resource"].to_string();
+    assert!(resource.contains("table/${FencedTargetTableName}") && !resource.contains('*'), "{resource}");
+    assert_eq!(
+        res["Properties"]["DefinitionSubstitutions"]["FencedTargetTableName"],
+        json!({"Ref": "FencedTargetTableName"})
+    );
 }
 
 // ---- hardening ------------------------------------------------------------------------------

@@ -8,6 +8,12 @@
 //!   answers 200 with `X-Amz-Function-Error`; moto then fails the execution with an
 //!   uncatchable `States.Runtime`. A small adapter in front of the emulator gives moto the real
 //!   Invoke contract, so `Retry`/`Catch` on `LeaseHeld`, `InvalidRequest`, ... work as in AWS.
+//! - moto sends a state machine's DynamoDB service integration tasks
+//!   (`arn:aws:states:::dynamodb:updateItem`) to `localhost:$MOTO_PORT` too, signed for the
+//!   execution's region with the access key `ak`. The adapter sends those (recognised by their
+//!   `X-Amz-Target`) on to DynamoDB Local with the region of the signature's scope replaced by
+//!   the functions' region, so every execution writes the one target table, a real DynamoDB
+//!   table (DynamoDB Local keeps tables per access key and region; it checks no signature).
 //! - moto 5.2 cannot start a second execution in a region that already ran one (it deep-copies
 //!   the backend, locks included), so every execution gets a region of its own. Regions only
 //!   separate moto's bookkeeping: all executions share one emulator and one lease table.
@@ -82,7 +88,7 @@ fn next_region() -> &'static str {
 /// Serves Lambda's Invoke API on `port` by forwarding to the emulator, turning its HTTP 500
 /// function errors into Lambda's answer: 200, `X-Amz-Function-Error: Unhandled`, the
 /// `{errorType, errorMessage}` body. Runs on its own thread for the life of the process.
-fn start_invoke_adapter(port: u16, emulator_port: u16) {
+fn start_invoke_adapter(port: u16, emulator_port: u16, dynamo_port: u16, dynamo_region: String) {
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("rt");
@@ -92,28 +98,44 @@ fn start_invoke_adapter(port: u16, emulator_port: u16) {
             ready_tx.send(()).unwrap();
             loop {
                 let Ok((stream, _)) = listener.accept().await else { continue };
+                let dynamo_region = dynamo_region.clone();
                 tokio::spawn(async move {
-                    let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| async move {
-                        let method = req.method().as_str().to_string();
-                        let path = req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or_default();
-                        let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
-                        let url = format!("http://127.0.0.1:{emulator_port}{path}");
-                        let mut builder = hyper::Response::builder().header("x-amzn-requestid", request_id());
-                        let resp = match http::request(&method, &url, Some(&body)).await {
-                            Ok(r) => {
-                                let function_error = r.status >= 400
-                                    && serde_json::from_slice::<Value>(&r.body)
-                                        .is_ok_and(|v| v.get("errorType").is_some());
-                                if function_error {
-                                    builder = builder.status(200).header("x-amz-function-error", "Unhandled");
-                                } else {
-                                    builder = builder.status(r.status);
-                                }
-                                builder.header("content-type", "application/json").body(Full::new(Bytes::from(r.body)))
+                    let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                        let dynamo_region = dynamo_region.clone();
+                        async move {
+                            let is_dynamodb = req
+                                .headers()
+                                .get("x-amz-target")
+                                .and_then(|t| t.to_str().ok())
+                                .is_some_and(|t| t.starts_with("DynamoDB_"));
+                            if is_dynamodb {
+                                return Ok::<_, std::convert::Infallible>(
+                                    forward_to_dynamodb(req, dynamo_port, &dynamo_region).await,
+                                );
                             }
-                            Err(e) => builder.status(502).body(Full::new(Bytes::from(format!("emulator: {e}")))),
-                        };
-                        Ok::<_, std::convert::Infallible>(resp.expect("response"))
+                            let method = req.method().as_str().to_string();
+                            let path = req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or_default();
+                            let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+                            let url = format!("http://127.0.0.1:{emulator_port}{path}");
+                            let mut builder = hyper::Response::builder().header("x-amzn-requestid", request_id());
+                            let resp = match http::request(&method, &url, Some(&body)).await {
+                                Ok(r) => {
+                                    let function_error = r.status >= 400
+                                        && serde_json::from_slice::<Value>(&r.body)
+                                            .is_ok_and(|v| v.get("errorType").is_some());
+                                    if function_error {
+                                        builder = builder.status(200).header("x-amz-function-error", "Unhandled");
+                                    } else {
+                                        builder = builder.status(r.status);
+                                    }
+                                    builder
+                                        .header("content-type", "application/json")
+                                        .body(Full::new(Bytes::from(r.body)))
+                                }
+                                Err(e) => builder.status(502).body(Full::new(Bytes::from(format!("emulator: {e}")))),
+                            };
+                            Ok::<_, std::convert::Infallible>(resp.expect("response"))
+                        }
                     });
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(TokioIo::new(stream), service)
@@ -123,6 +145,48 @@ fn start_invoke_adapter(port: u16, emulator_port: u16) {
         });
     });
     ready_rx.recv().expect("adapter started");
+}
+
+/// Sends a DynamoDB request of a state machine's service integration to DynamoDB Local, in
+/// `region` whatever region moto signed it for (see the module comment).
+async fn forward_to_dynamodb(
+    req: hyper::Request<hyper::body::Incoming>,
+    dynamo_port: u16,
+    region: &str,
+) -> hyper::Response<Full<Bytes>> {
+    let mut headers = Vec::new();
+    for (k, v) in req.headers() {
+        let (k, mut v) = (k.as_str().to_string(), v.to_str().unwrap_or_default().to_string());
+        if k == "host" || k == "content-length" {
+            continue;
+        }
+        if k == "authorization" {
+            // Credential=ak/20260101/<region>/dynamodb/aws4_request
+            let parts: Vec<String> = v.split('/').map(str::to_string).collect();
+            if parts.len() > 3 && parts[3] == "dynamodb" {
+                let mut parts = parts;
+                parts[2] = region.to_string();
+                v = parts.join("/");
+            }
+        }
+        headers.push((k, v));
+    }
+    let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    let url = format!("http://127.0.0.1:{dynamo_port}/");
+    match http::request_with_headers("POST", &url, &headers, &body).await {
+        Ok(r) => {
+            let mut b = hyper::Response::builder().status(r.status);
+            for (k, v) in &r.headers {
+                if k != "content-length" && k != "transfer-encoding" && k != "connection" {
+                    b = b.header(k.as_str(), v.as_str());
+                }
+            }
+            b.body(Full::new(Bytes::from(r.body))).expect("response")
+        }
+        Err(e) => {
+            hyper::Response::builder().status(502).body(Full::new(Bytes::from(format!("dynamodb: {e}")))).unwrap()
+        }
+    }
 }
 
 fn request_id() -> String {
@@ -161,7 +225,8 @@ fn stack() -> &'static Stack {
             // Several instances per function: executions of concurrent tests do not queue
             // behind each other's waiting acquires.
             let emulator = Emulator::start_with(free_port(), &env, &["--concurrency", "4"]);
-            start_invoke_adapter(adapter_port, emulator.port);
+            start_invoke_adapter(adapter_port, emulator.port, local.port, region.clone());
+            rt.block_on(create_fenced_target(&local.endpoint, &region));
             let moto = Moto::start(moto_port, adapter_port);
             rt.block_on(async {
                 moto.enable_execution().await;
@@ -177,6 +242,37 @@ fn stack() -> &'static Stack {
         .join()
         .expect("start the local stack")
     })
+}
+
+/// The FencedUpdate workflow's target table, on DynamoDB Local under the access key moto
+/// signs with (`ak`) and the functions' region (see the module comment).
+fn fenced_target() -> String {
+    format!("fenced-target-{}", std::process::id())
+}
+
+async fn fenced_target_client(endpoint: &str, region: &str) -> aws_sdk_dynamodb::Client {
+    let base = sdk_config_for(endpoint).await;
+    let conf = aws_sdk_dynamodb::config::Builder::from(&base)
+        .region(aws_sdk_dynamodb::config::Region::new(region.to_string()))
+        .credentials_provider(aws_sdk_dynamodb::config::Credentials::new("ak", "sk", None, None, "moto"))
+        .build();
+    aws_sdk_dynamodb::Client::from_conf(conf)
+}
+
+async fn create_fenced_target(endpoint: &str, region: &str) {
+    let client = fenced_target_client(endpoint, region).await;
+    use aws_sdk_dynamodb::types::{AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType};
+    client
+        .create_table()
+        .table_name(fenced_target())
+        .billing_mode(BillingMode::PayPerRequest)
+        .attribute_definitions(
+            AttributeDefinition::builder().attribute_name("id").attribute_type(ScalarAttributeType::S).build().unwrap(),
+        )
+        .key_schema(KeySchemaElement::builder().attribute_name("id").key_type(KeyType::Hash).build().unwrap())
+        .send()
+        .await
+        .expect("create the FencedUpdate target table");
 }
 
 async fn coordinator() -> Coordinator {
@@ -223,6 +319,7 @@ fn definition(machine: &str, work: &str) -> String {
             "WorkFunctionArn" => work,
             "Partition" => "aws",
             "KeepaliveDurationMs" => KEEPALIVE_DURATION_MS,
+            "FencedTargetTableName" => FENCED_TARGET.get_or_init(fenced_target).as_str(),
             other => panic!("unexpected substitution {other}"),
         };
         text = text.replace(&format!("${{{name}}}"), value);
@@ -237,6 +334,8 @@ const SINGLE_FLIGHT: &str = "SingleFlightStateMachine";
 const SWEEP_PERIOD_MS: &str = "600";
 const KEEPALIVE_DURATION_MS: &str = "1800";
 const SCHEDULED: &str = "ScheduledJobStateMachine";
+const FENCED: &str = "FencedUpdateStateMachine";
+static FENCED_TARGET: OnceLock<String> = OnceLock::new();
 
 // ---- executions ---------------------------------------------------------------------------------
 
@@ -444,6 +543,46 @@ fn tail(s: &str) -> String {
 }
 
 const LONG: Duration = Duration::from_secs(240);
+
+// ---- fenced update ------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fenced_update_refuses_the_stale_holders_write() {
+    let s = tokio::task::spawn_blocking(stack).await.unwrap();
+    let target = fenced_target_client(&s.dynamo_endpoint, &function_region()).await;
+    let (key, item) = (unique("fenced"), unique("item"));
+    // A: a 1 s lease, then 8 s of "work": paused past its expiry before its write.
+    let a =
+        start(FENCED, "", json!({"key": key, "item_id": item, "value": "A", "duration_ms": 1000, "work_seconds": 8}))
+            .await;
+    let lease_a = wait_acquired(&a, LONG).await;
+    // B: waits (server side) for A's lease to expire, takes the key and writes at once.
+    let b = start(FENCED, "", json!({"key": key, "item_id": item, "value": "B", "wait_ms": 20000})).await;
+    let end_b = wait_end(&b, LONG).await;
+    assert_eq!(end_b.status, ExecutionStatus::Succeeded, "{}", end_b.describe());
+    let fence_b = end_b.output["fence"].as_u64().unwrap();
+    assert!(fence_b > lease_a["fence"].as_u64().unwrap());
+    // A wakes up with the lower fence: the service integration's write is refused.
+    let end_a = wait_end(&a, LONG).await;
+    assert_eq!(end_a.status, ExecutionStatus::Failed, "{}", end_a.describe());
+    assert_eq!(end_a.error.as_deref(), Some("Fenced"), "{}", end_a.describe());
+    assert_eq!(end_a.task_errors("FencedWrite"), vec!["DynamoDB.ConditionalCheckFailedException".to_string()]);
+    assert!(end_a.entered("Release"), "the stale holder released before failing");
+    // The item holds B's value and fence; A's stale write did not land.
+    let got = target
+        .get_item()
+        .table_name(fenced_target())
+        .key("id", aws_sdk_dynamodb::types::AttributeValue::S(item.clone()))
+        .consistent_read(true)
+        .send()
+        .await
+        .unwrap()
+        .item
+        .expect("B's write landed");
+    assert_eq!(got.get("value"), Some(&aws_sdk_dynamodb::types::AttributeValue::S("B".into())), "{got:?}");
+    assert_eq!(leasehold::fenced::recorded_fence(&got, leasehold::fenced::DEFAULT_ATTRIBUTE), Some(fence_b));
+    assert!(!lease_state(&key).await.held, "both executions released");
+}
 
 // ---- single flight ------------------------------------------------------------------------------
 
