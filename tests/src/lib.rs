@@ -206,12 +206,19 @@ pub fn set_local_credentials() {
 /// A fresh table keyed by `id` (S) on the server `client` reaches: a resource guarded by
 /// fenced writes.
 pub async fn guarded_table(client: &aws_sdk_dynamodb::Client) -> String {
-    use aws_sdk_dynamodb::types::{AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType};
     static N: AtomicU64 = AtomicU64::new(0);
     let table = format!("guarded-{}-{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst));
+    create_id_table(client, &table).await;
+    table
+}
+
+/// Creates an on-demand table `name` keyed by the string attribute `id` (a resource the tests
+/// guard with fences).
+pub async fn create_id_table(client: &aws_sdk_dynamodb::Client, name: &str) {
+    use aws_sdk_dynamodb::types::{AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType};
     client
         .create_table()
-        .table_name(&table)
+        .table_name(name)
         .billing_mode(BillingMode::PayPerRequest)
         .attribute_definitions(
             AttributeDefinition::builder().attribute_name("id").attribute_type(ScalarAttributeType::S).build().unwrap(),
@@ -219,8 +226,7 @@ pub async fn guarded_table(client: &aws_sdk_dynamodb::Client) -> String {
         .key_schema(KeySchemaElement::builder().attribute_name("id").key_type(KeyType::Hash).build().unwrap())
         .send()
         .await
-        .expect("create the guarded table");
-    table
+        .unwrap_or_else(|e| panic!("create table {name}: {e:?}"));
 }
 
 /// The DynamoDB Local shared by every test of this process.

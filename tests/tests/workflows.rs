@@ -32,7 +32,7 @@ use hyper_util::rt::TokioIo;
 use leasehold::store::DynamoStore;
 use leasehold::{Config, Coordinator, LeaseState};
 use leasehold_tests::emulator::{Emulator, Moto};
-use leasehold_tests::{dynamo_local, free_port, http, repo_root, sdk_config_for, set_local_credentials, tools_dir};
+use leasehold_tests::{dynamo_local, free_port, http, sdk_config_for, set_local_credentials};
 use serde_json::{json, Value};
 
 // ---- the local stack ------------------------------------------------------------------------
@@ -261,18 +261,7 @@ async fn fenced_target_client(endpoint: &str, region: &str) -> aws_sdk_dynamodb:
 
 async fn create_fenced_target(endpoint: &str, region: &str) {
     let client = fenced_target_client(endpoint, region).await;
-    use aws_sdk_dynamodb::types::{AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType};
-    client
-        .create_table()
-        .table_name(fenced_target())
-        .billing_mode(BillingMode::PayPerRequest)
-        .attribute_definitions(
-            AttributeDefinition::builder().attribute_name("id").attribute_type(ScalarAttributeType::S).build().unwrap(),
-        )
-        .key_schema(KeySchemaElement::builder().attribute_name("id").key_type(KeyType::Hash).build().unwrap())
-        .send()
-        .await
-        .expect("create the FencedUpdate target table");
+    leasehold_tests::create_id_table(&client, &fenced_target()).await;
 }
 
 async fn coordinator() -> Coordinator {
@@ -294,16 +283,7 @@ fn unique(tag: &str) -> String {
 
 fn raw_template() -> &'static Value {
     static RAW: OnceLock<Value> = OnceLock::new();
-    RAW.get_or_init(|| {
-        let out = std::process::Command::new(tools_dir().join("venv/bin/python"))
-            .arg(repo_root().join("tests/template_json.py"))
-            .arg("raw")
-            .arg(repo_root().join("template.yaml"))
-            .output()
-            .expect("run tests/template_json.py (scripts/install-test-deps.sh installs its Python)");
-        assert!(out.status.success(), "template_json.py: {}", String::from_utf8_lossy(&out.stderr));
-        serde_json::from_slice(&out.stdout).expect("template JSON")
-    })
+    RAW.get_or_init(leasehold_tests::apigw::raw_template)
 }
 
 /// A state machine's definition with its DefinitionSubstitutions replaced by the names the
