@@ -445,10 +445,19 @@ pub const OPENAPI_JSON: &str = include_str!("../openapi.json");
 /// Handles one HTTP request. Never panics on input and never answers 500: every failure is
 /// a typed JSON error.
 pub async fn handle_http(coord: &Coordinator, req: HttpRequest, remaining: Option<Duration>) -> HttpResponse {
-    let route = match route(&req.method, &req.path) {
-        Ok(r) => r,
-        Err(resp) => return resp,
-    };
+    match route(&req.method, &req.path) {
+        Ok(r) => handle_route(coord, r, req, remaining).await,
+        Err(resp) => resp,
+    }
+}
+
+/// [`handle_http`] for a request already routed (by [`route`]).
+pub async fn handle_route(
+    coord: &Coordinator,
+    route: Route,
+    req: HttpRequest,
+    remaining: Option<Duration>,
+) -> HttpResponse {
     let (op, key) = match route {
         Route::OpenApi => {
             return HttpResponse {

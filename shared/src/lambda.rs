@@ -283,82 +283,105 @@ fn http_response(r: api::HttpResponse) -> Value {
     serde_json::to_value(out).expect("response serialises")
 }
 
+/// What one event came to: the function's answer, and what its metric line records.
+struct Handled {
+    result: Result<Value, Error>,
+    outcome: String,
+    counts: Vec<(&'static str, u64)>,
+}
+
 impl Handler {
-    /// Handles one event. `remaining`: time left in the invocation.
+    /// Handles one event. `remaining`: time left in the invocation. The event's shape picks
+    /// the path, each its own function; every path emits one metric line.
     pub async fn handle(&self, event: Value, remaining: Duration) -> Result<Value, Error> {
         let started = Instant::now();
-        let kind = classify(&event);
-        let (mut waited, mut lost, mut sweep) = (false, false, None);
-        let (result, outcome) = match kind {
-            EventKind::Http => {
-                let resp = match http_request(event) {
-                    Ok((req, api_remaining)) => match api::route(&req.method, &req.path) {
-                        Ok(api::Route::Op(Operation::Acquire, _)) if self.function == Function::Acquire => {
+        let h = match classify(&event) {
+            EventKind::Http => self.http(event, remaining).await,
+            EventKind::Schedule => self.schedule(remaining).await,
+            EventKind::Direct => self.direct(event, remaining, started).await,
+        };
+        emit_metric(self.function.name(), &h.outcome, started.elapsed().as_secs_f64() * 1000.0, &h.counts);
+        h.result
+    }
+
+    /// An API Gateway HTTP API event: routed once, always answered with an HTTP response.
+    async fn http(&self, event: Value, remaining: Duration) -> Handled {
+        let mut waited = false;
+        let resp = match http_request(event) {
+            Err(e) => api::HttpResponse::error(&e, self.coord.now_ms()),
+            Ok((req, api_remaining)) => {
+                // An acquire waits no longer than API Gateway does for the answer.
+                let remaining = api_remaining.map_or(remaining, |r| r.min(remaining));
+                match api::route(&req.method, &req.path) {
+                    Err(resp) => resp,
+                    // Each function serves only its own routes, so its IAM policy is all a
+                    // route can reach even if API Gateway were mis-wired.
+                    Ok(api::Route::Op(op, _)) if !self.function.serves(op) => api::route_error(
+                        404,
+                        ErrorName::UnknownRoute,
+                        format!("the {} function does not serve {} {}", self.function.name(), req.method, req.path),
+                    ),
+                    Ok(route) => {
+                        if matches!(route, api::Route::Op(Operation::Acquire, _)) {
                             waited = asks_to_wait(serde_json::from_slice::<Value>(&req.body).ok().as_ref());
-                            let remaining = api_remaining.map_or(remaining, |r| r.min(remaining));
-                            api::handle_http(&self.coord, req, Some(remaining)).await
                         }
-                        // Each function serves only its own routes, so its IAM policy is all
-                        // a route can reach even if API Gateway were mis-wired.
-                        Ok(api::Route::Op(op, _)) if !self.function.serves(op) => api::route_error(
-                            404,
-                            ErrorName::UnknownRoute,
-                            format!("the {} function does not serve {} {}", self.function.name(), req.method, req.path),
-                        ),
-                        // An acquire waits no longer than API Gateway does for the answer.
-                        _ => {
-                            let remaining = api_remaining.map_or(remaining, |r| r.min(remaining));
-                            api::handle_http(&self.coord, req, Some(remaining)).await
-                        }
-                    },
-                    Err(e) => api::HttpResponse::error(&e, self.coord.now_ms()),
-                };
-                lost = resp.status == 410;
-                let outcome = resp.error.map_or("ok", ErrorName::as_str).to_string();
-                (Ok(http_response(resp)), outcome)
-            }
-            EventKind::Schedule if self.function == Function::Heartbeat => {
-                let deadline = Instant::now() + remaining.saturating_sub(api::INVOKE_SAFETY_MARGIN);
-                let report = self.coord.keepalive_sweep(self.executions.clone(), self.sweep_max_items, deadline).await;
-                tracing::info!(
-                    scanned = report.scanned,
-                    renewed = report.renewed,
-                    released = report.released,
-                    skipped = report.skipped,
-                    raced = report.raced,
-                    errors = report.errors,
-                    complete = report.complete,
-                    "keep-alive sweep"
-                );
-                sweep = Some(sweep_counts(&report));
-                (Ok(serde_json::to_value(&report).expect("report serialises")), "sweep".to_string())
-            }
-            EventKind::Schedule => (
-                Err(Error::invalid(format!("the {} function does not take scheduled events", self.function.name()))),
-                "InvalidRequest".to_string(),
-            ),
-            EventKind::Direct => {
-                let key = event.get("key").and_then(Value::as_str).map(str::to_string);
-                let holder = event.get("holder").and_then(Value::as_str).map(str::to_string);
-                waited = self.function == Function::Acquire && asks_to_wait(Some(&event));
-                let r = api::run(&self.coord, self.function.operation(), None, event, Some(remaining)).await;
-                let outcome = match &r {
-                    Ok(_) => "ok".to_string(),
-                    Err(e) => e.name().to_string(),
-                };
-                lost = matches!(&r, Err(Error::NotHolder { reason, .. }) if reason.is_lost());
-                let fence = r.as_ref().ok().and_then(|v| v.get("fence")).and_then(Value::as_u64);
-                tracing::info!(
-                    key = key.as_deref().unwrap_or(""), holder = holder.as_deref().unwrap_or(""),
-                    fence, outcome = %outcome, latency_ms = started.elapsed().as_secs_f64() * 1000.0,
-                    "direct invoke"
-                );
-                (r, outcome)
+                        api::handle_route(&self.coord, route, req, Some(remaining)).await
+                    }
+                }
             }
         };
-        let counts = sweep.unwrap_or_else(|| counts(self.function, &outcome, waited, lost));
-        emit_metric(self.function.name(), &outcome, started.elapsed().as_secs_f64() * 1000.0, &counts);
-        result
+        let outcome = resp.error.map_or("ok", ErrorName::as_str).to_string();
+        let counts = counts(self.function, &outcome, waited, resp.status == 410);
+        Handled { result: Ok(http_response(resp)), outcome, counts }
+    }
+
+    /// An EventBridge schedule: the keep-alive sweep (heartbeat function only).
+    async fn schedule(&self, remaining: Duration) -> Handled {
+        if self.function != Function::Heartbeat {
+            let outcome = ErrorName::InvalidRequest.as_str().to_string();
+            return Handled {
+                result: Err(Error::invalid(format!(
+                    "the {} function does not take scheduled events",
+                    self.function.name()
+                ))),
+                counts: counts(self.function, &outcome, false, false),
+                outcome,
+            };
+        }
+        let deadline = Instant::now() + remaining.saturating_sub(api::INVOKE_SAFETY_MARGIN);
+        let report = self.coord.keepalive_sweep(self.executions.clone(), self.sweep_max_items, deadline).await;
+        tracing::info!(
+            scanned = report.scanned,
+            renewed = report.renewed,
+            released = report.released,
+            skipped = report.skipped,
+            raced = report.raced,
+            errors = report.errors,
+            complete = report.complete,
+            "keep-alive sweep"
+        );
+        Handled {
+            counts: sweep_counts(&report),
+            result: Ok(serde_json::to_value(&report).expect("report serialises")),
+            outcome: "sweep".to_string(),
+        }
+    }
+
+    /// A direct invoke of this function's operation; a failure is a function error.
+    async fn direct(&self, event: Value, remaining: Duration, started: Instant) -> Handled {
+        let key = event.get("key").and_then(Value::as_str).map(str::to_string);
+        let holder = event.get("holder").and_then(Value::as_str).map(str::to_string);
+        let waited = self.function == Function::Acquire && asks_to_wait(Some(&event));
+        let result = api::run(&self.coord, self.function.operation(), None, event, Some(remaining)).await;
+        let outcome = result.as_ref().err().map_or("ok", Error::name).to_string();
+        let lost = matches!(&result, Err(Error::NotHolder { reason, .. }) if reason.is_lost());
+        let fence = result.as_ref().ok().and_then(|v| v.get("fence")).and_then(Value::as_u64);
+        tracing::info!(
+            key = key.as_deref().unwrap_or(""), holder = holder.as_deref().unwrap_or(""),
+            fence, outcome = %outcome, latency_ms = started.elapsed().as_secs_f64() * 1000.0,
+            "direct invoke"
+        );
+        Handled { counts: counts(self.function, &outcome, waited, lost), result, outcome }
     }
 }
 
