@@ -114,12 +114,6 @@ impl Record {
         }
     }
 
-    /// Has the lease `lease_id` ended on this item (released, or expired at `now_ms`)? A
-    /// lease_id is single-use: such a lease is never granted again.
-    pub fn has_ended_for(&self, lease_id: &LeaseId, now_ms: u64) -> bool {
-        &self.lease_id == lease_id && !self.is_live_for(lease_id, now_ms)
-    }
-
     /// The holder's view, with `safe_until` measured on the holder's monotonic clock from the
     /// instant the request was sent (`sent`, when the coordinator clock read `now_ms`).
     pub fn lease(&self, sent: Instant, now_ms: u64, skew_margin_ms: u64) -> Lease {

@@ -35,26 +35,8 @@ fn split(url: &str) -> (String, String) {
 }
 
 pub async fn request(method: &str, url: &str, body: Option<&[u8]>) -> std::io::Result<Response> {
-    let (authority, path) = split(url);
-    let stream = tokio::net::TcpStream::connect(&authority).await?;
-    let (mut sender, conn) =
-        hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(std::io::Error::other)?;
-    tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    let req = hyper::Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", authority)
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::copy_from_slice(body.unwrap_or_default())))
-        .map_err(std::io::Error::other)?;
-    let resp = sender.send_request(req).await.map_err(std::io::Error::other)?;
-    let status = resp.status().as_u16();
-    let headers =
-        resp.headers().iter().map(|(k, v)| (k.as_str().to_string(), v.to_str().unwrap_or("").to_string())).collect();
-    let body = resp.into_body().collect().await.map_err(std::io::Error::other)?.to_bytes().to_vec();
-    Ok(Response { status, headers, body })
+    let json = [("content-type".to_string(), "application/json".to_string())];
+    request_with_headers(method, url, &json, body.unwrap_or_default()).await
 }
 
 /// A request with the given headers (besides `host`), the answer's headers kept.
