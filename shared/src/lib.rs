@@ -16,6 +16,7 @@ pub mod keepalive;
 pub mod model;
 pub mod pacing;
 pub mod protocol;
+pub mod queue;
 pub mod store;
 pub mod validate;
 

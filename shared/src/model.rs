@@ -81,9 +81,33 @@ pub struct Record {
     /// (DESIGN.md, "Contention"). `None` until the key has been contended.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub poll_ms: Option<u64>,
+    /// Lease items with a queue (DESIGN.md, "The waiter queue"): the sequence number of the
+    /// last waiter served (granted or skipped) ...
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_head: Option<u64>,
+    /// ... and of the last waiter enqueued: the queue holds `queue_tail - queue_head` waiters.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_tail: Option<u64>,
+    /// When `queue_tail` last moved (coordinator clock, ms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_tail_at_ms: Option<u64>,
+    /// A lease granted to a waiter by hand-over and not yet delivered: the waiter's task token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending_token: Option<String>,
+    /// Waiter items only (at `queue::waiter_key(key, seq)`): the queued acquire.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiter: Option<crate::queue::Waiter>,
 }
 
 impl Record {
+    /// Waiters queued on this lease item (0 without a queue).
+    pub fn queue_len(&self) -> u64 {
+        match (self.queue_head, self.queue_tail) {
+            (Some(h), Some(t)) => t.saturating_sub(h),
+            _ => 0,
+        }
+    }
+
     /// Is the key unavailable to others at `now_ms` (by the coordinator's clock)?
     pub fn is_held(&self, now_ms: u64) -> bool {
         match self.expires_at_ms {
@@ -111,6 +135,7 @@ impl Record {
             min_hold_until_ms: Some(self.min_hold_until_ms).filter(|m| *m > self.acquired_at_ms),
             metadata: self.metadata.clone(),
             keepalive: self.keepalive.clone(),
+            queue_length: self.queue_len(),
         }
     }
 
@@ -195,6 +220,13 @@ pub struct LeaseState {
     pub metadata: Option<Map<String, Value>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub keepalive: Option<Keepalive>,
+    /// Waiters queued for the key (DESIGN.md, "The waiter queue"); absent when none.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub queue_length: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// The answer to a release.

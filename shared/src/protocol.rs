@@ -85,6 +85,8 @@ pub struct Coordinator {
     store: Arc<dyn Store>,
     config: Arc<Config>,
     pacer: Arc<Pacer>,
+    /// Delivers hand-over grants to queued Step Functions waiters (DESIGN.md, "The waiter queue").
+    pub(crate) deliver: Option<Arc<dyn crate::queue::Deliver>>,
 }
 
 impl std::fmt::Debug for Coordinator {
@@ -95,7 +97,7 @@ impl std::fmt::Debug for Coordinator {
 
 impl Coordinator {
     pub fn new(store: Arc<dyn Store>, config: Config) -> Self {
-        Coordinator { store, config: Arc::new(config), pacer: Arc::default() }
+        Coordinator { store, config: Arc::new(config), pacer: Arc::default(), deliver: None }
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {
@@ -118,7 +120,7 @@ impl Coordinator {
         (wall + self.config.clock_offset_ms * 1000).max(0) as u64
     }
 
-    fn skew_ms(&self) -> u64 {
+    pub(crate) fn skew_ms(&self) -> u64 {
         self.config.skew_margin.as_millis() as u64
     }
 
@@ -166,7 +168,7 @@ impl Coordinator {
     /// so a retry after an ambiguous failure (the write landed, the answer was lost) is
     /// recognised by the caller from the item that comes back. `attempt` may refuse to write
     /// (a bound it checks before anything is sent).
-    async fn write(
+    pub(crate) async fn write(
         &self,
         key: &str,
         deadline: Instant,
@@ -200,7 +202,13 @@ impl Coordinator {
     }
 
     /// Validates an acquire's inputs.
-    fn check_acquire(&self, key: &str, holder: &str, duration: Option<Duration>, opts: &AcquireOptions) -> Result<()> {
+    pub(crate) fn check_acquire(
+        &self,
+        key: &str,
+        holder: &str,
+        duration: Option<Duration>,
+        opts: &AcquireOptions,
+    ) -> Result<()> {
         let limits = &self.config.limits;
         limits.key(key)?;
         limits.holder(holder)?;
@@ -230,7 +238,7 @@ impl Coordinator {
     /// Refused before anything is written when the seen fence is implausibly far ahead of this
     /// clock (this clock is wrong, or another coordinator's was: copying it would spread the
     /// error) or when the fence would pass [`MAX_FENCE`].
-    fn next_fence(&self, key: &str, seen: Option<u64>) -> Result<u64> {
+    pub(crate) fn next_fence(&self, key: &str, seen: Option<u64>) -> Result<u64> {
         let now_us = self.now_us();
         let lead = self.config.fence_lead.as_micros() as u64;
         if let Some(s) = seen.filter(|&s| s > now_us.saturating_add(lead)) {
@@ -445,7 +453,10 @@ impl Coordinator {
             already_released,
         };
         match w {
-            Write::Applied(r) => Ok(released(&r, false)),
+            Write::Applied(r) => {
+                self.hand_over_after_free(key, &r).await;
+                Ok(released(&r, false))
+            }
             Write::Rejected(Some(r)) if &r.lease_id == lease_id && r.released_at_ms.is_some() => Ok(released(&r, true)),
             Write::Rejected(r) => Err(self.not_holder(key, lease_id, r.as_ref(), now)),
         }
@@ -464,7 +475,10 @@ impl Coordinator {
             .await
             .map_err(|f| f.into_error(key))?;
         match w {
-            Write::Applied(r) => Ok(r.state(now)),
+            Write::Applied(r) => {
+                self.hand_over_after_free(key, &r).await;
+                Ok(r.state(now))
+            }
             Write::Rejected(_) => Err(Error::NotFound { key: key.to_string() }),
         }
     }
@@ -505,7 +519,7 @@ impl Coordinator {
 }
 
 /// A write that did not get an answer in time.
-struct Failed {
+pub(crate) struct Failed {
     error: Error,
     /// Some attempt may have landed (its answer was lost or it timed out).
     maybe_landed: bool,
@@ -515,7 +529,7 @@ impl Failed {
     /// The error to report. A write that may have landed is `OutcomeUnknown`: the caller's
     /// lease_id reaches what it did (an acquire's retry returns the lease and a release frees
     /// it; a release's retry answers `already_released`).
-    fn into_error(self, key: &str) -> Error {
+    pub(crate) fn into_error(self, key: &str) -> Error {
         match self.error {
             e @ Error::StoreUnavailable(_) if self.maybe_landed => Error::OutcomeUnknown {
                 key: key.to_string(),

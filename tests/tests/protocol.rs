@@ -854,6 +854,11 @@ fn lease_id_never_formats() {
         ttl: None,
         poll_ms: None,
         renewed_at_ms: None,
+        queue_head: None,
+        queue_tail: None,
+        queue_tail_at_ms: None,
+        pending_token: None,
+        waiter: None,
     };
     assert!(!format!("{r:?}").contains(&secret));
     assert!(!format!("{:?}", r.lease(Instant::now(), 0, 0)).contains(&secret));

@@ -49,6 +49,11 @@ pub mod attr {
     pub const TTL: &str = "ttl";
     pub const POLL: &str = "poll_ms";
     pub const RENEWED_AT: &str = "renewed_at_ms";
+    pub const QUEUE_HEAD: &str = "queue_head";
+    pub const QUEUE_TAIL: &str = "queue_tail";
+    pub const QUEUE_TAIL_AT: &str = "queue_tail_at_ms";
+    pub const PENDING_TOKEN: &str = "pending_token";
+    pub const WAITER: &str = "waiter";
 
     /// Every attribute above.
     pub const ALL: &[&str] = &[
@@ -67,6 +72,11 @@ pub mod attr {
         KA_EXECUTION_ARN,
         TTL,
         POLL,
+        QUEUE_HEAD,
+        QUEUE_TAIL,
+        QUEUE_TAIL_AT,
+        PENDING_TOKEN,
+        WAITER,
     ];
 
     /// The attributes that are DynamoDB reserved words, so an expression must name them through
@@ -331,7 +341,16 @@ pub fn record_from_item(item: &HashMap<String, AttributeValue>) -> Result<Record
                 .map_err(|e| Error::StoreUnavailable(format!("lease item: metadata is not a JSON object: {e}")))?,
         ),
     };
+    let waiter = match get_s(item, attr::WAITER)? {
+        None => None,
+        Some(s) => Some(
+            serde_json::from_str(&s)
+                .map_err(|e| Error::StoreUnavailable(format!("waiter item: waiter is not valid: {e}")))?,
+        ),
+    };
+    // A waiter item's index attributes place it in the queue shards, not a keep-alive.
     let keepalive = match get_n(item, attr::KA_UNTIL)? {
+        _ if waiter.is_some() => None,
         None => None,
         Some(until_ms) => Some(Keepalive { until_ms, execution_arn: get_s(item, attr::KA_EXECUTION_ARN)? }),
     };
@@ -350,6 +369,11 @@ pub fn record_from_item(item: &HashMap<String, AttributeValue>) -> Result<Record
         ttl: get_n(item, attr::TTL)?,
         poll_ms: get_n(item, attr::POLL)?,
         renewed_at_ms: get_n(item, attr::RENEWED_AT)?,
+        queue_head: get_n(item, attr::QUEUE_HEAD)?,
+        queue_tail: get_n(item, attr::QUEUE_TAIL)?,
+        queue_tail_at_ms: get_n(item, attr::QUEUE_TAIL_AT)?,
+        pending_token: get_s(item, attr::PENDING_TOKEN)?,
+        waiter,
     })
 }
 
@@ -428,7 +452,11 @@ impl Expr {
                 let now = self.v("now", num(*now_ms));
                 let fv = self.v("fence", num(*fence));
                 let lid = self.v("lease_id", str_(lease_id.expose()));
-                format!("attribute_not_exists({f}) OR ({e} <= {now} AND {f} < {fv} AND {l} <> {lid})")
+                let (qt, qh) = (self.n(attr::QUEUE_TAIL), self.n(attr::QUEUE_HEAD));
+                format!(
+                    "attribute_not_exists({f}) OR ({e} <= {now} AND {f} < {fv} AND {l} <> {lid} \
+                     AND (attribute_not_exists({qt}) OR {qt} <= {qh}))"
+                )
             }
             Condition::Renew { lease_id, now_ms, expires_at_ms } => {
                 let (l, r, e) = (self.n(attr::LEASE_ID), self.n(attr::RELEASED_AT), self.n(attr::EXPIRES_AT));
@@ -461,10 +489,33 @@ impl Expr {
                 let v = self.v("expected_fence", num(*f));
                 format!("{a} = {v}")
             }
+            Condition::Queueable { now_ms } => {
+                let (f, e) = (self.n(attr::FENCE), self.n(attr::EXPIRES_AT));
+                let (qt, qh) = (self.n(attr::QUEUE_TAIL), self.n(attr::QUEUE_HEAD));
+                let now = self.v("now", num(*now_ms));
+                format!("attribute_exists({f}) AND (attribute_not_exists({e}) OR {e} > {now} OR {qt} > {qh})")
+            }
+            Condition::HandOver { fence, now_ms, head } => {
+                let (f, e, qh) = (self.n(attr::FENCE), self.n(attr::EXPIRES_AT), self.n(attr::QUEUE_HEAD));
+                let fv = self.v("expected_fence", num(*fence));
+                let now = self.v("now", num(*now_ms));
+                let hv = self.v("expected_head", num(*head));
+                format!("{f} = {fv} AND {e} <= {now} AND {qh} = {hv}")
+            }
+            Condition::Undelivered { fence } => {
+                let (f, p) = (self.n(attr::FENCE), self.n(attr::PENDING_TOKEN));
+                let fv = self.v("expected_fence", num(*fence));
+                format!("{f} = {fv} AND attribute_exists({p})")
+            }
+            Condition::NotLease => {
+                let f = self.n(attr::FENCE);
+                let z = self.v("zero", num(0));
+                format!("attribute_not_exists({f}) OR {f} = {z}")
+            }
         }
     }
 
-    fn mutation(&mut self, m: &Mutation) {
+    fn mutation(&mut self, key: &str, m: &Mutation) {
         match m {
             // Whole-item replacement: sent as a PutItem (see `put_item`).
             Mutation::Acquire(_) => unreachable!("acquire is a PutItem"),
@@ -500,6 +551,50 @@ impl Expr {
                 self.remove_keepalive();
             }
             Mutation::ClearKeepalive => self.remove_keepalive(),
+            Mutation::Enqueue { now_ms, start } => {
+                let (qh, qt) = (self.n(attr::QUEUE_HEAD), self.n(attr::QUEUE_TAIL));
+                let st = self.v("queue_start", num(*start));
+                let one = self.v("one", num(1));
+                self.set(attr::QUEUE_HEAD, format!("if_not_exists({qh}, {st})"));
+                self.set(attr::QUEUE_TAIL, format!("if_not_exists({qt}, {st}) + {one}"));
+                self.set_value(attr::QUEUE_TAIL_AT, num(*now_ms));
+            }
+            Mutation::Grant { lease: n, seq, token } => {
+                self.set_value(attr::FENCE, num(n.fence));
+                self.set_value(attr::HOLDER, str_(&n.holder));
+                self.set_value(attr::LEASE_ID, str_(n.lease_id.expose()));
+                self.set_value(attr::ACQUIRED_AT, num(n.now_ms));
+                self.set_value(attr::RENEWED_AT, num(n.now_ms));
+                self.set_value(attr::MIN_HOLD_UNTIL, num(n.now_ms.saturating_add(n.min_hold_ms)));
+                self.set_or_remove(attr::EXPIRES_AT, n.duration_ms.map(|d| num(n.now_ms.saturating_add(d))));
+                self.set_or_remove(attr::DURATION, n.duration_ms.map(num));
+                self.set_or_remove(attr::TTL, n.ttl.map(num));
+                self.set_value(attr::QUEUE_HEAD, num(*seq));
+                self.set_value(attr::PENDING_TOKEN, str_(token));
+                let metadata =
+                    n.metadata.as_ref().map(|m| AttributeValue::S(serde_json::Value::Object(m.clone()).to_string()));
+                self.set_or_remove(attr::METADATA, metadata);
+                match &n.keepalive {
+                    Some(k) => {
+                        self.set_value(attr::KA_SHARD, num(keepalive_shard(key, KEEPALIVE_SHARDS) as u64));
+                        self.set_value(attr::KA_UNTIL, num(k.until_ms));
+                        self.set_or_remove(attr::KA_EXECUTION_ARN, k.execution_arn.as_deref().map(str_));
+                    }
+                    None => self.remove_keepalive(),
+                }
+                self.remove(attr::RELEASED_AT);
+                self.remove(attr::POLL);
+            }
+            Mutation::Delivered => self.remove(attr::PENDING_TOKEN),
+            Mutation::Revoke { now_ms, ttl } => {
+                self.set_value(attr::EXPIRES_AT, num(0));
+                self.set_value(attr::RELEASED_AT, num(*now_ms));
+                self.set_value(attr::TTL, num(*ttl));
+                self.remove(attr::PENDING_TOKEN);
+                self.remove_keepalive();
+            }
+            Mutation::Skip { seq } => self.set_value(attr::QUEUE_HEAD, num(*seq)),
+            Mutation::PutWaiter(_) => unreachable!("a waiter item is a PutItem"),
         }
     }
 }
@@ -510,8 +605,8 @@ impl Expr {
 pub fn expressions(condition: &Condition, mutation: &Mutation) -> (String, String) {
     let mut x = Expr::default();
     let cond = x.condition(condition);
-    if !matches!(mutation, Mutation::Acquire(_)) {
-        x.mutation(mutation);
+    if !matches!(mutation, Mutation::Acquire(_) | Mutation::PutWaiter(_)) {
+        x.mutation("", mutation);
     }
     (cond, x.update_expression())
 }
@@ -552,6 +647,30 @@ fn lease_item(key: &str, n: &NewLease) -> HashMap<String, AttributeValue> {
     item
 }
 
+/// A waiter item (DESIGN.md, "The waiter queue"): the waiter as one JSON attribute, and the
+/// index attributes that place it in its key's queue shard.
+fn waiter_item(r: &Record) -> Result<HashMap<String, AttributeValue>> {
+    let w = r.waiter.as_ref().ok_or_else(|| Error::invalid("a waiter item needs a waiter"))?;
+    let mut item = HashMap::with_capacity(10);
+    let mut put = |a: &str, v: AttributeValue| {
+        item.insert(a.to_string(), v);
+    };
+    put(attr::KEY, str_(&r.key));
+    put(attr::FENCE, num(r.fence));
+    put(attr::HOLDER, str_(&r.holder));
+    put(attr::LEASE_ID, str_(r.lease_id.expose()));
+    put(attr::ACQUIRED_AT, num(r.acquired_at_ms));
+    put(attr::EXPIRES_AT, num(r.expires_at_ms.unwrap_or(0)));
+    put(attr::MIN_HOLD_UNTIL, num(r.min_hold_until_ms));
+    if let Some(t) = r.ttl {
+        put(attr::TTL, num(t));
+    }
+    put(attr::WAITER, AttributeValue::S(serde_json::to_string(w).expect("waiter serialises")));
+    put(attr::KA_SHARD, num(crate::queue::queue_shard(&r.key) as u64));
+    put(attr::KA_UNTIL, num(r.acquired_at_ms));
+    Ok(item)
+}
+
 /// A DynamoDB item as the SDK returns it.
 type Item = HashMap<String, AttributeValue>;
 
@@ -577,14 +696,15 @@ impl DynamoStore {
     /// An acquire: one conditional PutItem of the whole lease. Nothing of the previous lease
     /// survives by mistake, and DynamoDB Local spends less time on it than on the equivalent
     /// SET/REMOVE update expression (DESIGN.md has the figures).
-    async fn put_item(&self, key: &str, condition: &Condition, n: &NewLease) -> Result<Write> {
+    async fn put_item(&self, key: &str, condition: &Condition, item: Item, written: Record) -> Result<Write> {
+        let _ = key;
         let mut x = Expr::default();
         let cond = x.condition(condition);
         let res = self
             .client
             .put_item()
             .table_name(&self.table)
-            .set_item(Some(lease_item(key, n)))
+            .set_item(Some(item))
             .condition_expression(cond)
             .set_expression_attribute_names(x.names())
             .set_expression_attribute_values(x.values())
@@ -593,7 +713,7 @@ impl DynamoStore {
             .await;
         match res {
             // The item is exactly what was sent.
-            Ok(_) => Ok(Write::Applied(n.record(key))),
+            Ok(_) => Ok(Write::Applied(written)),
             Err(e) => rejected_or_err(e, |e| match e {
                 aws_sdk_dynamodb::operation::put_item::PutItemError::ConditionalCheckFailedException(c) => {
                     Some(c.item())
@@ -629,11 +749,14 @@ impl Store for DynamoStore {
 
     async fn update(&self, key: &str, condition: &Condition, mutation: &Mutation) -> Result<Write> {
         if let Mutation::Acquire(n) = mutation {
-            return self.put_item(key, condition, n).await;
+            return self.put_item(key, condition, lease_item(key, n), n.record(key)).await;
+        }
+        if let Mutation::PutWaiter(r) = mutation {
+            return self.put_item(key, condition, waiter_item(r)?, (**r).clone()).await;
         }
         let mut x = Expr::default();
         let cond = x.condition(condition);
-        x.mutation(mutation);
+        x.mutation(key, mutation);
         let res = self
             .client
             .update_item()
@@ -792,10 +915,38 @@ mod tests {
             (Condition::Unreleased { lease_id: id.clone() }, Some(Mutation::Release { now_ms: now, ttl: 2 })),
             (Condition::Exists, Some(Mutation::ForceRelease { now_ms: now, ttl: 2 })),
             (Condition::FenceIs(3), Some(Mutation::ClearKeepalive)),
+            (Condition::Queueable { now_ms: now }, Some(Mutation::Enqueue { now_ms: now, start: 5 })),
+            (
+                Condition::HandOver { fence: 3, now_ms: now, head: 5 },
+                Some(Mutation::Grant {
+                    lease: NewLease {
+                        holder: "h".into(),
+                        lease_id: id.clone(),
+                        now_ms: now,
+                        duration_ms: Some(3),
+                        min_hold_ms: 0,
+                        metadata: None,
+                        keepalive: None,
+                        ttl,
+                        fence: 4,
+                        poll_ms: None,
+                    },
+                    seq: 6,
+                    token: "t".into(),
+                }),
+            ),
+            (Condition::HandOver { fence: 3, now_ms: now, head: 5 }, Some(Mutation::Skip { seq: 6 })),
+            (Condition::Undelivered { fence: 3 }, Some(Mutation::Delivered)),
+            (Condition::Undelivered { fence: 3 }, Some(Mutation::Revoke { now_ms: now, ttl: 2 })),
+            (Condition::NotLease, None),
         ];
         for (c, m) in writes {
             let (cond, update) = expressions(&c, m.as_ref().unwrap_or(&Mutation::ClearKeepalive));
             let line = format!("ConditionExpression: `{cond}`");
+            if std::env::var_os("LEASEHOLD_PRINT_EXPRESSIONS").is_some() {
+                println!("{line}\nUpdateExpression: `{update}`\n");
+                continue;
+            }
             assert!(design.contains(&line), "DESIGN.md lacks {line}");
             if m.is_some() {
                 let line = format!("UpdateExpression: `{update}`");

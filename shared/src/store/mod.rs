@@ -50,6 +50,21 @@ pub enum Condition {
     /// The item's last fence is `fence`: the same lease as when it was read (every grant and
     /// force-release changes the fence). DynamoDB: `fence = :expected_fence`
     FenceIs(u64),
+    /// A waiter may join the key's queue: the item exists and is held, or its queue is not
+    /// empty (a free key with waiters belongs to the head waiter). DynamoDB:
+    /// `attribute_exists(fence) AND (attribute_not_exists(expires_at_ms) OR expires_at_ms > :now
+    /// OR queue_tail > queue_head)`
+    Queueable { now_ms: u64 },
+    /// The key is free, still carries the lease read (`fence`), and its queue head is still
+    /// `head`: the head waiter may be granted it, or skipped. DynamoDB:
+    /// `fence = :expected_fence AND expires_at_ms <= :now AND queue_head = :queue_head`
+    HandOver { fence: u64, now_ms: u64, head: u64 },
+    /// The grant with `fence` is still marked undelivered. DynamoDB:
+    /// `fence = :expected_fence AND attribute_exists(pending_token)`
+    Undelivered { fence: u64 },
+    /// The item is not a lease (a waiter item, or nothing). DynamoDB:
+    /// `attribute_not_exists(fence) OR fence = :zero`
+    NotLease,
 }
 
 impl Condition {
@@ -58,7 +73,10 @@ impl Condition {
         match (self, item) {
             (Condition::Free { .. }, None) => true,
             (Condition::Free { now_ms, fence, lease_id }, Some(r)) => {
-                matches!(r.expires_at_ms, Some(e) if e <= *now_ms) && r.fence < *fence && &r.lease_id != lease_id
+                matches!(r.expires_at_ms, Some(e) if e <= *now_ms)
+                    && r.fence < *fence
+                    && &r.lease_id != lease_id
+                    && r.queue_len() == 0
             }
             (Condition::Renew { lease_id, now_ms, expires_at_ms }, Some(r)) => {
                 r.is_live_for(lease_id, *now_ms)
@@ -71,6 +89,13 @@ impl Condition {
             (Condition::Unreleased { lease_id }, Some(r)) => &r.lease_id == lease_id && r.released_at_ms.is_none(),
             (Condition::Exists, Some(_)) => true,
             (Condition::FenceIs(f), Some(r)) => r.fence == *f,
+            (Condition::Queueable { now_ms }, Some(r)) => r.is_held(*now_ms) || r.queue_len() > 0,
+            (Condition::HandOver { fence, now_ms, head }, Some(r)) => {
+                r.fence == *fence && matches!(r.expires_at_ms, Some(e) if e <= *now_ms) && r.queue_head == Some(*head)
+            }
+            (Condition::Undelivered { fence }, Some(r)) => r.fence == *fence && r.pending_token.is_some(),
+            (Condition::NotLease, None) => true,
+            (Condition::NotLease, Some(r)) => r.fence == 0,
             (_, None) => false,
         }
     }
@@ -113,6 +138,11 @@ impl NewLease {
             ttl: self.ttl,
             renewed_at_ms: Some(self.now_ms),
             poll_ms: self.poll_ms,
+            queue_head: None,
+            queue_tail: None,
+            queue_tail_at_ms: None,
+            pending_token: None,
+            waiter: None,
         }
     }
 }
@@ -133,6 +163,22 @@ pub enum Mutation {
     ForceRelease { now_ms: u64, ttl: u64 },
     /// Stop renewing on the holder's behalf (keep-alive deadline passed or execution gone).
     ClearKeepalive,
+    /// Join the queue: `queue_tail + 1` (a new queue starts both counters at `start`, the
+    /// clock in µs), `queue_tail_at_ms = now`. The new tail is the waiter's sequence number.
+    Enqueue { now_ms: u64, start: u64 },
+    /// Hand the free key to the head waiter: the lease of `lease` (fence included), the queue
+    /// head moved to `seq`, and the grant marked undelivered with the waiter's task token.
+    /// Queue tail and `queue_tail_at_ms` stay.
+    Grant { lease: NewLease, seq: u64, token: String },
+    /// The grant was delivered: the undelivered mark goes.
+    Delivered,
+    /// The grant's waiter is gone: the key is freed at once (expires_at = 0), released_at = now,
+    /// the undelivered mark and keep-alive removed.
+    Revoke { now_ms: u64, ttl: u64 },
+    /// Pass over the head waiter (gone, timed out, or never written): `queue_head = seq`.
+    Skip { seq: u64 },
+    /// Write a whole waiter item (DynamoDB: a PutItem).
+    PutWaiter(Box<Record>),
 }
 
 impl Mutation {
@@ -171,6 +217,42 @@ impl Mutation {
                 r.keepalive = None;
                 r
             }
+            Mutation::Enqueue { now_ms, start } => {
+                let mut r = old.expect("enqueue applies to an existing item").clone();
+                r.queue_head = Some(r.queue_head.unwrap_or(*start));
+                r.queue_tail = Some(r.queue_tail.unwrap_or(*start) + 1);
+                r.queue_tail_at_ms = Some(*now_ms);
+                r
+            }
+            Mutation::Grant { lease, seq, token } => {
+                let o = old.expect("grant applies to an existing item");
+                let mut r = lease.record(key);
+                r.queue_head = Some(*seq);
+                r.queue_tail = o.queue_tail;
+                r.queue_tail_at_ms = o.queue_tail_at_ms;
+                r.pending_token = Some(token.clone());
+                r
+            }
+            Mutation::Delivered => {
+                let mut r = old.expect("delivered applies to an existing item").clone();
+                r.pending_token = None;
+                r
+            }
+            Mutation::Revoke { now_ms, ttl } => {
+                let mut r = old.expect("revoke applies to an existing item").clone();
+                r.expires_at_ms = Some(0);
+                r.released_at_ms = Some(*now_ms);
+                r.pending_token = None;
+                r.keepalive = None;
+                r.ttl = Some(*ttl);
+                r
+            }
+            Mutation::Skip { seq } => {
+                let mut r = old.expect("skip applies to an existing item").clone();
+                r.queue_head = Some(*seq);
+                r
+            }
+            Mutation::PutWaiter(w) => (**w).clone(),
         }
     }
 }

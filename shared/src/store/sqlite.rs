@@ -124,9 +124,11 @@ fn read(c: &Connection, key: &str) -> Result<Option<Record>> {
 
 fn write(c: &Connection, r: &Record) -> Result<()> {
     let json = serde_json::to_string(r).expect("record serialises");
-    let (shard, until) = match &r.keepalive {
-        Some(k) => (Some(keepalive_shard(&r.key, KEEPALIVE_SHARDS) as i64), Some(k.until_ms as i64)),
-        None => (None, None),
+    let (shard, until) = match (&r.keepalive, &r.waiter) {
+        // A waiter item sits in its key's queue shard of the same index (see `queue`).
+        (_, Some(_)) => (Some(crate::queue::queue_shard(&r.key) as i64), Some(r.acquired_at_ms as i64)),
+        (Some(k), None) => (Some(keepalive_shard(&r.key, KEEPALIVE_SHARDS) as i64), Some(k.until_ms as i64)),
+        (None, None) => (None, None),
     };
     // Statements are prepared once per connection (the write path is the hot path).
     c.prepare_cached(

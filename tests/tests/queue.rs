@@ -1,0 +1,293 @@
+//! The waiter queue (DESIGN.md, "The waiter queue") on both stores: FIFO hand-over, waiters
+//! that are gone, racing releases and sweeps, undelivered grants, 1,000 waiters on one key.
+//!
+//! Delivery goes through the protocol's `Deliver` boundary, recorded in process here (what the
+//! Step Functions side does with a delivered lease is not under test in this file); each
+//! recorded delivery is checked against the store.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use leasehold::queue::{Deliver, DeliveryError, Enqueued, DELIVERY_GRACE_MS};
+use leasehold::{AcquireOptions, Coordinator, Lease, LeaseId};
+use leasehold_tests::{both_backends, test_config, Backend, Counting};
+
+both_backends!(
+    waiters_are_served_in_order,
+    gone_and_timed_out_waiters_are_passed_over,
+    racing_releases_and_sweeps_grant_once,
+    crashed_holder_is_replaced_by_the_sweep,
+    undelivered_grant_is_delivered_by_the_sweep,
+    plain_acquire_does_not_jump_the_queue,
+    thousand_waiters_constant_requests_per_hand_over,
+);
+
+/// Records deliveries; tokens in `gone` answer `Gone`; the next `transient` attempts fail.
+#[derive(Default)]
+struct Recorder {
+    delivered: Mutex<Vec<(String, Lease)>>,
+    gone: Mutex<HashSet<String>>,
+    transient: AtomicUsize,
+    attempts: AtomicUsize,
+}
+
+#[async_trait]
+impl Deliver for Recorder {
+    async fn success(&self, token: &str, lease: &Lease) -> Result<(), DeliveryError> {
+        self.attempts.fetch_add(1, Ordering::SeqCst);
+        if self.gone.lock().unwrap().contains(token) {
+            return Err(DeliveryError::Gone("TaskTimedOut".into()));
+        }
+        if self.transient.load(Ordering::SeqCst) > 0 {
+            self.transient.fetch_sub(1, Ordering::SeqCst);
+            return Err(DeliveryError::Transient("ThrottlingException".into()));
+        }
+        self.delivered.lock().unwrap().push((token.to_string(), lease.clone()));
+        Ok(())
+    }
+    async fn failure(&self, _: &str, _: &str, _: &str) -> Result<(), DeliveryError> {
+        Ok(())
+    }
+}
+
+impl Recorder {
+    fn tokens(&self) -> Vec<String> {
+        self.delivered.lock().unwrap().iter().map(|(t, _)| t.clone()).collect()
+    }
+    fn last(&self) -> Lease {
+        self.delivered.lock().unwrap().last().expect("a delivery").1.clone()
+    }
+}
+
+fn coord(b: &Backend, rec: &Arc<Recorder>) -> Coordinator {
+    b.coordinator(test_config()).with_deliver(rec.clone())
+}
+
+fn key(tag: &str) -> String {
+    format!("queue/{tag}/{}", LeaseId::generate().expose())
+}
+
+async fn enqueue(c: &Coordinator, key: &str, token: &str, duration: Duration) -> Enqueued {
+    c.acquire_or_enqueue(key, token, duration, AcquireOptions::default(), token, None).await.expect("enqueue")
+}
+
+async fn waiters_are_served_in_order(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let c = coord(&b, &rec);
+    let k = key("fifo");
+    let first = enqueue(&c, &k, "t0", Duration::from_secs(30)).await;
+    let Enqueued::Granted(mut lease) = first else { panic!("free key must be granted: {first:?}") };
+    assert_eq!(rec.tokens(), ["t0"], "a grant on a free key is delivered at once");
+    let mut ids = Vec::new();
+    for i in 1..=5 {
+        match enqueue(&c, &k, &format!("t{i}"), Duration::from_secs(30)).await {
+            Enqueued::Queued { position, lease_id, .. } => {
+                assert_eq!(position, i, "positions count from the head");
+                ids.push(lease_id);
+            }
+            other => panic!("held key must queue: {other:?}"),
+        }
+    }
+    assert_eq!(c.get(&k).await.unwrap().queue_length, 5);
+    assert_eq!(c.queue_position(&k, &ids[2], 100).await.unwrap(), Some(3));
+    for i in 1..=5 {
+        let before = lease.fence;
+        c.release(&k, &lease.lease_id).await.unwrap();
+        lease = rec.last();
+        assert_eq!(rec.tokens().len(), i + 1, "one delivery per release");
+        assert_eq!(rec.tokens()[i], format!("t{i}"), "FIFO");
+        assert_eq!(lease.lease_id, ids[i - 1], "the waiter's own lease_id");
+        assert!(lease.fence > before, "a hand-over fence is above every earlier one");
+        let st = c.get(&k).await.unwrap();
+        assert!(st.held && st.holder == format!("t{i}") && st.fence == lease.fence, "{st:?}");
+        assert_eq!(st.queue_length, 5 - i as u64);
+        assert!(c.heartbeat(&k, &lease.lease_id, None).await.is_ok(), "the delivered lease is live");
+    }
+    c.release(&k, &lease.lease_id).await.unwrap();
+    assert!(!c.get(&k).await.unwrap().held, "the last release frees the key");
+    let again = c.acquire(&k, "plain", Some(Duration::from_secs(5)), AcquireOptions::default()).await.unwrap();
+    assert!(again.fence > lease.fence);
+}
+
+async fn gone_and_timed_out_waiters_are_passed_over(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let c = coord(&b, &rec);
+    let k = key("gone");
+    let Enqueued::Granted(lease) = enqueue(&c, &k, "holder", Duration::from_secs(30)).await else { panic!() };
+    enqueue(&c, &k, "gone", Duration::from_secs(30)).await;
+    let past = c.now_ms() + 300;
+    c.acquire_or_enqueue(&k, "late", Duration::from_secs(30), AcquireOptions::default(), "late", Some(past))
+        .await
+        .unwrap();
+    enqueue(&c, &k, "live", Duration::from_secs(30)).await;
+    rec.gone.lock().unwrap().insert("gone".into());
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let attempts = rec.attempts.load(Ordering::SeqCst);
+    c.release(&k, &lease.lease_id).await.unwrap();
+    assert_eq!(rec.tokens(), ["holder", "live"], "gone and timed-out waiters are passed over");
+    assert_eq!(rec.attempts.load(Ordering::SeqCst) - attempts, 2, "no delivery to a timed-out waiter");
+    let st = c.get(&k).await.unwrap();
+    assert!(st.held && st.holder == "live" && st.queue_length == 0, "{st:?}");
+}
+
+async fn racing_releases_and_sweeps_grant_once(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let coords: Vec<Coordinator> = (0..4)
+        .map(|_| Coordinator::new(b.reopen(), test_config()).with_deliver(rec.clone() as Arc<dyn Deliver>))
+        .collect();
+    let c = &coords[0];
+    let k = key("race");
+    let Enqueued::Granted(mut lease) = enqueue(c, &k, "t0", Duration::from_secs(30)).await else { panic!() };
+    for i in 1..=4 {
+        enqueue(c, &k, &format!("t{i}"), Duration::from_secs(30)).await;
+    }
+    for round in 1..=4 {
+        // The holder's release, twice (a retry), while other coordinators serve the queue and
+        // sweep at the same time.
+        let mut tasks = Vec::new();
+        for (i, co) in coords.iter().enumerate() {
+            let (co, k, id) = (co.clone(), k.clone(), lease.lease_id.clone());
+            tasks.push(tokio::spawn(async move {
+                match i {
+                    0 => {
+                        co.release(&k, &id).await.unwrap();
+                    }
+                    // The same release again (a retry): once the key is handed over, it is
+                    // another lease's and the retry changes nothing.
+                    1 => match co.release(&k, &id).await {
+                        Ok(_)
+                        | Err(leasehold::Error::NotHolder {
+                            reason: leasehold::NotHolderReason::WrongLeaseId, ..
+                        }) => {}
+                        Err(e) => panic!("{e:?}"),
+                    },
+                    2 => {
+                        co.serve_queue(&k).await.unwrap();
+                    }
+                    _ => {
+                        co.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
+                    }
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        coords[1].serve_queue(&k).await.unwrap();
+        let tokens = rec.tokens();
+        assert_eq!(tokens.len(), round + 1, "exactly one grant per release: {tokens:?}");
+        assert_eq!(tokens[round], format!("t{round}"));
+        lease = rec.last();
+        let st = c.get(&k).await.unwrap();
+        assert!(st.held && st.fence == lease.fence, "the delivered grant is the key's lease: {st:?}");
+    }
+}
+
+async fn crashed_holder_is_replaced_by_the_sweep(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let c = coord(&b, &rec);
+    let k = key("crash");
+    let short = Duration::from_millis(500);
+    let Enqueued::Granted(crashed) = enqueue(&c, &k, "crashed", short).await else { panic!() };
+    enqueue(&c, &k, "next", Duration::from_secs(30)).await;
+    assert_eq!(c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap().served.delivered, 0);
+    tokio::time::sleep(short + Duration::from_millis(100)).await;
+    let report = c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    assert_eq!(report.served.delivered, 1, "{report:?}");
+    assert_eq!(rec.tokens(), ["crashed", "next"]);
+    assert!(rec.last().fence > crashed.fence);
+    // A force-release hands over the same way.
+    enqueue(&c, &k, "after-force", Duration::from_secs(30)).await;
+    c.force_release(&k).await.unwrap();
+    assert_eq!(rec.tokens().last().unwrap(), "after-force");
+}
+
+async fn undelivered_grant_is_delivered_by_the_sweep(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let c = coord(&b, &rec);
+    let k = key("undelivered");
+    let Enqueued::Granted(lease) = enqueue(&c, &k, "t0", Duration::from_secs(30)).await else { panic!() };
+    enqueue(&c, &k, "t1", Duration::from_secs(30)).await;
+    rec.transient.store(100, Ordering::SeqCst);
+    c.release(&k, &lease.lease_id).await.unwrap();
+    assert_eq!(rec.tokens(), ["t0"], "every delivery attempt failed");
+    let st = c.get(&k).await.unwrap();
+    assert!(st.held && st.holder == "t1", "the grant is written, pending delivery: {st:?}");
+    rec.transient.store(0, Ordering::SeqCst);
+    // Within the grace the sweep leaves it (the granting function may still be delivering).
+    c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    assert_eq!(rec.tokens(), ["t0"]);
+    tokio::time::sleep(Duration::from_millis(DELIVERY_GRACE_MS + 100)).await;
+    c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    assert_eq!(rec.tokens(), ["t0", "t1"], "the sweep delivers a grant left undelivered");
+    assert_eq!(rec.last().fence, st.fence);
+    c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    assert_eq!(rec.tokens().len(), 2, "delivered once");
+}
+
+async fn plain_acquire_does_not_jump_the_queue(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let c = coord(&b, &rec);
+    // Without a deliverer: nobody serves the queue when the holder expires.
+    let plain = b.coordinator(test_config());
+    let k = key("jump");
+    let short = Duration::from_millis(300);
+    let Enqueued::Granted(_) = enqueue(&c, &k, "t0", short).await else { panic!() };
+    enqueue(&c, &k, "t1", Duration::from_secs(30)).await;
+    tokio::time::sleep(short + Duration::from_millis(100)).await;
+    let err = plain.acquire(&k, "jumper", Some(Duration::from_secs(5)), AcquireOptions::default()).await;
+    assert!(matches!(err, Err(leasehold::Error::LeaseHeld { .. })), "a free key with waiters is theirs: {err:?}");
+    c.serve_queue(&k).await.unwrap();
+    assert_eq!(rec.tokens(), ["t0", "t1"]);
+}
+
+async fn thousand_waiters_constant_requests_per_hand_over(b: Backend) {
+    let n: usize = 1000;
+    let rec = Arc::new(Recorder::default());
+    let counting = Counting::new(b.store());
+    let c = Coordinator::new(counting.clone(), test_config()).with_deliver(rec.clone() as Arc<dyn Deliver>);
+    let k = key("thousand");
+    let Enqueued::Granted(mut lease) = enqueue(&c, &k, "t0", Duration::from_secs(600)).await else { panic!() };
+    // Enqueued from 8 tasks at once: the order is the sequence order.
+    let seqs = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for t in 0..8 {
+        let (c, k, seqs) = (c.clone(), k.clone(), seqs.clone());
+        tasks.push(tokio::spawn(async move {
+            for i in (t..n).step_by(8) {
+                let token = format!("w{i}");
+                match enqueue(&c, &k, &token, Duration::from_secs(600)).await {
+                    Enqueued::Queued { seq, .. } => seqs.lock().unwrap().push((seq, token)),
+                    other => panic!("{other:?}"),
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let mut expected = seqs.lock().unwrap().clone();
+    expected.sort();
+    assert_eq!(c.get(&k).await.unwrap().queue_length, n as u64);
+    let mut max_reads = 0;
+    let mut max_writes = 0;
+    for (i, (_, token)) in expected.iter().enumerate() {
+        let (g, u, d) = (
+            counting.gets.load(Ordering::SeqCst),
+            counting.updates.load(Ordering::SeqCst),
+            counting.deletes.load(Ordering::SeqCst),
+        );
+        c.release(&k, &lease.lease_id).await.unwrap();
+        max_reads = max_reads.max(counting.gets.load(Ordering::SeqCst) - g);
+        max_writes =
+            max_writes.max(counting.updates.load(Ordering::SeqCst) - u + counting.deletes.load(Ordering::SeqCst) - d);
+        lease = rec.last();
+        assert_eq!(&rec.tokens()[i + 1], token, "FIFO at position {i}");
+    }
+    assert!(max_writes <= 4 && max_reads <= 2, "per hand-over: {max_writes} writes, {max_reads} reads");
+    assert_eq!(rec.attempts.load(Ordering::SeqCst), n + 1, "one SendTaskSuccess per hand-over");
+    println!("per hand-over (release included): at most {max_writes} writes, {max_reads} reads, 1 delivery");
+}
