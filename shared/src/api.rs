@@ -38,6 +38,16 @@ pub struct AcquireRequest {
     /// the lease its lost first attempt took. Generated (128 random bits) when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease_id: Option<String>,
+    /// A queued acquire (DESIGN.md, "The waiter queue"): the Step Functions task token
+    /// (`$$.Task.Token` of a `.waitForTaskToken` task) the lease is delivered to, now if the
+    /// key is free, else when the waiter's turn comes. The answer is then `{"key", "queued",
+    /// "position"}`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_token: Option<String>,
+    /// With `task_token`: the task's own timeout (`TimeoutSeconds`) in ms; a waiter still
+    /// queued after it is passed over without a delivery attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_timeout_ms: Option<u64>,
 }
 
 /// Body of a heartbeat.
@@ -141,12 +151,15 @@ pub async fn run(
     match op {
         Operation::Acquire => {
             let r: AcquireRequest = parse(payload)?;
-            let key = pick_key(path_key, r.key)?;
+            let key = pick_key(path_key, r.key.clone())?;
             let duration = match (r.fail_closed, r.duration_ms) {
                 (true, Some(_)) => return Err(Error::invalid("fail_closed leases take no duration_ms")),
                 (true, None) => None,
                 (false, d) => Some(d.map(ms).unwrap_or(coord.config().default_duration)),
             };
+            if let Some(token) = r.task_token.as_deref() {
+                return queued_acquire(coord, &key, r.holder.as_str(), duration, &r, token, received).await;
+            }
             let mut wait = r.wait_ms.map(ms);
             if let (Some(w), Some(rem)) = (wait, remaining) {
                 coord.config().limits.wait(w)?;
@@ -184,6 +197,40 @@ pub async fn run(
             let state = coord.get(&key).await?;
             Ok(serde_json::to_value(state).expect("state serialises"))
         }
+    }
+}
+
+/// A queued acquire: granted and delivered now, or queued. Either way the lease reaches the
+/// task through its token; the function's own answer is for logs and direct callers.
+async fn queued_acquire(
+    coord: &Coordinator,
+    key: &str,
+    holder: &str,
+    duration: Option<Duration>,
+    r: &AcquireRequest,
+    token: &str,
+    received: std::time::Instant,
+) -> Result<Value> {
+    let Some(duration) = duration else {
+        return Err(Error::invalid("a queued acquire (task_token) takes a duration, not fail_closed"));
+    };
+    if r.wait_ms.is_some() || r.min_hold_ms.is_some() {
+        return Err(Error::invalid("a queued acquire (task_token) takes neither wait_ms nor min_hold_ms"));
+    }
+    let opts = AcquireOptions {
+        metadata: r.metadata.clone(),
+        keepalive: r.keepalive.clone(),
+        lease_id: r.lease_id.as_deref().map(validate::lease_id).transpose()?,
+        ..Default::default()
+    };
+    let timeout_at_ms = r.task_timeout_ms.map(|t| coord.now_ms().saturating_add(t));
+    match coord.acquire_or_enqueue(key, holder, duration, opts, token, timeout_at_ms).await? {
+        crate::queue::Enqueued::Granted(lease) => {
+            let mut v = serde_json::to_value(lease.with_safe_for(received)).expect("lease serialises");
+            v["queued"] = json!(false);
+            Ok(v)
+        }
+        crate::queue::Enqueued::Queued { position, .. } => Ok(json!({"key": key, "queued": true, "position": position})),
     }
 }
 

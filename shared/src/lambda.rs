@@ -108,6 +108,40 @@ impl Executions for StepFunctions {
     }
 }
 
+/// Step Functions `SendTaskSuccess` / `SendTaskFailure` as the queue's delivery.
+#[async_trait]
+impl crate::queue::Deliver for StepFunctions {
+    async fn success(&self, token: &str, lease: &crate::model::Lease) -> Result<(), crate::queue::DeliveryError> {
+        let output = serde_json::to_string(lease).expect("lease serialises");
+        let res = self.0.send_task_success().task_token(token).output(output).send().await;
+        res.map(|_| ()).map_err(|e| {
+            let gone = e.as_service_error().is_some_and(|s| {
+                s.is_task_does_not_exist() || s.is_task_timed_out() || s.is_invalid_token()
+            });
+            delivery_error(gone, &e)
+        })
+    }
+
+    async fn failure(&self, token: &str, error: &str, cause: &str) -> Result<(), crate::queue::DeliveryError> {
+        let res = self.0.send_task_failure().task_token(token).error(error).cause(cause).send().await;
+        res.map(|_| ()).map_err(|e| {
+            let gone = e.as_service_error().is_some_and(|s| {
+                s.is_task_does_not_exist() || s.is_task_timed_out() || s.is_invalid_token()
+            });
+            delivery_error(gone, &e)
+        })
+    }
+}
+
+fn delivery_error(gone: bool, e: &dyn std::error::Error) -> crate::queue::DeliveryError {
+    let msg = aws_smithy_types::error::display::DisplayErrorContext(e).to_string();
+    if gone {
+        crate::queue::DeliveryError::Gone(msg)
+    } else {
+        crate::queue::DeliveryError::Transient(msg)
+    }
+}
+
 /// An invocation payload as it arrived: JSON, or the parse error of bytes that are not JSON.
 /// The runtime would otherwise answer malformed bytes itself with its own error type; with
 /// this, they become an `InvalidRequest` like every other bad input.
@@ -350,6 +384,18 @@ impl Handler {
         }
         let deadline = Instant::now() + remaining.saturating_sub(api::INVOKE_SAFETY_MARGIN);
         let report = self.coord.keepalive_sweep(self.executions.clone(), self.sweep_max_items, deadline).await;
+        // Then the waiter queues: expired holders replaced, undelivered grants delivered.
+        match self.coord.sweep_queues(deadline).await {
+            Ok(q) => tracing::info!(
+                keys = q.keys,
+                delivered = q.served.delivered,
+                undelivered = q.served.undelivered,
+                skipped = q.served.skipped,
+                errors = q.errors,
+                "queue sweep"
+            ),
+            Err(e) => tracing::warn!(error = e.name(), "queue sweep failed"),
+        }
         tracing::info!(
             scanned = report.scanned,
             renewed = report.renewed,
@@ -410,14 +456,15 @@ pub async fn handler_from_env(function: Function) -> Result<Handler, Error> {
         tracing::warn!(store = %choice.describe(), "LEASEHOLD_TABLE is not set: using the embedded store");
     }
     let store = choice.open().await?;
-    let executions: Option<Arc<dyn Executions>> = if function == Function::Heartbeat {
-        let conf = crate::store::dynamo::load_sdk_config(Duration::from_secs(3)).await;
-        Some(Arc::new(StepFunctions(aws_sdk_sfn::Client::new(&conf))))
-    } else {
-        None
-    };
+    // Every function may deliver a queued waiter's lease (acquire: a free key; release: the
+    // hand-over; heartbeat: the sweep), and the heartbeat function describes executions.
+    let conf = crate::store::dynamo::load_sdk_config(Duration::from_secs(3)).await;
+    let sfn = Arc::new(StepFunctions(aws_sdk_sfn::Client::new(&conf)));
+    let executions: Option<Arc<dyn Executions>> =
+        if function == Function::Heartbeat { Some(sfn.clone()) } else { None };
     let sweep_max_items = std::env::var("LEASEHOLD_SWEEP_MAX_ITEMS").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
-    Ok(Handler { function, coord: Coordinator::new(store, config), executions, sweep_max_items })
+    let coord = Coordinator::new(store, config).with_deliver(sfn);
+    Ok(Handler { function, coord, executions, sweep_max_items })
 }
 
 /// The whole `main` of a function: logging, clients built once, then the runtime loop.
