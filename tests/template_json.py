@@ -41,6 +41,10 @@ def transformed(template):
     for resource in template.get("Resources", {}).values():
         if resource.get("Type") == "AWS::Serverless::Function":
             resource.setdefault("Properties", {})["CodeUri"] = "s3://leasehold-artifacts/code.zip"
+        # A definition in its own file is uploaded by `sam package`/`sam deploy`, as code is.
+        props = resource.get("Properties", {})
+        if resource.get("Type") == "AWS::Serverless::StateMachine" and isinstance(props.get("DefinitionUri"), str):
+            props["DefinitionUri"] = "s3://leasehold-artifacts/" + props["DefinitionUri"]
     return transform(template, {}, Policies())
 
 

@@ -230,7 +230,9 @@ async fn queued_acquire(
             v["queued"] = json!(false);
             Ok(v)
         }
-        crate::queue::Enqueued::Queued { position, .. } => Ok(json!({"key": key, "queued": true, "position": position})),
+        crate::queue::Enqueued::Queued { position, .. } => {
+            Ok(json!({"key": key, "queued": true, "position": position}))
+        }
     }
 }
 

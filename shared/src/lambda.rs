@@ -115,9 +115,9 @@ impl crate::queue::Deliver for StepFunctions {
         let output = serde_json::to_string(lease).expect("lease serialises");
         let res = self.0.send_task_success().task_token(token).output(output).send().await;
         res.map(|_| ()).map_err(|e| {
-            let gone = e.as_service_error().is_some_and(|s| {
-                s.is_task_does_not_exist() || s.is_task_timed_out() || s.is_invalid_token()
-            });
+            let gone = e
+                .as_service_error()
+                .is_some_and(|s| s.is_task_does_not_exist() || s.is_task_timed_out() || s.is_invalid_token());
             delivery_error(gone, &e)
         })
     }
@@ -125,9 +125,9 @@ impl crate::queue::Deliver for StepFunctions {
     async fn failure(&self, token: &str, error: &str, cause: &str) -> Result<(), crate::queue::DeliveryError> {
         let res = self.0.send_task_failure().task_token(token).error(error).cause(cause).send().await;
         res.map(|_| ()).map_err(|e| {
-            let gone = e.as_service_error().is_some_and(|s| {
-                s.is_task_does_not_exist() || s.is_task_timed_out() || s.is_invalid_token()
-            });
+            let gone = e
+                .as_service_error()
+                .is_some_and(|s| s.is_task_does_not_exist() || s.is_task_timed_out() || s.is_invalid_token());
             delivery_error(gone, &e)
         })
     }
