@@ -285,6 +285,7 @@ async fn lease_command(g: &Global, cmd: Cmd) -> i32 {
                 lease_id: Some(
                     a.lease_id.clone().unwrap_or_else(|| leasehold::LeaseId::generate().expose().to_string()),
                 ),
+                ..Default::default()
             };
             target.acquire(&a.key, req).await
         }
