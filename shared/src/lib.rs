@@ -19,6 +19,7 @@ pub mod protocol;
 pub mod queue;
 pub mod store;
 pub mod validate;
+pub mod wakeup;
 
 pub use error::{Error, ErrorName, NotHolderReason, Result};
 pub use fenced::{FenceGuard, FencedError};

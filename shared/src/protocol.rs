@@ -87,6 +87,8 @@ pub struct Coordinator {
     pacer: Arc<Pacer>,
     /// Delivers hand-over grants to queued Step Functions waiters (DESIGN.md, "The waiter queue").
     pub(crate) deliver: Option<Arc<dyn crate::queue::Deliver>>,
+    /// This coordinator's waiting acquires, woken by the releases it handles.
+    pub(crate) wakeups: Arc<crate::wakeup::Wakeups>,
 }
 
 impl std::fmt::Debug for Coordinator {
@@ -97,7 +99,7 @@ impl std::fmt::Debug for Coordinator {
 
 impl Coordinator {
     pub fn new(store: Arc<dyn Store>, config: Config) -> Self {
-        Coordinator { store, config: Arc::new(config), pacer: Arc::default(), deliver: None }
+        Coordinator { store, config: Arc::new(config), pacer: Arc::default(), deliver: None, wakeups: Arc::default() }
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {
@@ -273,12 +275,26 @@ impl Coordinator {
         let deadline = wait_deadline.max(start + self.config.retry_budget);
         let mut lease_id = opts.lease_id.clone().unwrap_or_else(LeaseId::generate);
         let mut wait = Waiting::new(&self.pacer, key, self.config.poll_max, start);
-        if !opts.wait.unwrap_or_default().is_zero() {
+        // Waiting acquires of this coordinator line up per key: only the head tries, and a
+        // release handled here wakes it at once (DESIGN.md, "In-process waiters").
+        let mut ticket = (!opts.wait.unwrap_or_default().is_zero()).then(|| self.wakeups.enter(key));
+        if ticket.as_ref().is_some_and(|t| t.is_head()) {
             wait.courtesy(wait_deadline).await;
         }
         // The last fence seen on this key: the next one must be above it.
         let mut seen_fence: Option<u64> = None;
         loop {
+            // Behind the head of this coordinator's line nothing is sent (one last attempt at
+            // the deadline); the head polls as a fallback, since another process may free it.
+            if let Some(t) = &ticket {
+                loop {
+                    let now = Instant::now();
+                    if t.is_head() || now >= wait_deadline {
+                        break;
+                    }
+                    t.wait(self.config.poll_max.min(wait_deadline - now)).await;
+                }
+            }
             // Every attempt judges expiry with this clock: it must agree with the store's.
             self.check_clock(key).await?;
             wait.attempts += 1;
@@ -310,6 +326,9 @@ impl Coordinator {
                     let lease = r.lease(sent, now, self.skew_ms());
                     if lease.safe_until.is_none_or(|t| t > Instant::now()) {
                         wait.granted(advertised);
+                        if let Some(t) = ticket.as_mut() {
+                            t.granted = true;
+                        }
                         return Ok(lease);
                     }
                     // Granted, but the answer came after the lease's safe time (a stalled
@@ -351,7 +370,10 @@ impl Coordinator {
                     let until_expiry =
                         r.expires_at_ms.map(|e| Duration::from_millis(e.saturating_sub(self.now_ms()) + 1));
                     match wait.held(r.fence, r.poll_ms, until_expiry, wait_deadline) {
-                        Some(pause) => tokio::time::sleep(pause).await,
+                        Some(pause) => match &ticket {
+                            Some(t) => t.wait(pause).await,
+                            None => tokio::time::sleep(pause).await,
+                        },
                         None => {
                             return Err(Error::LeaseHeld {
                                 key: key.to_string(),
@@ -454,6 +476,7 @@ impl Coordinator {
         };
         match w {
             Write::Applied(r) => {
+                self.wakeups.wake(key);
                 self.hand_over_after_free(key, &r).await;
                 Ok(released(&r, false))
             }
@@ -476,6 +499,7 @@ impl Coordinator {
             .map_err(|f| f.into_error(key))?;
         match w {
             Write::Applied(r) => {
+                self.wakeups.wake(key);
                 self.hand_over_after_free(key, &r).await;
                 Ok(r.state(now))
             }

@@ -138,6 +138,11 @@ impl Coordinator {
         }
     }
 
+    /// Acquires of this coordinator waiting for `key` in its in-process line.
+    pub fn waiting(&self, key: &str) -> usize {
+        self.wakeups.waiting(key)
+    }
+
     fn deliverer(&self) -> Result<&Arc<dyn Deliver>> {
         self.deliver.as_ref().ok_or_else(|| Error::invalid("a queued acquire needs Step Functions delivery"))
     }

@@ -1,0 +1,410 @@
+//! The QueuedSingleFlight state machine (statemachines/queued_single_flight.asl.json, the file
+//! template.yaml deploys) executed by moto's Step Functions interpreter: its
+//! `lambda:invoke.waitForTaskToken` task reaches the real acquire function in the Lambda
+//! runtime emulator, which queues the execution; the lease reaches the execution through the
+//! functions' real `SendTaskSuccess` calls to moto. Leases live in DynamoDB Local.
+//!
+//! Quirks of the local tools this harness works around (none concerns AWS):
+//! - `cargo lambda watch` answers a function error with HTTP 500 where Lambda answers 200 with
+//!   `X-Amz-Function-Error`; an adapter in front of the emulator gives moto the real contract.
+//! - moto 5.2 cannot start a second execution in a region that already has one (it deep-copies
+//!   a backend holding locks), so each execution runs in a region of its own, and moto looks a
+//!   task token up only among the executions of the region a `SendTaskSuccess` is signed for.
+//!   The same adapter is the functions' Step Functions endpoint: it offers each
+//!   `SendTaskSuccess` to every region (the credential scope rewritten) until one knows the
+//!   token. `InvalidToken` answers from the other regions are never shown to the functions.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use aws_sdk_sfn::config::Region;
+use aws_sdk_sfn::types::{ExecutionStatus, HistoryEventType};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use leasehold::store::DynamoStore;
+use leasehold::{Config, Coordinator, LeaseState};
+use leasehold_tests::emulator::{Emulator, Moto};
+use leasehold_tests::{dynamo_local, free_port, http, repo_root, sdk_config_for, set_local_credentials};
+use serde_json::{json, Value};
+
+const REGIONS: [&str; 16] = [
+    "eu-west-1",
+    "eu-west-2",
+    "eu-west-3",
+    "eu-central-1",
+    "eu-north-1",
+    "ap-south-1",
+    "ap-southeast-1",
+    "ap-southeast-2",
+    "ap-northeast-1",
+    "ap-northeast-2",
+    "ap-northeast-3",
+    "ca-central-1",
+    "sa-east-1",
+    "us-east-2",
+    "us-west-1",
+    "us-west-2",
+];
+
+fn next_region() -> &'static str {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    REGIONS.get(N.fetch_add(1, Ordering::SeqCst)).copied().expect("more executions than regions")
+}
+
+struct Stack {
+    emulator: Emulator,
+    moto: Moto,
+    table: String,
+    dynamo_endpoint: String,
+}
+
+/// Rewrites the region of a SigV4 `Authorization` header's credential scope.
+fn with_region(auth: &str, region: &str) -> String {
+    let mut parts: Vec<String> = auth.split('/').map(str::to_string).collect();
+    if parts.len() > 3 {
+        parts[2] = region.to_string();
+    }
+    parts.join("/")
+}
+
+async fn adapt(
+    req: hyper::Request<hyper::body::Incoming>,
+    emulator_port: u16,
+    moto_port: u16,
+) -> hyper::Response<Full<Bytes>> {
+    let target = req.headers().get("x-amz-target").and_then(|t| t.to_str().ok()).unwrap_or("").to_string();
+    let method = req.method().as_str().to_string();
+    let path = req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or_default();
+    let headers: Vec<(String, String)> = req
+        .headers()
+        .iter()
+        .filter(|(k, _)| !matches!(k.as_str(), "host" | "content-length"))
+        .map(|(k, v)| (k.as_str().to_string(), v.to_str().unwrap_or("").to_string()))
+        .collect();
+    let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    if target.starts_with("AWSStepFunctions.") {
+        // A function's Step Functions call: offered to each region until one knows the token.
+        let url = format!("http://127.0.0.1:{moto_port}{path}");
+        let mut last = None;
+        for region in REGIONS {
+            let hs: Vec<(String, String)> =
+                headers
+                    .iter()
+                    .map(|(k, v)| {
+                        if k == "authorization" {
+                            (k.clone(), with_region(v, region))
+                        } else {
+                            (k.clone(), v.clone())
+                        }
+                    })
+                    .collect();
+            match http::request_with_headers(&method, &url, &hs, &body).await {
+                Ok(r) if r.status == 400 && r.text().contains("InvalidToken") => last = Some(r),
+                Ok(r) => {
+                    last = Some(r);
+                    break;
+                }
+                Err(e) => {
+                    return hyper::Response::builder().status(502).body(Full::new(Bytes::from(e.to_string()))).unwrap()
+                }
+            }
+        }
+        let r = last.expect("a region answered");
+        let mut b = hyper::Response::builder().status(r.status);
+        for (k, v) in &r.headers {
+            if !matches!(k.as_str(), "content-length" | "transfer-encoding" | "connection") {
+                b = b.header(k.as_str(), v.as_str());
+            }
+        }
+        return b.body(Full::new(Bytes::from(r.body))).unwrap();
+    }
+    // moto's Lambda invoke: the emulator's function error becomes Lambda's answer.
+    let url = format!("http://127.0.0.1:{emulator_port}{path}");
+    let b = hyper::Response::builder().header("x-amzn-requestid", format!("q-{}", free_port()));
+    match http::request(&method, &url, Some(&body)).await {
+        Ok(r) => {
+            let function_error =
+                r.status >= 400 && serde_json::from_slice::<Value>(&r.body).is_ok_and(|v| v.get("errorType").is_some());
+            let b = if function_error {
+                b.status(200).header("x-amz-function-error", "Unhandled")
+            } else {
+                b.status(r.status)
+            };
+            b.header("content-type", "application/json").body(Full::new(Bytes::from(r.body))).unwrap()
+        }
+        Err(e) => b.status(502).body(Full::new(Bytes::from(format!("emulator: {e}")))).unwrap(),
+    }
+}
+
+fn start_adapter(port: u16, emulator_port: u16, moto_port: u16) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], port))).await.unwrap();
+            tx.send(()).unwrap();
+            loop {
+                let Ok((stream, _)) = listener.accept().await else { continue };
+                tokio::spawn(async move {
+                    let service = service_fn(move |req| async move {
+                        Ok::<_, std::convert::Infallible>(adapt(req, emulator_port, moto_port).await)
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+    });
+    rx.recv().unwrap();
+}
+
+fn stack() -> &'static Stack {
+    static STACK: OnceLock<Stack> = OnceLock::new();
+    STACK.get_or_init(|| {
+        std::thread::spawn(|| {
+            set_local_credentials();
+            let local = dynamo_local();
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let store = rt.block_on(local.store());
+            let region = std::env::var("AWS_REGION").expect("AWS_REGION");
+            let moto_port = free_port();
+            let adapter_port = free_port();
+            let emulator_port = free_port();
+            let env: Vec<(String, String)> = [
+                ("LEASEHOLD_TABLE", store.table().to_string()),
+                ("AWS_ENDPOINT_URL_DYNAMODB", local.endpoint.clone()),
+                ("AWS_ENDPOINT_URL_SFN", format!("http://127.0.0.1:{adapter_port}")),
+                ("AWS_ACCESS_KEY_ID", std::env::var("AWS_ACCESS_KEY_ID").unwrap()),
+                ("AWS_SECRET_ACCESS_KEY", std::env::var("AWS_SECRET_ACCESS_KEY").unwrap_or_default()),
+                ("AWS_REGION", region.clone()),
+                ("AWS_DEFAULT_REGION", region),
+                ("LEASEHOLD_MIN_DURATION_MS", "500".to_string()),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+            let emulator = Emulator::start_with(emulator_port, &env, &["--concurrency", "4"]);
+            start_adapter(adapter_port, emulator_port, moto_port);
+            let moto = Moto::start(moto_port, adapter_port);
+            rt.block_on(async {
+                moto.enable_execution().await;
+                for f in ["acquire", "release", "heartbeat"] {
+                    let inv = emulator.invoke(f, &json!({})).await;
+                    assert_eq!(inv.error_type.as_deref(), Some("InvalidRequest"), "{f} warm-up: {:?}", inv.body);
+                }
+            });
+            Stack { emulator, moto, table: store.table().to_string(), dynamo_endpoint: local.endpoint.clone() }
+        })
+        .join()
+        .expect("start the local stack")
+    })
+}
+
+async fn coordinator() -> Coordinator {
+    let s = stack();
+    let client = aws_sdk_dynamodb::Client::new(&sdk_config_for(&s.dynamo_endpoint).await);
+    Coordinator::new(std::sync::Arc::new(DynamoStore::new(client, s.table.clone())), Config::default())
+}
+
+async fn state(key: &str) -> Option<LeaseState> {
+    coordinator().await.get(key).await.ok()
+}
+
+fn unique(tag: &str) -> String {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    format!("{tag}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst))
+}
+
+/// The definition as the template deploys it, with its substitutions replaced by the names the
+/// emulator serves ("" for the work function: the Wait placeholder).
+fn definition() -> String {
+    let path = repo_root().join("statemachines/queued_single_flight.asl.json");
+    let mut text = std::fs::read_to_string(&path).expect("definition file");
+    for (name, value) in [
+        ("AcquireFunctionArn", "acquire"),
+        ("ReleaseFunctionArn", "release"),
+        ("WorkFunctionArn", ""),
+        ("Partition", "aws"),
+    ] {
+        text = text.replace(&format!("${{{name}}}"), value);
+    }
+    assert!(!text.contains("${"), "unsubstituted reference left: {text}");
+    text
+}
+
+struct Run {
+    client: aws_sdk_sfn::Client,
+    arn: String,
+    name: String,
+}
+
+async fn sfn(region: &str) -> aws_sdk_sfn::Client {
+    let base = sdk_config_for(&stack().moto.endpoint()).await;
+    let conf = aws_sdk_sfn::config::Builder::from(&base)
+        .region(Region::new(region.to_string()))
+        .timeout_config(
+            aws_sdk_sfn::config::timeout::TimeoutConfig::builder()
+                .operation_attempt_timeout(Duration::from_secs(30))
+                .operation_timeout(Duration::from_secs(90))
+                .build(),
+        )
+        .build();
+    aws_sdk_sfn::Client::from_conf(conf)
+}
+
+async fn start(input: Value) -> Run {
+    let client = sfn(next_region()).await;
+    let sm = client
+        .create_state_machine()
+        .name(unique("QueuedSingleFlight"))
+        .definition(definition())
+        .role_arn("arn:aws:iam::123456789012:role/leasehold-example")
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("create: {e:?}"));
+    let name = unique("run");
+    let out = client
+        .start_execution()
+        .state_machine_arn(sm.state_machine_arn())
+        .name(&name)
+        .input(input.to_string())
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("start: {e:?}"));
+    Run { client, arn: out.execution_arn().to_string(), name }
+}
+
+#[derive(Debug)]
+struct Ended {
+    status: ExecutionStatus,
+    error: Option<String>,
+    output: Value,
+    /// When the WaitForTurn task succeeded (moto's clock, epoch ms): the lease reached it.
+    lease_arrived_ms: Option<u64>,
+}
+
+async fn wait_end(run: &Run, timeout: Duration) -> Ended {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let d = run.client.describe_execution().execution_arn(&run.arn).send().await.expect("describe");
+        if *d.status() != ExecutionStatus::Running {
+            let h = run.client.get_execution_history().execution_arn(&run.arn).max_results(1000).send().await.unwrap();
+            let lease_arrived_ms = h
+                .events()
+                .iter()
+                .find(|e| *e.r#type() == HistoryEventType::TaskSucceeded)
+                .map(|e| e.timestamp().to_millis().unwrap() as u64);
+            return Ended {
+                status: d.status().clone(),
+                error: d.error().map(str::to_string),
+                output: d.output().and_then(|o| serde_json::from_str(o).ok()).unwrap_or(Value::Null),
+                lease_arrived_ms,
+            };
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} still running after {timeout:?}\nemulator log:\n{}",
+            run.arn,
+            stack().emulator.server.log_text().lines().rev().take(40).collect::<Vec<_>>().join("\n")
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Waits until `key` is held by `holder`, or has `queued` waiters.
+async fn wait_for(key: &str, what: &str, ok: impl Fn(&LeaseState) -> bool) -> LeaseState {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(s) = state(key).await.filter(|s| ok(s)) {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "{key}: {what} never happened: {:?}", state(key).await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn percentile(sorted: &[u64], p: f64) -> u64 {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+/// Several executions queued on one key work one at a time, in arrival order; one whose queue
+/// timeout passes while it waits is passed over. Prints the hand-over latency (the release of
+/// one execution to the next execution's task receiving its lease).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn queued_executions_are_served_one_at_a_time_in_order() {
+    stack();
+    let key = unique("queued");
+    let input = |queue_timeout_seconds: u64| json!({"key": key, "duration_ms": 30000, "work_seconds": 1, "queue_timeout_seconds": queue_timeout_seconds});
+    let mut runs = vec![start(input(120)).await];
+    wait_for(&key, "the first execution's lease", |s| s.held && s.holder == runs[0].name).await;
+    // Queued in a known order: each joins only after the one before is counted.
+    for i in 1..6u64 {
+        // The fourth waits at most 1 s: it times out in the queue.
+        let timeout = if i == 3 { 1 } else { 120 };
+        runs.push(start(input(timeout)).await);
+        wait_for(&key, "the queue to grow", |s| s.queue_length >= i || (s.holder != runs[0].name)).await;
+    }
+    let mut ended = Vec::new();
+    for r in &runs {
+        ended.push(wait_end(r, Duration::from_secs(120)).await);
+    }
+    let timed_out = &ended[3];
+    assert_eq!(timed_out.status, ExecutionStatus::Failed, "{timed_out:?}");
+    assert_eq!(timed_out.error.as_deref(), Some("TimedOutInQueue"), "{timed_out:?}");
+    let served: Vec<(usize, &Ended)> = ended.iter().enumerate().filter(|(i, _)| *i != 3).collect();
+    let mut latencies = Vec::new();
+    for w in served.windows(2) {
+        let ((i, a), (j, b)) = (w[0], w[1]);
+        assert_eq!(a.status, ExecutionStatus::Succeeded, "run {i}: {a:?}");
+        assert_eq!(b.status, ExecutionStatus::Succeeded, "run {j}: {b:?}");
+        let (fa, fb) = (a.output["fence"].as_u64().unwrap(), b.output["fence"].as_u64().unwrap());
+        assert!(fb > fa, "in order: run {j}'s fence {fb} above run {i}'s {fa}");
+        let released = a.output["released_at_ms"].as_u64().unwrap();
+        let acquired = b.output["acquired_at_ms"].as_u64().unwrap();
+        assert!(acquired >= released, "one at a time: run {j} acquired at {acquired}, run {i} released at {released}");
+        assert_eq!(b.output["holder"], runs[j].name);
+        latencies.push(b.lease_arrived_ms.unwrap().saturating_sub(released));
+    }
+    latencies.sort();
+    println!(
+        "hand-over latency (release to the next execution's task receiving its lease), {} hand-overs: p50 {} ms, p99 {} ms",
+        latencies.len(),
+        percentile(&latencies, 0.5),
+        percentile(&latencies, 0.99)
+    );
+    let end = state(&key).await.unwrap();
+    assert!(!end.held && end.queue_length == 0, "{end:?}");
+}
+
+/// A holder stopped mid-work (its lease expires, nobody releases) is replaced by the head
+/// waiter when the scheduled sweep runs after the expiry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stopped_holder_is_replaced_after_expiry_by_the_sweep() {
+    let s = stack();
+    let key = unique("stopped");
+    let holder =
+        start(json!({"key": key, "duration_ms": 1500, "work_seconds": 60, "queue_timeout_seconds": 120})).await;
+    let held = wait_for(&key, "the holder's lease", |s| s.held && s.holder == holder.name).await;
+    let next = start(json!({"key": key, "duration_ms": 30000, "work_seconds": 1, "queue_timeout_seconds": 120})).await;
+    wait_for(&key, "the waiter queued", |s| s.queue_length == 1).await;
+    holder.client.stop_execution().execution_arn(&holder.arn).send().await.expect("stop");
+    // Nothing serves the queue before the expiry; the sweep after it does.
+    tokio::time::sleep(Duration::from_millis(
+        held.expires_at_ms.unwrap().saturating_sub(coordinator().await.now_ms()) + 200,
+    ))
+    .await;
+    let sweep = s
+        .emulator
+        .invoke("heartbeat", &json!({"source": "aws.events", "detail-type": "Scheduled Event", "detail": {}}))
+        .await;
+    assert!(sweep.error_type.is_none(), "{:?}", sweep.body);
+    let e = wait_end(&next, Duration::from_secs(60)).await;
+    assert_eq!(e.status, ExecutionStatus::Succeeded, "{e:?}");
+    assert!(e.output["fence"].as_u64().unwrap() > held.fence);
+    assert!(e.output["acquired_at_ms"].as_u64().unwrap() >= held.expires_at_ms.unwrap());
+}
