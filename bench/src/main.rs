@@ -13,6 +13,8 @@
 //! starts each M1 round. This is a benchmark, not a test: it asserts nothing and prints
 //! figures.
 
+mod serve_m3;
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -543,6 +545,12 @@ fn main() {
         .and_then(|i| args.get(i + 1))
         .map(|s| s.split(',').map(str::to_string).collect())
         .unwrap_or_else(|| vec!["m1".into(), "m2".into(), "m3".into(), "m4".into()]);
+    if scenarios.iter().any(|s| s == "serve-m3") {
+        rt.block_on(serve_m3::run(if quick { 5 } else { 20 }));
+        if scenarios.len() == 1 {
+            return;
+        }
+    }
     rt.block_on(main_async(quick, scenarios));
 }
 
