@@ -76,6 +76,10 @@ pub struct ReleaseRequest {
 #[serde(deny_unknown_fields)]
 pub struct GetRequest {
     pub key: String,
+    /// A queued acquire's lease_id: the answer then also carries its `queue_position` (1:
+    /// next; absent when it is not queued).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_id: Option<String>,
 }
 
 /// The operations reachable by direct invoke.
@@ -190,12 +194,22 @@ pub async fn run(
             Ok(serde_json::to_value(released).expect("release serialises"))
         }
         Operation::Get => {
-            let key = match path_key {
-                Some(k) => k.to_string(),
-                None => parse::<GetRequest>(payload)?.key,
+            let (key, lease_id) = match path_key {
+                Some(k) => (k.to_string(), None),
+                None => {
+                    let r = parse::<GetRequest>(payload)?;
+                    (r.key, r.lease_id.as_deref().map(validate::lease_id).transpose()?)
+                }
             };
             let state = coord.get(&key).await?;
-            Ok(serde_json::to_value(state).expect("state serialises"))
+            let mut v = serde_json::to_value(state).expect("state serialises");
+            if let Some(id) = lease_id {
+                // Reads the waiter items in order: bounded by the queue's first 1,000.
+                if let Some(p) = coord.queue_position(&key, &id, 1000).await? {
+                    v["queue_position"] = json!(p);
+                }
+            }
+            Ok(v)
         }
     }
 }

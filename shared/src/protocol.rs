@@ -367,8 +367,13 @@ impl Coordinator {
                     lease_id = LeaseId::generate();
                 }
                 AcquireAnswer::Held(r) => {
-                    let until_expiry =
-                        r.expires_at_ms.map(|e| Duration::from_millis(e.saturating_sub(self.now_ms()) + 1));
+                    // A free key kept for its queued waiters has no expiry to wake up for: the
+                    // paced poll alone (not a tight loop on an expiry already past).
+                    let queued = r.queue_len() > 0 && !r.is_held(self.now_ms());
+                    let until_expiry = r
+                        .expires_at_ms
+                        .filter(|_| !queued)
+                        .map(|e| Duration::from_millis(e.saturating_sub(self.now_ms()) + 1));
                     match wait.held(r.fence, r.poll_ms, until_expiry, wait_deadline) {
                         Some(pause) => match &ticket {
                             Some(t) => t.wait(pause).await,
