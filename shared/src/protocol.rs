@@ -286,13 +286,21 @@ impl Coordinator {
         loop {
             // Behind the head of this coordinator's line nothing is sent (one last attempt at
             // the deadline); the head polls as a fallback, since another process may free it.
-            if let Some(t) = &ticket {
+            if let Some(t) = ticket.as_mut() {
                 loop {
                     let now = Instant::now();
                     if t.is_head() || now >= wait_deadline {
                         break;
                     }
-                    t.wait(self.config.poll_max.min(wait_deadline - now)).await;
+                    // The offer counts once this waiter is head: the head may be granted the
+                    // key by the release that frees it without having tried since.
+                    let offer = Self::offer(holder, &lease_id, duration, &opts, wait.advertise());
+                    let pause = self.config.poll_max.min(wait_deadline - now);
+                    if let Some(lease) = self.handed(t.wait_offering(pause, offer).await)? {
+                        wait.granted(lease.1);
+                        t.granted = true;
+                        return Ok(lease.0);
+                    }
                 }
             }
             // Every attempt judges expiry with this clock: it must agree with the store's.
@@ -375,8 +383,17 @@ impl Coordinator {
                         .filter(|_| !queued)
                         .map(|e| Duration::from_millis(e.saturating_sub(self.now_ms()) + 1));
                     match wait.held(r.fence, r.poll_ms, until_expiry, wait_deadline) {
-                        Some(pause) => match &ticket {
-                            Some(t) => t.wait(pause).await,
+                        Some(pause) => match ticket.as_mut() {
+                            Some(t) => {
+                                // Asleep, this waiter offers its lease to this coordinator's
+                                // releases: one of them may grant it in its own write.
+                                let offer = Self::offer(holder, &lease_id, duration, &opts, wait.advertise());
+                                if let Some(lease) = self.handed(t.wait_offering(pause, offer).await)? {
+                                    wait.granted(lease.1);
+                                    t.granted = true;
+                                    return Ok(lease.0);
+                                }
+                            }
                             None => tokio::time::sleep(pause).await,
                         },
                         None => {
@@ -390,6 +407,41 @@ impl Coordinator {
                 }
             }
         }
+    }
+
+    /// What a sleeping waiter offers to this coordinator's releases (DESIGN.md, "In-process
+    /// waiters"): its lease, fence and clock left to the releaser.
+    fn offer(
+        holder: &str,
+        lease_id: &LeaseId,
+        duration: Option<Duration>,
+        opts: &AcquireOptions,
+        poll_ms: Option<u64>,
+    ) -> crate::wakeup::Offer {
+        crate::wakeup::Offer {
+            lease: NewLease {
+                holder: holder.to_string(),
+                lease_id: lease_id.clone(),
+                now_ms: 0,
+                duration_ms: duration.map(|d| d.as_millis() as u64),
+                min_hold_ms: opts.min_hold.unwrap_or_default().as_millis() as u64,
+                metadata: opts.metadata.clone(),
+                keepalive: opts.keepalive.clone(),
+                ttl: None,
+                fence: 0,
+                poll_ms,
+            },
+        }
+    }
+
+    /// A grant a release handed to this waiter: the lease and the item's advertised poll
+    /// period, unless it came too late to use (then it is the key's lease still, and the
+    /// waiter's next attempt finds it and drops it).
+    fn handed(&self, grant: Option<(Record, Instant, u64)>) -> Result<Option<(Lease, Option<u64>)>> {
+        let Some((g, sent, now)) = grant else { return Ok(None) };
+        check_fence(&g)?;
+        let lease = g.lease(sent, now, self.skew_ms());
+        Ok(lease.safe_until.is_none_or(|s| s > Instant::now()).then_some((lease, g.poll_ms)))
     }
 
     /// Releases a grant that arrived too late to be used, so the key does not stay blocked for
@@ -463,6 +515,12 @@ impl Coordinator {
     /// `already_released`.
     pub async fn release(&self, key: &str, lease_id: &LeaseId) -> Result<Released> {
         self.config.limits.key(key)?;
+        // A head waiter of this coordinator sleeping on the key: hand it over in this write.
+        if let Some(claim) = self.wakeups.claim(key) {
+            if let Some(released) = self.release_to(key, lease_id, claim).await {
+                return Ok(released);
+            }
+        }
         let deadline = Instant::now() + self.config.retry_budget;
         let max = self.max_duration_ms();
         let (w, _, now) = self
@@ -487,6 +545,48 @@ impl Coordinator {
             }
             Write::Rejected(Some(r)) if &r.lease_id == lease_id && r.released_at_ms.is_some() => Ok(released(&r, true)),
             Write::Rejected(r) => Err(self.not_holder(key, lease_id, r.as_ref(), now)),
+        }
+    }
+
+    /// The release of `lease_id` as one write that grants the key to the claimed in-process
+    /// waiter (DESIGN.md, "In-process waiters"). `None`: not done (the claim is dropped and the
+    /// waiter tries by itself); the ordinary release follows.
+    async fn release_to(&self, key: &str, lease_id: &LeaseId, claim: crate::wakeup::Claim) -> Option<Released> {
+        self.check_clock(key).await.ok()?;
+        let r = self.store.get(key).await.ok()??;
+        let sent = Instant::now();
+        let now = self.now_ms();
+        if &r.lease_id != lease_id || r.released_at_ms.is_some() || r.min_hold_until_ms > now || r.queue_len() > 0 {
+            return None;
+        }
+        let mut lease = claim.offer().lease.clone();
+        lease.now_ms = now;
+        lease.fence = self.next_fence(key, Some(r.fence)).ok()?;
+        lease.ttl = lease.duration_ms.map(|d| self.ttl_after(now + d));
+        let cond = Condition::HandTo { lease_id: lease_id.clone(), fence: r.fence, now_ms: now };
+        let released = Released {
+            key: key.to_string(),
+            fence: r.fence,
+            released_at_ms: now,
+            free_at_ms: now,
+            already_released: false,
+        };
+        let waiter = lease.lease_id.clone();
+        match self.store.update(key, &cond, &Mutation::Acquire(lease)).await {
+            Ok(Write::Applied(g)) => {
+                claim.granted(g, sent, now);
+                Some(released)
+            }
+            // The grant may have landed: if it did, it is the waiter's (its own attempt would
+            // find it too), and this release is done.
+            Err(e) if e.may_have_landed() => match self.store.get(key).await {
+                Ok(Some(g)) if g.lease_id == waiter && g.is_live_for(&waiter, self.now_ms()) => {
+                    claim.granted(g, sent, now);
+                    Some(released)
+                }
+                _ => None,
+            },
+            _ => None,
         }
     }
 

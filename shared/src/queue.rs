@@ -143,6 +143,11 @@ impl Coordinator {
         self.wakeups.waiting(key)
     }
 
+    /// Is the head of this coordinator's line for `key` asleep, offering its lease to a release?
+    pub fn head_waiter_offers(&self, key: &str) -> bool {
+        self.wakeups.head_offers(key)
+    }
+
     fn deliverer(&self) -> Result<&Arc<dyn Deliver>> {
         self.deliver.as_ref().ok_or_else(|| Error::invalid("a queued acquire needs Step Functions delivery"))
     }

@@ -11,8 +11,36 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-/// Each key's line: (ticket id, its wake-up), oldest first.
-type Lines = HashMap<String, VecDeque<(u64, Arc<Notify>)>>;
+use crate::model::Record;
+use crate::store::NewLease;
+
+/// What a sleeping head waiter offers a releaser: its lease, to be granted in the release's
+/// own write (the fence and clock are the releaser's to fill in).
+#[derive(Debug, Clone)]
+pub struct Offer {
+    pub lease: NewLease,
+}
+
+/// A waiter's hand-over state.
+#[derive(Debug)]
+enum Hand {
+    /// Trying or sleeping; `Some` while it sleeps and takes a hand-over.
+    Open(Option<Offer>),
+    /// A releaser is writing the grant: the waiter must await the outcome.
+    Claimed,
+    /// The releaser's write granted it: the item as written, when the releaser sent it.
+    Granted(Box<Record>, std::time::Instant, u64),
+}
+
+/// A waiter's wake-up and hand-over slot.
+#[derive(Debug)]
+struct Slot {
+    notify: Notify,
+    hand: Mutex<Hand>,
+}
+
+/// Each key's line: (ticket id, its slot), oldest first.
+type Lines = HashMap<String, VecDeque<(u64, Arc<Slot>)>>;
 
 /// The per-key lines of waiting acquires of one coordinator.
 #[derive(Debug, Default)]
@@ -28,7 +56,7 @@ pub struct Ticket {
     wakeups: Arc<Wakeups>,
     key: String,
     id: u64,
-    notify: Arc<Notify>,
+    slot: Arc<Slot>,
     /// Set when this waiter took the key: its leaving wakes nobody (the key is held).
     pub granted: bool,
 }
@@ -37,16 +65,39 @@ impl Wakeups {
     /// Joins the end of `key`'s line.
     pub fn enter(self: &Arc<Self>, key: &str) -> Ticket {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
-        let notify = Arc::new(Notify::new());
-        self.lock().entry(key.to_string()).or_default().push_back((id, notify.clone()));
-        Ticket { wakeups: self.clone(), key: key.to_string(), id, notify, granted: false }
+        let slot = Arc::new(Slot { notify: Notify::new(), hand: Mutex::new(Hand::Open(None)) });
+        self.lock().entry(key.to_string()).or_default().push_back((id, slot.clone()));
+        Ticket { wakeups: self.clone(), key: key.to_string(), id, slot, granted: false }
     }
 
     /// The key was freed by this coordinator: the head waiter tries at once.
     pub fn wake(&self, key: &str) {
-        if let Some(n) = self.lock().get(key).and_then(|q| q.front()).map(|(_, n)| n.clone()) {
-            n.notify_one();
+        if let Some(s) = self.head(key) {
+            s.notify.notify_one();
         }
+    }
+
+    /// Is the head waiter of `key` asleep, offering its lease to a release?
+    pub fn head_offers(&self, key: &str) -> bool {
+        self.head(key)
+            .is_some_and(|s| matches!(&*s.hand.lock().unwrap_or_else(|e| e.into_inner()), Hand::Open(Some(_))))
+    }
+
+    fn head(&self, key: &str) -> Option<Arc<Slot>> {
+        self.lock().get(key).and_then(|q| q.front()).map(|(_, s)| s.clone())
+    }
+
+    /// A releaser of `key` claims the sleeping head waiter's offer, to grant it the lease in the
+    /// release's own write. The claim must be settled with [`Claim::granted`] or dropped
+    /// (the waiter then tries by itself).
+    pub fn claim(&self, key: &str) -> Option<Claim> {
+        let slot = self.head(key)?;
+        let mut hand = slot.hand.lock().unwrap_or_else(|e| e.into_inner());
+        let Hand::Open(Some(offer)) = &*hand else { return None };
+        let offer = offer.clone();
+        *hand = Hand::Claimed;
+        drop(hand);
+        Some(Claim { slot, offer: Some(offer) })
     }
 
     /// How many acquires of this coordinator wait for `key`.
@@ -59,6 +110,36 @@ impl Wakeups {
     }
 }
 
+/// A releaser's claim on a head waiter's offer.
+#[derive(Debug)]
+pub struct Claim {
+    slot: Arc<Slot>,
+    offer: Option<Offer>,
+}
+
+impl Claim {
+    pub fn offer(&self) -> &Offer {
+        self.offer.as_ref().expect("claimed offer")
+    }
+
+    /// The release's write granted the waiter: hand it the item as written.
+    pub fn granted(mut self, r: Record, sent: std::time::Instant, now_ms: u64) {
+        *self.slot.hand.lock().unwrap_or_else(|e| e.into_inner()) = Hand::Granted(Box::new(r), sent, now_ms);
+        self.offer = None;
+        self.slot.notify.notify_one();
+    }
+}
+
+impl Drop for Claim {
+    /// Not granted: the offer goes back and the waiter is woken to try by itself.
+    fn drop(&mut self) {
+        if let Some(offer) = self.offer.take() {
+            *self.slot.hand.lock().unwrap_or_else(|e| e.into_inner()) = Hand::Open(Some(offer));
+            self.slot.notify.notify_one();
+        }
+    }
+}
+
 impl Ticket {
     /// Is this waiter at the head of its line (the one that tries)?
     pub fn is_head(&self) -> bool {
@@ -67,7 +148,31 @@ impl Ticket {
 
     /// Sleeps `pause` or until woken, whichever comes first.
     pub async fn wait(&self, pause: Duration) {
-        let _ = tokio::time::timeout(pause, self.notify.notified()).await;
+        let _ = tokio::time::timeout(pause, self.slot.notify.notified()).await;
+    }
+
+    /// Sleeps like [`Ticket::wait`], offering `offer` to a releaser meanwhile. Returns the
+    /// grant (the item as written, the releaser's send instant and clock) if a release handed
+    /// the key over; the offer is withdrawn before returning, so no grant lands after it.
+    pub async fn wait_offering(&self, pause: Duration, offer: Offer) -> Option<(Record, std::time::Instant, u64)> {
+        *self.hand() = Hand::Open(Some(offer));
+        let _ = tokio::time::timeout(pause, self.slot.notify.notified()).await;
+        loop {
+            {
+                let mut hand = self.hand();
+                match std::mem::replace(&mut *hand, Hand::Open(None)) {
+                    Hand::Granted(r, sent, now) => return Some((*r, sent, now)),
+                    Hand::Open(_) => return None,
+                    Hand::Claimed => *hand = Hand::Claimed,
+                }
+            }
+            // A releaser is writing this waiter's grant: its outcome comes within that write.
+            self.slot.notify.notified().await;
+        }
+    }
+
+    fn hand(&self) -> std::sync::MutexGuard<'_, Hand> {
+        self.slot.hand.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -77,7 +182,7 @@ impl Drop for Ticket {
         let Some(q) = keys.get_mut(&self.key) else { return };
         let was_head = q.front().is_some_and(|(id, _)| *id == self.id);
         q.retain(|(id, _)| *id != self.id);
-        let next = q.front().map(|(_, n)| n.clone());
+        let next = q.front().map(|(_, s)| s.clone());
         if q.is_empty() {
             keys.remove(&self.key);
         }
@@ -85,8 +190,8 @@ impl Drop for Ticket {
         // A head that leaves without the key (gave up, failed) hands the turn on: the next one
         // tries now. A head that took the key wakes nobody: the next one waits for the release
         // (or its fallback poll), so no request is wasted on a key just taken.
-        if let Some(n) = next.filter(|_| was_head && !self.granted) {
-            n.notify_one();
+        if let Some(s) = next.filter(|_| was_head && !self.granted) {
+            s.notify.notify_one();
         }
     }
 }

@@ -507,6 +507,17 @@ impl Expr {
                 let fv = self.v("expected_fence", num(*fence));
                 format!("{f} = {fv} AND attribute_exists({p})")
             }
+            Condition::HandTo { lease_id, fence, now_ms } => {
+                let (f, l, r) = (self.n(attr::FENCE), self.n(attr::LEASE_ID), self.n(attr::RELEASED_AT));
+                let (m, qt, qh) = (self.n(attr::MIN_HOLD_UNTIL), self.n(attr::QUEUE_TAIL), self.n(attr::QUEUE_HEAD));
+                let fv = self.v("expected_fence", num(*fence));
+                let lid = self.v("lease_id", str_(lease_id.expose()));
+                let now = self.v("now", num(*now_ms));
+                format!(
+                    "{f} = {fv} AND {l} = {lid} AND attribute_not_exists({r}) AND {m} <= {now} \
+                     AND (attribute_not_exists({qt}) OR {qt} <= {qh})"
+                )
+            }
             Condition::NotLease => {
                 let f = self.n(attr::FENCE);
                 let z = self.v("zero", num(0));
@@ -939,6 +950,7 @@ mod tests {
             (Condition::Undelivered { fence: 3 }, Some(Mutation::Delivered)),
             (Condition::Undelivered { fence: 3 }, Some(Mutation::Revoke { now_ms: now, ttl: 2 })),
             (Condition::NotLease, None),
+            (Condition::HandTo { lease_id: id.clone(), fence: 3, now_ms: now }, None),
         ];
         for (c, m) in writes {
             let (cond, update) = expressions(&c, m.as_ref().unwrap_or(&Mutation::ClearKeepalive));

@@ -65,6 +65,12 @@ pub enum Condition {
     /// The item is not a lease (a waiter item, or nothing). DynamoDB:
     /// `attribute_not_exists(fence) OR fence = :zero`
     NotLease,
+    /// The release of `lease_id` may hand the key straight to an in-process waiter: the item is
+    /// still that lease as read (`fence`), unreleased, past its min_hold, without queued
+    /// waiters. DynamoDB: `fence = :expected_fence AND lease_id = :lease_id AND
+    /// attribute_not_exists(released_at_ms) AND min_hold_until_ms <= :now AND
+    /// (attribute_not_exists(queue_tail) OR queue_tail <= queue_head)`
+    HandTo { lease_id: LeaseId, fence: u64, now_ms: u64 },
 }
 
 impl Condition {
@@ -96,6 +102,13 @@ impl Condition {
             (Condition::Undelivered { fence }, Some(r)) => r.fence == *fence && r.pending_token.is_some(),
             (Condition::NotLease, None) => true,
             (Condition::NotLease, Some(r)) => r.fence == 0,
+            (Condition::HandTo { lease_id, fence, now_ms }, Some(r)) => {
+                r.fence == *fence
+                    && &r.lease_id == lease_id
+                    && r.released_at_ms.is_none()
+                    && r.min_hold_until_ms <= *now_ms
+                    && r.queue_len() == 0
+            }
             (_, None) => false,
         }
     }
