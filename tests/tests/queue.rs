@@ -94,6 +94,13 @@ async fn waiters_are_served_in_order(b: Backend) {
     }
     assert_eq!(c.get(&k).await.unwrap().queue_length, 5);
     assert_eq!(c.queue_position(&k, &ids[2], 100).await.unwrap(), Some(3));
+    // The same through the request vocabulary: `get` with a queued lease_id.
+    let get = |id: &LeaseId| serde_json::json!({"key": k, "lease_id": id.expose()});
+    let v = leasehold::api::run(&c, leasehold::api::Operation::Get, None, get(&ids[2]), None).await.unwrap();
+    assert_eq!((v["queue_length"].as_u64(), v["queue_position"].as_u64()), (Some(5), Some(3)), "{v}");
+    let v =
+        leasehold::api::run(&c, leasehold::api::Operation::Get, None, get(&LeaseId::generate()), None).await.unwrap();
+    assert!(v.get("queue_position").is_none(), "not queued: {v}");
     for i in 1..=5 {
         let before = lease.fence;
         c.release(&k, &lease.lease_id).await.unwrap();

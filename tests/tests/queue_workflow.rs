@@ -11,8 +11,9 @@
 //!   a backend holding locks), so each execution runs in a region of its own, and moto looks a
 //!   task token up only among the executions of the region a `SendTaskSuccess` is signed for.
 //!   The same adapter is the functions' Step Functions endpoint: it offers each
-//!   `SendTaskSuccess` to every region (the credential scope rewritten) until one knows the
-//!   token. `InvalidToken` answers from the other regions are never shown to the functions.
+//!   `SendTaskSuccess` to every region at once (the credential scope rewritten) and answers
+//!   with the region that knows the token. `InvalidToken` answers from the other regions are
+//!   never shown to the functions.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -87,9 +88,10 @@ async fn adapt(
         .collect();
     let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
     if target.starts_with("AWSStepFunctions.") {
-        // A function's Step Functions call: offered to each region until one knows the token.
+        // A function's Step Functions call: offered to every region at once; the answer of the
+        // region that knows the token wins (all `InvalidToken`: that answer).
         let url = format!("http://127.0.0.1:{moto_port}{path}");
-        let mut last = None;
+        let mut set = tokio::task::JoinSet::new();
         for region in REGIONS {
             let hs: Vec<(String, String)> =
                 headers
@@ -102,10 +104,16 @@ async fn adapt(
                         }
                     })
                     .collect();
-            match http::request_with_headers(&method, &url, &hs, &body).await {
+            let (url, method, body) = (url.clone(), method.clone(), body.clone());
+            set.spawn(async move { http::request_with_headers(&method, &url, &hs, &body).await });
+        }
+        let mut last = None;
+        while let Some(res) = set.join_next().await {
+            match res.expect("fan-out task") {
                 Ok(r) if r.status == 400 && r.text().contains("InvalidToken") => last = Some(r),
                 Ok(r) => {
                     last = Some(r);
+                    set.abort_all();
                     break;
                 }
                 Err(e) => {
@@ -339,19 +347,21 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
 async fn queued_executions_are_served_one_at_a_time_in_order() {
     stack();
     let key = unique("queued");
-    let input = |queue_timeout_seconds: u64| json!({"key": key, "duration_ms": 30000, "work_seconds": 1, "queue_timeout_seconds": queue_timeout_seconds});
-    let mut runs = vec![start(input(120)).await];
+    let input = |queue_timeout_seconds: u64, work_seconds: u64| json!({"key": key, "duration_ms": 60000, "work_seconds": work_seconds, "queue_timeout_seconds": queue_timeout_seconds});
+    // The first holder works until every other execution has joined the queue.
+    let mut runs = vec![start(input(120, 25)).await];
     wait_for(&key, "the first execution's lease", |s| s.held && s.holder == runs[0].name).await;
     // Queued in a known order: each joins only after the one before is counted.
-    for i in 1..6u64 {
+    // Twelve executions (regions: see the module comment): ten hand-overs measured.
+    for i in 1..12u64 {
         // The fourth waits at most 1 s: it times out in the queue.
         let timeout = if i == 3 { 1 } else { 120 };
-        runs.push(start(input(timeout)).await);
-        wait_for(&key, "the queue to grow", |s| s.queue_length >= i || (s.holder != runs[0].name)).await;
+        runs.push(start(input(timeout, 1)).await);
+        wait_for(&key, "the queue to grow", |s| s.queue_length >= i).await;
     }
     let mut ended = Vec::new();
     for r in &runs {
-        ended.push(wait_end(r, Duration::from_secs(120)).await);
+        ended.push(wait_end(r, Duration::from_secs(180)).await);
     }
     let timed_out = &ended[3];
     assert_eq!(timed_out.status, ExecutionStatus::Failed, "{timed_out:?}");
@@ -407,4 +417,28 @@ async fn a_stopped_holder_is_replaced_after_expiry_by_the_sweep() {
     assert_eq!(e.status, ExecutionStatus::Succeeded, "{e:?}");
     assert!(e.output["fence"].as_u64().unwrap() > held.fence);
     assert!(e.output["acquired_at_ms"].as_u64().unwrap() >= held.expires_at_ms.unwrap());
+}
+
+/// The functions' delivery (`StepFunctions` as the queue's `Deliver`) against moto: a task
+/// token no task waits on is classified `Gone` (`InvalidToken`), and a queued acquire whose
+/// grant on a free key cannot be delivered does not keep it: the key stays free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_grant_nobody_waits_for_is_released() {
+    use leasehold::queue::{Deliver, DeliveryError};
+    stack();
+    let sfn = std::sync::Arc::new(leasehold::lambda::StepFunctions(sfn(REGIONS[0]).await));
+    let c = coordinator().await;
+    let key = unique("gone");
+    let lease = c.acquire(&key, "probe", Some(Duration::from_secs(5)), Default::default()).await.unwrap();
+    match sfn.success("no-such-token", &lease).await {
+        Err(DeliveryError::Gone(why)) => assert!(why.contains("InvalidToken"), "{why}"),
+        other => panic!("a token nobody waits on must be Gone: {other:?}"),
+    }
+    c.release(&key, &lease.lease_id).await.unwrap();
+    let c = c.with_deliver(sfn);
+    let out =
+        c.acquire_or_enqueue(&key, "nobody", Duration::from_secs(30), Default::default(), "no-such-token", None).await;
+    assert!(out.is_err(), "{out:?}");
+    let st = state(&key).await.expect("the grant was written, then released");
+    assert!(!st.held, "{st:?}");
 }
