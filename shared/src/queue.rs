@@ -169,8 +169,8 @@ impl Coordinator {
         if opts.min_hold.is_some() || opts.wait.is_some() {
             return Err(Error::invalid("a queued acquire takes neither min_hold_ms nor wait_ms"));
         }
-        if task_token.is_empty() || task_token.len() > 1024 {
-            return Err(Error::invalid("task_token must be 1..=1024 bytes"));
+        if task_token.is_empty() || task_token.len() > 2048 {
+            return Err(Error::invalid("task_token must be 1..=2048 bytes (a Step Functions task token)"));
         }
         let deliver = self.deliverer()?.clone();
         let lease_id = opts.lease_id.clone().unwrap_or_else(LeaseId::generate);

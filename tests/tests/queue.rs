@@ -24,6 +24,7 @@ both_backends!(
     plain_acquire_does_not_jump_the_queue,
     thousand_waiters_constant_requests_per_hand_over,
     in_process_waiters_are_woken_in_order,
+    queued_acquire_refuses_bad_input,
 );
 
 /// Records deliveries; tokens in `gone` answer `Gone`; the next `transient` attempts fail.
@@ -355,4 +356,33 @@ async fn in_process_waiters_are_woken_in_order(b: Backend) {
     // Each of the 4 grants is written by the release that frees the key, in its own write (the
     // waiters send nothing): 5 writes in all, the last release an ordinary one.
     assert_eq!(counting.updates.load(Ordering::SeqCst) - before, 5, "one write per release, grant included");
+}
+
+/// A queued acquire with inputs it cannot take is `InvalidRequest` and writes nothing.
+async fn queued_acquire_refuses_bad_input(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let c = coord(&b, &rec);
+    let k = key("bad");
+    let long_token = "t".repeat(2049);
+    let bad = [
+        serde_json::json!({"key": k, "holder": "h", "task_token": ""}),
+        serde_json::json!({"key": k, "holder": "h", "task_token": long_token}),
+        serde_json::json!({"key": k, "holder": "h", "task_token": "t", "fail_closed": true, "lease_id": "a".repeat(22)}),
+        serde_json::json!({"key": k, "holder": "h", "task_token": "t", "wait_ms": 1000}),
+        serde_json::json!({"key": k, "holder": "h", "task_token": "t", "min_hold_ms": 1000}),
+        serde_json::json!({"key": k, "holder": "h", "task_token": "t", "duration_ms": 1}),
+        serde_json::json!({"key": format!("{k}/"), "holder": "h", "task_token": "t"}),
+    ];
+    for body in bad {
+        let out = leasehold::api::run(&c, leasehold::api::Operation::Acquire, None, body.clone(), None).await;
+        assert!(matches!(out, Err(leasehold::Error::InvalidRequest(_))), "{body}: {out:?}");
+    }
+    assert!(matches!(c.get(&k).await, Err(leasehold::Error::NotFound { .. })), "nothing was written");
+    assert_eq!(rec.attempts.load(Ordering::SeqCst), 0, "nothing was delivered");
+    // Without a deliverer (a coordinator that cannot reach Step Functions): refused too.
+    let plain = b.coordinator(test_config());
+    let body = serde_json::json!({"key": k, "holder": "h", "task_token": "t"});
+    let out = leasehold::api::run(&plain, leasehold::api::Operation::Acquire, None, body, None).await;
+    assert!(matches!(out, Err(leasehold::Error::InvalidRequest(_))), "{out:?}");
+    assert!(c.get(&k).await.is_err(), "nothing was written");
 }
