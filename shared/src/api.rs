@@ -1,6 +1,6 @@
 //! The request/response vocabulary shared by every interface (direct invoke, HTTP, CLI
 //! `--json`), the direct-invoke dispatcher and the framework-neutral HTTP router. The Lambda
-//! functions and the local server are thin adapters over [`invoke`] and [`handle_http`].
+//! functions and the local server are thin adapters over [`run`] and [`handle_http`].
 
 use std::time::Duration;
 

@@ -312,6 +312,13 @@ impl Backend {
             Backend::Dynamo(d) => Arc::new(d.clone()),
         }
     }
+    /// Deletes the item if `condition` holds, as the TTL sweeper would (the protocol never deletes).
+    pub async fn delete(&self, key: &str, condition: &Condition) -> Result<Write> {
+        match self {
+            Backend::Sqlite(s, _) => s.delete(key, condition).await,
+            Backend::Dynamo(d) => d.delete(key, condition).await,
+        }
+    }
     pub fn coordinator(&self, config: Config) -> Coordinator {
         Coordinator::new(self.store(), config)
     }
@@ -329,7 +336,6 @@ pub struct Counting {
     pub inner: Arc<dyn Store>,
     pub gets: AtomicUsize,
     pub updates: AtomicUsize,
-    pub deletes: AtomicUsize,
     pub scans: AtomicUsize,
 }
 
@@ -339,15 +345,11 @@ impl Counting {
             inner,
             gets: AtomicUsize::new(0),
             updates: AtomicUsize::new(0),
-            deletes: AtomicUsize::new(0),
             scans: AtomicUsize::new(0),
         })
     }
     pub fn total(&self) -> usize {
-        self.gets.load(Ordering::SeqCst)
-            + self.updates.load(Ordering::SeqCst)
-            + self.deletes.load(Ordering::SeqCst)
-            + self.scans.load(Ordering::SeqCst)
+        self.gets.load(Ordering::SeqCst) + self.updates.load(Ordering::SeqCst) + self.scans.load(Ordering::SeqCst)
     }
 }
 
@@ -363,10 +365,6 @@ impl Store for Counting {
     async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> Result<Write> {
         self.updates.fetch_add(1, Ordering::SeqCst);
         self.inner.update(key, c, m).await
-    }
-    async fn delete(&self, key: &str, c: &Condition) -> Result<Write> {
-        self.deletes.fetch_add(1, Ordering::SeqCst);
-        self.inner.delete(key, c).await
     }
     async fn scan(&self, k: &ScanKind, s: Option<&str>, l: u32) -> Result<Page> {
         self.scans.fetch_add(1, Ordering::SeqCst);
@@ -447,9 +445,6 @@ impl Store for Faulty {
             }
         }
     }
-    async fn delete(&self, key: &str, c: &Condition) -> Result<Write> {
-        self.inner.delete(key, c).await
-    }
     async fn scan(&self, k: &ScanKind, s: Option<&str>, l: u32) -> Result<Page> {
         self.inner.scan(k, s, l).await
     }
@@ -515,9 +510,6 @@ impl Store for Gated {
             r
         });
         task.await.unwrap_or_else(|e| Err(Error::StoreUnavailable(format!("gated write: {e}"))))
-    }
-    async fn delete(&self, key: &str, c: &Condition) -> Result<Write> {
-        self.inner.delete(key, c).await
     }
     async fn scan(&self, k: &ScanKind, s: Option<&str>, l: u32) -> Result<Page> {
         self.inner.scan(k, s, l).await

@@ -270,7 +270,7 @@ async fn swept_item_restarts_fence_higher(b: Backend) {
     let last = c.get("ttl").await.unwrap().fence;
     // Simulate the TTL sweeper deleting the item (the real sweeper runs in dynamo_ttl.rs).
     tokio::time::sleep(Duration::from_millis(30)).await;
-    assert!(matches!(b.store().delete("ttl", &Condition::Exists).await.unwrap(), Write::Applied(_)));
+    assert!(matches!(b.delete("ttl", &Condition::Exists).await.unwrap(), Write::Applied(_)));
     assert!(matches!(c.get("ttl").await, Err(Error::NotFound { .. })));
     let fresh = c.acquire("ttl", "h", secs(10), AcquireOptions::default()).await.unwrap();
     assert!(fresh.fence > last, "fresh item fence {} must exceed the swept item's {last}", fresh.fence);

@@ -663,35 +663,6 @@ impl Store for DynamoStore {
         }
     }
 
-    async fn delete(&self, key: &str, condition: &Condition) -> Result<Write> {
-        let mut x = Expr::default();
-        let cond = x.condition(condition);
-        let res = self
-            .client
-            .delete_item()
-            .table_name(&self.table)
-            .set_key(Some(key_map(key)))
-            .condition_expression(cond)
-            .set_expression_attribute_names(x.names())
-            .set_expression_attribute_values(x.values())
-            .return_values(ReturnValue::AllOld)
-            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
-            .send()
-            .await;
-        match res {
-            Ok(out) => match out.attributes() {
-                Some(item) => Ok(Write::Applied(record_from_item(item)?)),
-                None => Err(Error::StoreUnavailable("DeleteItem returned no attributes".into())),
-            },
-            Err(e) => rejected_or_err(e, |e| match e {
-                aws_sdk_dynamodb::operation::delete_item::DeleteItemError::ConditionalCheckFailedException(c) => {
-                    Some(c.item())
-                }
-                _ => None,
-            }),
-        }
-    }
-
     async fn scan(&self, kind: &ScanKind, start: Option<&str>, limit: u32) -> Result<Page> {
         let start_key = match start {
             None => None,
@@ -766,6 +737,40 @@ fn decode_token(token: &str) -> Result<HashMap<String, AttributeValue>> {
         out.insert(name.clone(), av);
     }
     Ok(out)
+}
+
+#[cfg(any(test, feature = "testing"))]
+impl DynamoStore {
+    /// Delete the item if `condition` holds (tests simulate the TTL sweeper with it; the
+    /// protocol never deletes).
+    pub async fn delete(&self, key: &str, condition: &Condition) -> Result<Write> {
+        let mut x = Expr::default();
+        let cond = x.condition(condition);
+        let res = self
+            .client
+            .delete_item()
+            .table_name(&self.table)
+            .set_key(Some(key_map(key)))
+            .condition_expression(cond)
+            .set_expression_attribute_names(x.names())
+            .set_expression_attribute_values(x.values())
+            .return_values(ReturnValue::AllOld)
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+            .send()
+            .await;
+        match res {
+            Ok(out) => match out.attributes() {
+                Some(item) => Ok(Write::Applied(record_from_item(item)?)),
+                None => Err(Error::StoreUnavailable("DeleteItem returned no attributes".into())),
+            },
+            Err(e) => rejected_or_err(e, |e| match e {
+                aws_sdk_dynamodb::operation::delete_item::DeleteItemError::ConditionalCheckFailedException(c) => {
+                    Some(c.item())
+                }
+                _ => None,
+            }),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -1,4 +1,4 @@
-//! The narrow storage interface: conditional update, conditional delete, get, and paged scans.
+//! The narrow storage interface: conditional update, get, and paged scans.
 //!
 //! The protocol (see `protocol.rs`) decides *what* to write and *under which condition*; a
 //! store only evaluates a [`Condition`] against the current item and applies a [`Mutation`]
@@ -211,9 +211,6 @@ pub trait Store: Send + Sync + 'static {
 
     /// Apply `mutation` if `condition` holds, in one atomic request.
     async fn update(&self, key: &str, condition: &Condition, mutation: &Mutation) -> Result<Write>;
-
-    /// Delete the item if `condition` holds.
-    async fn delete(&self, key: &str, condition: &Condition) -> Result<Write>;
 
     /// One page of at most `limit` items after `start`.
     async fn scan(&self, kind: &ScanKind, start: Option<&str>, limit: u32) -> Result<Page>;

@@ -167,21 +167,6 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn delete(&self, key: &str, condition: &Condition) -> Result<Write> {
-        let (key, condition) = (key.to_string(), condition.clone());
-        self.blocking(move |c| {
-            let tx = c.transaction_with_behavior(TransactionBehavior::Immediate).map_err(store_err)?;
-            let old = read(&tx, &key)?;
-            if !condition.holds(old.as_ref()) {
-                return Ok(Write::Rejected(old));
-            }
-            tx.execute("DELETE FROM leases WHERE key = ?1", [&key]).map_err(store_err)?;
-            tx.commit().map_err(store_err)?;
-            Ok(Write::Applied(old.expect("condition held on an existing item")))
-        })
-        .await
-    }
-
     async fn scan(&self, kind: &ScanKind, start: Option<&str>, limit: u32) -> Result<Page> {
         let (kind, start) = (kind.clone(), start.unwrap_or("").to_string());
         self.blocking(move |c| {
@@ -210,6 +195,26 @@ impl Store for SqliteStore {
             let next = if rows.len() as i64 == limit { rows.last().map(|(k, _)| k.clone()) } else { None };
             let items = rows.iter().map(|(_, j)| decode(j)).collect::<Result<Vec<_>>>()?;
             Ok(Page { items, next })
+        })
+        .await
+    }
+}
+
+#[cfg(any(test, feature = "testing"))]
+impl SqliteStore {
+    /// Delete the item if `condition` holds (tests simulate the TTL sweeper with it; the
+    /// protocol never deletes).
+    pub async fn delete(&self, key: &str, condition: &Condition) -> Result<Write> {
+        let (key, condition) = (key.to_string(), condition.clone());
+        self.blocking(move |c| {
+            let tx = c.transaction_with_behavior(TransactionBehavior::Immediate).map_err(store_err)?;
+            let old = read(&tx, &key)?;
+            if !condition.holds(old.as_ref()) {
+                return Ok(Write::Rejected(old));
+            }
+            tx.execute("DELETE FROM leases WHERE key = ?1", [&key]).map_err(store_err)?;
+            tx.commit().map_err(store_err)?;
+            Ok(Write::Applied(old.expect("condition held on an existing item")))
         })
         .await
     }
