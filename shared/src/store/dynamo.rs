@@ -34,21 +34,21 @@ use crate::model::{Keepalive, LeaseId, Record};
 /// Attribute names of the lease table (see DESIGN.md, "Item schema").
 pub mod attr {
     pub const KEY: &str = "key";
-    pub const FENCE: &str = "fence";
-    pub const HOLDER: &str = "holder";
-    pub const LEASE_ID: &str = "lease_id";
-    pub const ACQUIRED_AT: &str = "acquired_at_ms";
-    pub const EXPIRES_AT: &str = "expires_at_ms";
-    pub const DURATION: &str = "duration_ms";
-    pub const MIN_HOLD_UNTIL: &str = "min_hold_until_ms";
-    pub const RELEASED_AT: &str = "released_at_ms";
-    pub const METADATA: &str = "metadata";
+    pub(crate) const FENCE: &str = "fence";
+    pub(crate) const HOLDER: &str = "holder";
+    pub(crate) const LEASE_ID: &str = "lease_id";
+    pub(crate) const ACQUIRED_AT: &str = "acquired_at_ms";
+    pub(crate) const EXPIRES_AT: &str = "expires_at_ms";
+    pub(crate) const DURATION: &str = "duration_ms";
+    pub(crate) const MIN_HOLD_UNTIL: &str = "min_hold_until_ms";
+    pub(crate) const RELEASED_AT: &str = "released_at_ms";
+    pub(crate) const METADATA: &str = "metadata";
     pub const KA_SHARD: &str = "ka_shard";
     pub const KA_UNTIL: &str = "ka_until_ms";
-    pub const KA_EXECUTION_ARN: &str = "ka_execution_arn";
+    pub(crate) const KA_EXECUTION_ARN: &str = "ka_execution_arn";
     pub const TTL: &str = "ttl";
-    pub const POLL: &str = "poll_ms";
-    pub const RENEWED_AT: &str = "renewed_at_ms";
+    pub(crate) const POLL: &str = "poll_ms";
+    pub(crate) const RENEWED_AT: &str = "renewed_at_ms";
 
     /// Every attribute above.
     pub const ALL: &[&str] = &[
@@ -163,7 +163,7 @@ impl DynamoStore {
     }
 
     /// A store on `table` configured from the standard AWS environment.
-    pub async fn from_env(table: impl Into<String>, attempt_timeout: Duration) -> Self {
+    pub(crate) async fn from_env(table: impl Into<String>, attempt_timeout: Duration) -> Self {
         let conf = load_sdk_config(attempt_timeout).await;
         DynamoStore::new(Client::new(&conf), table)
     }
@@ -323,7 +323,7 @@ fn need<T>(v: Option<T>, name: &str) -> Result<T> {
 }
 
 /// Decodes a lease item. Public for tests and tools that inspect the table.
-pub fn record_from_item(item: &HashMap<String, AttributeValue>) -> Result<Record> {
+pub(crate) fn record_from_item(item: &HashMap<String, AttributeValue>) -> Result<Record> {
     let metadata = match get_s(item, attr::METADATA)? {
         None => None,
         Some(s) => Some(

@@ -69,7 +69,7 @@ impl SqliteStore {
 
     /// The default store file: `$LEASEHOLD_DB`, else `$XDG_DATA_HOME/leasehold/leases.db`,
     /// else `~/.local/share/leasehold/leases.db`, else `./leasehold.db`.
-    pub fn default_path() -> PathBuf {
+    pub(crate) fn default_path() -> PathBuf {
         if let Some(p) = std::env::var_os("LEASEHOLD_DB") {
             return PathBuf::from(p);
         }
