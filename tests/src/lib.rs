@@ -17,6 +17,7 @@ pub mod apigw;
 pub mod emulator;
 pub mod http;
 pub mod proxy;
+pub mod statemachines;
 
 /// The repository root.
 pub fn repo_root() -> PathBuf {
