@@ -16,6 +16,7 @@ use leasehold::{Config, Coordinator, Error, Record, Result};
 pub mod apigw;
 pub mod emulator;
 pub mod http;
+pub mod lambda_lab;
 pub mod proxy;
 pub mod statemachines;
 
