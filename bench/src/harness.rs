@@ -104,6 +104,35 @@ pub enum Step<'a> {
     Report(&'a Setup, &'a Params, &'a mut Rss),
 }
 
+/// A scenario module's `run(step)`: `child(&ChildArgs) -> Value` in the child process,
+/// `report(&Setup, &Params, &mut Rss)` in the parent (`parent_only` for a scenario without
+/// children).
+macro_rules! scenario_run {
+    ($child:ident, $report:ident) => {
+        pub async fn run(step: $crate::harness::Step<'_>) -> Option<serde_json::Value> {
+            match step {
+                $crate::harness::Step::Child(a) => Some($child(a).await),
+                $crate::harness::Step::Report(s, p, rss) => {
+                    $report(s, p, rss).await;
+                    None
+                }
+            }
+        }
+    };
+    (parent_only $report:ident) => {
+        pub async fn run(step: $crate::harness::Step<'_>) -> Option<serde_json::Value> {
+            match step {
+                $crate::harness::Step::Child(_) => panic!("{} runs in the parent process", module_path!()),
+                $crate::harness::Step::Report(s, p, rss) => {
+                    $report(s, p, rss).await;
+                    None
+                }
+            }
+        }
+    };
+}
+pub(crate) use scenario_run;
+
 pub struct Setup {
     _local: DynamoLocal,
     pub proxy: Proxy,

@@ -6,7 +6,9 @@ use std::time::Instant;
 
 use serde_json::{json, Value};
 
-use crate::harness::{cpu_ms, libraries, note_rss, pct, peak_rss_kb, run_child, ChildArgs, Params, Rss, Setup, Step};
+use crate::harness::{
+    cpu_ms, libraries, note_rss, pct, peak_rss_kb, run_child, scenario_run, ChildArgs, Params, Rss, Setup,
+};
 use crate::libs::Lib;
 
 /// M1 figures of one library, summed over its rounds.
@@ -26,15 +28,7 @@ impl M1Acc {
     }
 }
 
-pub async fn run(step: Step<'_>) -> Option<Value> {
-    match step {
-        Step::Child(a) => Some(child(a).await),
-        Step::Report(s, p, rss) => {
-            report(s, p, rss).await;
-            None
-        }
-    }
-}
+scenario_run!(child, report);
 
 /// Child process: M1 for one library.
 async fn child(a: &ChildArgs) -> Value {

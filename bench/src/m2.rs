@@ -6,18 +6,10 @@ use std::time::Instant;
 
 use serde_json::{json, Value};
 
-use crate::harness::{libraries, note_rss, peak_rss_kb, run_child, ChildArgs, Params, Rss, Setup, Step};
+use crate::harness::{libraries, note_rss, peak_rss_kb, run_child, scenario_run, ChildArgs, Params, Rss, Setup};
 use crate::libs::Lib;
 
-pub async fn run(step: Step<'_>) -> Option<Value> {
-    match step {
-        Step::Child(a) => Some(child(a).await),
-        Step::Report(s, p, rss) => {
-            report(s, p, rss).await;
-            None
-        }
-    }
-}
+scenario_run!(child, report);
 
 /// Child process: M2 for one library.
 async fn child(a: &ChildArgs) -> Value {

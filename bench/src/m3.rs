@@ -9,7 +9,9 @@ use aws_sdk_dynamodb::types::AttributeValue;
 use leasehold_tests::{sdk_config_for, Holds};
 use serde_json::{json, Value};
 
-use crate::harness::{libraries, note_rss, pct, peak_rss_kb, run_child_counts, ChildArgs, Params, Rss, Setup, Step};
+use crate::harness::{
+    libraries, note_rss, pct, peak_rss_kb, run_child_counts, scenario_run, ChildArgs, Params, Rss, Setup,
+};
 use crate::libs::Lib;
 
 /// M3's physical limit, measured here: the median time a 5 ms hold really takes (the timer's
@@ -39,15 +41,7 @@ async fn hold_and_round_trip(s: &Setup) -> (f64, f64) {
     (pct(&holds, 0.5), pct(&rtts, 0.5))
 }
 
-pub async fn run(step: Step<'_>) -> Option<Value> {
-    match step {
-        Step::Child(a) => Some(child(a).await),
-        Step::Report(s, p, rss) => {
-            report(s, p, rss).await;
-            None
-        }
-    }
-}
+scenario_run!(child, report);
 
 /// Child process: M3 for one library.
 async fn child(a: &ChildArgs) -> Value {

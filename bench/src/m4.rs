@@ -4,9 +4,8 @@
 use std::time::Duration;
 
 use leasehold::Config;
-use serde_json::Value;
 
-use crate::harness::{libraries, Params, Rss, Setup, Step};
+use crate::harness::{libraries, scenario_run, Params, Rss, Setup};
 use crate::libs::Lib;
 
 /// M4: A holds a 2 s lease and dies; B already waits. The gap between A's last write and B's
@@ -47,15 +46,7 @@ async fn trial(s: &Setup, lib: &str, trial: usize) -> f64 {
     gap
 }
 
-pub async fn run(step: Step<'_>) -> Option<Value> {
-    match step {
-        Step::Child(_) => panic!("m4 runs in the parent process"),
-        Step::Report(s, p, rss) => {
-            report(s, p, rss).await;
-            None
-        }
-    }
-}
+scenario_run!(parent_only report);
 
 async fn report(s: &Setup, p: &Params, _rss: &mut Rss) {
     let libs = libraries();
