@@ -163,7 +163,7 @@ impl DynamoStore {
     }
 
     /// A store on `table` configured from the standard AWS environment.
-    pub(crate) async fn from_env(table: impl Into<String>, attempt_timeout: Duration) -> Self {
+    pub async fn from_env(table: impl Into<String>, attempt_timeout: Duration) -> Self {
         let conf = load_sdk_config(attempt_timeout).await;
         DynamoStore::new(Client::new(&conf), table)
     }
