@@ -1,7 +1,7 @@
-//! Dependencies. The offline dependency audit (`scripts/audit.sh`, run by the suite) fails on a known
-//! advisory and names the crate and the advisory. Checked with a copy of the RustSec snapshot
-//! that gains one advisory against a crate of our lockfile. And the feature split: only the
-//! Lambda functions build the Lambda runtime and the Step Functions SDK.
+//! Dependencies. The offline dependency audit (`scripts/audit.sh`, run by the suite) fails on
+//! a known advisory and names the crate and the advisory; checked with a copy of the RustSec
+//! snapshot that gains one advisory against a crate of our lockfile. And the feature split:
+//! only the Lambda functions build the Lambda runtime and the Step Functions SDK.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
