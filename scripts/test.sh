@@ -16,6 +16,7 @@ cargo fmt --all --check
 
 echo "== lints"
 cargo clippy --workspace --all-targets --locked -- -D warnings
+RUSTDOCFLAGS="-D warnings" cargo doc -p leasehold --no-deps --locked
 
 echo "== dependency audit (offline)"
 "$root/scripts/audit.sh"

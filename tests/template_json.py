@@ -6,7 +6,9 @@
                                            {"Fn::GetAtt": [...]}), decoded by cfn-lint
     template_json.py transformed TEMPLATE  the CloudFormation template the SAM transform
                                            makes of it (offline: CodeUri is replaced by a
-                                           placeholder S3 location, as `sam package` would)
+                                           placeholder S3 location, and a state machine's
+                                           local DefinitionUri (statemachines/*.asl.json)
+                                           one under the same bucket, as `sam package` would)
 
 Runs with the Python of the tools venv (.tools/venv/bin/python), which has cfn-lint and
 the SAM translator.
@@ -41,10 +43,10 @@ def transformed(template):
     for resource in template.get("Resources", {}).values():
         if resource.get("Type") == "AWS::Serverless::Function":
             resource.setdefault("Properties", {})["CodeUri"] = "s3://leasehold-artifacts/code.zip"
-        # A definition in its own file is uploaded by `sam package`/`sam deploy`, as code is.
-        props = resource.get("Properties", {})
-        if resource.get("Type") == "AWS::Serverless::StateMachine" and isinstance(props.get("DefinitionUri"), str):
-            props["DefinitionUri"] = "s3://leasehold-artifacts/" + props["DefinitionUri"]
+        if resource.get("Type") == "AWS::Serverless::StateMachine":
+            props = resource.setdefault("Properties", {})
+            if "DefinitionUri" in props:
+                props["DefinitionUri"] = "s3://leasehold-artifacts/" + props["DefinitionUri"]
     return transform(template, {}, Policies())
 
 

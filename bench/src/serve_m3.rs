@@ -17,17 +17,16 @@ use std::time::{Duration, Instant};
 use leasehold_tests::http;
 use serde_json::Value;
 
+use crate::harness::{pct, scenario_run, Params, Rss, Setup};
+
 const WORKERS: usize = 8;
 const HOLD: Duration = Duration::from_millis(5);
 
-fn pct(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
-}
+scenario_run!(parent_only report);
 
-pub async fn run(secs: u64) {
+/// Runs as long as M3 does (`Params::m3s`); no child processes, no DynamoDB Local.
+async fn report(_: &Setup, params: &Params, _: &mut Rss) {
+    let secs = params.m3s;
     let exe = std::env::current_exe().expect("exe").parent().expect("dir").join("leasehold");
     assert!(exe.exists(), "{} is missing: cargo build --release -p leasehold-cli", exe.display());
     let dir = std::env::temp_dir().join(format!("leasehold-serve-m3-{}", std::process::id()));

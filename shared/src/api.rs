@@ -1,6 +1,6 @@
 //! The request/response vocabulary shared by every interface (direct invoke, HTTP, CLI
 //! `--json`), the direct-invoke dispatcher and the framework-neutral HTTP router. The Lambda
-//! functions and the local server are thin adapters over [`invoke`] and [`handle_http`].
+//! functions and the local server are thin adapters over [`run`] and [`handle_http`].
 
 use std::time::Duration;
 
@@ -74,7 +74,7 @@ pub struct ReleaseRequest {
 /// Body of a get (direct invoke only; HTTP uses `GET /leases/{key}`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct GetRequest {
+pub(crate) struct GetRequest {
     pub key: String,
     /// A queued acquire's lease_id: the answer then also carries its `queue_position` (1:
     /// next; absent when it is not queued).
@@ -107,7 +107,7 @@ impl Operation {
 pub const INVOKE_SAFETY_MARGIN: Duration = Duration::from_millis(1500);
 
 /// Parses a JSON payload, turning every serde complaint into a clear `InvalidRequest`.
-pub fn parse<T: serde::de::DeserializeOwned>(payload: Value) -> Result<T> {
+pub(crate) fn parse<T: serde::de::DeserializeOwned>(payload: Value) -> Result<T> {
     if !payload.is_object() {
         return Err(Error::invalid(format!("the request must be a JSON object, not {}", kind(&payload))));
     }
@@ -287,7 +287,7 @@ pub struct HttpResponse {
 }
 
 impl HttpResponse {
-    pub fn json(status: u16, body: &Value) -> Self {
+    pub(crate) fn json(status: u16, body: &Value) -> Self {
         HttpResponse {
             status,
             headers: vec![("content-type".into(), "application/json".into())],
@@ -324,7 +324,7 @@ impl HttpResponse {
 
 /// HTTP status of each error: 400 invalid, 404 unknown lease, 409 held or wrong lease_id,
 /// 410 lease lost (expired, released, swept), 503 store unavailable or throttled.
-pub fn http_status(e: &Error) -> u16 {
+pub(crate) fn http_status(e: &Error) -> u16 {
     match e {
         Error::InvalidRequest(_) => 400,
         Error::NotFound { .. } => 404,
@@ -352,7 +352,7 @@ pub enum Route {
 }
 
 /// An error of the router itself (`UnknownRoute`, `MethodNotAllowed`, ...).
-pub fn route_error(status: u16, name: ErrorName, message: String) -> HttpResponse {
+pub(crate) fn route_error(status: u16, name: ErrorName, message: String) -> HttpResponse {
     let mut r = HttpResponse::json(status, &json!({ "error": name.as_str(), "message": message }));
     r.error = Some(name);
     r
@@ -415,11 +415,11 @@ pub const SERVE_ROUTES: [(&str, &str); 3] =
     [("GET", "/"), ("GET", "/leases"), ("POST", "/leases/force-release/{key+}")];
 
 /// Most keys one `GET /leases` returns (and its default `limit`).
-pub const MAX_LIST_LIMIT: usize = 1000;
+pub(crate) const MAX_LIST_LIMIT: usize = 1000;
 
 /// The query of `GET /leases`: `prefix` (keys starting with it) and `limit` (1..=1000).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ListQuery {
+pub(crate) struct ListQuery {
     pub prefix: String,
     pub limit: usize,
 }
@@ -427,7 +427,7 @@ pub struct ListQuery {
 impl ListQuery {
     /// Parses a raw (still percent-encoded) query string; `+` is a space, as in a form.
     /// Unknown or repeated parameters and a bad limit are `InvalidRequest`.
-    pub fn parse(query: &str) -> Result<ListQuery> {
+    pub(crate) fn parse(query: &str) -> Result<ListQuery> {
         let (mut prefix, mut limit) = (None, None);
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
@@ -503,7 +503,7 @@ pub async fn handle_operator(coord: &Coordinator, req: &HttpRequest, raw_query: 
 }
 
 /// The OpenAPI 3 description of the HTTP API (committed as shared/openapi.json).
-pub const OPENAPI_JSON: &str = include_str!("../openapi.json");
+pub(crate) const OPENAPI_JSON: &str = include_str!("../openapi.json");
 
 /// Handles one HTTP request. Never panics on input and never answers 500: every failure is
 /// a typed JSON error.
@@ -515,7 +515,7 @@ pub async fn handle_http(coord: &Coordinator, req: HttpRequest, remaining: Optio
 }
 
 /// [`handle_http`] for a request already routed (by [`route`]).
-pub async fn handle_route(
+pub(crate) async fn handle_route(
     coord: &Coordinator,
     route: Route,
     req: HttpRequest,

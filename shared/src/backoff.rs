@@ -4,17 +4,17 @@ use std::time::Duration;
 
 /// Exponential backoff with "equal jitter": each pause is uniform in [d/2, d].
 #[derive(Debug, Clone)]
-pub struct Backoff {
+pub(crate) struct Backoff {
     next: Duration,
     max: Duration,
 }
 
 impl Backoff {
-    pub fn new(base: Duration, max: Duration) -> Self {
+    pub(crate) fn new(base: Duration, max: Duration) -> Self {
         Backoff { next: base, max }
     }
 
-    pub fn next_pause(&mut self) -> Duration {
+    pub(crate) fn next_pause(&mut self) -> Duration {
         let d = self.next;
         self.next = (self.next * 2).min(self.max);
         jitter(d)
@@ -22,12 +22,12 @@ impl Backoff {
 }
 
 /// A uniform random duration in [d/2, d].
-pub fn jitter(d: Duration) -> Duration {
+pub(crate) fn jitter(d: Duration) -> Duration {
     uniform(d / 2, d)
 }
 
 /// A uniform random duration in [lo, hi] (`lo` when `hi <= lo`).
-pub fn uniform(lo: Duration, hi: Duration) -> Duration {
+pub(crate) fn uniform(lo: Duration, hi: Duration) -> Duration {
     let mut b = [0u8; 8];
     let r = if getrandom::fill(&mut b).is_ok() { u64::from_le_bytes(b) } else { 0 };
     let span = hi.saturating_sub(lo).as_nanos() as u64;

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 /// One answer's evidence: sent and received on the coordinator's monotonic clock, and the
 /// server's `Date` (epoch seconds).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Sample {
+pub(crate) struct Sample {
     pub sent: Instant,
     pub received: Instant,
     pub date_s: u64,
@@ -32,7 +32,7 @@ const MAX_SAMPLES: usize = 64;
 /// Allowance for a `Date` stamped a little before the answer left the server (a clock cache):
 /// a stamp up to this much older than the server's clock is not taken for a wrong clock here.
 /// (DynamoDB Local's stamps were never late by more than the round trip.)
-pub const DATE_LAG_MS: i64 = 250;
+pub(crate) const DATE_LAG_MS: i64 = 250;
 
 /// The recent `Date` samples of one store client, shared with its coordinators.
 #[derive(Debug, Default)]
@@ -42,20 +42,20 @@ pub struct ClockSamples {
 
 /// Bounds on `server clock - coordinator clock`, in ms.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Offset {
+pub(crate) struct Offset {
     pub lo: i64,
     pub hi: i64,
 }
 
 impl Offset {
     /// Is the coordinator's clock certainly more than `margin_ms` away from the server's?
-    pub fn beyond(&self, margin_ms: i64) -> bool {
+    pub(crate) fn beyond(&self, margin_ms: i64) -> bool {
         self.lo > margin_ms || self.hi < -margin_ms
     }
 }
 
 impl ClockSamples {
-    pub fn record(&self, s: Sample) {
+    pub(crate) fn record(&self, s: Sample) {
         let mut q = self.samples.lock().unwrap_or_else(|p| p.into_inner());
         if q.len() >= MAX_SAMPLES {
             q.pop_front();
@@ -63,14 +63,14 @@ impl ClockSamples {
         q.push_back(s);
     }
 
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.samples.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
     }
 
     /// The offset of the clock `clock_at` (epoch ms at a monotonic instant) from the server's,
     /// as the intersection of the recent samples' intervals; when they disagree (a clock was
     /// stepped), the newest sample alone. `None` without a recent sample.
-    pub fn offset(&self, clock_at: impl Fn(Instant) -> i64) -> Option<Offset> {
+    pub(crate) fn offset(&self, clock_at: impl Fn(Instant) -> i64) -> Option<Offset> {
         let q = self.samples.lock().unwrap_or_else(|p| p.into_inner());
         let now = Instant::now();
         let interval = |s: &Sample| {

@@ -109,10 +109,11 @@ impl StoreChoice {
 /// Log targets (prefixes) capped at `info` whatever `RUST_LOG` says, even a more specific
 /// directive: the Lambda runtime logs raw events, the AWS SDK (smithy, hyper, h2) logs the
 /// requests and responses on the wire, and both carry lease_ids.
-pub const CAPPED_LOG_TARGETS: [&str; 6] = ["lambda_runtime", "aws_smithy", "aws_sdk", "aws_config", "hyper", "h2"];
+pub(crate) const CAPPED_LOG_TARGETS: [&str; 6] =
+    ["lambda_runtime", "aws_smithy", "aws_sdk", "aws_config", "hyper", "h2"];
 
 /// Whether an event of `target` at `level` may be logged (see [`CAPPED_LOG_TARGETS`]).
-pub fn log_allowed(target: &str, level: &tracing::Level) -> bool {
+pub(crate) fn log_allowed(target: &str, level: &tracing::Level) -> bool {
     *level <= tracing::Level::INFO
         || !CAPPED_LOG_TARGETS.iter().any(|p| {
             target

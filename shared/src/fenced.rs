@@ -97,7 +97,7 @@ pub const FENCE_VALUE: &str = ":lh_fence";
 pub const FENCE_CONDITION: &str = "attribute_not_exists(#lh_fence) OR #lh_fence <= :lh_fence";
 /// The condition of the lease-live `ConditionCheck` on the lease item (`:lh_now` is the
 /// coordinator's clock plus the skew margin).
-pub const LEASE_LIVE_CONDITION: &str =
+pub(crate) const LEASE_LIVE_CONDITION: &str =
     "lease_id = :lh_lease_id AND attribute_not_exists(released_at_ms) AND (attribute_not_exists(expires_at_ms) OR expires_at_ms > :lh_now)";
 
 /// Why a fenced write or a lease-live commit did not land.
@@ -441,7 +441,7 @@ where
 
 /// The `ConditionCheck` that lets a transaction commit only while the lease `lease_id` on
 /// `key` is live at `live_at_ms` (see [`LEASE_LIVE_CONDITION`]).
-pub fn lease_live_check(
+pub(crate) fn lease_live_check(
     lease_table: &str,
     key: &str,
     lease_id: &LeaseId,
@@ -463,7 +463,7 @@ impl Coordinator {
     /// The lease-live `ConditionCheck` for the lease `lease_id` on `key`, at this
     /// coordinator's clock plus the skew margin: a commit carrying it is refused once the
     /// lease is within the margin of its expiry.
-    pub fn lease_live_check(
+    pub(crate) fn lease_live_check(
         &self,
         lease_table: &str,
         key: &str,

@@ -33,7 +33,7 @@ pub enum Function {
 }
 
 impl Function {
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Function::Acquire => "acquire",
             Function::Heartbeat => "heartbeat",
@@ -42,7 +42,7 @@ impl Function {
     }
     /// The HTTP operations this function answers: its own, and for heartbeat also the
     /// read-only `GET /leases/{key+}`.
-    pub fn serves(self, op: Operation) -> bool {
+    pub(crate) fn serves(self, op: Operation) -> bool {
         op == self.operation() || (self == Function::Heartbeat && op == Operation::Get)
     }
 
@@ -57,13 +57,13 @@ impl Function {
 
 /// What kind of event arrived.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum EventKind {
+pub(crate) enum EventKind {
     Http,
     Schedule,
     Direct,
 }
 
-pub fn classify(event: &Value) -> EventKind {
+pub(crate) fn classify(event: &Value) -> EventKind {
     let obj = match event.as_object() {
         Some(o) => o,
         None => return EventKind::Direct,
@@ -146,7 +146,7 @@ fn delivery_error(gone: bool, e: &dyn std::error::Error) -> crate::queue::Delive
 /// The runtime would otherwise answer malformed bytes itself with its own error type; with
 /// this, they become an `InvalidRequest` like every other bad input.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Payload {
+pub(crate) enum Payload {
     Json(Value),
     Malformed(String),
 }
@@ -232,7 +232,7 @@ fn sweep_counts(r: &SweepReport) -> Vec<(&'static str, u64)> {
 
 /// One CloudWatch Embedded Metric Format line: Latency and Invocations by Function and
 /// Outcome, and the counts by Function and in total.
-pub fn metric_line(function: &str, outcome: &str, latency_ms: f64, counts: &[(&'static str, u64)]) -> Value {
+pub(crate) fn metric_line(function: &str, outcome: &str, latency_ms: f64, counts: &[(&'static str, u64)]) -> Value {
     let ts = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
     let mut line = json!({
         "_aws": {
@@ -269,11 +269,11 @@ fn asks_to_wait(body: Option<&Value>) -> bool {
 }
 
 /// How long API Gateway waits for an HTTP API integration before it answers 503 itself.
-pub const HTTP_API_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const HTTP_API_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Time left before API Gateway gives up on a request that arrived at `time_epoch_ms`
 /// (`requestContext.timeEpoch`); `None` when the event carries no arrival time.
-pub fn http_api_remaining(time_epoch_ms: i64, now_ms: u64) -> Option<Duration> {
+pub(crate) fn http_api_remaining(time_epoch_ms: i64, now_ms: u64) -> Option<Duration> {
     let arrived = u64::try_from(time_epoch_ms).ok().filter(|t| *t > 0)?;
     let deadline = arrived + HTTP_API_TIMEOUT.as_millis() as u64;
     Some(Duration::from_millis(deadline.saturating_sub(now_ms)))
@@ -433,7 +433,7 @@ impl Handler {
 
 impl Handler {
     /// Answers a payload that is not JSON: `InvalidRequest`, nothing read or written.
-    pub fn reject_malformed(&self, parse_error: &str) -> Result<Value, Error> {
+    pub(crate) fn reject_malformed(&self, parse_error: &str) -> Result<Value, Error> {
         emit_metric(
             self.function.name(),
             "InvalidRequest",
@@ -447,7 +447,7 @@ impl Handler {
 /// Builds the handler from the environment: `LEASEHOLD_TABLE` (the DynamoDB table; without
 /// it, an embedded store under `LEASEHOLD_DB` or /tmp, for local emulation), the bounds of
 /// [`config_from_env`], and `LEASEHOLD_SWEEP_MAX_ITEMS` (default 1000).
-pub async fn handler_from_env(function: Function) -> Result<Handler, Error> {
+pub(crate) async fn handler_from_env(function: Function) -> Result<Handler, Error> {
     let config = config_from_env()?;
     let db =
         std::env::var_os("LEASEHOLD_DB").map(Into::into).unwrap_or_else(|| std::env::temp_dir().join("leasehold.db"));

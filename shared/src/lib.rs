@@ -4,26 +4,34 @@
 //! two implementations: DynamoDB ([`store::DynamoStore`]) and an embedded SQLite file
 //! ([`store::SqliteStore`]). Lambda functions, the local server and the CLI are thin adapters
 //! over it. DESIGN.md at the repository root specifies the protocol.
+//!
+//! The public surface is what adapters and library users call: the re-exports below, the
+//! request vocabulary and routers of [`api`], environment wiring in [`env`](mod@env), fenced writes in
+//! [`fenced`], the [`store`] trait and its two stores, [`validate`]'s limits, and with the
+//! `lambda` feature the Lambda adapter. Everything else is crate-internal.
+#![warn(unnameable_types)]
 
 pub mod api;
-pub mod backoff;
-pub mod clock;
+mod backoff;
+mod clock;
 pub mod env;
-pub mod error;
+mod error;
 pub mod fenced;
-pub mod holder;
-pub mod keepalive;
-pub mod model;
-pub mod pacing;
-pub mod protocol;
+mod holder;
+mod keepalive;
+mod model;
+mod pacing;
+mod protocol;
 pub mod queue;
 pub mod store;
 pub mod validate;
-pub mod wakeup;
+mod wakeup;
 
+pub use clock::ClockSamples;
 pub use error::{Error, ErrorName, NotHolderReason, Result};
 pub use fenced::{FenceGuard, FencedError};
 pub use holder::{HeldLease, HoldState, Lost};
+pub use keepalive::{ExecutionState, Executions, SweepReport};
 pub use model::{Keepalive, Lease, LeaseId, LeaseState, Record, Released};
 pub use protocol::{AcquireOptions, Config, Coordinator};
 

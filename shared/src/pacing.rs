@@ -28,20 +28,20 @@ use crate::backoff::uniform;
 /// Attempts an acquisition should cost under contention, counting the one that succeeds.
 /// With one request per release, a contended key then costs about 2.4 requests per
 /// acquisition.
-pub const TARGET_ATTEMPTS: f64 = 1.2;
+pub(crate) const TARGET_ATTEMPTS: f64 = 1.2;
 
 /// How strongly one acquisition moves the period: attempts - target, times this, is the
 /// relative step.
 const GAIN: f64 = 0.25;
 
 /// The shortest poll period.
-pub const MIN_PERIOD: Duration = Duration::from_millis(10);
+pub(crate) const MIN_PERIOD: Duration = Duration::from_millis(10);
 
 /// How long a key counts as contended after an acquire last found it held.
 const CONTENDED_FOR: Duration = Duration::from_secs(2);
 
 /// Waiting this many periods halves a waiter's pause (see [`aged`]).
-pub const AGING: f64 = 1.0;
+pub(crate) const AGING: f64 = 1.0;
 
 /// Keys remembered at most; the least recently used half is dropped when full.
 const MAX_KEYS: usize = 4096;
@@ -55,13 +55,13 @@ struct KeyPace {
 
 /// What one coordinator remembers of the keys it found contended.
 #[derive(Debug, Default)]
-pub struct Pacer {
+pub(crate) struct Pacer {
     keys: Mutex<HashMap<String, KeyPace>>,
 }
 
 /// The pacing of one acquire call.
 #[derive(Debug, Clone, Copy)]
-pub struct Pace {
+pub(crate) struct Pace {
     /// The key's poll period.
     pub period: Duration,
     /// Somebody else held the key a moment ago: wait this long before the first attempt.
@@ -71,7 +71,7 @@ pub struct Pace {
 /// The period an item advertises (`None`: never contended), within `[MIN_PERIOD, max]`: it
 /// is advice written by other coordinators, never trusted beyond this coordinator's own
 /// `poll_max`.
-pub fn period_of(poll_ms: Option<u64>, max: Duration) -> Duration {
+pub(crate) fn period_of(poll_ms: Option<u64>, max: Duration) -> Duration {
     poll_ms.map_or(MIN_PERIOD, Duration::from_millis).clamp(MIN_PERIOD, max.max(MIN_PERIOD))
 }
 
@@ -79,7 +79,7 @@ pub fn period_of(poll_ms: Option<u64>, max: Duration) -> Duration {
 /// attempt on a key whose period was `period`: a step proportional to how far `attempts` is
 /// from [`TARGET_ATTEMPTS`] (so that the *average* over acquisitions settles on the target),
 /// at most doubling or halving, within `[MIN_PERIOD, max]`.
-pub fn next_period(period: Duration, attempts: u32, max: Duration) -> Duration {
+pub(crate) fn next_period(period: Duration, attempts: u32, max: Duration) -> Duration {
     let factor = (1.0 + GAIN * (attempts.max(1) as f64 - TARGET_ATTEMPTS)).clamp(0.5, 2.0);
     period.mul_f64(factor).clamp(MIN_PERIOD, max.max(MIN_PERIOD))
 }
@@ -88,7 +88,7 @@ pub fn next_period(period: Duration, attempts: u32, max: Duration) -> Duration {
 /// period, shortened as the wait grows (halved after [`AGING`] periods of waiting, a third
 /// after twice that, ...), so that whoever has waited longest is the likeliest to try first
 /// after a release. Never below half of [`MIN_PERIOD`].
-pub fn aged(period: Duration, waited: Duration) -> Duration {
+pub(crate) fn aged(period: Duration, waited: Duration) -> Duration {
     let periods = waited.as_secs_f64() / period.as_secs_f64().max(1e-3);
     period.div_f64(1.0 + periods / AGING).max(MIN_PERIOD / 2)
 }
@@ -96,7 +96,7 @@ pub fn aged(period: Duration, waited: Duration) -> Duration {
 /// The waiting state of one acquire call: what it advertises on the item, how long it sleeps
 /// after a held answer, and what it records when granted.
 #[derive(Debug)]
-pub struct Waiting<'a> {
+pub(crate) struct Waiting<'a> {
     pacer: &'a Pacer,
     key: &'a str,
     poll_max: Duration,
@@ -114,7 +114,7 @@ pub struct Waiting<'a> {
 }
 
 impl<'a> Waiting<'a> {
-    pub fn new(pacer: &'a Pacer, key: &'a str, poll_max: Duration, start: Instant) -> Self {
+    pub(crate) fn new(pacer: &'a Pacer, key: &'a str, poll_max: Duration, start: Instant) -> Self {
         let pace = pacer.begin(key);
         Waiting {
             pacer,
@@ -132,7 +132,7 @@ impl<'a> Waiting<'a> {
 
     /// Before the first attempt on a key this coordinator found contended a moment ago: a
     /// random part of its period, so that it competes with the waiters instead of jumping ahead.
-    pub async fn courtesy(&mut self, deadline: Instant) {
+    pub(crate) async fn courtesy(&mut self, deadline: Instant) {
         if let Some(c) = self.courtesy.take() {
             self.contended = true;
             tokio::time::sleep(c.min(deadline.saturating_duration_since(Instant::now()))).await;
@@ -140,12 +140,12 @@ impl<'a> Waiting<'a> {
     }
 
     /// The period this attempt writes with its lease (`poll_ms`), when it contended.
-    pub fn advertise(&self) -> Option<u64> {
+    pub(crate) fn advertise(&self) -> Option<u64> {
         self.contended.then(|| next_period(self.period, self.attempts, self.poll_max).as_millis() as u64)
     }
 
     /// Granted by an item advertising `poll_ms`: remembered for this coordinator's next call.
-    pub fn granted(&self, poll_ms: Option<u64>) {
+    pub(crate) fn granted(&self, poll_ms: Option<u64>) {
         if poll_ms.is_some() {
             self.pacer.contended(self.key, period_of(poll_ms, self.poll_max));
         }
@@ -157,7 +157,7 @@ impl<'a> Waiting<'a> {
     /// call's wait; while one lease stays on it, the pause doubles up to `poll_max`. Never past
     /// the holder's known expiry (a crashed holder is replaced promptly) nor past `deadline`
     /// (one last attempt is made then).
-    pub fn held(
+    pub(crate) fn held(
         &mut self,
         fence: u64,
         poll_ms: Option<u64>,
@@ -187,7 +187,7 @@ impl<'a> Waiting<'a> {
 
 impl Pacer {
     /// The pacing for a new acquire of `key`.
-    pub fn begin(&self, key: &str) -> Pace {
+    pub(crate) fn begin(&self, key: &str) -> Pace {
         let now = Instant::now();
         let keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
         match keys.get(key) {
@@ -201,7 +201,7 @@ impl Pacer {
     }
 
     /// An attempt found `key` held, by an item advertising `period`.
-    pub fn contended(&self, key: &str, period: Duration) {
+    pub(crate) fn contended(&self, key: &str, period: Duration) {
         let now = Instant::now();
         let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
         if keys.len() >= MAX_KEYS && !keys.contains_key(key) {

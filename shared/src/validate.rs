@@ -38,12 +38,12 @@ impl Default for Limits {
 
 /// Smallest and largest length of a lease_id a caller may supply (32 hex chars are generated;
 /// a UUID, 36 chars, is accepted so that `States.UUID()` can make one in a state machine).
-pub const LEASE_ID_MIN_LEN: usize = 22;
-pub const LEASE_ID_MAX_LEN: usize = 128;
+pub(crate) const LEASE_ID_MIN_LEN: usize = 22;
+pub(crate) const LEASE_ID_MAX_LEN: usize = 128;
 /// A keep-alive lease lasts at least this many sweep periods.
 pub const KEEPALIVE_SWEEPS: u32 = 3;
 /// Longest Step Functions execution ARN accepted for keep-alive.
-pub const MAX_EXECUTION_ARN_LEN: usize = 2048;
+pub(crate) const MAX_EXECUTION_ARN_LEN: usize = 2048;
 
 fn text(field: &str, value: &str, max: usize) -> Result<()> {
     if value.is_empty() {
@@ -89,21 +89,21 @@ pub fn key_travels(key: &str) -> Result<()> {
 }
 
 impl Limits {
-    pub fn key(&self, key: &str) -> Result<()> {
+    pub(crate) fn key(&self, key: &str) -> Result<()> {
         text("key", key, self.max_key_bytes)?;
         key_travels(key)
     }
 
     /// Shortest duration of a keep-alive lease.
-    pub fn min_keepalive_duration(&self) -> Duration {
+    pub(crate) fn min_keepalive_duration(&self) -> Duration {
         self.keepalive_sweep_period * KEEPALIVE_SWEEPS
     }
 
-    pub fn holder(&self, holder: &str) -> Result<()> {
+    pub(crate) fn holder(&self, holder: &str) -> Result<()> {
         text("holder", holder, self.max_holder_bytes)
     }
 
-    pub fn duration(&self, field: &str, d: Duration) -> Result<()> {
+    pub(crate) fn duration(&self, field: &str, d: Duration) -> Result<()> {
         if d < self.min_duration || d > self.max_duration {
             return Err(Error::invalid(format!(
                 "{field} is {} ms; it must be between {} and {} ms",
@@ -115,7 +115,7 @@ impl Limits {
         Ok(())
     }
 
-    pub fn wait(&self, d: Duration) -> Result<()> {
+    pub(crate) fn wait(&self, d: Duration) -> Result<()> {
         if d > self.max_wait {
             return Err(Error::invalid(format!(
                 "wait_ms is {} ms; the limit is {} ms",
@@ -127,7 +127,7 @@ impl Limits {
     }
 
     /// min_hold may not exceed the lease's duration (a release would otherwise extend it).
-    pub fn min_hold(&self, min_hold: Duration, duration: Option<Duration>) -> Result<()> {
+    pub(crate) fn min_hold(&self, min_hold: Duration, duration: Option<Duration>) -> Result<()> {
         if let Some(d) = duration {
             if min_hold > d {
                 return Err(Error::invalid(format!(
@@ -146,7 +146,7 @@ impl Limits {
         Ok(())
     }
 
-    pub fn metadata(&self, m: &Map<String, Value>) -> Result<()> {
+    pub(crate) fn metadata(&self, m: &Map<String, Value>) -> Result<()> {
         let size = serde_json::to_vec(m).map(|v| v.len()).unwrap_or(usize::MAX);
         if size > self.max_metadata_bytes {
             return Err(Error::invalid(format!(
@@ -157,7 +157,7 @@ impl Limits {
         Ok(())
     }
 
-    pub fn keepalive(&self, k: &Keepalive, now_ms: u64, duration: Option<Duration>) -> Result<()> {
+    pub(crate) fn keepalive(&self, k: &Keepalive, now_ms: u64, duration: Option<Duration>) -> Result<()> {
         let Some(duration) = duration else {
             return Err(Error::invalid("keepalive needs a lease with a duration (not fail_closed)"));
         };

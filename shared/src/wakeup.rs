@@ -146,12 +146,7 @@ impl Ticket {
         self.wakeups.lock().get(&self.key).and_then(|q| q.front()).is_some_and(|(id, _)| *id == self.id)
     }
 
-    /// Sleeps `pause` or until woken, whichever comes first.
-    pub async fn wait(&self, pause: Duration) {
-        let _ = tokio::time::timeout(pause, self.slot.notify.notified()).await;
-    }
-
-    /// Sleeps like [`Ticket::wait`], offering `offer` to a releaser meanwhile. Returns the
+    /// Sleeps `pause` or until woken, whichever comes first, offering `offer` to a releaser meanwhile. Returns the
     /// grant (the item as written, the releaser's send instant and clock) if a release handed
     /// the key over; the offer is withdrawn before returning, so no grant lands after it.
     pub async fn wait_offering(&self, pause: Duration, offer: Offer) -> Option<(Record, std::time::Instant, u64)> {

@@ -16,7 +16,9 @@ use leasehold::{Config, Coordinator, Error, Record, Result};
 pub mod apigw;
 pub mod emulator;
 pub mod http;
+pub mod lambda_lab;
 pub mod proxy;
+pub mod statemachines;
 
 /// The repository root.
 pub fn repo_root() -> PathBuf {
@@ -580,20 +582,51 @@ impl GuardedResource {
     }
 }
 
+/// Runs each named case of the calling test file once per variant, as `case::variant`:
+///
+/// `variants!(sync [embedded => &Target::embedded(), dynamodb => &Target::dynamo()]: case_a, case_b)`
+/// makes `#[test] fn case_a::embedded() { case_a(&Target::embedded()) }` and so on; `async`
+/// makes multi-threaded `#[tokio::test]`s that await the case (the variant expression may await
+/// too). The variant expressions resolve in the calling file.
+#[macro_export]
+macro_rules! variants {
+    (@case sync $case:ident [$($variant:ident => $make:expr),+ $(,)?]) => {
+        mod $case {
+            #[allow(unused_imports)]
+            use super::*;
+            $(
+                #[test]
+                fn $variant() {
+                    super::$case($make)
+                }
+            )+
+        }
+    };
+    (@case async $case:ident [$($variant:ident => $make:expr),+ $(,)?]) => {
+        mod $case {
+            #[allow(unused_imports)]
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $variant() {
+                    super::$case($make).await
+                }
+            )+
+        }
+    };
+    ($mode:ident $variants:tt: $($case:ident),* $(,)?) => {
+        $($crate::variants!(@case $mode $case $variants);)*
+    };
+}
+
 /// Runs each named `async fn case(b: Backend)` of the calling test file against both stores:
 /// `case::sqlite` and `case::dynamodb`.
 #[macro_export]
 macro_rules! both_backends {
-    ($($case:ident),* $(,)?) => {$(
-        mod $case {
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn sqlite() {
-                super::$case($crate::Backend::sqlite().await).await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn dynamodb() {
-                super::$case($crate::Backend::dynamo().await).await
-            }
-        }
-    )*};
+    ($($case:ident),* $(,)?) => {
+        $crate::variants!(async [
+            sqlite => $crate::Backend::sqlite().await,
+            dynamodb => $crate::Backend::dynamo().await,
+        ]: $($case),*);
+    };
 }

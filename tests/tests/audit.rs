@@ -1,6 +1,7 @@
-//! The offline dependency audit (`scripts/audit.sh`, run by the suite) fails on a known
-//! advisory and names the crate and the advisory. Checked with a copy of the RustSec snapshot
-//! that gains one advisory against a crate of our lockfile.
+//! Dependencies. The offline dependency audit (`scripts/audit.sh`, run by the suite) fails on
+//! a known advisory and names the crate and the advisory; checked with a copy of the RustSec
+//! snapshot that gains one advisory against a crate of our lockfile. And the feature split:
+//! only the Lambda functions build the Lambda runtime and the Step Functions SDK.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -57,4 +58,32 @@ fn a_known_advisory_fails_the_audit_naming_crate_and_advisory() {
     assert_ne!(code, 0, "an advisory against a locked crate must fail the audit:\n{text}");
     assert!(text.contains("RUSTSEC-2099-0001"), "the advisory is named:\n{text}");
     assert!(text.contains("itoa"), "the crate is named:\n{text}");
+}
+
+/// The normal dependencies of a workspace package, one crate name a line.
+fn dependencies(package: &str) -> Vec<String> {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let out = Command::new(cargo)
+        .args(["tree", "-p", package, "-e", "normal", "--prefix", "none", "--locked", "--offline"])
+        .current_dir(repo_root())
+        .output()
+        .expect("run cargo tree");
+    assert!(out.status.success(), "cargo tree -p {package}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).lines().filter_map(|l| l.split_whitespace().next()).map(String::from).collect()
+}
+
+/// The CLI builds without the Lambda runtime and the Step Functions SDK (the workspace's
+/// leasehold dependency has default features off; the functions enable `lambda`).
+#[test]
+fn only_the_functions_build_the_lambda_runtime_and_the_step_functions_sdk() {
+    let lambda_only = ["lambda_runtime", "aws-sdk-sfn"];
+    let cli = dependencies("leasehold-cli");
+    assert!(cli.iter().any(|c| c == "aws-sdk-dynamodb"), "cargo tree lists the CLI's dependencies: {cli:?}");
+    for name in lambda_only {
+        assert!(!cli.iter().any(|c| c == name), "the CLI builds {name}");
+    }
+    let acquire = dependencies("acquire");
+    for name in lambda_only {
+        assert!(acquire.iter().any(|c| c == name), "the acquire function builds {name}: {acquire:?}");
+    }
 }

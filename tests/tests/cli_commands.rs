@@ -185,20 +185,11 @@ fn every_subcommand(t: &Target) {
     assert!(!keys["leases"].as_array().unwrap().iter().any(|s| s["key"] == "cfg/closed"));
 }
 
-#[test]
-fn embedded_store() {
-    every_subcommand(&Target::embedded());
-}
-
-#[test]
-fn dynamodb_local() {
-    every_subcommand(&Target::dynamo());
-}
-
-#[test]
-fn over_http_api() {
-    every_subcommand(&Target::served());
-}
+leasehold_tests::variants!(sync [
+    embedded => &Target::embedded(),
+    dynamodb => &Target::dynamo(),
+    served => &Target::served(),
+]: every_subcommand);
 
 #[test]
 fn over_http_api_on_dynamodb() {
@@ -391,12 +382,4 @@ fn watch_follows_the_key(t: &Target) {
     assert!(t.run(&["get", "watch/k", "--every", "1s"]).code(2).stderr.contains("--watch"));
 }
 
-#[test]
-fn get_watch_embedded() {
-    watch_follows_the_key(&Target::embedded());
-}
-
-#[test]
-fn get_watch_over_http_api() {
-    watch_follows_the_key(&Target::served());
-}
+leasehold_tests::variants!(sync [embedded => &Target::embedded(), served => &Target::served()]: watch_follows_the_key);

@@ -96,25 +96,8 @@ fn held_skipped_and_lost(t: &Target) {
     assert_eq!(read(&termed).trim(), "term");
 }
 
-#[test]
-fn embedded_environment_and_exit_status() {
-    environment_and_exit_status(&Target::embedded());
-}
-
-#[test]
-fn dynamodb_environment_and_exit_status() {
-    environment_and_exit_status(&Target::dynamo());
-}
-
-#[test]
-fn embedded_held_skipped_and_lost() {
-    held_skipped_and_lost(&Target::embedded());
-}
-
-#[test]
-fn dynamodb_held_skipped_and_lost() {
-    held_skipped_and_lost(&Target::dynamo());
-}
+leasehold_tests::variants!(sync [embedded => &Target::embedded(), dynamodb => &Target::dynamo()]:
+    environment_and_exit_status, held_skipped_and_lost);
 
 /// Two runs race for one key, several times over: both commands run, never at the same time
 /// (a mkdir-based critical section would fail with 99 on overlap), and the later fence wins.
@@ -138,15 +121,7 @@ fn racing_runs(t: &Target) {
     assert!(fences.windows(2).all(|w| w[0] < w[1]), "fences must strictly increase: {fences:?}");
 }
 
-#[test]
-fn embedded_racing_runs_never_overlap() {
-    racing_runs(&Target::embedded());
-}
-
-#[test]
-fn dynamodb_racing_runs_never_overlap() {
-    racing_runs(&Target::dynamo());
-}
+leasehold_tests::variants!(sync [embedded => &Target::embedded(), dynamodb => &Target::dynamo()]: racing_runs);
 
 #[test]
 fn a_command_ignoring_sigterm_is_killed_after_the_grace_period() {

@@ -3,13 +3,13 @@
 //! HTTP route, least-privilege roles, the table schema the DynamoDB store expects, and state
 //! machines whose every failure path releases the lease.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
 
 use leasehold::store::dynamo::{attr, KEEPALIVE_INDEX};
-use leasehold_tests::{repo_root, tools_dir};
+use leasehold_tests::{repo_root, statemachines, tools_dir};
 use serde_json::{json, Value};
 
 fn venv_bin(name: &str) -> PathBuf {
@@ -436,8 +436,40 @@ fn outputs_name_every_entry_point() {
 
 const MACHINES: [&str; 2] = ["SingleFlightStateMachine", "ScheduledJobStateMachine"];
 
+/// The definition file template.yaml names in `machine`'s DefinitionUri, as written.
 fn definition(machine: &str) -> &'static Value {
-    &raw()["Resources"][machine]["Properties"]["Definition"]
+    static DEFINITIONS: OnceLock<BTreeMap<String, Value>> = OnceLock::new();
+    let all = DEFINITIONS.get_or_init(|| {
+        state_machines().into_iter().map(|m| (m.to_string(), statemachines::parsed(definition_name(m)))).collect()
+    });
+    all.get(machine).unwrap_or_else(|| panic!("{machine} is not a state machine of the template"))
+}
+
+/// The template's state machine resources.
+fn state_machines() -> Vec<&'static str> {
+    let resources = raw()["Resources"].as_object().expect("Resources");
+    resources.iter().filter(|(_, r)| r["Type"] == "AWS::Serverless::StateMachine").map(|(n, _)| n.as_str()).collect()
+}
+
+fn definition_name(machine: &str) -> &'static str {
+    let uri = raw()["Resources"][machine]["Properties"]["DefinitionUri"].as_str();
+    statemachines::name_of_uri(uri.unwrap_or_else(|| panic!("{machine} has a DefinitionUri")))
+}
+
+#[test]
+fn state_machine_definitions_live_in_their_files_and_every_reference_is_substituted() {
+    let machines = state_machines();
+    assert!(machines.len() >= 3, "{machines:?}");
+    for machine in machines {
+        let props = &raw()["Resources"][machine]["Properties"];
+        assert!(props.get("Definition").is_none(), "{machine}: the definition is in statemachines/, not inline");
+        let name = definition_name(machine);
+        let text = statemachines::text(name);
+        assert!(text.len() > 100 && definition(machine)["States"].is_object(), "{machine}: {name}.asl.json");
+        let subs: BTreeSet<String> =
+            props["DefinitionSubstitutions"].as_object().expect("DefinitionSubstitutions").keys().cloned().collect();
+        assert_eq!(statemachines::references(&text), subs, "{machine}: references and substitutions differ");
+    }
 }
 
 fn states(def: &Value) -> &serde_json::Map<String, Value> {
@@ -718,7 +750,7 @@ fn state_machines_survive_what_states_all_cannot_catch() {
     for machine in MACHINES {
         let props = &t["Resources"][machine]["Properties"];
         assert_eq!(props["DefinitionSubstitutions"]["Partition"], json!({"Ref": "AWS::Partition"}), "{machine}");
-        let text = props["Definition"].to_string();
+        let text = statemachines::text(definition_name(machine));
         assert!(!text.contains("arn:aws:"), "{machine}: a hard-coded partition");
         let all = states(definition(machine));
         // The work's result is dropped: a huge result (States.DataLimitExceeded) or an odd

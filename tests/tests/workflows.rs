@@ -32,7 +32,7 @@ use hyper_util::rt::TokioIo;
 use leasehold::store::DynamoStore;
 use leasehold::{Config, Coordinator, LeaseState};
 use leasehold_tests::emulator::{Emulator, Moto};
-use leasehold_tests::{dynamo_local, free_port, http, sdk_config_for, set_local_credentials};
+use leasehold_tests::{dynamo_local, free_port, http, sdk_config_for, set_local_credentials, statemachines};
 use serde_json::{json, Value};
 
 // ---- the local stack ------------------------------------------------------------------------
@@ -279,33 +279,37 @@ fn unique(tag: &str) -> String {
     format!("{tag}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst))
 }
 
-// ---- definitions from template.yaml -----------------------------------------------------------
+// ---- definitions: statemachines/*.asl.json, as template.yaml deploys them ---------------------
 
 fn raw_template() -> &'static Value {
     static RAW: OnceLock<Value> = OnceLock::new();
     RAW.get_or_init(leasehold_tests::apigw::raw_template)
 }
 
-/// A state machine's definition with its DefinitionSubstitutions replaced by the names the
-/// emulator serves (`work`: the work function, "" for the Wait placeholder).
+/// The definition file template.yaml names for `machine`, with its DefinitionSubstitutions
+/// replaced by the names the emulator serves (`work`: the work function, "" for the Wait
+/// placeholder).
 fn definition(machine: &str, work: &str) -> String {
     let props = &raw_template()["Resources"][machine]["Properties"];
     let subs = props["DefinitionSubstitutions"].as_object().expect("DefinitionSubstitutions");
-    let mut text = props["Definition"].to_string();
-    for name in subs.keys() {
-        let value = match name.as_str() {
-            "AcquireFunctionArn" => "acquire",
-            "ReleaseFunctionArn" => "release",
-            "WorkFunctionArn" => work,
-            "Partition" => "aws",
-            "KeepaliveDurationMs" => KEEPALIVE_DURATION_MS,
-            "FencedTargetTableName" => FENCED_TARGET.get_or_init(fenced_target).as_str(),
-            other => panic!("unexpected substitution {other}"),
-        };
-        text = text.replace(&format!("${{{name}}}"), value);
-    }
-    assert!(!text.contains("${"), "unsubstituted reference left in {machine}: {text}");
-    text
+    let fenced_target = FENCED_TARGET.get_or_init(fenced_target).as_str();
+    let values: Vec<(&str, &str)> = subs
+        .keys()
+        .map(|name| {
+            let value = match name.as_str() {
+                "AcquireFunctionArn" => "acquire",
+                "ReleaseFunctionArn" => "release",
+                "WorkFunctionArn" => work,
+                "Partition" => "aws",
+                "KeepaliveDurationMs" => KEEPALIVE_DURATION_MS,
+                "FencedTargetTableName" => fenced_target,
+                other => panic!("unexpected substitution {other}"),
+            };
+            (name.as_str(), value)
+        })
+        .collect();
+    let uri = props["DefinitionUri"].as_str().expect("DefinitionUri");
+    statemachines::definition(statemachines::name_of_uri(uri), &values)
 }
 
 const SINGLE_FLIGHT: &str = "SingleFlightStateMachine";

@@ -34,26 +34,26 @@ use crate::model::{Keepalive, LeaseId, Record};
 /// Attribute names of the lease table (see DESIGN.md, "Item schema").
 pub mod attr {
     pub const KEY: &str = "key";
-    pub const FENCE: &str = "fence";
-    pub const HOLDER: &str = "holder";
-    pub const LEASE_ID: &str = "lease_id";
-    pub const ACQUIRED_AT: &str = "acquired_at_ms";
-    pub const EXPIRES_AT: &str = "expires_at_ms";
-    pub const DURATION: &str = "duration_ms";
-    pub const MIN_HOLD_UNTIL: &str = "min_hold_until_ms";
-    pub const RELEASED_AT: &str = "released_at_ms";
-    pub const METADATA: &str = "metadata";
+    pub(crate) const FENCE: &str = "fence";
+    pub(crate) const HOLDER: &str = "holder";
+    pub(crate) const LEASE_ID: &str = "lease_id";
+    pub(crate) const ACQUIRED_AT: &str = "acquired_at_ms";
+    pub(crate) const EXPIRES_AT: &str = "expires_at_ms";
+    pub(crate) const DURATION: &str = "duration_ms";
+    pub(crate) const MIN_HOLD_UNTIL: &str = "min_hold_until_ms";
+    pub(crate) const RELEASED_AT: &str = "released_at_ms";
+    pub(crate) const METADATA: &str = "metadata";
     pub const KA_SHARD: &str = "ka_shard";
     pub const KA_UNTIL: &str = "ka_until_ms";
-    pub const KA_EXECUTION_ARN: &str = "ka_execution_arn";
+    pub(crate) const KA_EXECUTION_ARN: &str = "ka_execution_arn";
     pub const TTL: &str = "ttl";
-    pub const POLL: &str = "poll_ms";
-    pub const RENEWED_AT: &str = "renewed_at_ms";
-    pub const QUEUE_HEAD: &str = "queue_head";
-    pub const QUEUE_TAIL: &str = "queue_tail";
-    pub const QUEUE_TAIL_AT: &str = "queue_tail_at_ms";
-    pub const PENDING_TOKEN: &str = "pending_token";
-    pub const WAITER: &str = "waiter";
+    pub(crate) const POLL: &str = "poll_ms";
+    pub(crate) const RENEWED_AT: &str = "renewed_at_ms";
+    pub(crate) const QUEUE_HEAD: &str = "queue_head";
+    pub(crate) const QUEUE_TAIL: &str = "queue_tail";
+    pub(crate) const QUEUE_TAIL_AT: &str = "queue_tail_at_ms";
+    pub(crate) const PENDING_TOKEN: &str = "pending_token";
+    pub(crate) const WAITER: &str = "waiter";
 
     /// Every attribute above.
     pub const ALL: &[&str] = &[
@@ -333,7 +333,7 @@ fn need<T>(v: Option<T>, name: &str) -> Result<T> {
 }
 
 /// Decodes a lease item. Public for tests and tools that inspect the table.
-pub fn record_from_item(item: &HashMap<String, AttributeValue>) -> Result<Record> {
+pub(crate) fn record_from_item(item: &HashMap<String, AttributeValue>) -> Result<Record> {
     let metadata = match get_s(item, attr::METADATA)? {
         None => None,
         Some(s) => Some(
@@ -737,6 +737,35 @@ impl DynamoStore {
 
 #[async_trait]
 impl Store for DynamoStore {
+    async fn delete(&self, key: &str, condition: &Condition) -> Result<Write> {
+        let mut x = Expr::default();
+        let cond = x.condition(condition);
+        let res = self
+            .client
+            .delete_item()
+            .table_name(&self.table)
+            .set_key(Some(key_map(key)))
+            .condition_expression(cond)
+            .set_expression_attribute_names(x.names())
+            .set_expression_attribute_values(x.values())
+            .return_values(ReturnValue::AllOld)
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+            .send()
+            .await;
+        match res {
+            Ok(out) => match out.attributes() {
+                Some(item) => Ok(Write::Applied(record_from_item(item)?)),
+                None => Err(Error::StoreUnavailable("DeleteItem returned no attributes".into())),
+            },
+            Err(e) => rejected_or_err(e, |e| match e {
+                aws_sdk_dynamodb::operation::delete_item::DeleteItemError::ConditionalCheckFailedException(c) => {
+                    Some(c.item())
+                }
+                _ => None,
+            }),
+        }
+    }
+
     fn name(&self) -> &'static str {
         "dynamodb"
     }
@@ -790,35 +819,6 @@ impl Store for DynamoStore {
             }
             Err(e) => rejected_or_err(e, |e| match e {
                 aws_sdk_dynamodb::operation::update_item::UpdateItemError::ConditionalCheckFailedException(c) => {
-                    Some(c.item())
-                }
-                _ => None,
-            }),
-        }
-    }
-
-    async fn delete(&self, key: &str, condition: &Condition) -> Result<Write> {
-        let mut x = Expr::default();
-        let cond = x.condition(condition);
-        let res = self
-            .client
-            .delete_item()
-            .table_name(&self.table)
-            .set_key(Some(key_map(key)))
-            .condition_expression(cond)
-            .set_expression_attribute_names(x.names())
-            .set_expression_attribute_values(x.values())
-            .return_values(ReturnValue::AllOld)
-            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
-            .send()
-            .await;
-        match res {
-            Ok(out) => match out.attributes() {
-                Some(item) => Ok(Write::Applied(record_from_item(item)?)),
-                None => Err(Error::StoreUnavailable("DeleteItem returned no attributes".into())),
-            },
-            Err(e) => rejected_or_err(e, |e| match e {
-                aws_sdk_dynamodb::operation::delete_item::DeleteItemError::ConditionalCheckFailedException(c) => {
                     Some(c.item())
                 }
                 _ => None,

@@ -307,7 +307,7 @@ pub trait Store: Send + Sync + 'static {
     /// Apply `mutation` if `condition` holds, in one atomic request.
     async fn update(&self, key: &str, condition: &Condition, mutation: &Mutation) -> Result<Write>;
 
-    /// Delete the item if `condition` holds.
+    /// Delete the item if `condition` holds (a served waiter's item leaves the queue this way).
     async fn delete(&self, key: &str, condition: &Condition) -> Result<Write>;
 
     /// One page of at most `limit` items after `start`.

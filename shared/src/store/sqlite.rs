@@ -69,7 +69,7 @@ impl SqliteStore {
 
     /// The default store file: `$LEASEHOLD_DB`, else `$XDG_DATA_HOME/leasehold/leases.db`,
     /// else `~/.local/share/leasehold/leases.db`, else `./leasehold.db`.
-    pub fn default_path() -> PathBuf {
+    pub(crate) fn default_path() -> PathBuf {
         if let Some(p) = std::env::var_os("LEASEHOLD_DB") {
             return PathBuf::from(p);
         }
@@ -144,6 +144,21 @@ fn write(c: &Connection, r: &Record) -> Result<()> {
 
 #[async_trait]
 impl Store for SqliteStore {
+    async fn delete(&self, key: &str, condition: &Condition) -> Result<Write> {
+        let (key, condition) = (key.to_string(), condition.clone());
+        self.blocking(move |c| {
+            let tx = c.transaction_with_behavior(TransactionBehavior::Immediate).map_err(store_err)?;
+            let old = read(&tx, &key)?;
+            if !condition.holds(old.as_ref()) {
+                return Ok(Write::Rejected(old));
+            }
+            tx.execute("DELETE FROM leases WHERE key = ?1", [&key]).map_err(store_err)?;
+            tx.commit().map_err(store_err)?;
+            Ok(Write::Applied(old.expect("condition held on an existing item")))
+        })
+        .await
+    }
+
     fn name(&self) -> &'static str {
         "sqlite"
     }
@@ -165,21 +180,6 @@ impl Store for SqliteStore {
             write(&tx, &new)?;
             tx.commit().map_err(store_err)?;
             Ok(Write::Applied(new))
-        })
-        .await
-    }
-
-    async fn delete(&self, key: &str, condition: &Condition) -> Result<Write> {
-        let (key, condition) = (key.to_string(), condition.clone());
-        self.blocking(move |c| {
-            let tx = c.transaction_with_behavior(TransactionBehavior::Immediate).map_err(store_err)?;
-            let old = read(&tx, &key)?;
-            if !condition.holds(old.as_ref()) {
-                return Ok(Write::Rejected(old));
-            }
-            tx.execute("DELETE FROM leases WHERE key = ?1", [&key]).map_err(store_err)?;
-            tx.commit().map_err(store_err)?;
-            Ok(Write::Applied(old.expect("condition held on an existing item")))
         })
         .await
     }

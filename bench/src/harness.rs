@@ -1,0 +1,243 @@
+//! The harness every scenario shares: DynamoDB Local behind the counting proxy with one table
+//! per library, child processes (one per scenario, library and round), and the figures'
+//! arithmetic.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use leasehold::store::DynamoStore;
+use leasehold::Config;
+use leasehold_tests::proxy::Proxy;
+use leasehold_tests::DynamoLocal;
+use serde_json::Value;
+
+pub const LEASE: Duration = Duration::from_secs(10);
+
+/// `leasehold` runs on a table of the same schema as the others (key + TTL); `leasehold+index`
+/// on the table template.yaml deploys, with the sparse keep-alive index. DynamoDB Local
+/// maintains a global secondary index synchronously inside every write (DynamoDB propagates
+/// it asynchronously, off the write's latency), so the second row shows what the index costs
+/// here, not in production.
+pub fn libraries() -> Vec<&'static str> {
+    let mut v = vec!["leasehold", "leasehold+index", "raw"];
+    if cfg!(feature = "compare") {
+        v.push("dynamodb-lease");
+    }
+    v
+}
+
+pub fn peak_rss_kb() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).map(|l| l.to_string()))
+        .and_then(|l| l.split_whitespace().nth(1).and_then(|n| n.parse().ok()))
+        .unwrap_or(0)
+}
+
+/// CPU time this process has used so far, in ms (every thread's run time from
+/// /proc/self/task/*/schedstat, in ns).
+pub fn cpu_ms() -> f64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return f64::NAN };
+    let mut ns = 0u64;
+    for t in tasks.flatten() {
+        if let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) {
+            ns += s.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        }
+    }
+    ns as f64 / 1e6
+}
+
+pub fn pct(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i]
+}
+
+/// leasehold's configuration: the defaults, except that `LEASEHOLD_BENCH_POLL_MAX_MS` sets the
+/// longest pause between a waiter's attempts (to see what it trades in M3).
+pub fn config() -> Config {
+    let mut c = Config::default();
+    if let Some(ms) = std::env::var("LEASEHOLD_BENCH_POLL_MAX_MS").ok().and_then(|v| v.parse().ok()) {
+        c.poll_max = Duration::from_millis(ms);
+    }
+    c
+}
+
+/// Sizes of a run (`--quick` or full, `--m1-cycles`, `--warmup`).
+pub struct Params {
+    /// M1 cycles per library, run in `rounds` interleaved rounds.
+    pub m1n: usize,
+    pub rounds: usize,
+    /// Unmeasured M1 cycles per library first.
+    pub warmup: usize,
+    pub m2n: usize,
+    /// M3's duration, in s.
+    pub m3s: u64,
+    pub m4trials: usize,
+}
+
+/// Peak RSS (VmHWM, KB) of each library's harness processes so far.
+pub type Rss = BTreeMap<&'static str, u64>;
+
+/// Keeps the larger peak RSS of `lib` (from a child's JSON `rss_kb`).
+pub fn note_rss(rss: &mut Rss, lib: &'static str, v: &Value) {
+    let kb = v["rss_kb"].as_u64().unwrap();
+    *rss.entry(lib).or_default() = rss.get(lib).copied().unwrap_or(0).max(kb);
+}
+
+/// What a child process runs: one scenario for one library.
+pub struct ChildArgs {
+    pub lib: String,
+    pub endpoint: String,
+    pub table: String,
+    pub n: usize,
+    pub secs: u64,
+    pub tag: String,
+}
+
+/// A scenario's two sides: in a child process, run it for one library and return its JSON
+/// line; in the parent, run the children for every library and print the table.
+pub enum Step<'a> {
+    Child(&'a ChildArgs),
+    Report(&'a Setup, &'a Params, &'a mut Rss),
+}
+
+/// A scenario module's `run(step)`: `child(&ChildArgs) -> Value` in the child process,
+/// `report(&Setup, &Params, &mut Rss)` in the parent (`parent_only` for a scenario without
+/// children).
+macro_rules! scenario_run {
+    ($child:ident, $report:ident) => {
+        pub async fn run(step: $crate::harness::Step<'_>) -> Option<serde_json::Value> {
+            match step {
+                $crate::harness::Step::Child(a) => Some($child(a).await),
+                $crate::harness::Step::Report(s, p, rss) => {
+                    $report(s, p, rss).await;
+                    None
+                }
+            }
+        }
+    };
+    (parent_only $report:ident) => {
+        pub async fn run(step: $crate::harness::Step<'_>) -> Option<serde_json::Value> {
+            match step {
+                $crate::harness::Step::Child(_) => panic!("{} runs in the parent process", module_path!()),
+                $crate::harness::Step::Report(s, p, rss) => {
+                    $report(s, p, rss).await;
+                    None
+                }
+            }
+        }
+    };
+}
+pub(crate) use scenario_run;
+
+pub struct Setup {
+    _local: DynamoLocal,
+    pub proxy: Proxy,
+    pub tables: BTreeMap<&'static str, String>,
+}
+
+pub async fn setup() -> Setup {
+    let local = tokio::task::spawn_blocking(|| DynamoLocal::start(None)).await.unwrap();
+    let upstream = format!("127.0.0.1:{}", local.port).parse().unwrap();
+    let proxy = Proxy::start(upstream).await;
+    let client = local.client().await;
+    let mut tables = BTreeMap::new();
+    for lib in libraries() {
+        let table = format!("bench-{}", lib.replace(['-', '+'], "_"));
+        match lib {
+            "leasehold" | "leasehold+index" => DynamoStore::new(client.clone(), table.clone())
+                .create_table_with(lib == "leasehold+index")
+                .await
+                .expect("table"),
+            _ => {
+                use aws_sdk_dynamodb::types::*;
+                client
+                    .create_table()
+                    .table_name(&table)
+                    .billing_mode(BillingMode::PayPerRequest)
+                    .attribute_definitions(
+                        AttributeDefinition::builder()
+                            .attribute_name("key")
+                            .attribute_type(ScalarAttributeType::S)
+                            .build()
+                            .unwrap(),
+                    )
+                    .key_schema(
+                        KeySchemaElement::builder().attribute_name("key").key_type(KeyType::Hash).build().unwrap(),
+                    )
+                    .send()
+                    .await
+                    .expect("table");
+                client
+                    .update_time_to_live()
+                    .table_name(&table)
+                    .time_to_live_specification(
+                        TimeToLiveSpecification::builder()
+                            .attribute_name("lease_expiry")
+                            .enabled(true)
+                            .build()
+                            .unwrap(),
+                    )
+                    .send()
+                    .await
+                    .expect("ttl");
+            }
+        }
+        tables.insert(lib, table);
+    }
+    Setup { _local: local, proxy, tables }
+}
+
+/// Runs one child and returns its JSON plus the proxy's request count during it.
+pub async fn run_child(s: &Setup, lib: &str, scenario: &str, n: usize, secs: u64, tag: &str) -> (Value, u64) {
+    let (v, counts) = run_child_counts(s, lib, scenario, n, secs, tag).await;
+    (v, counts.values().sum())
+}
+
+/// Runs one child and returns its JSON plus the proxy's requests during it, per operation.
+pub async fn run_child_counts(
+    s: &Setup,
+    lib: &str,
+    scenario: &str,
+    n: usize,
+    secs: u64,
+    tag: &str,
+) -> (Value, BTreeMap<String, u64>) {
+    s.proxy.reset_counts();
+    let exe = std::env::current_exe().unwrap();
+    let out = tokio::process::Command::new(exe)
+        .args([
+            "--child",
+            lib,
+            scenario,
+            &s.proxy.endpoint(),
+            &s.tables[lib.trim_end_matches("/drop")],
+            &n.to_string(),
+            &secs.to_string(),
+            tag,
+        ])
+        .output()
+        .await
+        .expect("child");
+    assert!(out.status.success(), "{lib} {scenario} failed: {}", String::from_utf8_lossy(&out.stderr));
+    let line = String::from_utf8_lossy(&out.stdout);
+    let v: Value = serde_json::from_str(line.lines().last().unwrap_or("")).expect("child json");
+    (v, s.proxy.counts())
+}
+
+pub fn print_header(libs: &[&str]) {
+    println!(
+        "leasehold-bench: DynamoDB Local 3.3.1 (in memory) behind a counting proxy; lease 10 s; libraries: {}",
+        libs.join(", ")
+    );
+}
+
+pub fn print_rss(rss: &Rss) {
+    println!("\nPeak RSS of each harness process (VmHWM):");
+    for (lib, kb) in rss {
+        println!("{:<16} {:>6.1} MB", lib, *kb as f64 / 1024.0);
+    }
+}
