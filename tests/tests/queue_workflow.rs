@@ -29,7 +29,7 @@ use hyper_util::rt::TokioIo;
 use leasehold::store::DynamoStore;
 use leasehold::{Config, Coordinator, LeaseState};
 use leasehold_tests::emulator::{Emulator, Moto};
-use leasehold_tests::{dynamo_local, free_port, http, repo_root, sdk_config_for, set_local_credentials};
+use leasehold_tests::{dynamo_local, free_port, http, sdk_config_for, set_local_credentials, statemachines};
 use serde_json::{json, Value};
 
 const REGIONS: [&str; 16] = [
@@ -231,18 +231,15 @@ fn unique(tag: &str) -> String {
 /// The definition as the template deploys it, with its substitutions replaced by the names the
 /// emulator serves ("" for the work function: the Wait placeholder).
 fn definition() -> String {
-    let path = repo_root().join("statemachines/queued_single_flight.asl.json");
-    let mut text = std::fs::read_to_string(&path).expect("definition file");
-    for (name, value) in [
-        ("AcquireFunctionArn", "acquire"),
-        ("ReleaseFunctionArn", "release"),
-        ("WorkFunctionArn", ""),
-        ("Partition", "aws"),
-    ] {
-        text = text.replace(&format!("${{{name}}}"), value);
-    }
-    assert!(!text.contains("${"), "unsubstituted reference left: {text}");
-    text
+    statemachines::definition(
+        "queued_single_flight",
+        &[
+            ("AcquireFunctionArn", "acquire"),
+            ("ReleaseFunctionArn", "release"),
+            ("WorkFunctionArn", ""),
+            ("Partition", "aws"),
+        ],
+    )
 }
 
 struct Run {
