@@ -7,6 +7,7 @@
 
 pub mod api;
 pub mod backoff;
+pub mod batch;
 pub mod clock;
 pub mod env;
 pub mod error;

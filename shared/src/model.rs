@@ -81,6 +81,16 @@ pub struct Record {
     /// (DESIGN.md, "Contention"). `None` until the key has been contended.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub poll_ms: Option<u64>,
+    /// The work state the key is in (DESIGN.md, "Work items and batch leases"); `None`: a plain
+    /// lease key, in no state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
+    /// When the key entered its state (coordinator clock, ms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_since_ms: Option<u64>,
+    /// How many leases the key has been granted since it entered its state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempts: Option<u32>,
 }
 
 impl Record {
@@ -111,6 +121,9 @@ impl Record {
             min_hold_until_ms: Some(self.min_hold_until_ms).filter(|m| *m > self.acquired_at_ms),
             metadata: self.metadata.clone(),
             keepalive: self.keepalive.clone(),
+            state: self.state.clone(),
+            state_since_ms: self.state_since_ms,
+            attempts: self.attempts,
         }
     }
 
@@ -134,6 +147,8 @@ impl Record {
             keepalive: self.keepalive.clone(),
             safe_until,
             safe_for_ms: None,
+            state: self.state.clone(),
+            attempts: self.attempts,
         }
     }
 }
@@ -163,6 +178,12 @@ pub struct Lease {
     /// fail-closed leases.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub safe_for_ms: Option<u64>,
+    /// The work state of the key (absent for a key in no state).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
+    /// Leases granted on the key since it entered its state, this one included.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempts: Option<u32>,
 }
 
 impl Lease {
@@ -195,6 +216,12 @@ pub struct LeaseState {
     pub metadata: Option<Map<String, Value>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub keepalive: Option<Keepalive>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_since_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempts: Option<u32>,
 }
 
 /// The answer to a release.
@@ -208,4 +235,7 @@ pub struct Released {
     /// The lease had already been released (a retried or stale release): nothing changed.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub already_released: bool,
+    /// The key's work state after the release (absent for a key in no state).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
 }

@@ -10,7 +10,7 @@ use crate::error::NotHolderReason as Reason;
 use crate::error::{Error, Result};
 use crate::model::{Keepalive, Lease, LeaseId, LeaseState, Record, Released};
 use crate::pacing::{Pacer, Waiting};
-use crate::store::{Condition, Mutation, NewLease, ScanKind, Store, Write};
+use crate::store::{Condition, Mutation, NewLease, ScanKind, Store, Visit, Write};
 use crate::validate::Limits;
 
 /// Largest fence the protocol will issue: 2^53, the largest integer JSON/JavaScript clients
@@ -44,6 +44,9 @@ pub struct Config {
     /// fence further ahead was issued by a wrong clock and is never copied. It also bounds how
     /// far a fence can be ahead of the time its item's TTL is computed from (see `ttl_after`).
     pub fence_lead: Duration,
+    /// Partitions of the work-state index per state (DESIGN.md, "Work items and batch leases").
+    /// A property of the table: every coordinator on one table must use the same number.
+    pub state_shards: u32,
 }
 
 impl Default for Config {
@@ -59,6 +62,7 @@ impl Default for Config {
             poll_max: Duration::from_millis(500),
             clock_offset_ms: 0,
             fence_lead: Duration::from_secs(60),
+            state_shards: 1,
         }
     }
 }
@@ -166,7 +170,7 @@ impl Coordinator {
     /// so a retry after an ambiguous failure (the write landed, the answer was lost) is
     /// recognised by the caller from the item that comes back. `attempt` may refuse to write
     /// (a bound it checks before anything is sent).
-    async fn write(
+    pub(crate) async fn write(
         &self,
         key: &str,
         deadline: Instant,
@@ -200,7 +204,13 @@ impl Coordinator {
     }
 
     /// Validates an acquire's inputs.
-    fn check_acquire(&self, key: &str, holder: &str, duration: Option<Duration>, opts: &AcquireOptions) -> Result<()> {
+    pub(crate) fn check_acquire(
+        &self,
+        key: &str,
+        holder: &str,
+        duration: Option<Duration>,
+        opts: &AcquireOptions,
+    ) -> Result<()> {
         let limits = &self.config.limits;
         limits.key(key)?;
         limits.holder(holder)?;
@@ -259,8 +269,25 @@ impl Coordinator {
         duration: Option<Duration>,
         opts: AcquireOptions,
     ) -> Result<Lease> {
+        self.acquire_visit(key, holder, duration, opts, None).await
+    }
+
+    /// [`Coordinator::acquire`]; with `want`, only while the key is in `want`'s state (a batch
+    /// lease: `want` is the visit the state index showed; `NotFound` when the key is no longer
+    /// in that state). A key in a work state keeps it, and the grant counts as an attempt.
+    pub(crate) async fn acquire_visit(
+        &self,
+        key: &str,
+        holder: &str,
+        duration: Option<Duration>,
+        opts: AcquireOptions,
+        want: Option<Visit>,
+    ) -> Result<Lease> {
         let start = Instant::now();
         self.check_acquire(key, holder, duration, &opts)?;
+        // The work-state visit the key is believed to be in: the write keeps it (and is
+        // refused if the key has moved on since).
+        let mut visit = want.clone();
         let wait_deadline = start + opts.wait.unwrap_or_default();
         let deadline = wait_deadline.max(start + self.config.retry_budget);
         let mut lease_id = opts.lease_id.clone().unwrap_or_else(LeaseId::generate);
@@ -282,20 +309,30 @@ impl Coordinator {
                 min_hold_ms: opts.min_hold.unwrap_or_default().as_millis() as u64,
                 metadata: opts.metadata.clone(),
                 keepalive: opts.keepalive.clone(),
-                ttl: duration.map(|d| self.ttl_after(now + d.as_millis() as u64)),
+                // A key in a work state is kept until it is taken: no TTL.
+                ttl: duration.filter(|_| visit.is_none()).map(|d| self.ttl_after(now + d.as_millis() as u64)),
                 fence,
                 poll_ms: wait.advertise(),
+                visit: visit.as_ref().map(|v| Visit { attempts: v.attempts.saturating_add(1), ..v.clone() }),
             };
             let mut fence = 0;
             let (w, sent, now) = self
                 .write(key, deadline, |now| {
                     fence = self.next_fence(key, seen_fence)?;
-                    let cond = Condition::Free { now_ms: now, fence, lease_id: lease_id.clone() };
+                    let cond = match &visit {
+                        None => Condition::Free { now_ms: now, fence, lease_id: lease_id.clone() },
+                        Some(v) => {
+                            Condition::FreeIn { now_ms: now, fence, lease_id: lease_id.clone(), visit: v.clone() }
+                        }
+                    };
                     Ok((cond, Mutation::Acquire(new(now, fence))))
                 })
                 .await
                 .map_err(|f| f.into_error(key))?;
-            match sort_acquire(w, &lease_id, fence, now)? {
+            if want.is_some() && matches!(w, Write::Rejected(None)) {
+                return Err(Error::NotFound { key: key.to_string() });
+            }
+            match sort_acquire(w, &lease_id, fence, now, visit.as_ref())? {
                 AcquireAnswer::Granted(r) => {
                     check_fence(&r)?;
                     let advertised = r.poll_ms;
@@ -321,13 +358,22 @@ impl Coordinator {
                 // Free, but its last fence is not below ours (a coordinator whose clock runs
                 // ahead, a force-release, or µs collisions): go again just above it, paced
                 // if it happens again.
-                AcquireAnswer::Above(f) => {
+                AcquireAnswer::Above(r) => {
                     if seen_fence.is_some() {
                         tokio::time::sleep(jitter(self.config.retry_base)).await;
                     }
-                    seen_fence = Some(f);
+                    seen_fence = Some(r.fence);
+                    visit = self.revisit(key, &r, want.as_ref())?;
                     if Instant::now() >= deadline {
                         return Err(Error::StoreUnavailable(format!("{key:?} kept changing hands until the deadline")));
+                    }
+                }
+                // Free, but in another work-state visit than the one written under (a key in
+                // a state, or one that moved on): go again keeping the visit it is in.
+                AcquireAnswer::Moved(r) => {
+                    visit = self.revisit(key, &r, want.as_ref())?;
+                    if Instant::now() >= deadline {
+                        return Err(Error::StoreUnavailable(format!("{key:?} kept changing state until the deadline")));
                     }
                 }
                 // Our lease_id's lease already ended on this key: a lease_id is single-use. A
@@ -403,6 +449,7 @@ impl Coordinator {
         match w {
             Write::Applied(r) => {
                 check_fence(&r)?;
+                self.keep_queued(key, &r).await;
                 Ok(r.lease(sent, now, self.skew_ms()))
             }
             // Still ours, but not extended: a fail-closed lease (nothing to extend), a later
@@ -427,13 +474,30 @@ impl Coordinator {
     /// answer, or a stale release after a force-release) changes nothing and answers with
     /// `already_released`.
     pub async fn release(&self, key: &str, lease_id: &LeaseId) -> Result<Released> {
+        self.release_to(key, lease_id, None).await
+    }
+
+    /// [`Coordinator::release`], moving the key into work state `state` in the same write
+    /// (only while the lease is live). `None` keeps the key's state.
+    pub async fn release_to(&self, key: &str, lease_id: &LeaseId, state: Option<&str>) -> Result<Released> {
         self.config.limits.key(key)?;
+        if let Some(s) = state {
+            crate::batch::check_state(s)?;
+        }
         let deadline = Instant::now() + self.config.retry_budget;
         let max = self.max_duration_ms();
         let (w, _, now) = self
             .write(key, deadline, |now| {
                 let ttl = self.ttl_after(now + max);
-                Ok((Condition::Unreleased { lease_id: lease_id.clone() }, Mutation::Release { now_ms: now, ttl }))
+                Ok(match state {
+                    None => {
+                        (Condition::Unreleased { lease_id: lease_id.clone() }, Mutation::Release { now_ms: now, ttl })
+                    }
+                    Some(s) => (
+                        Condition::Live { lease_id: lease_id.clone(), now_ms: now },
+                        Mutation::ReleaseTo { now_ms: now, state: s.to_string(), shard: self.state_shard(key, s) },
+                    ),
+                })
             })
             .await
             .map_err(|f| f.into_error(key))?;
@@ -443,9 +507,13 @@ impl Coordinator {
             released_at_ms: r.released_at_ms.unwrap_or(now),
             free_at_ms: r.expires_at_ms.unwrap_or(now).max(now),
             already_released,
+            state: r.state.clone(),
         };
         match w {
-            Write::Applied(r) => Ok(released(&r, false)),
+            Write::Applied(r) => {
+                self.keep_queued(key, &r).await;
+                Ok(released(&r, false))
+            }
             Write::Rejected(Some(r)) if &r.lease_id == lease_id && r.released_at_ms.is_some() => Ok(released(&r, true)),
             Write::Rejected(r) => Err(self.not_holder(key, lease_id, r.as_ref(), now)),
         }
@@ -464,7 +532,10 @@ impl Coordinator {
             .await
             .map_err(|f| f.into_error(key))?;
         match w {
-            Write::Applied(r) => Ok(r.state(now)),
+            Write::Applied(r) => {
+                self.keep_queued(key, &r).await;
+                Ok(r.state(now))
+            }
             Write::Rejected(_) => Err(Error::NotFound { key: key.to_string() }),
         }
     }
@@ -505,7 +576,7 @@ impl Coordinator {
 }
 
 /// A write that did not get an answer in time.
-struct Failed {
+pub(crate) struct Failed {
     error: Error,
     /// Some attempt may have landed (its answer was lost or it timed out).
     maybe_landed: bool,
@@ -515,7 +586,7 @@ impl Failed {
     /// The error to report. A write that may have landed is `OutcomeUnknown`: the caller's
     /// lease_id reaches what it did (an acquire's retry returns the lease and a release frees
     /// it; a release's retry answers `already_released`).
-    fn into_error(self, key: &str) -> Error {
+    pub(crate) fn into_error(self, key: &str) -> Error {
         match self.error {
             e @ Error::StoreUnavailable(_) if self.maybe_landed => Error::OutcomeUnknown {
                 key: key.to_string(),
@@ -534,20 +605,23 @@ enum AcquireAnswer {
     /// The lease is ours: this attempt's, or an earlier one of the same lease_id that landed.
     Granted(Record),
     /// The key is free but its last fence is not below ours: go again above this one.
-    Above(u64),
+    Above(Record),
+    /// The key is free but not in the work-state visit the write was made under.
+    Moved(Record),
     /// Our lease_id's lease already ended on this key (released or expired): never again.
     Ended(Reason),
     /// Another lease holds the key.
     Held(Record),
 }
 
-fn sort_acquire(w: Write, lease_id: &LeaseId, fence: u64, now: u64) -> Result<AcquireAnswer> {
+fn sort_acquire(w: Write, lease_id: &LeaseId, fence: u64, now: u64, visit: Option<&Visit>) -> Result<AcquireAnswer> {
     Ok(match w {
         Write::Applied(r) => AcquireAnswer::Granted(r),
         Write::Rejected(Some(r)) if r.is_live_for(lease_id, now) => AcquireAnswer::Granted(r),
         Write::Rejected(Some(r)) => match ended_reason(&r, lease_id, now) {
             Some(reason) if reason != Reason::WrongLeaseId => AcquireAnswer::Ended(reason),
-            _ if !r.is_held(now) && r.fence >= fence => AcquireAnswer::Above(r.fence),
+            _ if !r.is_held(now) && r.fence >= fence => AcquireAnswer::Above(r),
+            _ if !r.is_held(now) && !crate::batch::in_visit(&r, visit) => AcquireAnswer::Moved(r),
             _ => AcquireAnswer::Held(r),
         },
         Write::Rejected(None) => {

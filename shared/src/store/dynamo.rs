@@ -49,6 +49,10 @@ pub mod attr {
     pub const TTL: &str = "ttl";
     pub const POLL: &str = "poll_ms";
     pub const RENEWED_AT: &str = "renewed_at_ms";
+    /// `STATE#n`: the work state and the index partition (present only on keys in a state).
+    pub const STATE_SHARD: &str = "state_shard";
+    pub const STATE_SINCE: &str = "state_since_ms";
+    pub const ATTEMPTS: &str = "attempts";
 
     /// Every attribute above.
     pub const ALL: &[&str] = &[
@@ -67,6 +71,9 @@ pub mod attr {
         KA_EXECUTION_ARN,
         TTL,
         POLL,
+        STATE_SHARD,
+        STATE_SINCE,
+        ATTEMPTS,
     ];
 
     /// The attributes that are DynamoDB reserved words, so an expression must name them through
@@ -78,6 +85,9 @@ pub mod attr {
 
 /// Name of the sparse keep-alive index (partition `ka_shard`, sort `ka_until_ms`).
 pub const KEEPALIVE_INDEX: &str = "keepalive";
+
+/// Name of the sparse work-state index (partition `state_shard`, sort `expires_at_ms`).
+pub const STATE_INDEX: &str = "state";
 
 #[derive(Clone, Debug)]
 pub struct DynamoStore {
@@ -176,14 +186,15 @@ impl DynamoStore {
         &self.table
     }
 
-    /// Creates the lease table (on-demand, key schema, keep-alive index) and enables TTL.
+    /// Creates the lease table (on-demand, key schema, keep-alive and work-state indexes) and
+    /// enables TTL.
     /// For local use and tests: production tables come from template.yaml. Idempotent.
     pub async fn create_table(&self) -> Result<()> {
         self.create_table_with(true).await
     }
 
-    /// [`DynamoStore::create_table`], optionally without the keep-alive index (DynamoDB Local's
-    /// TTL sweeper skips tables that have a global secondary index).
+    /// [`DynamoStore::create_table`], optionally without the keep-alive and work-state indexes
+    /// (DynamoDB Local's TTL sweeper skips tables that have a global secondary index).
     pub async fn create_table_with(&self, keepalive_index: bool) -> Result<()> {
         let s =
             |n: &str| AttributeDefinition::builder().attribute_name(n).attribute_type(ScalarAttributeType::S).build();
@@ -194,6 +205,12 @@ impl DynamoStore {
             .index_name(KEEPALIVE_INDEX)
             .key_schema(built(ks(attr::KA_SHARD, KeyType::Hash))?)
             .key_schema(built(ks(attr::KA_UNTIL, KeyType::Range))?)
+            .projection(Projection::builder().projection_type(ProjectionType::All).build())
+            .build();
+        let state_gsi = GlobalSecondaryIndex::builder()
+            .index_name(STATE_INDEX)
+            .key_schema(built(ks(attr::STATE_SHARD, KeyType::Hash))?)
+            .key_schema(built(ks(attr::EXPIRES_AT, KeyType::Range))?)
             .projection(Projection::builder().projection_type(ProjectionType::All).build())
             .build();
         let mut req = self
@@ -207,7 +224,10 @@ impl DynamoStore {
             req = req
                 .attribute_definitions(built(n(attr::KA_SHARD))?)
                 .attribute_definitions(built(n(attr::KA_UNTIL))?)
-                .global_secondary_indexes(built(gsi)?);
+                .attribute_definitions(built(s(attr::STATE_SHARD))?)
+                .attribute_definitions(built(n(attr::EXPIRES_AT))?)
+                .global_secondary_indexes(built(gsi)?)
+                .global_secondary_indexes(built(state_gsi)?);
         }
         let res = req.send().await;
         match res {
@@ -350,6 +370,9 @@ pub fn record_from_item(item: &HashMap<String, AttributeValue>) -> Result<Record
         ttl: get_n(item, attr::TTL)?,
         poll_ms: get_n(item, attr::POLL)?,
         renewed_at_ms: get_n(item, attr::RENEWED_AT)?,
+        state: get_s(item, attr::STATE_SHARD)?.map(|s| s.rsplit_once('#').map_or(s.as_str(), |(st, _)| st).to_string()),
+        state_since_ms: get_n(item, attr::STATE_SINCE)?,
+        attempts: get_n(item, attr::ATTEMPTS)?.map(|a| a.min(u32::MAX as u64) as u32),
     })
 }
 
@@ -428,7 +451,11 @@ impl Expr {
                 let now = self.v("now", num(*now_ms));
                 let fv = self.v("fence", num(*fence));
                 let lid = self.v("lease_id", str_(lease_id.expose()));
-                format!("attribute_not_exists({f}) OR ({e} <= {now} AND {f} < {fv} AND {l} <> {lid})")
+                let ss = self.n(attr::STATE_SHARD);
+                format!(
+                    "attribute_not_exists({f}) OR ({e} <= {now} AND {f} < {fv} AND {l} <> {lid} AND \
+                     attribute_not_exists({ss}))"
+                )
             }
             Condition::Renew { lease_id, now_ms, expires_at_ms } => {
                 let (l, r, e) = (self.n(attr::LEASE_ID), self.n(attr::RELEASED_AT), self.n(attr::EXPIRES_AT));
@@ -460,6 +487,33 @@ impl Expr {
                 let a = self.n(attr::FENCE);
                 let v = self.v("expected_fence", num(*f));
                 format!("{a} = {v}")
+            }
+            // Free, and still in the visit of the state the coordinator read (the write copies
+            // it into the new item).
+            Condition::FreeIn { now_ms, fence, lease_id, visit } => {
+                let (e, f, l) = (self.n(attr::EXPIRES_AT), self.n(attr::FENCE), self.n(attr::LEASE_ID));
+                let (ss, si, at) = (self.n(attr::STATE_SHARD), self.n(attr::STATE_SINCE), self.n(attr::ATTEMPTS));
+                let now = self.v("now", num(*now_ms));
+                let fv = self.v("fence", num(*fence));
+                let lid = self.v("lease_id", str_(lease_id.expose()));
+                let ssv = self.v("state_shard", str_(&visit.shard));
+                let siv = self.v("state_since_ms", num(visit.since_ms));
+                let atv = self.v("attempts", num(visit.attempts as u64));
+                format!(
+                    "{e} <= {now} AND {f} < {fv} AND {l} <> {lid} AND {ss} = {ssv} AND {si} = {siv} AND {at} = {atv}"
+                )
+            }
+            Condition::Enterable { now_ms, shard, .. } => {
+                let (f, e, ss) = (self.n(attr::FENCE), self.n(attr::EXPIRES_AT), self.n(attr::STATE_SHARD));
+                let now = self.v("now", num(*now_ms));
+                let ssv = self.v("state_shard", str_(shard));
+                format!("attribute_not_exists({f}) OR ({e} <= {now} AND (attribute_not_exists({ss}) OR {ss} <> {ssv}))")
+            }
+            Condition::Live { lease_id, now_ms } => {
+                let (l, r, e) = (self.n(attr::LEASE_ID), self.n(attr::RELEASED_AT), self.n(attr::EXPIRES_AT));
+                let lid = self.v("lease_id", str_(lease_id.expose()));
+                let now = self.v("now", num(*now_ms));
+                format!("{l} = {lid} AND attribute_not_exists({r}) AND (attribute_not_exists({e}) OR {e} > {now})")
             }
         }
     }
@@ -500,6 +554,37 @@ impl Expr {
                 self.remove_keepalive();
             }
             Mutation::ClearKeepalive => self.remove_keepalive(),
+            Mutation::Enter { now_ms, holder, shard, .. } => {
+                let now = self.v("now", num(*now_ms));
+                for (a, v) in [
+                    (attr::FENCE, self.v("zero", num(0))),
+                    (attr::HOLDER, self.v("holder", str_(holder))),
+                    (attr::LEASE_ID, self.v("no_lease", str_(super::NO_LEASE))),
+                    (attr::ACQUIRED_AT, now.clone()),
+                    (attr::MIN_HOLD_UNTIL, now.clone()),
+                ] {
+                    let n = self.n(a);
+                    self.set(a, format!("if_not_exists({n}, {v})"));
+                }
+                self.set(attr::EXPIRES_AT, now.clone());
+                self.set_value(attr::STATE_SHARD, str_(shard));
+                self.set(attr::STATE_SINCE, now);
+                let zero = self.v("zero", num(0));
+                self.set(attr::ATTEMPTS, zero);
+                self.remove(attr::TTL);
+            }
+            Mutation::ReleaseTo { now_ms, shard, .. } => {
+                let mh = self.n(attr::MIN_HOLD_UNTIL);
+                self.set(attr::EXPIRES_AT, mh);
+                let now = self.v("released_at_ms", num(*now_ms));
+                self.set(attr::RELEASED_AT, now.clone());
+                self.set_value(attr::STATE_SHARD, str_(shard));
+                self.set(attr::STATE_SINCE, now);
+                self.set_value(attr::ATTEMPTS, num(0));
+                self.remove_keepalive();
+                self.remove(attr::TTL);
+            }
+            Mutation::ClearTtl => self.remove(attr::TTL),
         }
     }
 }
@@ -548,6 +633,11 @@ fn lease_item(key: &str, n: &NewLease) -> HashMap<String, AttributeValue> {
     }
     if let Some(p) = n.poll_ms {
         put(attr::POLL, num(p));
+    }
+    if let Some(v) = &n.visit {
+        put(attr::STATE_SHARD, str_(&v.shard));
+        put(attr::STATE_SINCE, num(v.since_ms));
+        put(attr::ATTEMPTS, num(v.attempts as u64));
     }
     item
 }
@@ -600,6 +690,32 @@ impl DynamoStore {
                 }
                 _ => None,
             }),
+        }
+    }
+}
+
+impl DynamoStore {
+    /// A Query of one partition of the work-state index, oldest expiry first: the items free at
+    /// `free_at_ms` (`expires_at_ms <= :now`), or all of them.
+    fn state_query(
+        &self,
+        shard: &str,
+        free_at_ms: Option<u64>,
+    ) -> aws_sdk_dynamodb::operation::query::builders::QueryFluentBuilder {
+        let q = self
+            .client
+            .query()
+            .table_name(&self.table)
+            .index_name(STATE_INDEX)
+            .expression_attribute_names("#s", attr::STATE_SHARD)
+            .expression_attribute_values(":s", str_(shard))
+            .scan_index_forward(true);
+        match free_at_ms {
+            Some(now) => q
+                .key_condition_expression("#s = :s AND #e <= :now")
+                .expression_attribute_names("#e", attr::EXPIRES_AT)
+                .expression_attribute_values(":now", num(now)),
+            None => q.key_condition_expression("#s = :s"),
         }
     }
 }
@@ -729,11 +845,50 @@ impl Store for DynamoStore {
                     .map_err(map_err)?;
                 (out.items().to_vec(), out.last_evaluated_key().cloned())
             }
+            ScanKind::State { shard, free_at_ms, .. } => {
+                let out = self
+                    .state_query(shard, *free_at_ms)
+                    .limit(limit.max(1) as i32)
+                    .set_exclusive_start_key(start_key)
+                    .send()
+                    .await
+                    .map_err(map_err)?;
+                (out.items().to_vec(), out.last_evaluated_key().cloned())
+            }
         };
         Ok(Page {
             items: items.iter().map(record_from_item).collect::<Result<_>>()?,
             next: last.as_ref().map(encode_token),
         })
+    }
+
+    async fn count(&self, kind: &ScanKind) -> Result<u64> {
+        let ScanKind::State { shard, free_at_ms, .. } = kind else {
+            let (mut n, mut start) = (0u64, None::<String>);
+            loop {
+                let page = self.scan(kind, start.as_deref(), 1000).await?;
+                n += page.items.len() as u64;
+                match page.next {
+                    Some(s) => start = Some(s),
+                    None => return Ok(n),
+                }
+            }
+        };
+        let (mut n, mut start) = (0u64, None);
+        loop {
+            let out = self
+                .state_query(shard, *free_at_ms)
+                .select(aws_sdk_dynamodb::types::Select::Count)
+                .set_exclusive_start_key(start)
+                .send()
+                .await
+                .map_err(map_err)?;
+            n += out.count().max(0) as u64;
+            match out.last_evaluated_key() {
+                Some(k) => start = Some(k.clone()),
+                None => return Ok(n),
+            }
+        }
     }
 }
 
@@ -792,6 +947,24 @@ mod tests {
             (Condition::Unreleased { lease_id: id.clone() }, Some(Mutation::Release { now_ms: now, ttl: 2 })),
             (Condition::Exists, Some(Mutation::ForceRelease { now_ms: now, ttl: 2 })),
             (Condition::FenceIs(3), Some(Mutation::ClearKeepalive)),
+            (
+                Condition::FreeIn {
+                    now_ms: now,
+                    fence: 3,
+                    lease_id: id.clone(),
+                    visit: crate::store::Visit { state: "S".into(), shard: "S#0".into(), since_ms: 1, attempts: 0 },
+                },
+                None,
+            ),
+            (
+                Condition::Enterable { now_ms: now, state: "S".into(), shard: "S#0".into() },
+                Some(Mutation::Enter { now_ms: now, holder: "h".into(), state: "S".into(), shard: "S#0".into() }),
+            ),
+            (
+                Condition::Live { lease_id: id.clone(), now_ms: now },
+                Some(Mutation::ReleaseTo { now_ms: now, state: "S".into(), shard: "S#0".into() }),
+            ),
+            (Condition::FenceIs(3), Some(Mutation::ClearTtl)),
         ];
         for (c, m) in writes {
             let (cond, update) = expressions(&c, m.as_ref().unwrap_or(&Mutation::ClearKeepalive));
