@@ -12,6 +12,8 @@ use crate::model::Keepalive;
 use crate::protocol::{AcquireOptions, Coordinator};
 use crate::validate;
 
+pub mod batch;
+
 /// Body of an acquire (direct invoke, `POST /leases/acquire/{key}`, CLI).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -59,6 +61,10 @@ pub struct ReleaseRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key: Option<String>,
     pub lease_id: String,
+    /// Move the key into this work state in the same write (the live holder only); absent:
+    /// the key keeps its state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
 }
 
 /// Body of a get (direct invoke only; HTTP uses `GET /leases/{key}`).
@@ -75,6 +81,12 @@ pub enum Operation {
     Heartbeat,
     Release,
     Get,
+    /// Batch lease of the free keys of a work state (acquire function).
+    Next,
+    /// Put a key into a work state (acquire function).
+    Put,
+    /// Count the keys in a work state (heartbeat function).
+    Count,
 }
 
 impl Operation {
@@ -84,6 +96,9 @@ impl Operation {
             Operation::Heartbeat => "heartbeat",
             Operation::Release => "release",
             Operation::Get => "get",
+            Operation::Next => "next",
+            Operation::Put => "put",
+            Operation::Count => "count",
         }
     }
 }
@@ -138,6 +153,9 @@ pub async fn run(
 ) -> Result<Value> {
     // Remote callers count `safe_for_ms` from their own send time, which is before this.
     let received = std::time::Instant::now();
+    if matches!(op, Operation::Next | Operation::Put | Operation::Count) {
+        return batch::run(coord, op, path_key, payload, remaining, received).await;
+    }
     match op {
         Operation::Acquire => {
             let r: AcquireRequest = parse(payload)?;
@@ -173,7 +191,7 @@ pub async fn run(
             let r: ReleaseRequest = parse(payload)?;
             let key = pick_key(path_key, r.key)?;
             let id = validate::lease_id(&r.lease_id)?;
-            let released = coord.release(&key, &id).await?;
+            let released = coord.release_to(&key, &id, r.state.as_deref()).await?;
             Ok(serde_json::to_value(released).expect("release serialises"))
         }
         Operation::Get => {
@@ -184,6 +202,7 @@ pub async fn run(
             let state = coord.get(&key).await?;
             Ok(serde_json::to_value(state).expect("state serialises"))
         }
+        Operation::Next | Operation::Put | Operation::Count => unreachable!("handled above"),
     }
 }
 
@@ -304,11 +323,14 @@ pub fn method_not_allowed(allow: &str, message: String) -> HttpResponse {
 
 /// The routes of the HTTP API, the same in API Gateway (template.yaml) and `leasehold serve`.
 /// The key is the greedy last part of the path, so it may contain `/`.
-pub const ROUTES: [(&str, &str, Operation); 4] = [
+pub const ROUTES: [(&str, &str, Operation); 7] = [
     ("POST", "/leases/acquire/{key+}", Operation::Acquire),
     ("POST", "/leases/heartbeat/{key+}", Operation::Heartbeat),
     ("POST", "/leases/release/{key+}", Operation::Release),
     ("GET", "/leases/{key+}", Operation::Get),
+    ("POST", "/leases/next/{state}", Operation::Next),
+    ("POST", "/leases/put/{key+}", Operation::Put),
+    ("POST", "/leases/count/{state}", Operation::Count),
 ];
 
 /// Maps method + decoded path ([`HttpRequest::path`]) to a route: `POST
@@ -337,7 +359,10 @@ pub fn route(method: &str, path: &str) -> std::result::Result<Route, HttpRespons
         "acquire" => Operation::Acquire,
         "heartbeat" => Operation::Heartbeat,
         "release" => Operation::Release,
-        _ => return Err(method_not_allowed("GET", format!("use GET for /leases/{{key}}, not {method}"))),
+        a => match batch::operation_of(a) {
+            Some(op) => op,
+            None => return Err(method_not_allowed("GET", format!("use GET for /leases/{{key}}, not {method}"))),
+        },
     };
     if method != "POST" {
         return Err(method_not_allowed("POST", format!("use POST for /leases/{action}/{{key}}, not {method}")));

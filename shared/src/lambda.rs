@@ -43,7 +43,9 @@ impl Function {
     /// The HTTP operations this function answers: its own, and for heartbeat also the
     /// read-only `GET /leases/{key+}`.
     pub fn serves(self, op: Operation) -> bool {
-        op == self.operation() || (self == Function::Heartbeat && op == Operation::Get)
+        op == self.operation()
+            || (self == Function::Heartbeat && matches!(op, Operation::Get | Operation::Count))
+            || (self == Function::Acquire && matches!(op, Operation::Next | Operation::Put))
     }
 
     fn operation(self) -> Operation {
@@ -368,11 +370,25 @@ impl Handler {
     }
 
     /// A direct invoke of this function's operation; a failure is a function error.
-    async fn direct(&self, event: Value, remaining: Duration, started: Instant) -> Handled {
+    async fn direct(&self, mut event: Value, remaining: Duration, started: Instant) -> Handled {
         let key = event.get("key").and_then(Value::as_str).map(str::to_string);
         let holder = event.get("holder").and_then(Value::as_str).map(str::to_string);
         let waited = self.function == Function::Acquire && asks_to_wait(Some(&event));
-        let result = api::run(&self.coord, self.function.operation(), None, event, Some(remaining)).await;
+        // A work operation (`"op": "next"`, ...) on the function that serves it.
+        let op = match api::batch::take_op(&mut event) {
+            Ok(Some(op)) if self.function.serves(op) => Ok(op),
+            Ok(Some(op)) => Err(Error::invalid(format!(
+                "the {} function does not serve the {} operation",
+                self.function.name(),
+                op.as_str()
+            ))),
+            Ok(None) => Ok(self.function.operation()),
+            Err(e) => Err(e),
+        };
+        let result = match op {
+            Ok(op) => api::run(&self.coord, op, None, event, Some(remaining)).await,
+            Err(e) => Err(e),
+        };
         let outcome = result.as_ref().err().map_or("ok", Error::name).to_string();
         let lost = matches!(&result, Err(Error::NotHolder { reason, .. }) if reason.is_lost());
         let fence = result.as_ref().ok().and_then(|v| v.get("fence")).and_then(Value::as_u64);
