@@ -502,7 +502,8 @@ pub async fn handle_route(
         )
         .with_status(413);
     }
-    let payload = if op == Operation::Get {
+    // A count needs no body.
+    let payload = if op == Operation::Get || (op == Operation::Count && req.body.is_empty()) {
         Value::Object(Map::new())
     } else {
         match serde_json::from_slice::<Value>(&req.body) {
