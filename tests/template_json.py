@@ -6,7 +6,8 @@
                                            {"Fn::GetAtt": [...]}), decoded by cfn-lint
     template_json.py transformed TEMPLATE  the CloudFormation template the SAM transform
                                            makes of it (offline: CodeUri is replaced by a
-                                           placeholder S3 location, as `sam package` would)
+                                           placeholder S3 location, as `sam package` would,
+                                           and so is a state machine's local DefinitionUri)
 
 Runs with the Python of the tools venv (.tools/venv/bin/python), which has cfn-lint and
 the SAM translator.
@@ -41,6 +42,11 @@ def transformed(template):
     for resource in template.get("Resources", {}).values():
         if resource.get("Type") == "AWS::Serverless::Function":
             resource.setdefault("Properties", {})["CodeUri"] = "s3://leasehold-artifacts/code.zip"
+        # A state machine whose definition is a local file (statemachines/*.asl.json): `sam
+        # package` uploads it and names the S3 object, as for CodeUri.
+        uri = resource.get("Properties", {}).get("DefinitionUri")
+        if resource.get("Type") == "AWS::Serverless::StateMachine" and isinstance(uri, str):
+            resource["Properties"]["DefinitionUri"] = "s3://leasehold-artifacts/" + os.path.basename(uri)
     return transform(template, {}, Policies())
 
 

@@ -106,8 +106,12 @@ fn sam_transform_output_is_clean_cloudformation() {
     for name in ["AcquireFunction", "HeartbeatFunction", "ReleaseFunction"] {
         assert_eq!(out["Resources"][name]["Type"], "AWS::Lambda::Function", "{name}");
     }
-    // SingleFlight, ScheduledJob, and FencedUpdate (deployed only with a target table).
-    assert_eq!(resources_of(out, "AWS::StepFunctions::StateMachine").len(), 3);
+    // SingleFlight, ScheduledJob, FencedUpdate (deployed only with a target table) and
+    // BatchProcessor (only with a batch work function).
+    assert_eq!(resources_of(out, "AWS::StepFunctions::StateMachine").len(), 4);
+    let batch = &out["Resources"]["BatchProcessorStateMachine"];
+    assert_eq!(batch["Condition"], "HasBatchWorkFunction");
+    assert!(batch["Properties"]["DefinitionS3Location"].is_object(), "{batch}");
     assert_eq!(resources_of(out, "AWS::ApiGatewayV2::Api").len(), 1);
 }
 
