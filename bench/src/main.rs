@@ -1,9 +1,11 @@
 //! leasehold benchmarks on DynamoDB Local, behind a request-counting proxy.
 //!
-//! `leasehold-bench [--quick] [--scenarios m1,m2,m3,m4] [--m1-cycles N] [--warmup N]` starts
-//! DynamoDB Local and the proxy, then runs every scenario for every library in a child process
-//! of its own (separate clients, separate peak RSS), interleaving the libraries round by
-//! round, and prints one table per scenario with ratios. Libraries: `leasehold` (on a table of
+//! `leasehold-bench [--quick] [--scenarios m1,m2,m3,m4,batch] [--m1-cycles N] [--warmup N]
+//! [--batch-items N]` starts DynamoDB Local and the proxy, then runs every scenario for every
+//! library in a child process of its own (separate clients, separate peak RSS), interleaving
+//! the libraries round by round, and prints one table per scenario with ratios. `batch` (not
+//! run by default; see `batch.rs`) drains a work state with 8 workers against a hand-written
+//! floor. Libraries: `leasehold` (on a table of
 //! the same schema as the others), `leasehold+index` (on the table template.yaml deploys, with
 //! the keep-alive index; M1 and M2 only), `raw` (a bare aws-sdk conditional PutItem +
 //! DeleteItem loop: the floor), and with `--features compare` the `dynamodb-lease` crate (in
@@ -12,6 +14,8 @@
 //! compiler otherwise takes a core for tens of thousands of requests. A different library
 //! starts each M1 round. This is a benchmark, not a test: it asserts nothing and prints
 //! figures.
+
+mod batch;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -707,6 +711,16 @@ async fn main_async(quick: bool, scenarios: Vec<String>) {
             }
             println!("{:<16} gaps ms: {}", lib, gaps.iter().map(|g| format!("{g:.0}")).collect::<Vec<_>>().join(", "));
         }
+    }
+    if has("batch") {
+        // `--batch-items N` (default 5,000; 1,000 with --quick), 8 workers, batches of 10.
+        let items = args
+            .iter()
+            .position(|a| a == "--batch-items")
+            .and_then(|i| args.get(i + 1))
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(if quick { 1000 } else { 5000 });
+        batch::run(&s.proxy, items, 8, 10, if quick { 1 } else { 2 }).await;
     }
     println!("\nPeak RSS of each harness process (VmHWM):");
     for (lib, kb) in &rss {

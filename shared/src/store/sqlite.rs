@@ -299,6 +299,43 @@ fn scan_state(c: &Connection, state: &str, free_at_ms: Option<u64>, start: &str,
 mod tests {
     use super::*;
 
+    /// A file made before the work-state columns existed opens, keeps its leases, and gets
+    /// the columns and their index.
+    #[tokio::test]
+    async fn an_old_file_gets_the_state_columns() {
+        let dir = std::env::temp_dir().join(format!("leasehold-migrate-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("leases.db");
+        {
+            let c = Connection::open(&path).unwrap();
+            c.execute_batch(
+                "CREATE TABLE leases (key TEXT PRIMARY KEY NOT NULL, record TEXT NOT NULL, fence INTEGER NOT NULL,
+                   ka_shard INTEGER, ka_until_ms INTEGER, ttl INTEGER);
+                 CREATE INDEX leases_keepalive ON leases(ka_shard, ka_until_ms) WHERE ka_shard IS NOT NULL;",
+            )
+            .unwrap();
+            let old = r#"{"key":"old","fence":7,"holder":"h","lease_id":"abcdefghijabcdefghijab","acquired_at_ms":1,
+                "expires_at_ms":2,"duration_ms":1,"min_hold_until_ms":1,"released_at_ms":null,"metadata":null,
+                "keepalive":null,"ttl":null}"#;
+            c.execute("INSERT INTO leases (key, record, fence) VALUES ('old', ?1, 7)", [old]).unwrap();
+        }
+        let store = SqliteStore::open(&path).unwrap();
+        let r = store.get("old").await.unwrap().unwrap();
+        assert_eq!((r.fence, r.state), (7, None));
+        let m = Mutation::Enter { now_ms: 10, holder: "p".into(), state: "S".into(), shard: "S#0".into() };
+        let c = Condition::Enterable { now_ms: 10, state: "S".into(), shard: "S#0".into() };
+        assert!(matches!(store.update("old", &c, &m).await.unwrap(), Write::Applied(_)));
+        let kind = ScanKind::State { state: "S".into(), shard: "S#0".into(), free_at_ms: Some(10) };
+        assert_eq!(store.scan(&kind, None, 10).await.unwrap().items.len(), 1);
+        assert_eq!(store.count(&kind).await.unwrap(), 1);
+        drop(store);
+        // Opening again (the columns exist now) changes nothing.
+        let again = SqliteStore::open(&path).unwrap();
+        assert_eq!(again.get("old").await.unwrap().unwrap().state.as_deref(), Some("S"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// Every commit is synced before it is answered: `synchronous=FULL` (2) on the connection
     /// that writes, in WAL mode. NORMAL (1) could lose answered grants on power loss.
     #[test]
