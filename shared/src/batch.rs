@@ -60,7 +60,7 @@ const SPREAD: usize = 64;
 const MAX_CANDIDATES: usize = 1000;
 
 /// A contended taker takes at most 1/TAIL_SHARE of the free keys it sees.
-const TAIL_SHARE: usize = 8;
+const TAIL_SHARE: usize = 16;
 
 fn contended(state: &str) -> bool {
     let c = contention().lock().unwrap_or_else(|p| p.into_inner());
