@@ -385,6 +385,7 @@ impl Handler {
             Ok(None) => Ok(self.function.operation()),
             Err(e) => Err(e),
         };
+        let ran = op.as_ref().ok().copied();
         let result = match op {
             Ok(op) => api::run(&self.coord, op, None, event, Some(remaining)).await,
             Err(e) => Err(e),
@@ -397,7 +398,13 @@ impl Handler {
             fence, outcome = %outcome, latency_ms = started.elapsed().as_secs_f64() * 1000.0,
             "direct invoke"
         );
-        Handled { counts: counts(self.function, &outcome, waited, lost), result, outcome }
+        let mut counts = counts(self.function, &outcome, waited, lost);
+        // A batch counts the leases it took; a put takes none.
+        if let (Some(op @ (Operation::Next | Operation::Put)), Ok(v)) = (ran, &result) {
+            let n = if op == Operation::Next { v["leases"].as_array().map_or(0, Vec::len) as u64 } else { 0 };
+            counts.iter_mut().filter(|(name, _)| *name == "Acquired").for_each(|c| c.1 = n);
+        }
+        Handled { counts, result, outcome }
     }
 }
 

@@ -1195,9 +1195,9 @@ async fn batch_half_failed_loses_nothing(b: Backend) {
     assert_eq!(got.union(&rest).cloned().collect::<HashSet<_>>(), more.into_iter().collect::<HashSet<_>>());
 }
 
-/// Takers drain a state concurrently, each processing its items (writing with the fence to a
-/// guarded resource per key) and moving them on: every item is processed exactly once, no
-/// item is ever in two leases at once, and few acquiring writes collide. The figure with
+/// Takers, each with its own store handle, drain a state concurrently, processing their items
+/// and moving them on: every item is processed exactly once, no item is ever in two leases at
+/// once, and few acquiring writes collide. The figure with
 /// 8 takers of limit 10 is printed (`LEASEHOLD_BATCH_ITEMS` items, default 5,000, the
 /// figure DESIGN.md reports; at least 90% of the acquiring writes must land).
 async fn batch_concurrent_takers_process_each_item_once(b: Backend) {
