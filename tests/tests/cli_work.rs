@@ -72,6 +72,53 @@ fn work_items(t: &Target) {
     }
 }
 
+/// `run --next STATE`: one free key of the state per run, exported to the command; moved into
+/// --done when the command succeeds, left in its state (attempt counted) when it fails.
+fn run_next(t: &Target) {
+    t.run(&["put", "jobs/a", "--state", "TODO"]).ok();
+    let out = t.run(&[
+        "run",
+        "--next",
+        "TODO",
+        "--skip-if-held",
+        "--",
+        "sh",
+        "-c",
+        "echo \"$LEASEHOLD_KEY $LEASEHOLD_FENCE\"",
+    ]);
+    let out = out.ok();
+    let (key, fence) = out.stdout.trim().split_once(' ').expect("key and fence");
+    assert_eq!(key, "jobs/a");
+    assert!(fence.parse::<u64>().unwrap() > 0);
+    let g = t.run(&["get", "jobs/a", "--json"]).ok().json();
+    assert_eq!((g["state"].as_str(), g["held"].as_bool()), (Some("DONE"), Some(false)));
+    // A failing command leaves the key in its state, its attempt counted.
+    t.run(&["put", "jobs/b", "--state", "TODO"]).ok();
+    t.run(&["run", "--next", "TODO", "--skip-if-held", "--done", "SHIPPED", "--", "sh", "-c", "exit 3"]).code(3);
+    let g = t.run(&["get", "jobs/b", "--json"]).ok().json();
+    assert_eq!(
+        (g["state"].as_str(), g["attempts"].as_u64(), g["held"].as_bool()),
+        (Some("TODO"), Some(1), Some(false))
+    );
+    t.run(&["run", "--next", "TODO", "--skip-if-held", "--done", "SHIPPED", "--", "true"]).ok();
+    assert_eq!(t.run(&["get", "jobs/b", "--json"]).ok().json()["state"], "SHIPPED");
+    // Nothing free: exit 75, the command does not run.
+    let none = t.run(&["run", "--next", "TODO", "--skip-if-held", "--", "sh", "-c", "echo ran"]).code(75);
+    assert!(none.stdout.is_empty() && none.stderr.contains("no key of state TODO is free"), "{none:?}");
+    // A key and --next together: a usage error.
+    t.run(&["run", "jobs/a", "--next", "TODO", "--", "true"]).code(2);
+}
+
+#[test]
+fn run_next_on_the_embedded_store() {
+    run_next(&Target::embedded());
+}
+
+#[test]
+fn run_next_on_dynamodb_local() {
+    run_next(&Target::dynamo());
+}
+
 #[test]
 fn embedded_store() {
     work_items(&Target::embedded());
