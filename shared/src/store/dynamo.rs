@@ -864,15 +864,7 @@ impl Store for DynamoStore {
 
     async fn count(&self, kind: &ScanKind) -> Result<u64> {
         let ScanKind::State { shard, free_at_ms, .. } = kind else {
-            let (mut n, mut start) = (0u64, None::<String>);
-            loop {
-                let page = self.scan(kind, start.as_deref(), 1000).await?;
-                n += page.items.len() as u64;
-                match page.next {
-                    Some(s) => start = Some(s),
-                    None => return Ok(n),
-                }
-            }
+            return super::count_pages(self, kind).await;
         };
         let (mut n, mut start) = (0u64, None);
         loop {

@@ -331,14 +331,19 @@ pub trait Store: Send + Sync + 'static {
 
     /// How many items a scan of `kind` would return (every page).
     async fn count(&self, kind: &ScanKind) -> Result<u64> {
-        let (mut n, mut start) = (0u64, None::<String>);
-        loop {
-            let page = self.scan(kind, start.as_deref(), 1000).await?;
-            n += page.items.len() as u64;
-            match page.next {
-                Some(s) => start = Some(s),
-                None => return Ok(n),
-            }
+        count_pages(self, kind).await
+    }
+}
+
+/// [`Store::count`] by reading every page of the scan.
+pub async fn count_pages<S: Store + ?Sized>(store: &S, kind: &ScanKind) -> Result<u64> {
+    let (mut n, mut start) = (0u64, None::<String>);
+    loop {
+        let page = store.scan(kind, start.as_deref(), 1000).await?;
+        n += page.items.len() as u64;
+        match page.next {
+            Some(s) => start = Some(s),
+            None => return Ok(n),
         }
     }
 }

@@ -212,15 +212,7 @@ impl Store for SqliteStore {
 
     async fn count(&self, kind: &ScanKind) -> Result<u64> {
         let ScanKind::State { state, free_at_ms, .. } = kind.clone() else {
-            let (mut n, mut start) = (0u64, None::<String>);
-            loop {
-                let page = self.scan(kind, start.as_deref(), 1000).await?;
-                n += page.items.len() as u64;
-                match page.next {
-                    Some(s) => start = Some(s),
-                    None => return Ok(n),
-                }
-            }
+            return super::count_pages(self, kind).await;
         };
         let until = free_at_ms.map_or(i64::MAX, |f| f.min(i64::MAX as u64) as i64);
         self.blocking(move |c| {
