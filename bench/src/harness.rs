@@ -76,6 +76,9 @@ pub struct Params {
     /// M3's duration, in s.
     pub m3s: u64,
     pub m4trials: usize,
+    /// The batch scenario's items (`--batch-items`) and interleaved rounds per side.
+    pub batch_items: usize,
+    pub batch_rounds: usize,
 }
 
 /// Peak RSS (VmHWM, KB) of each library's harness processes so far.

@@ -1,6 +1,7 @@
 //! leasehold benchmarks on DynamoDB Local, behind a request-counting proxy.
 //!
-//! `leasehold-bench [--quick] [--scenarios m1,m2,m3,m4] [--m1-cycles N] [--warmup N]` starts
+//! `leasehold-bench [--quick] [--scenarios m1,m2,m3,m4,serve-m3,batch] [--m1-cycles N] [--warmup N]
+//! [--batch-items N]` starts
 //! DynamoDB Local and the proxy, then runs every scenario for every library in a child process
 //! of its own (separate clients, separate peak RSS), interleaving the libraries round by
 //! round, and prints one table per scenario with ratios. Libraries: `leasehold` (on a table of
@@ -11,13 +12,16 @@
 //! first runs unmeasured M1 cycles (`--warmup`, default 3,000 each): DynamoDB Local's JIT
 //! compiler otherwise takes a core for tens of thousands of requests. A different library
 //! starts each M1 round. This is a benchmark, not a test: it asserts nothing and prints
-//! figures.
+//! figures. Two scenarios run only when named: `serve-m3` (M3's shape over HTTP through
+//! `leasehold serve` on the embedded store, with in-process wake-ups) and `batch` (8 workers
+//! drain a work state against a hand-written Query + UpdateItem floor).
 
 //!
-//! One module per scenario (m1..m4), each with a `run` for both sides of a [`Step`]; the
+//! One module per scenario, each with a `run` for both sides of a [`Step`]; the
 //! libraries are in `libs`, the shared harness in `harness`. A new scenario is one `mod` line
 //! and one arm in [`scenario`].
 
+mod batch;
 mod harness;
 mod libs;
 mod m1;
@@ -40,6 +44,7 @@ async fn scenario(name: &str, step: Step<'_>) -> Option<Value> {
         "m3" => m3::run(step).await,
         "m4" => m4::run(step).await,
         "serve-m3" => serve_m3::run(step).await,
+        "batch" => batch::run(step).await,
         other => panic!("unknown scenario {other}"),
     }
 }
@@ -81,7 +86,10 @@ fn main() {
     // keeps a core busy for tens of thousands of requests; measured before it settles, the
     // figures mostly say who ran while it was compiling.
     let warmup = flag(&args, "--warmup").unwrap_or(if quick { 200 } else { 3000 });
-    let params = Params { m1n, rounds, warmup, m2n, m3s, m4trials };
+    // `--batch-items N`: the batch scenario's items (8 workers, batches of 10).
+    let batch_items = flag(&args, "--batch-items").unwrap_or(if quick { 1000 } else { 5000 });
+    let batch_rounds = if quick { 1 } else { 2 };
+    let params = Params { m1n, rounds, warmup, m2n, m3s, m4trials, batch_items, batch_rounds };
     rt.block_on(async {
         let s = harness::setup().await;
         harness::print_header(&harness::libraries());

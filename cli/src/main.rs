@@ -21,6 +21,7 @@ mod output;
 mod run;
 mod serve;
 mod target;
+mod work;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -124,6 +125,15 @@ enum Cmd {
     /// Run a command while holding the lease on KEY (renewed in the background)
     #[command(after_help = run::HELP)]
     Run(run::RunArgs),
+    /// Put KEY into a work state without leasing it
+    #[command(after_help = work::PUT_HELP)]
+    Put(work::PutArgs),
+    /// Lease up to --limit free keys of a work state, the longest waiting first
+    #[command(after_help = work::NEXT_HELP)]
+    Next(work::NextArgs),
+    /// Count the keys in a work state
+    #[command(after_help = work::COUNT_HELP)]
+    Count(work::CountArgs),
 }
 
 #[derive(Args, Debug)]
@@ -190,6 +200,9 @@ pub struct ReleaseArgs {
     /// The lease_id printed by acquire
     #[arg(long = "lease-id", env = "LEASEHOLD_LEASE_ID", hide_env_values = true, value_name = "ID")]
     pub lease_id: String,
+    /// Move the key into this work state in the same write (the live holder only)
+    #[arg(long, value_name = "STATE")]
+    pub state: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -200,9 +213,12 @@ pub struct ListArgs {
     /// Only keys that start with this
     #[arg(long, default_value = "", value_name = "PREFIX")]
     pub prefix: String,
+    /// The keys in this work state instead, held or not, the longest waiting first
+    #[arg(long, value_name = "STATE", conflicts_with = "prefix")]
+    pub state: Option<String>,
 }
 
-fn parse_metadata(s: &str) -> Result<Map<String, Value>, String> {
+pub fn parse_metadata(s: &str) -> Result<Map<String, Value>, String> {
     match serde_json::from_str::<Value>(s) {
         Ok(Value::Object(m)) => Ok(m),
         Ok(_) => Err("metadata must be a JSON object, e.g. '{\"run\": 42}'".into()),
@@ -256,6 +272,9 @@ fn main() {
     let code = match cli.cmd {
         Cmd::Serve(args) => serve::main(&cli.global, args),
         Cmd::Run(args) => run::main(&cli.global, args),
+        Cmd::Put(a) => work::main(&cli.global, work::Work::Put(a)),
+        Cmd::Next(a) => work::main(&cli.global, work::Work::Next(a)),
+        Cmd::Count(a) => work::main(&cli.global, work::Work::Count(a)),
         cmd => {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
             rt.block_on(lease_command(&cli.global, cmd))
@@ -298,13 +317,18 @@ async fn lease_command(g: &Global, cmd: Cmd) -> i32 {
             target.heartbeat(&h.key, req).await
         }
         Cmd::Release(r) => {
-            target.release(&r.key, leasehold::api::ReleaseRequest { key: None, lease_id: r.lease_id.clone() }).await
+            let req =
+                leasehold::api::ReleaseRequest { key: None, lease_id: r.lease_id.clone(), state: r.state.clone() };
+            target.release(&r.key, req).await
         }
         Cmd::Get(k) if k.watch => return watch(g, &target, k).await,
         Cmd::Get(k) => target.get(&k.key).await,
-        Cmd::List(l) => target.list(&l.prefix, l.limit as usize).await,
+        Cmd::List(l) => match &l.state {
+            Some(state) => target.list_state(state, l.limit as usize).await,
+            None => target.list(&l.prefix, l.limit as usize).await,
+        },
         Cmd::ForceRelease(k) => target.force_release(&k.key).await,
-        Cmd::Serve(_) | Cmd::Run(_) => unreachable!("handled in main"),
+        Cmd::Serve(_) | Cmd::Run(_) | Cmd::Put(_) | Cmd::Next(_) | Cmd::Count(_) => unreachable!("handled in main"),
     };
     match result {
         Ok(v) => {

@@ -112,7 +112,7 @@ pub fn success(g: &Global, cmd: &Cmd, mut v: Value) {
             n(&v, "fence").unwrap_or(0)
         ),
         Cmd::List(_) => list(&v),
-        Cmd::Serve(_) | Cmd::Run(_) => String::new(),
+        Cmd::Serve(_) | Cmd::Run(_) | Cmd::Put(_) | Cmd::Next(_) | Cmd::Count(_) => String::new(),
     };
     print(&text);
 }
@@ -142,6 +142,13 @@ fn state(v: &Value) -> String {
     };
     if let Some(m) = v.get("metadata").filter(|m| !m.is_null()) {
         t.push_str(&format!("\n  metadata  {m}"));
+    }
+    if let Some(st) = v.get("state").and_then(Value::as_str) {
+        t.push_str(&format!(
+            "\n  state     {st} since {}, leased {} times in it",
+            rfc3339(n(v, "state_since_ms").unwrap_or(0)),
+            n(v, "attempts").unwrap_or(0)
+        ));
     }
     t
 }

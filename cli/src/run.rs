@@ -75,16 +75,31 @@ Exit codes:
   126    command cannot be executed; 127 command not found
   130/143 interrupted (SIGINT/SIGTERM) while waiting for the lease
 
+With --next STATE instead of KEY, run leases the longest-waiting free key of a work state (see
+`leasehold next`), exports it as LEASEHOLD_KEY, and when the command exits 0 moves the key into
+--done (default DONE); otherwise the key stays in its state, its attempt counted. Exit 75 when
+no key of the state is free within --wait (or at once with --skip-if-held).
+
 Examples:
   leasehold run jobs/nightly -- ./nightly.sh --full
+  while leasehold run --next PENDING --skip-if-held -- ./process.sh; do :; done   # drain a state
   leasehold run jobs/nightly --skip-if-held -- ./nightly.sh      # cron: skip if another host runs it
   leasehold run db/migrate --wait 5m --duration 1m -- make migrate
   leasehold --table leases run reports --holder \"$HOSTNAME\" -- sh -c 'report --fence \"$LEASEHOLD_FENCE\"'";
 
 #[derive(clap::Args, Debug)]
 pub struct RunArgs {
-    /// The lease key
+    /// The lease key (with --next: none, the key comes from the state)
+    #[arg(required_unless_present = "next", conflicts_with = "next", default_value = "")]
     pub key: String,
+    /// Instead of KEY: lease the longest-waiting free key of this work state, export it as
+    /// LEASEHOLD_KEY, and when the command succeeds move the key into --done
+    #[arg(long, value_name = "STATE")]
+    pub next: Option<String>,
+    /// With --next: the state a key moves into when the command exits 0 (otherwise the key
+    /// stays in its state, its attempt counted)
+    #[arg(long, value_name = "STATE", default_value = "DONE", requires = "next")]
+    pub done: String,
     /// Lease duration (renewed every third of it while the command runs)
     #[arg(long, default_value = "30s", value_parser = duration::parse, value_name = "D")]
     pub duration: Duration,
@@ -133,7 +148,7 @@ pub fn main(g: &Global, args: RunArgs) -> i32 {
     rt.block_on(run(g, args))
 }
 
-async fn run(g: &Global, args: RunArgs) -> i32 {
+async fn run(g: &Global, mut args: RunArgs) -> i32 {
     let choice = match choose(g, false) {
         Ok(Either::Store(c)) => c,
         Ok(Either::Http(_)) => unreachable!("choose refuses URLs here"),
@@ -150,10 +165,15 @@ async fn run(g: &Global, args: RunArgs) -> i32 {
     let holder = args.holder.clone().filter(|h| !h.is_empty()).unwrap_or_else(default_holder);
 
     // Take the lease, showing a status line while waiting on a terminal.
-    let held = match acquire(&coord, &args, &holder, &mut sigint, &mut sigterm).await {
+    let taken = match &args.next {
+        Some(state) => acquire_next(&coord, &args, state, &holder, &mut sigint, &mut sigterm).await,
+        None => acquire(&coord, &args, &holder, &mut sigint, &mut sigterm).await,
+    };
+    let held = match taken {
         Ok(h) => h,
         Err(code) => return code,
     };
+    args.key = held.key().to_string();
     // From here on a hangup or quit must not end `run` without stopping the command.
     let (Ok(mut sighup), Ok(mut sigquit)) = (signal(SignalKind::hangup()), signal(SignalKind::quit())) else {
         eprintln!("leasehold: error: cannot install signal handlers");
@@ -213,7 +233,9 @@ async fn run(g: &Global, args: RunArgs) -> i32 {
             exit::STORE
         }
     };
-    release(held, &args.key, outcome.stopped).await;
+    // With --next, a command that succeeded moves the key on; otherwise it stays in its state.
+    let done = args.next.as_ref().filter(|_| code == 0 && !outcome.stopped).map(|_| args.done.as_str());
+    release_to(held, &args.key, outcome.stopped, done).await;
     if outcome.stopped {
         exit::LOST
     } else {
@@ -224,7 +246,12 @@ async fn run(g: &Global, args: RunArgs) -> i32 {
 /// Releases the lease; after a loss the release only frees what a late renewal may still
 /// hold (it is conditional on the lease_id), so its refusal is expected and not reported.
 async fn release(held: HeldLease, key: &str, lost: bool) {
-    match held.release().await {
+    release_to(held, key, lost, None).await
+}
+
+/// [`release`], moving the key into work state `state`.
+async fn release_to(held: HeldLease, key: &str, lost: bool, state: Option<&str>) {
+    match held.release_to(state).await {
         Ok(_) => {}
         Err(Error::NotHolder { .. }) if lost => {}
         Err(e) => eprintln!("leasehold: warning: release of {key:?} failed: {e}"),
@@ -455,6 +482,46 @@ async fn acquire(
             let f = Failure::from(e);
             eprintln!("leasehold: error: {}", f.message());
             Err(f.code)
+        }
+    }
+}
+
+/// `--next STATE`: one key of the state, leased and kept renewed. Without --wait or
+/// --skip-if-held, waits until one is free.
+async fn acquire_next(
+    coord: &Coordinator,
+    args: &RunArgs,
+    state: &str,
+    holder: &str,
+    sigint: &mut tokio::signal::unix::Signal,
+    sigterm: &mut tokio::signal::unix::Signal,
+) -> Result<HeldLease, i32> {
+    let started = Instant::now();
+    let limit = if args.skip_if_held { Some(Duration::ZERO) } else { args.wait };
+    loop {
+        let wait = match limit {
+            Some(w) => w.saturating_sub(started.elapsed()),
+            None => Duration::from_secs(60),
+        };
+        let opts = AcquireOptions { wait: Some(wait), min_hold: args.min_hold, ..AcquireOptions::default() };
+        let next = coord.acquire_next(state, 1, holder, Some(args.duration), opts);
+        let got = tokio::select! {
+            r = next => r,
+            _ = sigint.recv() => return Err(128 + libc::SIGINT),
+            _ = sigterm.recv() => return Err(128 + libc::SIGTERM),
+        };
+        match got {
+            Ok(mut leases) if !leases.is_empty() => return Ok(coord.keep(leases.remove(0))),
+            Ok(_) if limit.is_none() => continue,
+            Ok(_) => {
+                eprintln!("leasehold: no key of state {state} is free; not running the command");
+                return Err(exit::HELD);
+            }
+            Err(e) => {
+                let f = Failure::from(e);
+                eprintln!("leasehold: error: {}", f.message());
+                return Err(f.code);
+            }
         }
     }
 }

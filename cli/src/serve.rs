@@ -23,6 +23,7 @@ pub const HELP: &str = "\
 Routes (the same as the HTTP API of the AWS deployment):
   POST /leases/acquire/{key}   POST /leases/heartbeat/{key}   POST /leases/release/{key}
   GET  /leases/{key}           GET /openapi.json              GET /health
+  POST /leases/next/{state}    POST /leases/put/{key}         POST /leases/count/{state}
 Operator routes (this server only):
   GET  /                       the live page: held keys, a prefix filter, force-release
   GET  /leases?prefix=P&limit=N                 POST /leases/force-release/{key}

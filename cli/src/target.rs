@@ -153,6 +153,19 @@ impl Target {
         }
     }
 
+    /// A work operation (`next`, `put`, `count`) on `param` (a state, or a key for put).
+    pub async fn work(&self, op: Operation, param: &str, body: Value) -> Result<Value, Failure> {
+        self.op(op, param, body).await
+    }
+
+    /// The keys in work state `state` (embedded store or DynamoDB only).
+    pub async fn list_state(&self, state: &str, limit: usize) -> Result<Value, Failure> {
+        match self {
+            Target::Local(c) => Ok(json!({ "leases": c.list_in_state(state, limit).await? })),
+            Target::Http(_) => Err(not_over_http("list --state")),
+        }
+    }
+
     pub async fn force_release(&self, key: &str) -> Result<Value, Failure> {
         match self {
             Target::Local(c) => Ok(serde_json::to_value(c.force_release(key).await?).expect("serialises")),

@@ -12,6 +12,8 @@ use crate::model::Keepalive;
 use crate::protocol::{AcquireOptions, Coordinator};
 use crate::validate;
 
+pub mod batch;
+
 /// Body of an acquire (direct invoke, `POST /leases/acquire/{key}`, CLI).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -69,6 +71,10 @@ pub struct ReleaseRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key: Option<String>,
     pub lease_id: String,
+    /// Move the key into this work state in the same write (the live holder only); absent:
+    /// the key keeps its state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
 }
 
 /// Body of a get (direct invoke only; HTTP uses `GET /leases/{key}`).
@@ -89,6 +95,12 @@ pub enum Operation {
     Heartbeat,
     Release,
     Get,
+    /// Batch lease of the free keys of a work state (acquire function).
+    Next,
+    /// Put a key into a work state (acquire function).
+    Put,
+    /// Count the keys in a work state (heartbeat function).
+    Count,
 }
 
 impl Operation {
@@ -98,6 +110,9 @@ impl Operation {
             Operation::Heartbeat => "heartbeat",
             Operation::Release => "release",
             Operation::Get => "get",
+            Operation::Next => "next",
+            Operation::Put => "put",
+            Operation::Count => "count",
         }
     }
 }
@@ -152,6 +167,9 @@ pub async fn run(
 ) -> Result<Value> {
     // Remote callers count `safe_for_ms` from their own send time, which is before this.
     let received = std::time::Instant::now();
+    if matches!(op, Operation::Next | Operation::Put | Operation::Count) {
+        return batch::run(coord, op, path_key, payload, remaining, received).await;
+    }
     match op {
         Operation::Acquire => {
             let r: AcquireRequest = parse(payload)?;
@@ -190,7 +208,7 @@ pub async fn run(
             let r: ReleaseRequest = parse(payload)?;
             let key = pick_key(path_key, r.key)?;
             let id = validate::lease_id(&r.lease_id)?;
-            let released = coord.release(&key, &id).await?;
+            let released = coord.release_to(&key, &id, r.state.as_deref()).await?;
             Ok(serde_json::to_value(released).expect("release serialises"))
         }
         Operation::Get => {
@@ -211,6 +229,7 @@ pub async fn run(
             }
             Ok(v)
         }
+        Operation::Next | Operation::Put | Operation::Count => unreachable!("handled above"),
     }
 }
 
@@ -367,11 +386,14 @@ pub fn method_not_allowed(allow: &str, message: String) -> HttpResponse {
 
 /// The routes of the HTTP API, the same in API Gateway (template.yaml) and `leasehold serve`.
 /// The key is the greedy last part of the path, so it may contain `/`.
-pub const ROUTES: [(&str, &str, Operation); 4] = [
+pub const ROUTES: [(&str, &str, Operation); 7] = [
     ("POST", "/leases/acquire/{key+}", Operation::Acquire),
     ("POST", "/leases/heartbeat/{key+}", Operation::Heartbeat),
     ("POST", "/leases/release/{key+}", Operation::Release),
     ("GET", "/leases/{key+}", Operation::Get),
+    ("POST", "/leases/next/{state}", Operation::Next),
+    ("POST", "/leases/put/{key+}", Operation::Put),
+    ("POST", "/leases/count/{state}", Operation::Count),
 ];
 
 /// Maps method + decoded path ([`HttpRequest::path`]) to a route: `POST
@@ -400,7 +422,10 @@ pub fn route(method: &str, path: &str) -> std::result::Result<Route, HttpRespons
         "acquire" => Operation::Acquire,
         "heartbeat" => Operation::Heartbeat,
         "release" => Operation::Release,
-        _ => return Err(method_not_allowed("GET", format!("use GET for /leases/{{key}}, not {method}"))),
+        a => match batch::operation_of(a) {
+            Some(op) => op,
+            None => return Err(method_not_allowed("GET", format!("use GET for /leases/{{key}}, not {method}"))),
+        },
     };
     if method != "POST" {
         return Err(method_not_allowed("POST", format!("use POST for /leases/{action}/{{key}}, not {method}")));
@@ -540,7 +565,8 @@ pub(crate) async fn handle_route(
         )
         .with_status(413);
     }
-    let payload = if op == Operation::Get {
+    // A count needs no body.
+    let payload = if op == Operation::Get || (op == Operation::Count && req.body.is_empty()) {
         Value::Object(Map::new())
     } else {
         match serde_json::from_slice::<Value>(&req.body) {

@@ -26,7 +26,9 @@ fn env_u64(name: &str) -> Result<Option<u64>> {
 /// `LEASEHOLD_MAX_WAIT_MS`, `LEASEHOLD_SKEW_MARGIN_MS`, `LEASEHOLD_TTL_GRACE_S`,
 /// `LEASEHOLD_RETRY_BUDGET_MS`, `LEASEHOLD_POLL_MAX_MS` (longest pause between a waiting
 /// acquire's attempts; see DESIGN.md, "Contention"), `LEASEHOLD_SWEEP_PERIOD_MS` (period of
-/// the scheduled keep-alive sweep: keep-alive leases must last 3 periods; 0 = no sweep).
+/// the scheduled keep-alive sweep: keep-alive leases must last 3 periods; 0 = no sweep),
+/// `LEASEHOLD_STATE_SHARDS` (partitions of the work-state index per state, 1..=64; see
+/// DESIGN.md, "Work items and batch leases").
 pub fn config_from_env() -> Result<Config> {
     let mut c = Config::default();
     let ms = Duration::from_millis;
@@ -59,6 +61,12 @@ pub fn config_from_env() -> Result<Config> {
     }
     if let Some(v) = env_u64("LEASEHOLD_SWEEP_PERIOD_MS")? {
         c.limits.keepalive_sweep_period = ms(v);
+    }
+    if let Some(v) = env_u64("LEASEHOLD_STATE_SHARDS")? {
+        if !(1..=64).contains(&v) {
+            return Err(Error::invalid("LEASEHOLD_STATE_SHARDS must be 1 to 64"));
+        }
+        c.state_shards = v as u32;
     }
     if c.limits.min_duration > c.limits.max_duration {
         return Err(Error::invalid("LEASEHOLD_MIN_DURATION_MS exceeds LEASEHOLD_MAX_DURATION_MS"));

@@ -70,19 +70,26 @@ impl Coordinator {
     /// Acquires `key` and keeps it renewed until the returned handle is released or dropped.
     pub async fn hold(&self, key: &str, holder: &str, duration: Duration, opts: AcquireOptions) -> Result<HeldLease> {
         let lease = self.acquire(key, holder, Some(duration), opts).await?;
+        Ok(self.keep(lease))
+    }
+
+    /// Keeps a lease already granted (one of a batch, say) renewed until the returned handle
+    /// is released or dropped.
+    pub fn keep(&self, lease: Lease) -> HeldLease {
+        let key = lease.key.clone();
         let (tx, rx) = watch::channel(HoldState::Held(Box::new(lease.clone())));
         let last_safe = std::sync::Arc::new(std::sync::Mutex::new(lease.safe_until));
         let task = tokio::spawn(renew_loop(self.clone(), lease.clone(), tx, last_safe.clone()));
-        Ok(HeldLease {
+        HeldLease {
             coord: self.clone(),
-            key: key.to_string(),
+            key,
             lease_id: lease.lease_id.clone(),
             first: lease,
             state: rx,
             last_safe,
             task: Some(task),
             released: false,
-        })
+        }
     }
 }
 
@@ -242,12 +249,17 @@ impl HeldLease {
     }
 
     /// Stops renewing and releases the lease.
-    pub async fn release(mut self) -> Result<Released> {
+    pub async fn release(self) -> Result<Released> {
+        self.release_to(None).await
+    }
+
+    /// [`HeldLease::release`], moving the key into work state `state` (`None`: keeps it).
+    pub async fn release_to(mut self, state: Option<&str>) -> Result<Released> {
         if let Some(t) = self.task.take() {
             t.abort();
         }
         self.released = true;
-        self.coord.release(&self.key, &self.lease_id).await
+        self.coord.release_to(&self.key, &self.lease_id, state).await
     }
 }
 

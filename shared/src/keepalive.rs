@@ -190,6 +190,8 @@ impl Coordinator {
         match self.store().update(&rec.key, &cond, &m).await {
             Ok(Write::Applied(r)) => {
                 tracing::info!(key = %r.key, holder = %r.holder, fence = r.fence, outcome = if matches!(ok, Outcome::Released) { "released" } else { "renewed" }, "keep-alive");
+                // A key in a work state keeps no TTL (DESIGN.md, "Work items and batch leases").
+                self.keep_queued(&r.key, &r).await;
                 ok
             }
             Ok(Write::Rejected(_)) => Outcome::Raced,

@@ -43,7 +43,9 @@ impl Function {
     /// The HTTP operations this function answers: its own, and for heartbeat also the
     /// read-only `GET /leases/{key+}`.
     pub(crate) fn serves(self, op: Operation) -> bool {
-        op == self.operation() || (self == Function::Heartbeat && op == Operation::Get)
+        op == self.operation()
+            || (self == Function::Heartbeat && matches!(op, Operation::Get | Operation::Count))
+            || (self == Function::Acquire && matches!(op, Operation::Next | Operation::Put))
     }
 
     fn operation(self) -> Operation {
@@ -414,11 +416,26 @@ impl Handler {
     }
 
     /// A direct invoke of this function's operation; a failure is a function error.
-    async fn direct(&self, event: Value, remaining: Duration, started: Instant) -> Handled {
+    async fn direct(&self, mut event: Value, remaining: Duration, started: Instant) -> Handled {
         let key = event.get("key").and_then(Value::as_str).map(str::to_string);
         let holder = event.get("holder").and_then(Value::as_str).map(str::to_string);
         let waited = self.function == Function::Acquire && asks_to_wait(Some(&event));
-        let result = api::run(&self.coord, self.function.operation(), None, event, Some(remaining)).await;
+        // A work operation (`"op": "next"`, ...) on the function that serves it.
+        let op = match api::batch::take_op(&mut event) {
+            Ok(Some(op)) if self.function.serves(op) => Ok(op),
+            Ok(Some(op)) => Err(Error::invalid(format!(
+                "the {} function does not serve the {} operation",
+                self.function.name(),
+                op.as_str()
+            ))),
+            Ok(None) => Ok(self.function.operation()),
+            Err(e) => Err(e),
+        };
+        let ran = op.as_ref().ok().copied();
+        let result = match op {
+            Ok(op) => api::run(&self.coord, op, None, event, Some(remaining)).await,
+            Err(e) => Err(e),
+        };
         let outcome = result.as_ref().err().map_or("ok", Error::name).to_string();
         let lost = matches!(&result, Err(Error::NotHolder { reason, .. }) if reason.is_lost());
         let fence = result.as_ref().ok().and_then(|v| v.get("fence")).and_then(Value::as_u64);
@@ -427,7 +444,13 @@ impl Handler {
             fence, outcome = %outcome, latency_ms = started.elapsed().as_secs_f64() * 1000.0,
             "direct invoke"
         );
-        Handled { counts: counts(self.function, &outcome, waited, lost), result, outcome }
+        let mut counts = counts(self.function, &outcome, waited, lost);
+        // A batch counts the leases it took; a put takes none.
+        if let (Some(op @ (Operation::Next | Operation::Put)), Ok(v)) = (ran, &result) {
+            let n = if op == Operation::Next { v["leases"].as_array().map_or(0, Vec::len) as u64 } else { 0 };
+            counts.iter_mut().filter(|(name, _)| *name == "Acquired").for_each(|c| c.1 = n);
+        }
+        Handled { counts, result, outcome }
     }
 }
 

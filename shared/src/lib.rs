@@ -13,6 +13,7 @@
 
 pub mod api;
 mod backoff;
+mod batch;
 mod clock;
 pub mod env;
 mod error;

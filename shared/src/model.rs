@@ -97,6 +97,16 @@ pub struct Record {
     /// Waiter items only (at `queue::waiter_key(key, seq)`): the queued acquire.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waiter: Option<crate::queue::Waiter>,
+    /// The work state the key is in (DESIGN.md, "Work items and batch leases"); `None`: a plain
+    /// lease key, in no state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
+    /// When the key entered its state (coordinator clock, ms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_since_ms: Option<u64>,
+    /// How many leases the key has been granted since it entered its state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempts: Option<u32>,
 }
 
 impl Record {
@@ -136,6 +146,9 @@ impl Record {
             metadata: self.metadata.clone(),
             keepalive: self.keepalive.clone(),
             queue_length: self.queue_len(),
+            state: self.state.clone(),
+            state_since_ms: self.state_since_ms,
+            attempts: self.attempts,
         }
     }
 
@@ -159,6 +172,8 @@ impl Record {
             keepalive: self.keepalive.clone(),
             safe_until,
             safe_for_ms: None,
+            state: self.state.clone(),
+            attempts: self.attempts,
         }
     }
 }
@@ -188,6 +203,12 @@ pub struct Lease {
     /// fail-closed leases.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub safe_for_ms: Option<u64>,
+    /// The work state of the key (absent for a key in no state).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
+    /// Leases granted on the key since it entered its state, this one included.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempts: Option<u32>,
 }
 
 impl Lease {
@@ -220,6 +241,12 @@ pub struct LeaseState {
     pub metadata: Option<Map<String, Value>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub keepalive: Option<Keepalive>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_since_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempts: Option<u32>,
     /// Waiters queued for the key (DESIGN.md, "The waiter queue"); absent when none.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub queue_length: u64,
@@ -240,4 +267,7 @@ pub struct Released {
     /// The lease had already been released (a retried or stale release): nothing changed.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub already_released: bool,
+    /// The key's work state after the release (absent for a key in no state).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
 }

@@ -10,7 +10,7 @@ use crate::error::NotHolderReason as Reason;
 use crate::error::{Error, Result};
 use crate::model::{Keepalive, Lease, LeaseId, LeaseState, Record, Released};
 use crate::pacing::{Pacer, Waiting};
-use crate::store::{Condition, Mutation, NewLease, ScanKind, Store, Write};
+use crate::store::{Condition, Mutation, NewLease, ScanKind, Store, Visit, Write};
 use crate::validate::Limits;
 
 /// Largest fence the protocol will issue: 2^53, the largest integer JSON/JavaScript clients
@@ -44,6 +44,9 @@ pub struct Config {
     /// fence further ahead was issued by a wrong clock and is never copied. It also bounds how
     /// far a fence can be ahead of the time its item's TTL is computed from (see `ttl_after`).
     pub fence_lead: Duration,
+    /// Partitions of the work-state index per state (DESIGN.md, "Work items and batch leases").
+    /// A property of the table: every coordinator on one table must use the same number.
+    pub state_shards: u32,
 }
 
 impl Default for Config {
@@ -59,6 +62,7 @@ impl Default for Config {
             poll_max: Duration::from_millis(500),
             clock_offset_ms: 0,
             fence_lead: Duration::from_secs(60),
+            state_shards: 1,
         }
     }
 }
@@ -269,8 +273,25 @@ impl Coordinator {
         duration: Option<Duration>,
         opts: AcquireOptions,
     ) -> Result<Lease> {
+        self.acquire_visit(key, holder, duration, opts, None).await
+    }
+
+    /// [`Coordinator::acquire`]; with `want`, only while the key is in `want`'s state (a batch
+    /// lease: `want` is the visit the state index showed; `NotFound` when the key is no longer
+    /// in that state). A key in a work state keeps it, and the grant counts as an attempt.
+    pub(crate) async fn acquire_visit(
+        &self,
+        key: &str,
+        holder: &str,
+        duration: Option<Duration>,
+        opts: AcquireOptions,
+        want: Option<Visit>,
+    ) -> Result<Lease> {
         let start = Instant::now();
         self.check_acquire(key, holder, duration, &opts)?;
+        // The work-state visit the key is believed to be in: the write keeps it (and is
+        // refused if the key has moved on since).
+        let mut visit = want.clone();
         let wait_deadline = start + opts.wait.unwrap_or_default();
         let deadline = wait_deadline.max(start + self.config.retry_budget);
         let mut lease_id = opts.lease_id.clone().unwrap_or_else(LeaseId::generate);
@@ -314,20 +335,30 @@ impl Coordinator {
                 min_hold_ms: opts.min_hold.unwrap_or_default().as_millis() as u64,
                 metadata: opts.metadata.clone(),
                 keepalive: opts.keepalive.clone(),
-                ttl: duration.map(|d| self.ttl_after(now + d.as_millis() as u64)),
+                // A key in a work state is kept until it is taken: no TTL.
+                ttl: duration.filter(|_| visit.is_none()).map(|d| self.ttl_after(now + d.as_millis() as u64)),
                 fence,
                 poll_ms: wait.advertise(),
+                visit: visit.as_ref().map(|v| Visit { attempts: v.attempts.saturating_add(1), ..v.clone() }),
             };
             let mut fence = 0;
             let (w, sent, now) = self
                 .write(key, deadline, |now| {
                     fence = self.next_fence(key, seen_fence)?;
-                    let cond = Condition::Free { now_ms: now, fence, lease_id: lease_id.clone() };
+                    let cond = match &visit {
+                        None => Condition::Free { now_ms: now, fence, lease_id: lease_id.clone() },
+                        Some(v) => {
+                            Condition::FreeIn { now_ms: now, fence, lease_id: lease_id.clone(), visit: v.clone() }
+                        }
+                    };
                     Ok((cond, Mutation::Acquire(new(now, fence))))
                 })
                 .await
                 .map_err(|f| f.into_error(key))?;
-            match sort_acquire(w, &lease_id, fence, now)? {
+            if want.is_some() && matches!(w, Write::Rejected(None)) {
+                return Err(Error::NotFound { key: key.to_string() });
+            }
+            match sort_acquire(w, &lease_id, fence, now, visit.as_ref())? {
                 AcquireAnswer::Granted(r) => {
                     check_fence(&r)?;
                     let advertised = r.poll_ms;
@@ -356,13 +387,22 @@ impl Coordinator {
                 // Free, but its last fence is not below ours (a coordinator whose clock runs
                 // ahead, a force-release, or µs collisions): go again just above it, paced
                 // if it happens again.
-                AcquireAnswer::Above(f) => {
+                AcquireAnswer::Above(r) => {
                     if seen_fence.is_some() {
                         tokio::time::sleep(jitter(self.config.retry_base)).await;
                     }
-                    seen_fence = Some(f);
+                    seen_fence = Some(r.fence);
+                    visit = self.revisit(key, &r, want.as_ref())?;
                     if Instant::now() >= deadline {
                         return Err(Error::StoreUnavailable(format!("{key:?} kept changing hands until the deadline")));
+                    }
+                }
+                // Free, but in another work-state visit than the one written under (a key in
+                // a state, or one that moved on): go again keeping the visit it is in.
+                AcquireAnswer::Moved(r) => {
+                    visit = self.revisit(key, &r, want.as_ref())?;
+                    if Instant::now() >= deadline {
+                        return Err(Error::StoreUnavailable(format!("{key:?} kept changing state until the deadline")));
                     }
                 }
                 // Our lease_id's lease already ended on this key: a lease_id is single-use. A
@@ -430,6 +470,7 @@ impl Coordinator {
                 ttl: None,
                 fence: 0,
                 poll_ms,
+                visit: None,
             },
         }
     }
@@ -490,6 +531,7 @@ impl Coordinator {
         match w {
             Write::Applied(r) => {
                 check_fence(&r)?;
+                self.keep_queued(key, &r).await;
                 Ok(r.lease(sent, now, self.skew_ms()))
             }
             // Still ours, but not extended: a fail-closed lease (nothing to extend), a later
@@ -514,10 +556,20 @@ impl Coordinator {
     /// answer, or a stale release after a force-release) changes nothing and answers with
     /// `already_released`.
     pub async fn release(&self, key: &str, lease_id: &LeaseId) -> Result<Released> {
+        self.release_to(key, lease_id, None).await
+    }
+
+    /// [`Coordinator::release`], moving the key into work state `state` in the same write
+    /// (only while the lease is live). `None` keeps the key's state.
+    pub async fn release_to(&self, key: &str, lease_id: &LeaseId, state: Option<&str>) -> Result<Released> {
         self.config.limits.key(key)?;
-        // A head waiter of this coordinator sleeping on the key: hand it over in this write.
-        if let Some(claim) = self.wakeups.claim(key) {
-            if let Some(released) = self.release_to(key, lease_id, claim).await {
+        if let Some(s) = state {
+            crate::batch::check_state(s)?;
+        }
+        // A head waiter of this coordinator sleeping on the key: hand it over in this write
+        // (not when the key moves to a work state: the hand-over writes a lease in none).
+        if let Some(claim) = state.is_none().then(|| self.wakeups.claim(key)).flatten() {
+            if let Some(released) = self.release_to_waiter(key, lease_id, claim).await {
                 return Ok(released);
             }
         }
@@ -526,7 +578,15 @@ impl Coordinator {
         let (w, _, now) = self
             .write(key, deadline, |now| {
                 let ttl = self.ttl_after(now + max);
-                Ok((Condition::Unreleased { lease_id: lease_id.clone() }, Mutation::Release { now_ms: now, ttl }))
+                Ok(match state {
+                    None => {
+                        (Condition::Unreleased { lease_id: lease_id.clone() }, Mutation::Release { now_ms: now, ttl })
+                    }
+                    Some(s) => (
+                        Condition::Live { lease_id: lease_id.clone(), now_ms: now },
+                        Mutation::ReleaseTo { now_ms: now, state: s.to_string(), shard: self.state_shard(key, s) },
+                    ),
+                })
             })
             .await
             .map_err(|f| f.into_error(key))?;
@@ -536,9 +596,11 @@ impl Coordinator {
             released_at_ms: r.released_at_ms.unwrap_or(now),
             free_at_ms: r.expires_at_ms.unwrap_or(now).max(now),
             already_released,
+            state: r.state.clone(),
         };
         match w {
             Write::Applied(r) => {
+                self.keep_queued(key, &r).await;
                 self.wakeups.wake(key);
                 self.hand_over_after_free(key, &r).await;
                 Ok(released(&r, false))
@@ -551,7 +613,7 @@ impl Coordinator {
     /// The release of `lease_id` as one write that grants the key to the claimed in-process
     /// waiter (DESIGN.md, "In-process waiters"). `None`: not done (the claim is dropped and the
     /// waiter tries by itself); the ordinary release follows.
-    async fn release_to(&self, key: &str, lease_id: &LeaseId, claim: crate::wakeup::Claim) -> Option<Released> {
+    async fn release_to_waiter(&self, key: &str, lease_id: &LeaseId, claim: crate::wakeup::Claim) -> Option<Released> {
         self.check_clock(key).await.ok()?;
         let r = self.store.get(key).await.ok()??;
         let sent = Instant::now();
@@ -570,6 +632,7 @@ impl Coordinator {
             released_at_ms: now,
             free_at_ms: now,
             already_released: false,
+            state: None,
         };
         let waiter = lease.lease_id.clone();
         match self.store.update(key, &cond, &Mutation::Acquire(lease)).await {
@@ -604,6 +667,7 @@ impl Coordinator {
             .map_err(|f| f.into_error(key))?;
         match w {
             Write::Applied(r) => {
+                self.keep_queued(key, &r).await;
                 self.wakeups.wake(key);
                 self.hand_over_after_free(key, &r).await;
                 Ok(r.state(now))
@@ -677,20 +741,23 @@ enum AcquireAnswer {
     /// The lease is ours: this attempt's, or an earlier one of the same lease_id that landed.
     Granted(Record),
     /// The key is free but its last fence is not below ours: go again above this one.
-    Above(u64),
+    Above(Record),
+    /// The key is free but not in the work-state visit the write was made under.
+    Moved(Record),
     /// Our lease_id's lease already ended on this key (released or expired): never again.
     Ended(Reason),
     /// Another lease holds the key.
     Held(Record),
 }
 
-fn sort_acquire(w: Write, lease_id: &LeaseId, fence: u64, now: u64) -> Result<AcquireAnswer> {
+fn sort_acquire(w: Write, lease_id: &LeaseId, fence: u64, now: u64, visit: Option<&Visit>) -> Result<AcquireAnswer> {
     Ok(match w {
         Write::Applied(r) => AcquireAnswer::Granted(r),
         Write::Rejected(Some(r)) if r.is_live_for(lease_id, now) => AcquireAnswer::Granted(r),
         Write::Rejected(Some(r)) => match ended_reason(&r, lease_id, now) {
             Some(reason) if reason != Reason::WrongLeaseId => AcquireAnswer::Ended(reason),
-            _ if !r.is_held(now) && r.fence >= fence => AcquireAnswer::Above(r.fence),
+            _ if !r.is_held(now) && r.fence >= fence => AcquireAnswer::Above(r),
+            _ if !r.is_held(now) && !crate::batch::in_visit(&r, visit) => AcquireAnswer::Moved(r),
             _ => AcquireAnswer::Held(r),
         },
         Write::Rejected(None) => {

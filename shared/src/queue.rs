@@ -94,6 +94,8 @@ pub trait Deliver: Send + Sync + 'static {
 
 /// The outcome of a queued acquire.
 #[derive(Debug, Clone, PartialEq)]
+// One answer per call, never stored in bulk: boxing the lease would only add an allocation.
+#[allow(clippy::large_enum_variant)]
 pub enum Enqueued {
     /// The key was free: the lease was granted (and delivered).
     Granted(Lease),
@@ -238,6 +240,9 @@ impl Coordinator {
                 queue_tail_at_ms: None,
                 pending_token: None,
                 waiter: Some(waiter),
+                state: None,
+                state_since_ms: None,
+                attempts: None,
             };
             let wk = waiter_key(key, seq);
             self.write(&wk, deadline, |_| Ok((Condition::NotLease, Mutation::PutWaiter(Box::new(item.clone())))))
@@ -313,9 +318,11 @@ impl Coordinator {
                 min_hold_ms: 0,
                 metadata: waiter.metadata.clone(),
                 keepalive: waiter.keepalive.clone(),
-                ttl: Some(self.ttl_after(now + waiter.duration_ms)),
+                // A key in a work state is kept until it is taken: no TTL (as for a batch grant).
+                ttl: r.state.is_none().then(|| self.ttl_after(now + waiter.duration_ms)),
                 fence,
                 poll_ms: None,
+                visit: None,
             };
             let sent = Instant::now();
             let cond = Condition::HandOver { fence: r.fence, now_ms: now, head };

@@ -40,6 +40,8 @@ impl Default for Limits {
 /// a UUID, 36 chars, is accepted so that `States.UUID()` can make one in a state machine).
 pub(crate) const LEASE_ID_MIN_LEN: usize = 22;
 pub(crate) const LEASE_ID_MAX_LEN: usize = 128;
+/// The most leases one `acquire_next` takes, and the longest work state name, in bytes.
+pub use crate::batch::{MAX_BATCH, MAX_STATE_BYTES};
 /// A keep-alive lease lasts at least this many sweep periods.
 pub const KEEPALIVE_SWEEPS: u32 = 3;
 /// Longest Step Functions execution ARN accepted for keep-alive.

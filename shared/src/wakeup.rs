@@ -23,6 +23,8 @@ pub struct Offer {
 
 /// A waiter's hand-over state.
 #[derive(Debug)]
+// One per waiting acquire: boxing the offer would only add an allocation per sleep.
+#[allow(clippy::large_enum_variant)]
 enum Hand {
     /// Trying or sleeping; `Some` while it sleeps and takes a hand-over.
     Open(Option<Offer>),

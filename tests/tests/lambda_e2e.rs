@@ -685,7 +685,7 @@ async fn through_api_gateway(
 async fn http_api_routes_from_the_template_carry_every_key() {
     let lab = Lab::start(&[], &[]).await;
     let routes = tokio::task::spawn_blocking(|| apigw::routes(&apigw::raw_template())).await.unwrap();
-    assert_eq!(routes.len(), 4, "{routes:?}");
+    assert_eq!(routes.len(), 7, "{routes:?}");
     let corpus: Vec<String> = vec![
         "orders/42".into(),
         "jobs/nightly".into(),
@@ -736,6 +736,34 @@ async fn http_api_routes_from_the_template_carry_every_key() {
         let id = d.body["lease_id"].as_str().unwrap();
         assert!(lab.invoke("release", &json!({"key": key, "lease_id": id})).await.error_type.is_none());
     }
+
+    // Work items through the same routes: put, next (a batch), count, release into a state.
+    let put = json!({"state": "GW_PENDING", "holder": "gw"}).to_string();
+    let p = through_api_gateway(&lab, &routes, "POST", "/leases/put/tenants%2Facme/job%201", Some(&put)).await;
+    let p = p.expect("put route");
+    assert_eq!(
+        (p.status, p.body["key"].as_str(), p.body["state"].as_str()),
+        (200, Some("tenants/acme/job 1"), Some("GW_PENDING"))
+    );
+    let next = json!({"holder": "gw", "limit": 5, "duration_ms": 30_000}).to_string();
+    let n =
+        through_api_gateway(&lab, &routes, "POST", "/leases/next/GW_PENDING", Some(&next)).await.expect("next route");
+    assert_eq!(n.status, 200, "{:?}", n.body);
+    let leases = n.body["leases"].as_array().expect("leases").clone();
+    assert_eq!(leases.len(), 1, "{:?}", n.body);
+    assert_eq!((leases[0]["key"].as_str(), leases[0]["attempts"].as_u64()), (Some("tenants/acme/job 1"), Some(1)));
+    let c = through_api_gateway(&lab, &routes, "POST", "/leases/count/GW_PENDING", None).await.expect("count route");
+    assert_eq!((c.status, c.body["count"].as_u64()), (200, Some(1)), "{:?}", c.body);
+    let done = json!({"lease_id": leases[0]["lease_id"], "state": "GW_DONE"}).to_string();
+    let r = through_api_gateway(&lab, &routes, "POST", "/leases/release/tenants/acme/job%201", Some(&done))
+        .await
+        .expect("release route");
+    assert_eq!((r.status, r.body["state"].as_str()), (200, Some("GW_DONE")), "{:?}", r.body);
+    let bad =
+        through_api_gateway(&lab, &routes, "POST", "/leases/next/GW_PENDING", Some(r#"{"holder": "gw", "limit": 0}"#))
+            .await
+            .expect("next route");
+    assert_eq!((bad.status, bad.body["error"].as_str()), (400, Some("InvalidRequest")));
 
     // Keys that would not travel through API Gateway unchanged are refused on every other
     // interface, so nobody can hold a lease that HTTP callers cannot name.

@@ -106,9 +106,12 @@ fn sam_transform_output_is_clean_cloudformation() {
     for name in ["AcquireFunction", "HeartbeatFunction", "ReleaseFunction"] {
         assert_eq!(out["Resources"][name]["Type"], "AWS::Lambda::Function", "{name}");
     }
-    // SingleFlight, QueuedSingleFlight, ScheduledJob, and FencedUpdate (deployed only with a
-    // target table).
-    assert_eq!(resources_of(out, "AWS::StepFunctions::StateMachine").len(), 4);
+    // SingleFlight, QueuedSingleFlight, ScheduledJob, FencedUpdate (deployed only with a target
+    // table) and BatchProcessor (only with a batch work function).
+    assert_eq!(resources_of(out, "AWS::StepFunctions::StateMachine").len(), 5);
+    let batch = &out["Resources"]["BatchProcessorStateMachine"];
+    assert_eq!(batch["Condition"], "HasBatchWorkFunction");
+    assert!(batch["Properties"]["DefinitionS3Location"].is_object(), "{batch}");
     assert_eq!(resources_of(out, "AWS::ApiGatewayV2::Api").len(), 1);
 }
 
@@ -129,19 +132,32 @@ fn lease_table_matches_the_store() {
         .iter()
         .map(|d| (d["AttributeName"].as_str().unwrap().to_string(), d["AttributeType"].as_str().unwrap().to_string()))
         .collect();
-    let want: HashSet<(String, String)> = [(attr::KEY, "S"), (attr::KA_SHARD, "N"), (attr::KA_UNTIL, "N")]
-        .iter()
-        .map(|(a, b)| (a.to_string(), b.to_string()))
-        .collect();
+    let want: HashSet<(String, String)> = [
+        (attr::KEY, "S"),
+        (attr::KA_SHARD, "N"),
+        (attr::KA_UNTIL, "N"),
+        (attr::STATE_SHARD, "S"),
+        (attr::EXPIRES_AT, "N"),
+    ]
+    .iter()
+    .map(|(a, b)| (a.to_string(), b.to_string()))
+    .collect();
     assert_eq!(defs, want);
     let gsis = p["GlobalSecondaryIndexes"].as_array().expect("GSIs");
-    assert_eq!(gsis.len(), 1);
+    assert_eq!(gsis.len(), 2);
     assert_eq!(gsis[0]["IndexName"], KEEPALIVE_INDEX);
     assert_eq!(
         gsis[0]["KeySchema"],
         json!([{"AttributeName": attr::KA_SHARD, "KeyType": "HASH"}, {"AttributeName": attr::KA_UNTIL, "KeyType": "RANGE"}])
     );
     assert_eq!(gsis[0]["Projection"], json!({"ProjectionType": "ALL"}));
+    // The work-state index, as `DynamoStore::create_table` makes it.
+    assert_eq!(gsis[1]["IndexName"], leasehold::store::dynamo::STATE_INDEX);
+    assert_eq!(
+        gsis[1]["KeySchema"],
+        json!([{"AttributeName": attr::STATE_SHARD, "KeyType": "HASH"}, {"AttributeName": attr::EXPIRES_AT, "KeyType": "RANGE"}])
+    );
+    assert_eq!(gsis[1]["Projection"], json!({"ProjectionType": "ALL"}));
     assert_eq!(p["TimeToLiveSpecification"], json!({"AttributeName": attr::TTL, "Enabled": true}));
     assert_eq!(p["PointInTimeRecoverySpecification"]["PointInTimeRecoveryEnabled"], true);
     assert_eq!(p["SSESpecification"]["SSEEnabled"], true);
@@ -228,6 +244,9 @@ fn every_http_route_requires_iam() {
         ("POST", "/leases/heartbeat/{key+}", "HeartbeatFunction"),
         ("POST", "/leases/release/{key+}", "ReleaseFunction"),
         ("GET", "/leases/{key+}", "HeartbeatFunction"),
+        ("POST", "/leases/next/{state}", "AcquireFunction"),
+        ("POST", "/leases/put/{key+}", "AcquireFunction"),
+        ("POST", "/leases/count/{state}", "HeartbeatFunction"),
     ]
     .into_iter()
     .map(|(m, p, f)| (m.to_string(), p.to_string(), f))
@@ -240,8 +259,14 @@ fn every_http_route_requires_iam() {
     assert_eq!(served, deployed);
     // The key is a greedy `{key+}`, the last segment: keys with `/` match, and an
     // execute-api:Invoke policy can grant a key prefix (.../POST/leases/acquire/tenants/acme/*).
+    // The work-state routes end with a `{state}`, which has no `/`.
     for (_, path, _) in &routes {
-        assert!(path.ends_with("/{key+}") && path.matches('{').count() == 1, "{path}");
+        let last = if path.starts_with("/leases/next/") || path.starts_with("/leases/count/") {
+            "/{state}"
+        } else {
+            "/{key+}"
+        };
+        assert!(path.ends_with(last) && path.matches('{').count() == 1, "{path}");
     }
 
     // After the transform: the OpenAPI body has exactly these routes, each with SigV4 security.
@@ -253,7 +278,7 @@ fn every_http_route_requires_iam() {
             assert_eq!(op["security"], json!([{"AWS_IAM": []}]), "{method} {path}");
         }
     }
-    assert_eq!(n, 4);
+    assert_eq!(n, 7);
     assert_eq!(body["components"]["securitySchemes"]["AWS_IAM"]["x-amazon-apigateway-authtype"], "awsSigv4");
 }
 
@@ -266,7 +291,7 @@ fn allowed_resource(action: &str, resource: &Value, own_log_group: &str) -> bool
     let executions = |machine: &str| json!({"Fn::Sub": format!("arn:${{AWS::Partition}}:states:${{AWS::Region}}:${{AWS::AccountId}}:execution:${{{machine}.Name}}:*")});
     let log_group = json!({"Fn::GetAtt": [own_log_group, "Arn"]});
     match action {
-        "dynamodb:Query" => *resource == index,
+        "dynamodb:Query" => *resource == index || *resource == json!({"Fn::Sub": "${LeaseTable.Arn}/index/state"}),
         a if a.starts_with("dynamodb:") => *resource == table,
         "states:DescribeExecution" => {
             MACHINES.iter().any(|m| *resource == executions(m))
@@ -292,6 +317,7 @@ fn function_roles_are_least_privilege() {
                 "dynamodb:UpdateItem",
                 "dynamodb:GetItem",
                 "dynamodb:DeleteItem",
+                "dynamodb:Query",
                 "states:SendTaskSuccess",
                 "logs:CreateLogStream",
                 "logs:PutLogEvents",

@@ -38,7 +38,7 @@ pub mod attr {
     pub(crate) const HOLDER: &str = "holder";
     pub(crate) const LEASE_ID: &str = "lease_id";
     pub(crate) const ACQUIRED_AT: &str = "acquired_at_ms";
-    pub(crate) const EXPIRES_AT: &str = "expires_at_ms";
+    pub const EXPIRES_AT: &str = "expires_at_ms";
     pub(crate) const DURATION: &str = "duration_ms";
     pub(crate) const MIN_HOLD_UNTIL: &str = "min_hold_until_ms";
     pub(crate) const RELEASED_AT: &str = "released_at_ms";
@@ -54,6 +54,10 @@ pub mod attr {
     pub(crate) const QUEUE_TAIL_AT: &str = "queue_tail_at_ms";
     pub(crate) const PENDING_TOKEN: &str = "pending_token";
     pub(crate) const WAITER: &str = "waiter";
+    /// `STATE#n`: the work state and the index partition (present only on keys in a state).
+    pub const STATE_SHARD: &str = "state_shard";
+    pub(crate) const STATE_SINCE: &str = "state_since_ms";
+    pub(crate) const ATTEMPTS: &str = "attempts";
 
     /// Every attribute above.
     pub const ALL: &[&str] = &[
@@ -77,6 +81,9 @@ pub mod attr {
         QUEUE_TAIL_AT,
         PENDING_TOKEN,
         WAITER,
+        STATE_SHARD,
+        STATE_SINCE,
+        ATTEMPTS,
     ];
 
     /// The attributes that are DynamoDB reserved words, so an expression must name them through
@@ -88,6 +95,9 @@ pub mod attr {
 
 /// Name of the sparse keep-alive index (partition `ka_shard`, sort `ka_until_ms`).
 pub const KEEPALIVE_INDEX: &str = "keepalive";
+
+/// Name of the sparse work-state index (partition `state_shard`, sort `expires_at_ms`).
+pub const STATE_INDEX: &str = "state";
 
 #[derive(Clone, Debug)]
 pub struct DynamoStore {
@@ -186,14 +196,15 @@ impl DynamoStore {
         &self.table
     }
 
-    /// Creates the lease table (on-demand, key schema, keep-alive index) and enables TTL.
+    /// Creates the lease table (on-demand, key schema, keep-alive and work-state indexes) and
+    /// enables TTL.
     /// For local use and tests: production tables come from template.yaml. Idempotent.
     pub async fn create_table(&self) -> Result<()> {
         self.create_table_with(true).await
     }
 
-    /// [`DynamoStore::create_table`], optionally without the keep-alive index (DynamoDB Local's
-    /// TTL sweeper skips tables that have a global secondary index).
+    /// [`DynamoStore::create_table`], optionally without the keep-alive and work-state indexes
+    /// (DynamoDB Local's TTL sweeper skips tables that have a global secondary index).
     pub async fn create_table_with(&self, keepalive_index: bool) -> Result<()> {
         let s =
             |n: &str| AttributeDefinition::builder().attribute_name(n).attribute_type(ScalarAttributeType::S).build();
@@ -204,6 +215,12 @@ impl DynamoStore {
             .index_name(KEEPALIVE_INDEX)
             .key_schema(built(ks(attr::KA_SHARD, KeyType::Hash))?)
             .key_schema(built(ks(attr::KA_UNTIL, KeyType::Range))?)
+            .projection(Projection::builder().projection_type(ProjectionType::All).build())
+            .build();
+        let state_gsi = GlobalSecondaryIndex::builder()
+            .index_name(STATE_INDEX)
+            .key_schema(built(ks(attr::STATE_SHARD, KeyType::Hash))?)
+            .key_schema(built(ks(attr::EXPIRES_AT, KeyType::Range))?)
             .projection(Projection::builder().projection_type(ProjectionType::All).build())
             .build();
         let mut req = self
@@ -217,7 +234,10 @@ impl DynamoStore {
             req = req
                 .attribute_definitions(built(n(attr::KA_SHARD))?)
                 .attribute_definitions(built(n(attr::KA_UNTIL))?)
-                .global_secondary_indexes(built(gsi)?);
+                .attribute_definitions(built(s(attr::STATE_SHARD))?)
+                .attribute_definitions(built(n(attr::EXPIRES_AT))?)
+                .global_secondary_indexes(built(gsi)?)
+                .global_secondary_indexes(built(state_gsi)?);
         }
         let res = req.send().await;
         match res {
@@ -374,6 +394,9 @@ pub(crate) fn record_from_item(item: &HashMap<String, AttributeValue>) -> Result
         queue_tail_at_ms: get_n(item, attr::QUEUE_TAIL_AT)?,
         pending_token: get_s(item, attr::PENDING_TOKEN)?,
         waiter,
+        state: get_s(item, attr::STATE_SHARD)?.map(|s| s.rsplit_once('#').map_or(s.as_str(), |(st, _)| st).to_string()),
+        state_since_ms: get_n(item, attr::STATE_SINCE)?,
+        attempts: get_n(item, attr::ATTEMPTS)?.map(|a| a.min(u32::MAX as u64) as u32),
     })
 }
 
@@ -453,9 +476,10 @@ impl Expr {
                 let fv = self.v("fence", num(*fence));
                 let lid = self.v("lease_id", str_(lease_id.expose()));
                 let (qt, qh) = (self.n(attr::QUEUE_TAIL), self.n(attr::QUEUE_HEAD));
+                let ss = self.n(attr::STATE_SHARD);
                 format!(
                     "attribute_not_exists({f}) OR ({e} <= {now} AND {f} < {fv} AND {l} <> {lid} \
-                     AND (attribute_not_exists({qt}) OR {qt} <= {qh}))"
+                     AND (attribute_not_exists({qt}) OR {qt} <= {qh}) AND attribute_not_exists({ss}))"
                 )
             }
             Condition::Renew { lease_id, now_ms, expires_at_ms } => {
@@ -510,18 +534,48 @@ impl Expr {
             Condition::HandTo { lease_id, fence, now_ms } => {
                 let (f, l, r) = (self.n(attr::FENCE), self.n(attr::LEASE_ID), self.n(attr::RELEASED_AT));
                 let (m, qt, qh) = (self.n(attr::MIN_HOLD_UNTIL), self.n(attr::QUEUE_TAIL), self.n(attr::QUEUE_HEAD));
+                let ss = self.n(attr::STATE_SHARD);
                 let fv = self.v("expected_fence", num(*fence));
                 let lid = self.v("lease_id", str_(lease_id.expose()));
                 let now = self.v("now", num(*now_ms));
                 format!(
                     "{f} = {fv} AND {l} = {lid} AND attribute_not_exists({r}) AND {m} <= {now} \
-                     AND (attribute_not_exists({qt}) OR {qt} <= {qh})"
+                     AND (attribute_not_exists({qt}) OR {qt} <= {qh}) AND attribute_not_exists({ss})"
                 )
             }
             Condition::NotLease => {
                 let f = self.n(attr::FENCE);
                 let z = self.v("zero", num(0));
                 format!("attribute_not_exists({f}) OR {f} = {z}")
+            }
+            // Free, and still in the visit of the state the coordinator read (the write copies
+            // it into the new item).
+            Condition::FreeIn { now_ms, fence, lease_id, visit } => {
+                let (e, f, l) = (self.n(attr::EXPIRES_AT), self.n(attr::FENCE), self.n(attr::LEASE_ID));
+                let (ss, si, at) = (self.n(attr::STATE_SHARD), self.n(attr::STATE_SINCE), self.n(attr::ATTEMPTS));
+                let now = self.v("now", num(*now_ms));
+                let fv = self.v("fence", num(*fence));
+                let lid = self.v("lease_id", str_(lease_id.expose()));
+                let ssv = self.v("state_shard", str_(&visit.shard));
+                let siv = self.v("state_since_ms", num(visit.since_ms));
+                let atv = self.v("attempts", num(visit.attempts as u64));
+                let (qt, qh) = (self.n(attr::QUEUE_TAIL), self.n(attr::QUEUE_HEAD));
+                format!(
+                    "{e} <= {now} AND {f} < {fv} AND {l} <> {lid} AND (attribute_not_exists({qt}) OR {qt} <= {qh}) \
+                     AND {ss} = {ssv} AND {si} = {siv} AND {at} = {atv}"
+                )
+            }
+            Condition::Enterable { now_ms, shard, .. } => {
+                let (f, e, ss) = (self.n(attr::FENCE), self.n(attr::EXPIRES_AT), self.n(attr::STATE_SHARD));
+                let now = self.v("now", num(*now_ms));
+                let ssv = self.v("state_shard", str_(shard));
+                format!("attribute_not_exists({f}) OR ({e} <= {now} AND (attribute_not_exists({ss}) OR {ss} <> {ssv}))")
+            }
+            Condition::Live { lease_id, now_ms } => {
+                let (l, r, e) = (self.n(attr::LEASE_ID), self.n(attr::RELEASED_AT), self.n(attr::EXPIRES_AT));
+                let lid = self.v("lease_id", str_(lease_id.expose()));
+                let now = self.v("now", num(*now_ms));
+                format!("{l} = {lid} AND attribute_not_exists({r}) AND (attribute_not_exists({e}) OR {e} > {now})")
             }
         }
     }
@@ -606,6 +660,37 @@ impl Expr {
             }
             Mutation::Skip { seq } => self.set_value(attr::QUEUE_HEAD, num(*seq)),
             Mutation::PutWaiter(_) => unreachable!("a waiter item is a PutItem"),
+            Mutation::Enter { now_ms, holder, shard, .. } => {
+                let now = self.v("now", num(*now_ms));
+                for (a, v) in [
+                    (attr::FENCE, self.v("zero", num(0))),
+                    (attr::HOLDER, self.v("holder", str_(holder))),
+                    (attr::LEASE_ID, self.v("no_lease", str_(super::NO_LEASE))),
+                    (attr::ACQUIRED_AT, now.clone()),
+                    (attr::MIN_HOLD_UNTIL, now.clone()),
+                ] {
+                    let n = self.n(a);
+                    self.set(a, format!("if_not_exists({n}, {v})"));
+                }
+                self.set(attr::EXPIRES_AT, now.clone());
+                self.set_value(attr::STATE_SHARD, str_(shard));
+                self.set(attr::STATE_SINCE, now);
+                let zero = self.v("zero", num(0));
+                self.set(attr::ATTEMPTS, zero);
+                self.remove(attr::TTL);
+            }
+            Mutation::ReleaseTo { now_ms, shard, .. } => {
+                let mh = self.n(attr::MIN_HOLD_UNTIL);
+                self.set(attr::EXPIRES_AT, mh);
+                let now = self.v("released_at_ms", num(*now_ms));
+                self.set(attr::RELEASED_AT, now.clone());
+                self.set_value(attr::STATE_SHARD, str_(shard));
+                self.set(attr::STATE_SINCE, now);
+                self.set_value(attr::ATTEMPTS, num(0));
+                self.remove_keepalive();
+                self.remove(attr::TTL);
+            }
+            Mutation::ClearTtl => self.remove(attr::TTL),
         }
     }
 }
@@ -654,6 +739,11 @@ fn lease_item(key: &str, n: &NewLease) -> HashMap<String, AttributeValue> {
     }
     if let Some(p) = n.poll_ms {
         put(attr::POLL, num(p));
+    }
+    if let Some(v) = &n.visit {
+        put(attr::STATE_SHARD, str_(&v.shard));
+        put(attr::STATE_SINCE, num(v.since_ms));
+        put(attr::ATTEMPTS, num(v.attempts as u64));
     }
     item
 }
@@ -731,6 +821,32 @@ impl DynamoStore {
                 }
                 _ => None,
             }),
+        }
+    }
+}
+
+impl DynamoStore {
+    /// A Query of one partition of the work-state index, oldest expiry first: the items free at
+    /// `free_at_ms` (`expires_at_ms <= :now`), or all of them.
+    fn state_query(
+        &self,
+        shard: &str,
+        free_at_ms: Option<u64>,
+    ) -> aws_sdk_dynamodb::operation::query::builders::QueryFluentBuilder {
+        let q = self
+            .client
+            .query()
+            .table_name(&self.table)
+            .index_name(STATE_INDEX)
+            .expression_attribute_names("#s", attr::STATE_SHARD)
+            .expression_attribute_values(":s", str_(shard))
+            .scan_index_forward(true);
+        match free_at_ms {
+            Some(now) => q
+                .key_condition_expression("#s = :s AND #e <= :now")
+                .expression_attribute_names("#e", attr::EXPIRES_AT)
+                .expression_attribute_values(":now", num(now)),
+            None => q.key_condition_expression("#s = :s"),
         }
     }
 }
@@ -863,11 +979,42 @@ impl Store for DynamoStore {
                     .map_err(map_err)?;
                 (out.items().to_vec(), out.last_evaluated_key().cloned())
             }
+            ScanKind::State { shard, free_at_ms, .. } => {
+                let out = self
+                    .state_query(shard, *free_at_ms)
+                    .limit(limit.max(1) as i32)
+                    .set_exclusive_start_key(start_key)
+                    .send()
+                    .await
+                    .map_err(map_err)?;
+                (out.items().to_vec(), out.last_evaluated_key().cloned())
+            }
         };
         Ok(Page {
             items: items.iter().map(record_from_item).collect::<Result<_>>()?,
             next: last.as_ref().map(encode_token),
         })
+    }
+
+    async fn count(&self, kind: &ScanKind) -> Result<u64> {
+        let ScanKind::State { shard, free_at_ms, .. } = kind else {
+            return super::count_pages(self, kind).await;
+        };
+        let (mut n, mut start) = (0u64, None);
+        loop {
+            let out = self
+                .state_query(shard, *free_at_ms)
+                .select(aws_sdk_dynamodb::types::Select::Count)
+                .set_exclusive_start_key(start)
+                .send()
+                .await
+                .map_err(map_err)?;
+            n += out.count().max(0) as u64;
+            match out.last_evaluated_key() {
+                Some(k) => start = Some(k.clone()),
+                None => return Ok(n),
+            }
+        }
     }
 }
 
@@ -941,6 +1088,7 @@ mod tests {
                         ttl,
                         fence: 4,
                         poll_ms: None,
+                        visit: None,
                     },
                     seq: 6,
                     token: "t".into(),
@@ -951,6 +1099,24 @@ mod tests {
             (Condition::Undelivered { fence: 3 }, Some(Mutation::Revoke { now_ms: now, ttl: 2 })),
             (Condition::NotLease, None),
             (Condition::HandTo { lease_id: id.clone(), fence: 3, now_ms: now }, None),
+            (
+                Condition::FreeIn {
+                    now_ms: now,
+                    fence: 3,
+                    lease_id: id.clone(),
+                    visit: crate::store::Visit { state: "S".into(), shard: "S#0".into(), since_ms: 1, attempts: 0 },
+                },
+                None,
+            ),
+            (
+                Condition::Enterable { now_ms: now, state: "S".into(), shard: "S#0".into() },
+                Some(Mutation::Enter { now_ms: now, holder: "h".into(), state: "S".into(), shard: "S#0".into() }),
+            ),
+            (
+                Condition::Live { lease_id: id.clone(), now_ms: now },
+                Some(Mutation::ReleaseTo { now_ms: now, state: "S".into(), shard: "S#0".into() }),
+            ),
+            (Condition::FenceIs(3), Some(Mutation::ClearTtl)),
         ];
         for (c, m) in writes {
             let (cond, update) = expressions(&c, m.as_ref().unwrap_or(&Mutation::ClearKeepalive));

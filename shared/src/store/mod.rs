@@ -25,10 +25,13 @@ pub use sqlite::SqliteStore;
 #[derive(Debug, Clone, PartialEq)]
 pub enum Condition {
     /// The key can be taken with fence `fence` by `lease_id`: no item, or an item whose expiry
-    /// is present and `<= now_ms`, whose last fence is below `fence`, and whose last lease is
-    /// not `lease_id` (a lease_id is single-use: once its lease ended it is never granted again).
-    /// DynamoDB: `attribute_not_exists(fence) OR (expires_at_ms <= :now AND fence < :fence AND
-    /// lease_id <> :lease_id)` (every item has a fence)
+    /// is present and `<= now_ms`, whose last fence is below `fence`, whose last lease is not
+    /// `lease_id` (a lease_id is single-use: once its lease ended it is never granted again),
+    /// without queued waiters (a free key with waiters belongs to the head waiter), and which is
+    /// in no work state (a key in a state is taken with [`Condition::FreeIn`], which keeps its
+    /// state). DynamoDB: `attribute_not_exists(fence) OR (expires_at_ms <= :now AND fence <
+    /// :fence AND lease_id <> :lease_id AND (attribute_not_exists(queue_tail) OR queue_tail <=
+    /// queue_head) AND attribute_not_exists(state_shard))` (every item has a fence)
     Free { now_ms: u64, fence: u64, lease_id: LeaseId },
     /// `lease_id` holds the key and this renewal is newer than the last one: same lease_id, not
     /// released, no expiry or expiry `> now_ms`, and no renewal at or after `now_ms` (a delayed
@@ -67,10 +70,27 @@ pub enum Condition {
     NotLease,
     /// The release of `lease_id` may hand the key straight to an in-process waiter: the item is
     /// still that lease as read (`fence`), unreleased, past its min_hold, without queued
-    /// waiters. DynamoDB: `fence = :expected_fence AND lease_id = :lease_id AND
-    /// attribute_not_exists(released_at_ms) AND min_hold_until_ms <= :now AND
-    /// (attribute_not_exists(queue_tail) OR queue_tail <= queue_head)`
+    /// waiters, and in no work state (the grant replaces the whole item). DynamoDB: `fence =
+    /// :expected_fence AND lease_id = :lease_id AND attribute_not_exists(released_at_ms) AND
+    /// min_hold_until_ms <= :now AND (attribute_not_exists(queue_tail) OR queue_tail <=
+    /// queue_head) AND attribute_not_exists(state_shard)`
     HandTo { lease_id: LeaseId, fence: u64, now_ms: u64 },
+    /// [`Condition::Free`] for a key in a work state, and still in the same visit of that state
+    /// the coordinator read (same state, same entry time, same number of grants): a batch lease
+    /// copies the state into the new item, so it must be the item's current one. DynamoDB:
+    /// `expires_at_ms <= :now AND fence < :fence AND lease_id <> :lease_id AND
+    /// (attribute_not_exists(queue_tail) OR queue_tail <= queue_head) AND state_shard =
+    /// :state_shard AND state_since_ms = :state_since_ms AND attempts = :attempts`
+    FreeIn { now_ms: u64, fence: u64, lease_id: LeaseId, visit: Visit },
+    /// A key may be put into `state`: no item, or a free item not already in `state`.
+    /// DynamoDB: `attribute_not_exists(fence) OR (expires_at_ms <= :now AND
+    /// (attribute_not_exists(state_shard) OR state_shard <> :state_shard))`
+    Enterable { now_ms: u64, state: String, shard: String },
+    /// `lease_id` holds the key right now: same lease_id, not released, no expiry or expiry
+    /// `> now_ms` (a state change is the live holder's alone). DynamoDB: `lease_id = :lease_id
+    /// AND attribute_not_exists(released_at_ms) AND (attribute_not_exists(expires_at_ms) OR
+    /// expires_at_ms > :now)`
+    Live { lease_id: LeaseId, now_ms: u64 },
 }
 
 impl Condition {
@@ -83,6 +103,7 @@ impl Condition {
                     && r.fence < *fence
                     && &r.lease_id != lease_id
                     && r.queue_len() == 0
+                    && r.state.is_none()
             }
             (Condition::Renew { lease_id, now_ms, expires_at_ms }, Some(r)) => {
                 r.is_live_for(lease_id, *now_ms)
@@ -108,6 +129,21 @@ impl Condition {
                     && r.released_at_ms.is_none()
                     && r.min_hold_until_ms <= *now_ms
                     && r.queue_len() == 0
+                    && r.state.is_none()
+            }
+            (Condition::FreeIn { now_ms, fence, lease_id, visit }, Some(r)) => {
+                matches!(r.expires_at_ms, Some(e) if e <= *now_ms)
+                    && r.fence < *fence
+                    && &r.lease_id != lease_id
+                    && r.queue_len() == 0
+                    && r.state.as_deref() == Some(visit.state.as_str())
+                    && r.state_since_ms == Some(visit.since_ms)
+                    && r.attempts.unwrap_or(0) == visit.attempts
+            }
+            (Condition::Live { lease_id, now_ms }, Some(r)) => r.is_live_for(lease_id, *now_ms),
+            (Condition::Enterable { .. }, None) => true,
+            (Condition::Enterable { now_ms, state, .. }, Some(r)) => {
+                matches!(r.expires_at_ms, Some(e) if e <= *now_ms) && r.state.as_deref() != Some(state.as_str())
             }
             (_, None) => false,
         }
@@ -131,6 +167,18 @@ pub struct NewLease {
     pub fence: u64,
     /// The key's poll period for waiters, when the key is contended (see `pacing`).
     pub poll_ms: Option<u64>,
+    /// The work state the key stays in, with `attempts` counting this grant.
+    pub visit: Option<Visit>,
+}
+
+/// One stay of a key in a work state: the state, its index partition (`state_shard`), when the
+/// key entered it, and how many leases it has been granted since.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Visit {
+    pub state: String,
+    pub shard: String,
+    pub since_ms: u64,
+    pub attempts: u32,
 }
 
 impl NewLease {
@@ -156,6 +204,9 @@ impl NewLease {
             queue_tail_at_ms: None,
             pending_token: None,
             waiter: None,
+            state: self.visit.as_ref().map(|v| v.state.clone()),
+            state_since_ms: self.visit.as_ref().map(|v| v.since_ms),
+            attempts: self.visit.as_ref().map(|v| v.attempts),
         }
     }
 }
@@ -192,6 +243,15 @@ pub enum Mutation {
     Skip { seq: u64 },
     /// Write a whole waiter item (DynamoDB: a PutItem).
     PutWaiter(Box<Record>),
+    /// Put the key into a work state without leasing it: free from `now_ms` (its expiry is set
+    /// to it), entered now, no grants yet, no TTL. A new item gets fence 0, `holder` and an
+    /// empty lease_id (no lease_id a caller can send).
+    Enter { now_ms: u64, holder: String, state: String, shard: String },
+    /// [`Mutation::Release`] that also moves the key into `state` (entered now, no grants yet)
+    /// and removes the TTL (a key in a state is kept until it is taken).
+    ReleaseTo { now_ms: u64, state: String, shard: String },
+    /// Remove the TTL: a key in a work state is kept until it is taken.
+    ClearTtl,
 }
 
 impl Mutation {
@@ -244,6 +304,10 @@ impl Mutation {
                 r.queue_tail = o.queue_tail;
                 r.queue_tail_at_ms = o.queue_tail_at_ms;
                 r.pending_token = Some(token.clone());
+                // An UpdateItem: a key in a work state stays in it.
+                r.state = o.state.clone();
+                r.state_since_ms = o.state_since_ms;
+                r.attempts = o.attempts;
                 r
             }
             Mutation::Delivered => {
@@ -266,6 +330,54 @@ impl Mutation {
                 r
             }
             Mutation::PutWaiter(w) => (**w).clone(),
+            Mutation::Enter { now_ms, holder, state, .. } => {
+                let mut r = old.cloned().unwrap_or_else(|| Record {
+                    key: key.to_string(),
+                    fence: 0,
+                    holder: holder.clone(),
+                    lease_id: LeaseId::from_string(NO_LEASE),
+                    acquired_at_ms: *now_ms,
+                    expires_at_ms: None,
+                    duration_ms: None,
+                    min_hold_until_ms: *now_ms,
+                    released_at_ms: None,
+                    metadata: None,
+                    keepalive: None,
+                    ttl: None,
+                    renewed_at_ms: None,
+                    poll_ms: None,
+                    queue_head: None,
+                    queue_tail: None,
+                    queue_tail_at_ms: None,
+                    pending_token: None,
+                    waiter: None,
+                    state: None,
+                    state_since_ms: None,
+                    attempts: None,
+                });
+                r.expires_at_ms = Some(*now_ms);
+                r.state = Some(state.clone());
+                r.state_since_ms = Some(*now_ms);
+                r.attempts = Some(0);
+                r.ttl = None;
+                r
+            }
+            Mutation::ReleaseTo { now_ms, state, .. } => {
+                let mut r = old.expect("release applies to an existing item").clone();
+                r.expires_at_ms = Some(r.min_hold_until_ms);
+                r.released_at_ms = Some(*now_ms);
+                r.keepalive = None;
+                r.state = Some(state.clone());
+                r.state_since_ms = Some(*now_ms);
+                r.attempts = Some(0);
+                r.ttl = None;
+                r
+            }
+            Mutation::ClearTtl => {
+                let mut r = old.expect("clear-ttl applies to an existing item").clone();
+                r.ttl = None;
+                r
+            }
         }
     }
 }
@@ -287,6 +399,10 @@ pub enum ScanKind {
     /// Items of one keep-alive shard whose keep-alive deadline is after `after_ms`
     /// (DynamoDB: a Query on the sparse `keepalive` index).
     Keepalive { shard: u32, after_ms: u64 },
+    /// Items in work state `state` whose index partition is `shard`, in the order they became
+    /// free (expiry ascending), those free at `free_at_ms` only when given. Fail-closed held
+    /// items (no expiry) are not listed. (DynamoDB: a Query on the sparse `state` index.)
+    State { state: String, shard: String, free_at_ms: Option<u64> },
 }
 
 /// One page of a scan; pass `next` back as `start` to continue.
@@ -319,7 +435,29 @@ pub trait Store: Send + Sync + 'static {
     fn clock(&self) -> Option<&ClockSamples> {
         None
     }
+
+    /// How many items a scan of `kind` would return (every page).
+    async fn count(&self, kind: &ScanKind) -> Result<u64> {
+        count_pages(self, kind).await
+    }
 }
+
+/// [`Store::count`] by reading every page of the scan.
+pub async fn count_pages<S: Store + ?Sized>(store: &S, kind: &ScanKind) -> Result<u64> {
+    let (mut n, mut start) = (0u64, None::<String>);
+    loop {
+        let page = store.scan(kind, start.as_deref(), 1000).await?;
+        n += page.items.len() as u64;
+        match page.next {
+            Some(s) => start = Some(s),
+            None => return Ok(n),
+        }
+    }
+}
+
+/// The lease_id of an item put into a state and never leased: no lease_id a caller can send
+/// (those are 22..=128 characters) or the coordinator generates.
+pub const NO_LEASE: &str = "-";
 
 /// Number of keep-alive shards (partitions of the sparse keep-alive index).
 pub const KEEPALIVE_SHARDS: u32 = 8;

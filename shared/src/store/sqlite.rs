@@ -64,6 +64,7 @@ impl SqliteStore {
                 WHERE ka_shard IS NOT NULL;",
         )
         .map_err(store_err)?;
+        migrate_states(&conn)?;
         Ok(SqliteStore { conn: Arc::new(Mutex::new(conn)), path })
     }
 
@@ -114,6 +115,29 @@ impl SqliteStore {
     }
 }
 
+/// The work-state columns (`state`, and `due_ms`: the expiry of a key in a state, NULL while
+/// it is held fail-closed) and their index, added to files created before them. Rows written
+/// before hold no state, so NULL is right for them.
+fn migrate_states(conn: &Connection) -> Result<()> {
+    let has_state: bool = conn
+        .query_row("SELECT COUNT(*) FROM pragma_table_info('leases') WHERE name = 'state'", [], |r| r.get::<_, i64>(0))
+        .map_err(store_err)?
+        > 0;
+    if !has_state {
+        // Two processes may open an old file at once: the loser's ALTER fails on the column
+        // the winner added, which is fine.
+        let r = conn
+            .execute_batch("ALTER TABLE leases ADD COLUMN state TEXT; ALTER TABLE leases ADD COLUMN due_ms INTEGER;");
+        if let Err(e) = r {
+            if !e.to_string().contains("duplicate column") {
+                return Err(store_err(e));
+            }
+        }
+    }
+    conn.execute_batch("CREATE INDEX IF NOT EXISTS leases_state ON leases(state, due_ms, key) WHERE state IS NOT NULL;")
+        .map_err(store_err)
+}
+
 fn read(c: &Connection, key: &str) -> Result<Option<Record>> {
     let json: Option<String> = c
         .prepare_cached("SELECT record FROM leases WHERE key = ?1")
@@ -130,14 +154,18 @@ fn write(c: &Connection, r: &Record) -> Result<()> {
         (Some(k), None) => (Some(keepalive_shard(&r.key, KEEPALIVE_SHARDS) as i64), Some(k.until_ms as i64)),
         (None, None) => (None, None),
     };
+    let due = r.state.as_ref().and(r.expires_at_ms).map(|e| e.min(i64::MAX as u64) as i64);
     // Statements are prepared once per connection (the write path is the hot path).
     c.prepare_cached(
-        "INSERT INTO leases (key, record, fence, ka_shard, ka_until_ms, ttl)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+        "INSERT INTO leases (key, record, fence, ka_shard, ka_until_ms, ttl, state, due_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
          ON CONFLICT(key) DO UPDATE SET record = excluded.record, fence = excluded.fence,
-           ka_shard = excluded.ka_shard, ka_until_ms = excluded.ka_until_ms, ttl = excluded.ttl",
+           ka_shard = excluded.ka_shard, ka_until_ms = excluded.ka_until_ms, ttl = excluded.ttl,
+           state = excluded.state, due_ms = excluded.due_ms",
     )
-    .and_then(|mut st| st.execute(params![r.key, json, r.fence as i64, shard, until, r.ttl.map(|t| t as i64)]))
+    .and_then(|mut st| {
+        st.execute(params![r.key, json, r.fence as i64, shard, until, r.ttl.map(|t| t as i64), r.state, due])
+    })
     .map_err(store_err)?;
     Ok(())
 }
@@ -184,8 +212,26 @@ impl Store for SqliteStore {
         .await
     }
 
+    async fn count(&self, kind: &ScanKind) -> Result<u64> {
+        let ScanKind::State { state, free_at_ms, .. } = kind.clone() else {
+            return super::count_pages(self, kind).await;
+        };
+        let until = free_at_ms.map_or(i64::MAX, |f| f.min(i64::MAX as u64) as i64);
+        self.blocking(move |c| {
+            c.query_row("SELECT COUNT(*) FROM leases WHERE state = ?1 AND due_ms <= ?2", params![state, until], |r| {
+                r.get::<_, i64>(0)
+            })
+            .map(|n| n as u64)
+            .map_err(store_err)
+        })
+        .await
+    }
+
     async fn scan(&self, kind: &ScanKind, start: Option<&str>, limit: u32) -> Result<Page> {
         let (kind, start) = (kind.clone(), start.unwrap_or("").to_string());
+        if let ScanKind::State { state, free_at_ms, .. } = kind {
+            return self.blocking(move |c| scan_state(c, &state, free_at_ms, &start, limit)).await;
+        }
         self.blocking(move |c| {
             let limit = limit.max(1) as i64;
             let rows: Vec<(String, String)> = match kind {
@@ -208,6 +254,7 @@ impl Store for SqliteStore {
                         .map_err(store_err)?;
                     it.collect::<rusqlite::Result<_>>().map_err(store_err)?
                 }
+                ScanKind::State { .. } => unreachable!("scanned by scan_state"),
             };
             let next = if rows.len() as i64 == limit { rows.last().map(|(k, _)| k.clone()) } else { None };
             let items = rows.iter().map(|(_, j)| decode(j)).collect::<Result<Vec<_>>>()?;
@@ -217,9 +264,71 @@ impl Store for SqliteStore {
     }
 }
 
+/// Keys in `state` (free at `free_at_ms` only, when given), in the order they became free
+/// (`due_ms`, then key). The page token is the last row's `due_ms` and key.
+fn scan_state(c: &Connection, state: &str, free_at_ms: Option<u64>, start: &str, limit: u32) -> Result<Page> {
+    let limit = limit.max(1) as i64;
+    let until = free_at_ms.map_or(i64::MAX, |f| f.min(i64::MAX as u64) as i64);
+    let (after_due, after_key) = match start.split_once('\t') {
+        Some((d, k)) => (d.parse::<i64>().map_err(|_| Error::invalid("invalid page token"))?, k.to_string()),
+        None => (i64::MIN, String::new()),
+    };
+    let mut st = c
+        .prepare_cached(
+            "SELECT key, record, due_ms FROM leases WHERE state = ?1 AND due_ms <= ?2
+             AND (due_ms, key) > (?3, ?4) ORDER BY due_ms, key LIMIT ?5",
+        )
+        .map_err(store_err)?;
+    let rows: Vec<(String, String, i64)> = st
+        .query_map(params![state, until, after_due, after_key, limit], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .map_err(store_err)?
+        .collect::<rusqlite::Result<_>>()
+        .map_err(store_err)?;
+    let next = if rows.len() as i64 == limit { rows.last().map(|(k, _, d)| format!("{d}\t{k}")) } else { None };
+    let items = rows.iter().map(|(_, j, _)| decode(j)).collect::<Result<Vec<_>>>()?;
+    Ok(Page { items, next })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A file made before the work-state columns existed opens, keeps its leases, and gets
+    /// the columns and their index.
+    #[tokio::test]
+    async fn an_old_file_gets_the_state_columns() {
+        let dir = std::env::temp_dir().join(format!("leasehold-migrate-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("leases.db");
+        {
+            let c = Connection::open(&path).unwrap();
+            c.execute_batch(
+                "CREATE TABLE leases (key TEXT PRIMARY KEY NOT NULL, record TEXT NOT NULL, fence INTEGER NOT NULL,
+                   ka_shard INTEGER, ka_until_ms INTEGER, ttl INTEGER);
+                 CREATE INDEX leases_keepalive ON leases(ka_shard, ka_until_ms) WHERE ka_shard IS NOT NULL;",
+            )
+            .unwrap();
+            let old = r#"{"key":"old","fence":7,"holder":"h","lease_id":"abcdefghijabcdefghijab","acquired_at_ms":1,
+                "expires_at_ms":2,"duration_ms":1,"min_hold_until_ms":1,"released_at_ms":null,"metadata":null,
+                "keepalive":null,"ttl":null}"#;
+            c.execute("INSERT INTO leases (key, record, fence) VALUES ('old', ?1, 7)", [old]).unwrap();
+        }
+        let store = SqliteStore::open(&path).unwrap();
+        let r = store.get("old").await.unwrap().unwrap();
+        assert_eq!((r.fence, r.state), (7, None));
+        let m = Mutation::Enter { now_ms: 10, holder: "p".into(), state: "S".into(), shard: "S#0".into() };
+        let c = Condition::Enterable { now_ms: 10, state: "S".into(), shard: "S#0".into() };
+        assert!(matches!(store.update("old", &c, &m).await.unwrap(), Write::Applied(_)));
+        let kind = ScanKind::State { state: "S".into(), shard: "S#0".into(), free_at_ms: Some(10) };
+        assert_eq!(store.scan(&kind, None, 10).await.unwrap().items.len(), 1);
+        assert_eq!(store.count(&kind).await.unwrap(), 1);
+        drop(store);
+        // Opening again (the columns exist now) changes nothing.
+        let again = SqliteStore::open(&path).unwrap();
+        assert_eq!(again.get("old").await.unwrap().unwrap().state.as_deref(), Some("S"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     /// Every commit is synced before it is answered: `synchronous=FULL` (2) on the connection
     /// that writes, in WAL mode. NORMAL (1) could lose answered grants on power loss.

@@ -1,0 +1,137 @@
+//! The work-item operations on every remote interface (DESIGN.md, "Work items and batch
+//! leases"): `next` (batch lease) and `put` on the acquire function, `count` on the heartbeat
+//! function; over HTTP `POST /leases/next/{state}`, `POST /leases/put/{key+}` and
+//! `POST /leases/count/{state}`; by direct invoke the same bodies with `"op"` naming the
+//! operation. Release into a state is the release operation's `state` field.
+
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Map, Value};
+
+use super::{parse, Operation, INVOKE_SAFETY_MARGIN};
+use crate::error::{Error, Result};
+use crate::model::Keepalive;
+use crate::protocol::{AcquireOptions, Coordinator};
+
+/// Body of a batch lease (`op: "next"`; over HTTP the state comes from the path).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NextRequest {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
+    pub holder: String,
+    /// Most leases to take, 1..=100 (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_hold_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<Map<String, Value>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keepalive: Option<Keepalive>,
+}
+
+/// Body of a put (`op: "put"`; over HTTP the key comes from the path).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PutRequest {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    pub state: String,
+    pub holder: String,
+}
+
+/// Body of a count (`op: "count"`; over HTTP the state comes from the path).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CountRequest {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
+}
+
+/// The `op` of a direct invoke, removed from the payload: `None` when absent (the function's
+/// own operation).
+pub fn take_op(payload: &mut Value) -> Result<Option<Operation>> {
+    let Some(op) = payload.as_object_mut().and_then(|o| o.remove("op")) else { return Ok(None) };
+    Ok(Some(match op.as_str() {
+        Some("next") => Operation::Next,
+        Some("put") => Operation::Put,
+        Some("count") => Operation::Count,
+        Some("acquire") => Operation::Acquire,
+        Some("heartbeat") => Operation::Heartbeat,
+        Some("release") => Operation::Release,
+        Some("get") => Operation::Get,
+        _ => return Err(Error::invalid(format!("unknown op {op}: use next, put or count"))),
+    }))
+}
+
+/// The HTTP action of each work operation (`POST /leases/{action}/...`).
+pub fn operation_of(action: &str) -> Option<Operation> {
+    match action {
+        "next" => Some(Operation::Next),
+        "put" => Some(Operation::Put),
+        "count" => Some(Operation::Count),
+        _ => None,
+    }
+}
+
+fn from_path(path: Option<&str>, body: Option<String>, field: &str) -> Result<String> {
+    match (path, body) {
+        (Some(p), Some(b)) if p != b => {
+            Err(Error::invalid(format!("the {field} in the body ({b:?}) differs from the {field} in the path ({p:?})")))
+        }
+        (Some(p), _) => Ok(p.to_string()),
+        (None, Some(b)) => Ok(b),
+        (None, None) => Err(Error::invalid(format!("missing field `{field}`"))),
+    }
+}
+
+/// Runs one work operation (`path`: the state or key from an HTTP path).
+pub async fn run(
+    coord: &Coordinator,
+    op: Operation,
+    path: Option<&str>,
+    payload: Value,
+    remaining: Option<Duration>,
+    received: Instant,
+) -> Result<Value> {
+    match op {
+        Operation::Next => {
+            let r: NextRequest = parse(payload)?;
+            let state = from_path(path, r.state, "state")?;
+            let mut wait = r.wait_ms.map(Duration::from_millis);
+            if let (Some(w), Some(rem)) = (wait, remaining) {
+                coord.config().limits.wait(w)?;
+                wait = Some(w.min(rem.saturating_sub(INVOKE_SAFETY_MARGIN)));
+            }
+            let opts = AcquireOptions {
+                wait,
+                min_hold: r.min_hold_ms.map(Duration::from_millis),
+                metadata: r.metadata,
+                keepalive: r.keepalive,
+                lease_id: None,
+            };
+            let duration = Some(r.duration_ms.map(Duration::from_millis).unwrap_or(coord.config().default_duration));
+            let leases = coord.acquire_next(&state, r.limit.unwrap_or(1), &r.holder, duration, opts).await?;
+            let leases: Vec<_> = leases.into_iter().map(|l| l.with_safe_for(received)).collect();
+            Ok(json!({ "state": state, "leases": leases }))
+        }
+        Operation::Put => {
+            let r: PutRequest = parse(payload)?;
+            let key = from_path(path, r.key, "key")?;
+            Ok(serde_json::to_value(coord.put(&key, &r.state, &r.holder).await?).expect("state serialises"))
+        }
+        Operation::Count => {
+            let r: CountRequest = parse(payload)?;
+            let state = from_path(path, r.state, "state")?;
+            let count = coord.count_in_state(&state).await?;
+            Ok(json!({ "state": state, "count": count }))
+        }
+        _ => unreachable!("not a work operation"),
+    }
+}

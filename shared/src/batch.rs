@@ -1,0 +1,363 @@
+//! Work items and batch leases (DESIGN.md, "Work items and batch leases"): a key can be in a
+//! work state; `put` puts a key into a state without leasing it, `release_to` moves it on in
+//! the release's own write, and `acquire_next` leases up to `limit` free keys of one state,
+//! the longest-free first. A batch is a set of independent single-key acquires, each the
+//! ordinary acquire write with its fence rules, made under the state visit the index showed.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use crate::backoff::{jitter, uniform};
+use crate::error::{Error, Result};
+use crate::model::{Lease, LeaseState, Record};
+use crate::protocol::{AcquireOptions, Coordinator};
+use crate::store::{keepalive_shard, Condition, Mutation, ScanKind, Visit, Write};
+
+/// Most leases one `acquire_next` takes.
+pub const MAX_BATCH: u32 = 100;
+
+/// Longest state name, in bytes.
+pub const MAX_STATE_BYTES: usize = 64;
+
+/// A state name: 1..=64 of `[A-Za-z0-9_-]` (it is part of the index partition key
+/// `STATE#n`, so no `#`).
+pub fn check_state(state: &str) -> Result<()> {
+    if state.is_empty() || state.len() > MAX_STATE_BYTES {
+        return Err(Error::invalid(format!("state must be 1 to {MAX_STATE_BYTES} bytes long")));
+    }
+    if let Some(c) = state.chars().find(|c| !(c.is_ascii_alphanumeric() || *c == '_' || *c == '-')) {
+        return Err(Error::invalid(format!("state contains {c:?}; a state is made of A-Z, a-z, 0-9, '_' and '-'")));
+    }
+    Ok(())
+}
+
+/// Is `r` in the work-state visit `visit` (`None`: in no state)?
+pub(crate) fn in_visit(r: &Record, visit: Option<&Visit>) -> bool {
+    match visit {
+        None => r.state.is_none(),
+        Some(v) => {
+            r.state.as_deref() == Some(v.state.as_str())
+                && r.state_since_ms == Some(v.since_ms)
+                && r.attempts.unwrap_or(0) == v.attempts
+        }
+    }
+}
+
+/// When each state last saw a collision, in this process: takers of a contended state spread
+/// over more of its oldest free keys (see `take`).
+fn contention() -> &'static Mutex<HashMap<String, Instant>> {
+    static C: OnceLock<Mutex<HashMap<String, Instant>>> = OnceLock::new();
+    C.get_or_init(Mutex::default)
+}
+
+/// A state counts as contended this long after its last collision.
+const CONTENDED_FOR: Duration = Duration::from_secs(2);
+
+/// A contended taker picks at random among the oldest `limit * SPREAD` free keys (at most
+/// [`MAX_CANDIDATES`]).
+const SPREAD: usize = 64;
+const MAX_CANDIDATES: usize = 1000;
+
+/// A contended taker takes at most 1/TAIL_SHARE of the free keys it sees.
+const TAIL_SHARE: usize = 16;
+
+fn contended(state: &str) -> bool {
+    let c = contention().lock().unwrap_or_else(|p| p.into_inner());
+    c.get(state).is_some_and(|t| t.elapsed() < CONTENDED_FOR)
+}
+
+fn collided(state: &str) {
+    let mut c = contention().lock().unwrap_or_else(|p| p.into_inner());
+    if c.len() > 4096 {
+        c.retain(|_, t| t.elapsed() < CONTENDED_FOR);
+    }
+    c.insert(state.to_string(), Instant::now());
+}
+
+fn random_below(n: usize) -> usize {
+    if n <= 1 {
+        return 0;
+    }
+    uniform(Duration::ZERO, Duration::from_nanos(n as u64 - 1)).as_nanos() as usize
+}
+
+/// What one batch round got.
+struct Round {
+    leases: Vec<Lease>,
+    error: Option<Error>,
+}
+
+impl Coordinator {
+    /// The index partition of `key` in `state`: `STATE#n`, n = FNV-1a(key) mod `state_shards`.
+    pub(crate) fn state_shard(&self, key: &str, state: &str) -> String {
+        format!("{state}#{}", keepalive_shard(key, self.config().state_shards.max(1)))
+    }
+
+    /// The visit `r` is in, for an acquire that found it free: `NotFound` when a batch lease
+    /// (`want`) finds the key in another state than the one it was taken from.
+    pub(crate) fn revisit(&self, key: &str, r: &Record, want: Option<&Visit>) -> Result<Option<Visit>> {
+        let visit = r.state.as_ref().map(|s| Visit {
+            state: s.clone(),
+            shard: self.state_shard(key, s),
+            since_ms: r.state_since_ms.unwrap_or(0),
+            attempts: r.attempts.unwrap_or(0),
+        });
+        match want {
+            Some(w) if visit.as_ref().map(|v| v.state.as_str()) != Some(w.state.as_str()) => {
+                Err(Error::NotFound { key: key.to_string() })
+            }
+            _ => Ok(visit),
+        }
+    }
+
+    /// A key in a work state is kept until it is taken: a write that gave it a TTL (a release
+    /// keeping the state, a heartbeat, a force-release) is followed by one removing it, under
+    /// the same fence (a newer grant writes no TTL on a key in a state). Best effort: logged
+    /// when it fails (the TTL is then at least `ttl_grace` away).
+    pub(crate) async fn keep_queued(&self, key: &str, r: &Record) {
+        if r.state.is_none() || r.ttl.is_none() {
+            return;
+        }
+        let deadline = Instant::now() + self.config().retry_budget;
+        if let Err(f) = self.write(key, deadline, |_| Ok((Condition::FenceIs(r.fence), Mutation::ClearTtl))).await {
+            let e = f.into_error(key);
+            tracing::warn!(key, error = e.name(), "could not remove the TTL of a key in a work state");
+        }
+    }
+
+    /// Puts `key` into work state `state` without leasing it (`holder`: who put it; kept as the
+    /// holder of a new item). Refused with `LeaseHeld` while the key is held; a key already in
+    /// `state` is left as it is (idempotent).
+    pub async fn put(&self, key: &str, state: &str, holder: &str) -> Result<LeaseState> {
+        let limits = &self.config().limits;
+        limits.key(key)?;
+        limits.holder(holder)?;
+        check_state(state)?;
+        self.check_clock(key).await?;
+        let deadline = Instant::now() + self.config().retry_budget;
+        let shard = self.state_shard(key, state);
+        let (w, _, now) = self
+            .write(key, deadline, |now| {
+                Ok((
+                    Condition::Enterable { now_ms: now, state: state.to_string(), shard: shard.clone() },
+                    Mutation::Enter {
+                        now_ms: now,
+                        holder: holder.to_string(),
+                        state: state.to_string(),
+                        shard: shard.clone(),
+                    },
+                ))
+            })
+            .await
+            .map_err(|f| f.into_error(key))?;
+        match w {
+            Write::Applied(r) => Ok(r.state(now)),
+            Write::Rejected(Some(r)) if r.is_held(now) => {
+                Err(Error::LeaseHeld { key: key.to_string(), holder: r.holder, expires_at_ms: r.expires_at_ms })
+            }
+            // Free and already in `state`.
+            Write::Rejected(Some(r)) => Ok(r.state(now)),
+            Write::Rejected(None) => Err(Error::StoreUnavailable("store rejected a write on a missing item".into())),
+        }
+    }
+
+    /// Leases up to `limit` (1..=[`validate::MAX_BATCH`](crate::validate::MAX_BATCH)) free keys in work state `state`, the longest
+    /// free first, each with its own lease_id and fence. Fewer (or none) when fewer are free;
+    /// with `opts.wait`, waits (paced) until at least one is. A batch lease always has a
+    /// duration (a lost answer must free its keys by expiry) and generated lease_ids.
+    pub async fn acquire_next(
+        &self,
+        state: &str,
+        limit: u32,
+        holder: &str,
+        duration: Option<Duration>,
+        opts: AcquireOptions,
+    ) -> Result<Vec<Lease>> {
+        let start = Instant::now();
+        check_state(state)?;
+        if !(1..=MAX_BATCH).contains(&limit) {
+            return Err(Error::invalid(format!("limit must be 1 to {MAX_BATCH}")));
+        }
+        if opts.lease_id.is_some() {
+            return Err(Error::invalid(
+                "each lease of a batch gets its own generated lease_id; lease_id is not accepted",
+            ));
+        }
+        let Some(duration) = duration else {
+            return Err(Error::invalid(
+                "acquire_next needs a duration: if its answer is lost, its leases must end by themselves",
+            ));
+        };
+        // Every other field is checked as a single acquire checks it (a state name is a valid key).
+        self.check_acquire(state, holder, Some(duration), &opts)?;
+        let wait_deadline = start + opts.wait.unwrap_or_default();
+        let item_opts = AcquireOptions { wait: None, ..opts };
+        loop {
+            self.check_clock(state).await?;
+            let round = self.take(state, limit, holder, duration, &item_opts).await;
+            if !round.leases.is_empty() {
+                return Ok(round.leases);
+            }
+            if let Some(e) = round.error {
+                return Err(e);
+            }
+            let now = Instant::now();
+            if now >= wait_deadline {
+                return Ok(Vec::new());
+            }
+            tokio::time::sleep(jitter(self.config().poll_max).min(wait_deadline - now)).await;
+        }
+    }
+
+    /// One batch: a Query of one index partition (the next ones only while the batch is short),
+    /// then the candidates' acquires in parallel. Candidates another taker got first, or that
+    /// moved on, are skipped (DESIGN.md, "Concurrent takers").
+    async fn take(&self, state: &str, limit: u32, holder: &str, duration: Duration, opts: &AcquireOptions) -> Round {
+        let shards = self.config().state_shards.max(1);
+        let first = random_below(shards as usize) as u32;
+        let mut round = Round { leases: Vec::new(), error: None };
+        let mut i = 0;
+        while i < shards {
+            let want = limit as usize - round.leases.len();
+            if want == 0 {
+                break;
+            }
+            let shard = format!("{state}#{}", (first + i) % shards);
+            // Contention is remembered per store handle and state.
+            let memo = format!("{:p}/{state}", std::sync::Arc::as_ptr(self.store()));
+            let spread = contended(&memo);
+            let page = if spread { (want * SPREAD).min(MAX_CANDIDATES) } else { 2 * want };
+            let now = self.now_ms();
+            let kind = ScanKind::State { state: state.to_string(), shard: shard.clone(), free_at_ms: Some(now) };
+            let items = match self.store().scan(&kind, None, page as u32).await {
+                Ok(p) => p.items,
+                Err(e) => {
+                    round.error = Some(e);
+                    i += 1;
+                    continue;
+                }
+            };
+            let mut candidates: Vec<Record> =
+                items.into_iter().filter(|r| !r.is_held(now) && r.state.as_deref() == Some(state)).collect();
+            if spread {
+                // A contended state: a random choice among the oldest free keys, so that takers
+                // that read the index at the same moment mostly try different keys.
+                // Near the end of a backlog, when the free keys are few, a taker takes only
+                // its share of them (other takers are reading the same few).
+                let take = want.min((candidates.len() / TAIL_SHARE).max(1)).min(candidates.len());
+                for j in 0..take {
+                    let k = j + random_below(candidates.len() - j);
+                    candidates.swap(j, k);
+                }
+                candidates.truncate(take);
+                candidates.sort_by_key(|r| r.expires_at_ms);
+            } else if want > 1 && candidates.len() > 1 {
+                // Uncontended so far: the oldest first, alone. If another taker got it, the
+                // state is contended and this batch starts again spread out (one collision
+                // instead of a whole batch of them when takers start together).
+                let probe = candidates.remove(0);
+                match self.take_one(state, &shard, probe, holder, duration, opts).await {
+                    Ok(Some(l)) => round.leases.push(l),
+                    Ok(None) => {
+                        collided(&memo);
+                        continue;
+                    }
+                    // The store is in trouble: no more writes this round.
+                    Err(e) => {
+                        round.error = Some(e);
+                        break;
+                    }
+                }
+            }
+            candidates.truncate(limit as usize - round.leases.len());
+            let mut tasks = tokio::task::JoinSet::new();
+            for r in candidates {
+                let (c, state, shard, holder, opts) =
+                    (self.clone(), state.to_string(), shard.clone(), holder.to_string(), opts.clone());
+                tasks.spawn(async move { c.take_one(&state, &shard, r, &holder, duration, &opts).await });
+            }
+            let mut hit = false;
+            while let Some(res) = tasks.join_next().await {
+                let got = res.unwrap_or_else(|e| Err(Error::StoreUnavailable(format!("batch task failed: {e}"))));
+                hit |= matches!(got, Ok(None));
+                self.collect(&mut round, got);
+            }
+            if hit {
+                collided(&memo);
+            }
+            i += 1;
+        }
+        round.leases.sort_by_key(|l| l.acquired_at_ms);
+        round
+    }
+
+    /// Leases candidate `r` of `state` under the visit the index showed: `None` when another
+    /// taker got it first or it moved on (skipped).
+    async fn take_one(
+        &self,
+        state: &str,
+        shard: &str,
+        r: Record,
+        holder: &str,
+        duration: Duration,
+        opts: &AcquireOptions,
+    ) -> Result<Option<Lease>> {
+        let visit = Visit {
+            state: state.to_string(),
+            shard: shard.to_string(),
+            since_ms: r.state_since_ms.unwrap_or(0),
+            attempts: r.attempts.unwrap_or(0),
+        };
+        match self.acquire_visit(&r.key, holder, Some(duration), opts.clone(), Some(visit)).await {
+            Ok(l) => Ok(Some(l)),
+            Err(Error::LeaseHeld { .. } | Error::NotFound { .. } | Error::NotHolder { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn collect(&self, round: &mut Round, got: Result<Option<Lease>>) {
+        match got {
+            Ok(Some(l)) => round.leases.push(l),
+            Ok(None) => {}
+            Err(e) => round.error = Some(e),
+        }
+    }
+
+    /// How many keys are in work state `state` (those held fail-closed excepted): one counting
+    /// Query per index partition on DynamoDB, one indexed count on the embedded store.
+    pub async fn count_in_state(&self, state: &str) -> Result<u64> {
+        check_state(state)?;
+        let mut n = 0;
+        for i in 0..self.config().state_shards.max(1) {
+            let kind = ScanKind::State { state: state.to_string(), shard: format!("{state}#{i}"), free_at_ms: None };
+            n += self.store().count(&kind).await?;
+        }
+        Ok(n)
+    }
+
+    /// Up to `limit` keys in work state `state`, held or not (those held fail-closed excepted),
+    /// in the order they became free, partition by partition.
+    pub async fn list_in_state(&self, state: &str, limit: usize) -> Result<Vec<LeaseState>> {
+        check_state(state)?;
+        let mut out = Vec::new();
+        for i in 0..self.config().state_shards.max(1) {
+            let kind = ScanKind::State { state: state.to_string(), shard: format!("{state}#{i}"), free_at_ms: None };
+            let mut start: Option<String> = None;
+            loop {
+                let page = self.store().scan(&kind, start.as_deref(), 100).await?;
+                let now = self.now_ms();
+                out.extend(page.items.iter().map(|r| r.state(now)));
+                if out.len() >= limit {
+                    out.truncate(limit);
+                    return Ok(out);
+                }
+                match page.next {
+                    Some(n) => start = Some(n),
+                    None => break,
+                }
+            }
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,315 @@
+//! The BatchProcessor state machine (statemachines/batch_processor.asl.json), executed: moto's
+//! Step Functions interpreter runs the definition file as the template references it (only the
+//! function references are replaced by plain names), its Lambda tasks reach the real acquire
+//! and release functions in the Lambda runtime emulator (`cargo lambda watch`), which keep
+//! their leases in DynamoDB Local. The work function is the user's code: here a handler in
+//! this test, behind the same Invoke API, that records every call and checks its fence.
+//!
+//! As in workflows.rs: an adapter in front of the emulator gives moto Lambda's Invoke contract
+//! for function errors (200 with `X-Amz-Function-Error`), and each execution runs in a region
+//! of its own (moto 5.2 cannot start a second execution in a region that already ran one).
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use aws_sdk_sfn::config::Region;
+use aws_sdk_sfn::types::ExecutionStatus;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use leasehold::store::DynamoStore;
+use leasehold::{Config, Coordinator};
+use leasehold_tests::emulator::{Emulator, Moto};
+use leasehold_tests::{dynamo_local, free_port, http, repo_root, sdk_config_for, set_local_credentials};
+use serde_json::{json, Value};
+
+/// One call of the work function.
+#[derive(Debug, Clone)]
+struct Call {
+    key: String,
+    fence: u64,
+    attempts: u64,
+}
+
+/// The work function: records each call, refuses a fence not above the key's last one (a
+/// resource guarded by fences), fails keys named `poison/...` always and `flaky/...` on their
+/// first attempt, and checks that no key is worked on twice at once.
+#[derive(Default)]
+struct Work {
+    calls: Mutex<Vec<Call>>,
+    highest: Mutex<HashMap<String, u64>>,
+    in_flight: Mutex<HashSet<String>>,
+    overlaps: AtomicUsize,
+    stale_fences: AtomicUsize,
+}
+
+impl Work {
+    async fn handle(&self, payload: &Value) -> Result<Value, String> {
+        let key = payload["key"].as_str().ok_or("no key")?.to_string();
+        let fence = payload["fence"].as_u64().ok_or("no fence")?;
+        let attempts = payload["attempts"].as_u64().ok_or("no attempts")?;
+        if payload["state"] != "PENDING" || !payload["metadata"].is_object() {
+            return Err(format!("unexpected payload {payload}"));
+        }
+        if !self.in_flight.lock().unwrap().insert(key.clone()) {
+            self.overlaps.fetch_add(1, Ordering::SeqCst);
+        }
+        {
+            let mut h = self.highest.lock().unwrap();
+            let last = h.entry(key.clone()).or_insert(0);
+            if fence <= *last {
+                self.stale_fences.fetch_add(1, Ordering::SeqCst);
+            }
+            *last = fence.max(*last);
+        }
+        self.calls.lock().unwrap().push(Call { key: key.clone(), fence, attempts });
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        self.in_flight.lock().unwrap().remove(&key);
+        if key.starts_with("poison/") || (key.starts_with("flaky/") && attempts == 1) {
+            return Err(format!("work on {key} failed (attempt {attempts})"));
+        }
+        Ok(json!({ "done": key }))
+    }
+}
+
+struct Stack {
+    moto: Moto,
+    table: String,
+    dynamo_endpoint: String,
+    work: Arc<Work>,
+    _emulator: Emulator,
+}
+
+/// Serves Lambda's Invoke API on `port`: the work function here, the others forwarded to the
+/// emulator, function errors answered as Lambda answers them.
+fn start_invoke_adapter(port: u16, emulator_port: u16, work: Arc<Work>) {
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("rt");
+        rt.block_on(async move {
+            let listener =
+                tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], port))).await.expect("bind adapter");
+            ready_tx.send(()).unwrap();
+            loop {
+                let Ok((stream, _)) = listener.accept().await else { continue };
+                let work = work.clone();
+                tokio::spawn(async move {
+                    let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                        let work = work.clone();
+                        async move {
+                            let method = req.method().as_str().to_string();
+                            let path = req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or_default();
+                            let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+                            let builder = hyper::Response::builder()
+                                .header("x-amzn-requestid", format!("batch-test-{}", free_port()))
+                                .header("content-type", "application/json");
+                            if path.contains("/functions/work/") {
+                                let payload: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+                                let resp = match work.handle(&payload).await {
+                                    Ok(v) => builder.status(200).body(Full::new(Bytes::from(v.to_string()))),
+                                    Err(m) => builder.status(200).header("x-amz-function-error", "Unhandled").body(
+                                        Full::new(Bytes::from(
+                                            json!({"errorType": "WorkFailed", "errorMessage": m}).to_string(),
+                                        )),
+                                    ),
+                                };
+                                return Ok::<_, std::convert::Infallible>(resp.expect("response"));
+                            }
+                            let url = format!("http://127.0.0.1:{emulator_port}{path}");
+                            let resp = match http::request(&method, &url, Some(&body)).await {
+                                Ok(r) => {
+                                    let function_error = r.status >= 400
+                                        && serde_json::from_slice::<Value>(&r.body)
+                                            .is_ok_and(|v| v.get("errorType").is_some());
+                                    let b = if function_error {
+                                        builder.status(200).header("x-amz-function-error", "Unhandled")
+                                    } else {
+                                        builder.status(r.status)
+                                    };
+                                    b.body(Full::new(Bytes::from(r.body)))
+                                }
+                                Err(e) => builder.status(502).body(Full::new(Bytes::from(format!("emulator: {e}")))),
+                            };
+                            Ok::<_, std::convert::Infallible>(resp.expect("response"))
+                        }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+    });
+    ready_rx.recv().expect("adapter started");
+}
+
+fn stack() -> Stack {
+    std::thread::spawn(|| {
+        set_local_credentials();
+        let local = dynamo_local();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let store = rt.block_on(local.store());
+        let region = std::env::var("AWS_REGION").expect("AWS_REGION");
+        let env: Vec<(String, String)> = [
+            ("LEASEHOLD_TABLE", store.table().to_string()),
+            ("AWS_ENDPOINT_URL_DYNAMODB", local.endpoint.clone()),
+            ("AWS_ACCESS_KEY_ID", std::env::var("AWS_ACCESS_KEY_ID").unwrap()),
+            ("AWS_SECRET_ACCESS_KEY", std::env::var("AWS_SECRET_ACCESS_KEY").unwrap_or_default()),
+            ("AWS_REGION", region.clone()),
+            ("AWS_DEFAULT_REGION", region),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        let emulator = Emulator::start_with(free_port(), &env, &["--concurrency", "4"]);
+        let work = Arc::new(Work::default());
+        let adapter_port = free_port();
+        start_invoke_adapter(adapter_port, emulator.port, work.clone());
+        let moto = Moto::start(free_port(), adapter_port);
+        rt.block_on(async {
+            moto.enable_execution().await;
+            // The emulator compiles each function on its first invoke: do that now.
+            for f in ["acquire", "release"] {
+                let inv = emulator.invoke(f, &json!({})).await;
+                assert_eq!(inv.error_type.as_deref(), Some("InvalidRequest"), "{f} warm-up: {:?}", inv.body);
+            }
+        });
+        Stack {
+            moto,
+            table: store.table().to_string(),
+            dynamo_endpoint: local.endpoint.clone(),
+            work,
+            _emulator: emulator,
+        }
+    })
+    .join()
+    .expect("start the local stack")
+}
+
+/// The definition file the template references, with its DefinitionSubstitutions replaced by
+/// the names the adapter serves.
+fn definition() -> String {
+    let mut text = std::fs::read_to_string(repo_root().join("statemachines/batch_processor.asl.json")).unwrap();
+    for (name, value) in [
+        ("AcquireFunctionArn", "acquire"),
+        ("ReleaseFunctionArn", "release"),
+        ("WorkFunctionArn", "work"),
+        ("Partition", "aws"),
+    ] {
+        text = text.replace(&format!("${{{name}}}"), value);
+    }
+    assert!(!text.contains("${"), "unsubstituted reference left: {text}");
+    text
+}
+
+async fn sfn(s: &Stack, region: &str) -> aws_sdk_sfn::Client {
+    let base = sdk_config_for(&s.moto.endpoint()).await;
+    let timeouts = aws_sdk_sfn::config::timeout::TimeoutConfig::builder()
+        .operation_attempt_timeout(Duration::from_secs(30))
+        .operation_timeout(Duration::from_secs(90))
+        .build();
+    let conf = aws_sdk_sfn::config::Builder::from(&base)
+        .region(Region::new(region.to_string()))
+        .timeout_config(timeouts)
+        .retry_config(aws_sdk_sfn::config::retry::RetryConfig::standard().with_max_attempts(3))
+        .build();
+    aws_sdk_sfn::Client::from_conf(conf)
+}
+
+/// Creates the state machine in `region` and starts one execution named `name`.
+async fn start(s: &Stack, region: &str, name: &str, input: Value) -> (aws_sdk_sfn::Client, String) {
+    let client = sfn(s, region).await;
+    let sm = client
+        .create_state_machine()
+        .name(format!("batch-processor-{name}"))
+        .definition(definition())
+        .role_arn("arn:aws:iam::123456789012:role/leasehold-example")
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("create: {e:?}"));
+    let out = client
+        .start_execution()
+        .state_machine_arn(sm.state_machine_arn())
+        .name(name)
+        .input(input.to_string())
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("start: {e:?}"));
+    (client, out.execution_arn().to_string())
+}
+
+async fn wait_end(client: &aws_sdk_sfn::Client, arn: &str, timeout: Duration) -> (ExecutionStatus, String) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let d = client.describe_execution().execution_arn(arn).send().await.unwrap_or_else(|e| panic!("{e:?}"));
+        if *d.status() != ExecutionStatus::Running {
+            return (d.status().clone(), format!("error {:?} cause {:?}", d.error(), d.cause()));
+        }
+        assert!(Instant::now() < deadline, "{arn} still running after {timeout:?}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// Two executions of the BatchProcessor drain one state at once: every key is worked on once
+/// per lease, with fences rising, never by both at a time; good keys end in DONE after one
+/// call, keys that fail once are retried (attempts kept) and end in DONE, keys that always fail
+/// end in FAILED after `max_attempts` leases; nothing is left in PENDING.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_batch_processors_drain_a_state_exactly_once() {
+    let s = tokio::task::spawn_blocking(stack).await.unwrap();
+    let client = aws_sdk_dynamodb::Client::new(&sdk_config_for(&s.dynamo_endpoint).await);
+    let c = Coordinator::new(Arc::new(DynamoStore::new(client, s.table.clone())), Config::default());
+    let (good, flaky, poison) = (180, 10, 10);
+    let mut keys = Vec::new();
+    for (prefix, n) in [("good", good), ("flaky", flaky), ("poison", poison)] {
+        for i in 0..n {
+            let key = format!("{prefix}/{i:04}");
+            c.put(&key, "PENDING", "producer").await.unwrap();
+            keys.push(key);
+        }
+    }
+    let input = json!({"limit": 10, "max_attempts": 2, "duration_ms": 120000});
+    let (a, b) = tokio::join!(
+        start(&s, "eu-west-1", "drain-a", input.clone()),
+        start(&s, "eu-west-2", "drain-b", input.clone())
+    );
+    let (ea, eb) =
+        tokio::join!(wait_end(&a.0, &a.1, Duration::from_secs(600)), wait_end(&b.0, &b.1, Duration::from_secs(600)));
+    assert_eq!(ea.0, ExecutionStatus::Succeeded, "{}", ea.1);
+    assert_eq!(eb.0, ExecutionStatus::Succeeded, "{}", eb.1);
+
+    let calls = s.work.calls.lock().unwrap().clone();
+    let mut by_key: HashMap<&str, Vec<&Call>> = HashMap::new();
+    for call in &calls {
+        by_key.entry(call.key.as_str()).or_default().push(call);
+    }
+    assert_eq!(s.work.overlaps.load(Ordering::SeqCst), 0, "a key was worked on twice at once");
+    assert_eq!(s.work.stale_fences.load(Ordering::SeqCst), 0, "a call came with a fence not above the last");
+    for key in &keys {
+        let got = by_key.get(key.as_str()).cloned().unwrap_or_default();
+        let want = if key.starts_with("good/") { 1 } else { 2 };
+        assert_eq!(got.len(), want, "{key}: {got:?}");
+        let attempts: Vec<u64> = got.iter().map(|c| c.attempts).collect();
+        assert_eq!(attempts, (1..=want as u64).collect::<Vec<_>>(), "{key}");
+        assert!(got.windows(2).all(|w| w[1].fence > w[0].fence), "{key}: {got:?}");
+        let state = c.get(key).await.unwrap();
+        let end = if key.starts_with("poison/") { "FAILED" } else { "DONE" };
+        assert_eq!((state.state.as_deref(), state.held), (Some(end), false), "{key}");
+    }
+    assert_eq!(c.count_in_state("PENDING").await.unwrap(), 0);
+    assert_eq!(c.count_in_state("DONE").await.unwrap(), (good + flaky) as u64);
+    assert_eq!(c.count_in_state("FAILED").await.unwrap(), poison as u64);
+    // Both executions took part.
+    let holders: HashSet<String> = {
+        let mut h = HashSet::new();
+        for key in &keys {
+            h.insert(c.get(key).await.unwrap().holder);
+        }
+        h
+    };
+    assert!(holders.contains("drain-a") && holders.contains("drain-b"), "{holders:?}");
+}
