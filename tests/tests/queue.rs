@@ -25,6 +25,7 @@ both_backends!(
     thousand_waiters_constant_requests_per_hand_over,
     in_process_waiters_are_woken_in_order,
     queued_acquire_refuses_bad_input,
+    work_items_keep_their_state_through_the_queue,
 );
 
 /// Records deliveries; tokens in `gone` answer `Gone`; the next `transient` attempts fail.
@@ -385,4 +386,38 @@ async fn queued_acquire_refuses_bad_input(b: Backend) {
     let out = leasehold::api::run(&plain, leasehold::api::Operation::Acquire, None, body, None).await;
     assert!(matches!(out, Err(leasehold::Error::InvalidRequest(_))), "{out:?}");
     assert!(c.get(&k).await.is_err(), "nothing was written");
+}
+
+/// A key in a work state (DESIGN.md, "Work items and batch leases") with queued waiters: a
+/// batch taker does not jump the queue, the hand-over keeps the state and writes no TTL (a key
+/// in a state is kept until it is taken), and the waiter moves it on like any holder.
+async fn work_items_keep_their_state_through_the_queue(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let c = coord(&b, &rec);
+    // Without a deliverer: nobody serves the queue when the holder expires.
+    let plain = b.coordinator(test_config());
+    let k = key("work");
+    c.put(&k, "PENDING", "producer").await.unwrap();
+    let short = Duration::from_millis(300);
+    let Enqueued::Granted(first) = enqueue(&c, &k, "t0", short).await else { panic!("a free key is granted") };
+    assert_eq!(first.state.as_deref(), Some("PENDING"), "{first:?}");
+    enqueue(&c, &k, "t1", Duration::from_secs(30)).await;
+    tokio::time::sleep(short + Duration::from_millis(100)).await;
+    let taken =
+        plain.acquire_next("PENDING", 10, "batch", Some(Duration::from_secs(5)), AcquireOptions::default()).await;
+    assert!(
+        taken.as_ref().is_ok_and(|v| v.iter().all(|l| l.key != k)),
+        "a free key with waiters is theirs, batch takers included: {taken:?}"
+    );
+    c.serve_queue(&k).await.unwrap();
+    assert_eq!(rec.tokens(), ["t0", "t1"]);
+    let granted = rec.last();
+    assert!(granted.fence > first.fence);
+    let item = b.store().get(&k).await.unwrap().expect("item");
+    assert_eq!(item.state.as_deref(), Some("PENDING"), "the hand-over keeps the state: {item:?}");
+    assert_eq!(item.ttl, None, "a key in a state keeps no TTL: {item:?}");
+    assert_eq!(item.lease_id, granted.lease_id);
+    let released = c.release_to(&k, &granted.lease_id, Some("DONE")).await.unwrap();
+    assert_eq!(released.state.as_deref(), Some("DONE"));
+    assert_eq!(c.get(&k).await.unwrap().state.as_deref(), Some("DONE"));
 }
