@@ -573,40 +573,58 @@ impl Coordinator {
                 return Ok(released);
             }
         }
-        let deadline = Instant::now() + self.config.retry_budget;
+        // A coordinator that serves queues releases in this write only a key without queued
+        // waiters; with waiters, the release grants the head waiter in a write of its own
+        // making (DESIGN.md, "The waiter queue": hand-over).
+        let mut hand_over = state.is_none() && self.deliver.is_some();
         let max = self.max_duration_ms();
-        let (w, _, now) = self
-            .write(key, deadline, |now| {
-                let ttl = self.ttl_after(now + max);
-                Ok(match state {
-                    None => {
-                        (Condition::Unreleased { lease_id: lease_id.clone() }, Mutation::Release { now_ms: now, ttl })
-                    }
-                    Some(s) => (
-                        Condition::Live { lease_id: lease_id.clone(), now_ms: now },
-                        Mutation::ReleaseTo { now_ms: now, state: s.to_string(), shard: self.state_shard(key, s) },
-                    ),
+        loop {
+            let deadline = Instant::now() + self.config.retry_budget;
+            let (w, _, now) = self
+                .write(key, deadline, |now| {
+                    let ttl = self.ttl_after(now + max);
+                    let lease_id = lease_id.clone();
+                    Ok(match state {
+                        None if hand_over => (Condition::Unqueued { lease_id }, Mutation::Release { now_ms: now, ttl }),
+                        None => (Condition::Unreleased { lease_id }, Mutation::Release { now_ms: now, ttl }),
+                        Some(s) => (
+                            Condition::Live { lease_id, now_ms: now },
+                            Mutation::ReleaseTo { now_ms: now, state: s.to_string(), shard: self.state_shard(key, s) },
+                        ),
+                    })
                 })
-            })
-            .await
-            .map_err(|f| f.into_error(key))?;
-        let released = |r: &Record, already_released| Released {
-            key: key.to_string(),
-            fence: r.fence,
-            released_at_ms: r.released_at_ms.unwrap_or(now),
-            free_at_ms: r.expires_at_ms.unwrap_or(now).max(now),
-            already_released,
-            state: r.state.clone(),
-        };
-        match w {
-            Write::Applied(r) => {
-                self.keep_queued(key, &r).await;
-                self.wakeups.wake(key);
-                self.hand_over_after_free(key, &r).await;
-                Ok(released(&r, false))
+                .await
+                .map_err(|f| f.into_error(key))?;
+            let released = |r: &Record, already_released| Released {
+                key: key.to_string(),
+                fence: r.fence,
+                released_at_ms: r.released_at_ms.unwrap_or(now),
+                free_at_ms: r.expires_at_ms.unwrap_or(now).max(now),
+                already_released,
+                state: r.state.clone(),
+            };
+            match w {
+                Write::Applied(r) => {
+                    self.keep_queued(key, &r).await;
+                    self.wakeups.wake(key);
+                    self.hand_over_after_free(key, &r).await;
+                    return Ok(released(&r, false));
+                }
+                Write::Rejected(Some(r))
+                    if hand_over && &r.lease_id == lease_id && r.released_at_ms.is_none() && r.queue_len() > 0 =>
+                {
+                    if let Some(done) = self.release_handing_over(key, lease_id, &r).await? {
+                        return Ok(done);
+                    }
+                    // Not done (the head waiter is not ready to take it, or the item moved on):
+                    // the ordinary release, then the queue is served after it.
+                    hand_over = false;
+                }
+                Write::Rejected(Some(r)) if &r.lease_id == lease_id && r.released_at_ms.is_some() => {
+                    return Ok(released(&r, true))
+                }
+                Write::Rejected(r) => return Err(self.not_holder(key, lease_id, r.as_ref(), now)),
             }
-            Write::Rejected(Some(r)) if &r.lease_id == lease_id && r.released_at_ms.is_some() => Ok(released(&r, true)),
-            Write::Rejected(r) => Err(self.not_holder(key, lease_id, r.as_ref(), now)),
         }
     }
 

@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
-use crate::model::{Keepalive, Lease, LeaseId, Record};
+use crate::model::{Keepalive, Lease, LeaseId, Record, Released};
 use crate::protocol::{AcquireOptions, Coordinator};
 use crate::store::{Condition, Mutation, NewLease, ScanKind, Write};
 
@@ -309,21 +309,7 @@ impl Coordinator {
                 }
             };
             // Grant: the waiter's lease, a fence above every earlier one, the head moved on.
-            let fence = self.next_fence(key, Some(r.fence))?;
-            let lease = NewLease {
-                holder: waiter.holder.clone(),
-                lease_id: waiter.lease_id.clone(),
-                now_ms: now,
-                duration_ms: Some(waiter.duration_ms),
-                min_hold_ms: 0,
-                metadata: waiter.metadata.clone(),
-                keepalive: waiter.keepalive.clone(),
-                // A key in a work state is kept until it is taken: no TTL (as for a batch grant).
-                ttl: r.state.is_none().then(|| self.ttl_after(now + waiter.duration_ms)),
-                fence,
-                poll_ms: None,
-                visit: None,
-            };
+            let lease = self.waiter_lease(key, &r, &waiter, now)?;
             let sent = Instant::now();
             let cond = Condition::HandOver { fence: r.fence, now_ms: now, head };
             let grant = Mutation::Grant { lease, seq, token: waiter.task_token.clone() };
@@ -331,32 +317,118 @@ impl Coordinator {
                 Write::Applied(g) => g,
                 Write::Rejected(_) => continue,
             };
-            let lease = granted.lease(sent, now, self.skew_ms()).with_safe_for(sent);
-            match self.deliver_with_retries(&deliver, &waiter.task_token, &lease).await {
-                Ok(()) => {
-                    served.delivered += 1;
-                    let _ = self.store().update(key, &Condition::Undelivered { fence }, &Mutation::Delivered).await?;
-                    let _ = self.store().delete(&wk, &Condition::NotLease).await;
-                    return Ok(served);
-                }
-                Err(DeliveryError::Gone(why)) => {
-                    // Never delivered (the first answer said so): nobody holds it. Free the
-                    // key and serve the next waiter.
-                    tracing::info!(key, seq, why, "queued waiter is gone; its grant is revoked");
-                    let ttl = self.ttl_after(now + self.max_duration_ms());
-                    let m = Mutation::Revoke { now_ms: self.now_ms(), ttl };
-                    self.store().update(key, &Condition::Undelivered { fence }, &m).await?;
-                    let _ = self.store().delete(&wk, &Condition::NotLease).await;
-                    served.skipped += 1;
-                }
-                Err(DeliveryError::Transient(why)) => {
-                    tracing::warn!(key, seq, why, "delivery of a hand-over grant failed; the sweep delivers it");
-                    served.undelivered += 1;
-                    return Ok(served);
-                }
+            if !self.deliver_grant(&deliver, key, &granted, sent, now, &waiter, &mut served).await? {
+                return Ok(served);
             }
         }
         Ok(served)
+    }
+
+    /// The lease a grant gives `waiter` on the item `r` read at `now`: the waiter's own
+    /// lease_id, duration, metadata and keep-alive, and a fence above every earlier one.
+    fn waiter_lease(&self, key: &str, r: &Record, waiter: &Waiter, now: u64) -> Result<NewLease> {
+        Ok(NewLease {
+            holder: waiter.holder.clone(),
+            lease_id: waiter.lease_id.clone(),
+            now_ms: now,
+            duration_ms: Some(waiter.duration_ms),
+            min_hold_ms: 0,
+            metadata: waiter.metadata.clone(),
+            keepalive: waiter.keepalive.clone(),
+            // A key in a work state is kept until it is taken: no TTL (as for a batch grant).
+            ttl: r.state.is_none().then(|| self.ttl_after(now + waiter.duration_ms)),
+            fence: self.next_fence(key, Some(r.fence))?,
+            poll_ms: None,
+            visit: None,
+        })
+    }
+
+    /// After a grant landed (`granted`, written at `now`, sent at `sent`): delivers it, then
+    /// the undelivered mark goes and the waiter item is deleted. A waiter that is gone has its
+    /// grant revoked: `true`, the queue needs serving again. A delivery that keeps failing
+    /// leaves the grant marked for the sweep.
+    #[allow(clippy::too_many_arguments)]
+    async fn deliver_grant(
+        &self,
+        deliver: &Arc<dyn Deliver>,
+        key: &str,
+        granted: &Record,
+        sent: Instant,
+        now: u64,
+        waiter: &Waiter,
+        served: &mut Served,
+    ) -> Result<bool> {
+        let (fence, seq, wk) = (granted.fence, waiter.seq, waiter_key(key, waiter.seq));
+        let lease = granted.lease(sent, now, self.skew_ms()).with_safe_for(sent);
+        match self.deliver_with_retries(deliver, &waiter.task_token, &lease).await {
+            Ok(()) => {
+                served.delivered += 1;
+                let _ = self.store().update(key, &Condition::Undelivered { fence }, &Mutation::Delivered).await?;
+                let _ = self.store().delete(&wk, &Condition::NotLease).await;
+                Ok(false)
+            }
+            Err(DeliveryError::Gone(why)) => {
+                // Never delivered (the first answer said so): nobody holds it. Free the key and
+                // serve the next waiter.
+                tracing::info!(key, seq, why, "queued waiter is gone; its grant is revoked");
+                let ttl = self.ttl_after(now + self.max_duration_ms());
+                let m = Mutation::Revoke { now_ms: self.now_ms(), ttl };
+                self.store().update(key, &Condition::Undelivered { fence }, &m).await?;
+                let _ = self.store().delete(&wk, &Condition::NotLease).await;
+                served.skipped += 1;
+                Ok(true)
+            }
+            Err(DeliveryError::Transient(why)) => {
+                tracing::warn!(key, seq, why, "delivery of a hand-over grant failed; the sweep delivers it");
+                served.undelivered += 1;
+                Ok(false)
+            }
+        }
+    }
+
+    /// A release that found waiters (its `Unqueued` release was refused, `r` the item with the
+    /// releasing lease still unreleased): ends the lease and grants the key to the head waiter
+    /// in ONE conditional write, then delivers the grant. `None`: not done, nothing written
+    /// (the min_hold has not passed, the head waiter is timed out or its item is not there, or
+    /// the item moved on): the caller releases the ordinary way and the queue is served after.
+    pub(crate) async fn release_handing_over(
+        &self,
+        key: &str,
+        lease_id: &LeaseId,
+        r: &Record,
+    ) -> Result<Option<Released>> {
+        let (Some(deliver), Some(head)) = (self.deliver.clone(), r.queue_head) else { return Ok(None) };
+        let now = self.now_ms();
+        if r.min_hold_until_ms > now {
+            return Ok(None);
+        }
+        let seq = head + 1;
+        let waiter = self.store().get(&waiter_key(key, seq)).await?.and_then(|w| w.waiter).filter(|w| w.seq == seq);
+        let Some(waiter) = waiter.filter(|w| w.timeout_at_ms.is_none_or(|t| t > now)) else { return Ok(None) };
+        let lease = self.waiter_lease(key, r, &waiter, now)?;
+        let sent = Instant::now();
+        let cond = Condition::ReleaseHandOver { lease_id: lease_id.clone(), fence: r.fence, now_ms: now, head };
+        let grant = Mutation::Grant { lease, seq, token: waiter.task_token.clone() };
+        let Write::Applied(granted) = self.store().update(key, &cond, &grant).await? else { return Ok(None) };
+        let released = Released {
+            key: key.to_string(),
+            fence: r.fence,
+            released_at_ms: now,
+            free_at_ms: now,
+            already_released: false,
+            state: r.state.clone(),
+        };
+        let mut served = Served::default();
+        if self.deliver_grant(&deliver, key, &granted, sent, now, &waiter, &mut served).await? {
+            if let Err(e) = self.serve_queue(key).await {
+                tracing::warn!(
+                    key,
+                    error = e.name(),
+                    "serving the queue after a gone waiter failed; the sweep serves it"
+                );
+            }
+        }
+        Ok(Some(released))
     }
 
     /// Delivers once, then retries transient failures a few times. `Gone` is reported only

@@ -429,7 +429,11 @@ impl Expr {
     }
     fn v(&mut self, name: &str, value: AttributeValue) -> String {
         let p = format!(":{name}");
-        self.values.insert(p.clone(), value);
+        // One placeholder, one value: a condition and an update naming the same placeholder for
+        // two values would silently check the wrong one.
+        if let Some(old) = self.values.insert(p.clone(), value.clone()) {
+            assert_eq!(old, value, "placeholder {p} bound to two values");
+        }
         p
     }
     fn set(&mut self, attribute: &str, rhs: String) {
@@ -576,6 +580,22 @@ impl Expr {
                 let lid = self.v("lease_id", str_(lease_id.expose()));
                 let now = self.v("now", num(*now_ms));
                 format!("{l} = {lid} AND attribute_not_exists({r}) AND (attribute_not_exists({e}) OR {e} > {now})")
+            }
+            Condition::Unqueued { lease_id } => {
+                let (l, r) = (self.n(attr::LEASE_ID), self.n(attr::RELEASED_AT));
+                let (qt, qh) = (self.n(attr::QUEUE_TAIL), self.n(attr::QUEUE_HEAD));
+                let lid = self.v("lease_id", str_(lease_id.expose()));
+                format!("{l} = {lid} AND attribute_not_exists({r}) AND (attribute_not_exists({qt}) OR {qt} <= {qh})")
+            }
+            Condition::ReleaseHandOver { lease_id, fence, now_ms, head } => {
+                let (f, l, r) = (self.n(attr::FENCE), self.n(attr::LEASE_ID), self.n(attr::RELEASED_AT));
+                let (m, qh) = (self.n(attr::MIN_HOLD_UNTIL), self.n(attr::QUEUE_HEAD));
+                let fv = self.v("expected_fence", num(*fence));
+                // The grant's update sets `lease_id` to the waiter's (`:lease_id`).
+                let lid = self.v("releasing_lease_id", str_(lease_id.expose()));
+                let now = self.v("now", num(*now_ms));
+                let hv = self.v("expected_head", num(*head));
+                format!("{f} = {fv} AND {l} = {lid} AND attribute_not_exists({r}) AND {m} <= {now} AND {qh} = {hv}")
             }
         }
     }
@@ -1117,6 +1137,8 @@ mod tests {
                 Some(Mutation::ReleaseTo { now_ms: now, state: "S".into(), shard: "S#0".into() }),
             ),
             (Condition::FenceIs(3), Some(Mutation::ClearTtl)),
+            (Condition::Unqueued { lease_id: id.clone() }, Some(Mutation::Release { now_ms: now, ttl: 2 })),
+            (Condition::ReleaseHandOver { lease_id: id.clone(), fence: 3, now_ms: now, head: 5 }, None),
         ];
         for (c, m) in writes {
             let (cond, update) = expressions(&c, m.as_ref().unwrap_or(&Mutation::ClearKeepalive));

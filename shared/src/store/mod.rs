@@ -91,6 +91,18 @@ pub enum Condition {
     /// AND attribute_not_exists(released_at_ms) AND (attribute_not_exists(expires_at_ms) OR
     /// expires_at_ms > :now)`
     Live { lease_id: LeaseId, now_ms: u64 },
+    /// [`Condition::Unreleased`] on a key without queued waiters: the release of a coordinator
+    /// that serves queues (with waiters, the release grants the head waiter in its own write,
+    /// [`Condition::ReleaseHandOver`]). DynamoDB: `lease_id = :lease_id AND
+    /// attribute_not_exists(released_at_ms) AND (attribute_not_exists(queue_tail) OR queue_tail
+    /// <= queue_head)`
+    Unqueued { lease_id: LeaseId },
+    /// The release of `lease_id` that grants the key to the head waiter in the same write: the
+    /// item is still that lease as read (`fence`), unreleased, past its min_hold, and its queue
+    /// head is still `head`. DynamoDB: `fence = :expected_fence AND lease_id =
+    /// :releasing_lease_id AND attribute_not_exists(released_at_ms) AND min_hold_until_ms <= :now
+    /// AND queue_head = :expected_head`
+    ReleaseHandOver { lease_id: LeaseId, fence: u64, now_ms: u64, head: u64 },
 }
 
 impl Condition {
@@ -141,6 +153,16 @@ impl Condition {
                     && r.attempts.unwrap_or(0) == visit.attempts
             }
             (Condition::Live { lease_id, now_ms }, Some(r)) => r.is_live_for(lease_id, *now_ms),
+            (Condition::Unqueued { lease_id }, Some(r)) => {
+                &r.lease_id == lease_id && r.released_at_ms.is_none() && r.queue_len() == 0
+            }
+            (Condition::ReleaseHandOver { lease_id, fence, now_ms, head }, Some(r)) => {
+                r.fence == *fence
+                    && &r.lease_id == lease_id
+                    && r.released_at_ms.is_none()
+                    && r.min_hold_until_ms <= *now_ms
+                    && r.queue_head == Some(*head)
+            }
             (Condition::Enterable { .. }, None) => true,
             (Condition::Enterable { now_ms, state, .. }, Some(r)) => {
                 matches!(r.expires_at_ms, Some(e) if e <= *now_ms) && r.state.as_deref() != Some(state.as_str())
