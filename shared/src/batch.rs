@@ -56,7 +56,7 @@ const CONTENDED_FOR: Duration = Duration::from_secs(2);
 
 /// A contended taker picks at random among the oldest `limit * SPREAD` free keys (at most
 /// [`MAX_CANDIDATES`]).
-const SPREAD: usize = 64;
+const SPREAD: usize = 48;
 const MAX_CANDIDATES: usize = 1000;
 
 /// A contended taker takes at most 1/TAIL_SHARE of the free keys it sees.

@@ -1000,13 +1000,27 @@ impl Store for DynamoStore {
                 (out.items().to_vec(), out.last_evaluated_key().cloned())
             }
             ScanKind::State { shard, free_at_ms, .. } => {
-                let out = self
-                    .state_query(shard, *free_at_ms)
-                    .limit(limit.max(1) as i32)
-                    .set_exclusive_start_key(start_key)
-                    .send()
-                    .await
-                    .map_err(map_err)?;
+                let mut q = self.state_query(shard, *free_at_ms);
+                if free_at_ms.is_some() {
+                    // A batch's candidates (up to 1,000 per Query when contended): only what a
+                    // candidate is judged and taken by, not whole items (`#s`, `#e`: the
+                    // query's own aliases of state_shard and expires_at_ms).
+                    q = q
+                        .projection_expression(format!(
+                            "#k, {}, {}, {}, {}, #e, {}, {}, #s, {}, {}",
+                            attr::FENCE,
+                            attr::HOLDER,
+                            attr::LEASE_ID,
+                            attr::ACQUIRED_AT,
+                            attr::MIN_HOLD_UNTIL,
+                            attr::RELEASED_AT,
+                            attr::STATE_SINCE,
+                            attr::ATTEMPTS
+                        ))
+                        .expression_attribute_names("#k", attr::KEY);
+                }
+                let out =
+                    q.limit(limit.max(1) as i32).set_exclusive_start_key(start_key).send().await.map_err(map_err)?;
                 (out.items().to_vec(), out.last_evaluated_key().cloned())
             }
         };

@@ -423,7 +423,10 @@ pub enum ScanKind {
     Keepalive { shard: u32, after_ms: u64 },
     /// Items in work state `state` whose index partition is `shard`, in the order they became
     /// free (expiry ascending), those free at `free_at_ms` only when given. Fail-closed held
-    /// items (no expiry) are not listed. (DynamoDB: a Query on the sparse `state` index.)
+    /// items (no expiry) are not listed. (DynamoDB: a Query on the sparse `state` index; with
+    /// `free_at_ms`, a batch's candidates, it reads only the attributes a candidate is judged
+    /// and taken by: key, fence, holder, lease_id, times, state, attempts. Other fields of
+    /// those records are absent.)
     State { state: String, shard: String, free_at_ms: Option<u64> },
 }
 
