@@ -115,3 +115,39 @@ impl Moto {
         assert!(r.status < 300, "moto config: {} {}", r.status, r.text());
     }
 }
+
+/// Regions for Step Functions executions on moto: moto 5.2 cannot start a second execution in
+/// a region that already ran one (it deep-copies the backend, locks included), so every
+/// execution of a test process gets a region of its own.
+pub const MOTO_REGIONS: [&str; 17] = [
+    "us-east-1",
+    "eu-west-1",
+    "eu-west-2",
+    "eu-west-3",
+    "eu-central-1",
+    "eu-north-1",
+    "ap-south-1",
+    "ap-southeast-1",
+    "ap-southeast-2",
+    "ap-northeast-1",
+    "ap-northeast-2",
+    "ap-northeast-3",
+    "ca-central-1",
+    "sa-east-1",
+    "us-east-2",
+    "us-west-1",
+    "us-west-2",
+];
+
+/// The next unused region of [`MOTO_REGIONS`] in this process, never `skip` (the functions'
+/// own region, kept for executions they must find).
+pub fn next_execution_region(skip: &str) -> &'static str {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    loop {
+        let i = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let r = MOTO_REGIONS.get(i).copied().expect("more executions than regions: add regions to MOTO_REGIONS");
+        if r != skip {
+            return r;
+        }
+    }
+}

@@ -28,32 +28,14 @@ use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use leasehold::store::DynamoStore;
 use leasehold::{Config, Coordinator, LeaseState};
-use leasehold_tests::emulator::{Emulator, Moto};
+use leasehold_tests::emulator::{next_execution_region, Emulator, Moto, MOTO_REGIONS};
 use leasehold_tests::{dynamo_local, free_port, http, sdk_config_for, set_local_credentials, statemachines};
 use serde_json::{json, Value};
 
-const REGIONS: [&str; 16] = [
-    "eu-west-1",
-    "eu-west-2",
-    "eu-west-3",
-    "eu-central-1",
-    "eu-north-1",
-    "ap-south-1",
-    "ap-southeast-1",
-    "ap-southeast-2",
-    "ap-northeast-1",
-    "ap-northeast-2",
-    "ap-northeast-3",
-    "ca-central-1",
-    "sa-east-1",
-    "us-east-2",
-    "us-west-1",
-    "us-west-2",
-];
-
+/// One region per execution (moto runs one execution per region); the functions' region
+/// (us-east-1) is left to them.
 fn next_region() -> &'static str {
-    static N: AtomicUsize = AtomicUsize::new(0);
-    REGIONS.get(N.fetch_add(1, Ordering::SeqCst)).copied().expect("more executions than regions")
+    next_execution_region("us-east-1")
 }
 
 struct Stack {
@@ -92,7 +74,7 @@ async fn adapt(
         // region that knows the token wins (all `InvalidToken`: that answer).
         let url = format!("http://127.0.0.1:{moto_port}{path}");
         let mut set = tokio::task::JoinSet::new();
-        for region in REGIONS {
+        for region in MOTO_REGIONS {
             let hs: Vec<(String, String)> =
                 headers
                     .iter()
@@ -423,7 +405,7 @@ async fn a_stopped_holder_is_replaced_after_expiry_by_the_sweep() {
 async fn a_grant_nobody_waits_for_is_released() {
     use leasehold::queue::{Deliver, DeliveryError};
     stack();
-    let sfn = std::sync::Arc::new(leasehold::lambda::StepFunctions(sfn(REGIONS[0]).await));
+    let sfn = std::sync::Arc::new(leasehold::lambda::StepFunctions(sfn(next_region()).await));
     let c = coordinator().await;
     let key = unique("gone");
     let lease = c.acquire(&key, "probe", Some(Duration::from_secs(5)), Default::default()).await.unwrap();

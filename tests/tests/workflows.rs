@@ -31,7 +31,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use leasehold::store::DynamoStore;
 use leasehold::{Config, Coordinator, LeaseState};
-use leasehold_tests::emulator::{Emulator, Moto};
+use leasehold_tests::emulator::{next_execution_region, Emulator, Moto, MOTO_REGIONS};
 use leasehold_tests::{dynamo_local, free_port, http, sdk_config_for, set_local_credentials, statemachines};
 use serde_json::{json, Value};
 
@@ -53,36 +53,8 @@ fn function_region() -> String {
 
 /// One region per execution (see the module comment); the functions' region is kept for the
 /// keep-alive test, whose execution the heartbeat function must find.
-const REGIONS: [&str; 17] = [
-    "us-east-1",
-    "eu-west-1",
-    "eu-west-2",
-    "eu-west-3",
-    "eu-central-1",
-    "eu-north-1",
-    "ap-south-1",
-    "ap-southeast-1",
-    "ap-southeast-2",
-    "ap-northeast-1",
-    "ap-northeast-2",
-    "ap-northeast-3",
-    "ca-central-1",
-    "sa-east-1",
-    "us-east-2",
-    "us-west-1",
-    "us-west-2",
-];
-
 fn next_region() -> &'static str {
-    static N: AtomicUsize = AtomicUsize::new(0);
-    let skip = function_region();
-    loop {
-        let i = N.fetch_add(1, Ordering::SeqCst);
-        let r = REGIONS.get(i).copied().expect("more executions than regions: add regions to REGIONS");
-        if r != skip {
-            return r;
-        }
-    }
+    next_execution_region(&function_region())
 }
 
 /// Serves Lambda's Invoke API on `port` by forwarding to the emulator, turning its HTTP 500
@@ -837,8 +809,8 @@ async fn scheduled_job_failing_work_still_releases() {
 /// Each execution needs a region of its own (see the module comment).
 #[test]
 fn regions_are_distinct() {
-    let set: std::collections::BTreeSet<&str> = REGIONS.iter().copied().collect();
-    assert_eq!(set.len(), REGIONS.len());
+    let set: std::collections::BTreeSet<&str> = MOTO_REGIONS.iter().copied().collect();
+    assert_eq!(set.len(), MOTO_REGIONS.len());
     // Executions started by the tests (at most 13 here) fit, with the functions' region left out.
-    assert!(REGIONS.len() > 14);
+    assert!(MOTO_REGIONS.len() > 14);
 }
