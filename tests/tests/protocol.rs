@@ -415,8 +415,10 @@ async fn wait_for_release(b: Backend) {
     let l = c.acquire("wr", "a", secs(30), AcquireOptions::default()).await.unwrap();
     let attempt = attempt_time(&c, "wr").await;
     let c2 = c.clone();
+    // Timed from before the spawn: the release comes at least 300 ms after this instant, and
+    // a waiter granted in the release's own write may return as soon as it lands.
+    let t = Instant::now();
     let waiter = tokio::spawn(async move {
-        let t = Instant::now();
         let r = c2.acquire("wr", "b", secs(30), AcquireOptions { wait: secs(10), ..Default::default() }).await;
         (r, t.elapsed(), Instant::now())
     });
