@@ -2,8 +2,16 @@
 //! scripts/install-test-deps.sh) running this workspace's functions, and moto's Step
 //! Functions server whose Lambda tasks reach the emulator.
 
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
 use serde_json::Value;
 
 use crate::{free_port, http, repo_root, tools_dir, wait_for_port, Guarded};
@@ -150,4 +158,64 @@ pub fn next_execution_region(skip: &str) -> &'static str {
             return r;
         }
     }
+}
+
+/// Serves HTTP/1 on 127.0.0.1:`port` from a thread of its own, for the life of the process:
+/// `answer` answers every request. Returns once the port listens. (The tests' stand-ins for
+/// AWS endpoints in front of moto and the emulator.)
+pub fn serve_forever<F, Fut>(port: u16, answer: F)
+where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = Response<Full<Bytes>>> + Send + 'static,
+{
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("rt");
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], port))).await.expect("bind");
+            ready_tx.send(()).unwrap();
+            loop {
+                let Ok((stream, _)) = listener.accept().await else { continue };
+                let answer = answer.clone();
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |req| {
+                        let answer = answer.clone();
+                        async move { Ok::<_, std::convert::Infallible>(answer(req).await) }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+    });
+    ready_rx.recv().expect("server started");
+}
+
+/// A request id for a Lambda or AWS answer made up by a test's stand-in, unique in the process.
+pub fn request_id() -> String {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    format!("leasehold-test-{}-{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst))
+}
+
+/// A Lambda Invoke (`method`, `path`, `body`) forwarded to the emulator on `emulator_port`,
+/// answered as Lambda answers it: the emulator's HTTP 500 function errors become 200,
+/// `X-Amz-Function-Error: Unhandled` and the `{errorType, errorMessage}` body.
+pub async fn forward_invoke(emulator_port: u16, method: &str, path: &str, body: &[u8]) -> Response<Full<Bytes>> {
+    let builder = Response::builder().header("x-amzn-requestid", request_id());
+    let url = format!("http://127.0.0.1:{emulator_port}{path}");
+    let resp = match http::request(method, &url, Some(body)).await {
+        Ok(r) => {
+            let function_error =
+                r.status >= 400 && serde_json::from_slice::<Value>(&r.body).is_ok_and(|v| v.get("errorType").is_some());
+            let builder = if function_error {
+                builder.status(200).header("x-amz-function-error", "Unhandled")
+            } else {
+                builder.status(r.status)
+            };
+            builder.header("content-type", "application/json").body(Full::new(Bytes::from(r.body)))
+        }
+        Err(e) => builder.status(502).body(Full::new(Bytes::from(format!("emulator: {e}")))),
+    };
+    resp.expect("response")
 }

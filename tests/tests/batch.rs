@@ -10,7 +10,6 @@
 //! of its own (moto 5.2 cannot start a second execution in a region that already ran one).
 
 use std::collections::{HashMap, HashSet};
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -19,12 +18,10 @@ use aws_sdk_sfn::config::Region;
 use aws_sdk_sfn::types::ExecutionStatus;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
 use leasehold::store::DynamoStore;
 use leasehold::{Config, Coordinator};
-use leasehold_tests::emulator::{Emulator, Moto};
-use leasehold_tests::{dynamo_local, free_port, http, repo_root, sdk_config_for, set_local_credentials};
+use leasehold_tests::emulator::{forward_invoke, request_id, serve_forever, Emulator, Moto};
+use leasehold_tests::{dynamo_local, free_port, repo_root, sdk_config_for, set_local_credentials};
 use serde_json::{json, Value};
 
 /// One call of the work function.
@@ -87,64 +84,29 @@ struct Stack {
 /// Serves Lambda's Invoke API on `port`: the work function here, the others forwarded to the
 /// emulator, function errors answered as Lambda answers them.
 fn start_invoke_adapter(port: u16, emulator_port: u16, work: Arc<Work>) {
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("rt");
-        rt.block_on(async move {
-            let listener =
-                tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], port))).await.expect("bind adapter");
-            ready_tx.send(()).unwrap();
-            loop {
-                let Ok((stream, _)) = listener.accept().await else { continue };
-                let work = work.clone();
-                tokio::spawn(async move {
-                    let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                        let work = work.clone();
-                        async move {
-                            let method = req.method().as_str().to_string();
-                            let path = req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or_default();
-                            let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
-                            let builder = hyper::Response::builder()
-                                .header("x-amzn-requestid", format!("batch-test-{}", free_port()))
-                                .header("content-type", "application/json");
-                            if path.contains("/functions/work/") {
-                                let payload: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-                                let resp = match work.handle(&payload).await {
-                                    Ok(v) => builder.status(200).body(Full::new(Bytes::from(v.to_string()))),
-                                    Err(m) => builder.status(200).header("x-amz-function-error", "Unhandled").body(
-                                        Full::new(Bytes::from(
-                                            json!({"errorType": "WorkFailed", "errorMessage": m}).to_string(),
-                                        )),
-                                    ),
-                                };
-                                return Ok::<_, std::convert::Infallible>(resp.expect("response"));
-                            }
-                            let url = format!("http://127.0.0.1:{emulator_port}{path}");
-                            let resp = match http::request(&method, &url, Some(&body)).await {
-                                Ok(r) => {
-                                    let function_error = r.status >= 400
-                                        && serde_json::from_slice::<Value>(&r.body)
-                                            .is_ok_and(|v| v.get("errorType").is_some());
-                                    let b = if function_error {
-                                        builder.status(200).header("x-amz-function-error", "Unhandled")
-                                    } else {
-                                        builder.status(r.status)
-                                    };
-                                    b.body(Full::new(Bytes::from(r.body)))
-                                }
-                                Err(e) => builder.status(502).body(Full::new(Bytes::from(format!("emulator: {e}")))),
-                            };
-                            Ok::<_, std::convert::Infallible>(resp.expect("response"))
-                        }
-                    });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
-                });
+    serve_forever(port, move |req: hyper::Request<hyper::body::Incoming>| {
+        let work = work.clone();
+        async move {
+            let method = req.method().as_str().to_string();
+            let path = req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or_default();
+            let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+            if !path.contains("/functions/work/") {
+                return forward_invoke(emulator_port, &method, &path, &body).await;
             }
-        });
+            let builder = hyper::Response::builder()
+                .header("x-amzn-requestid", request_id())
+                .header("content-type", "application/json");
+            let payload: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+            let resp = match work.handle(&payload).await {
+                Ok(v) => builder.status(200).body(Full::new(Bytes::from(v.to_string()))),
+                Err(m) => builder
+                    .status(200)
+                    .header("x-amz-function-error", "Unhandled")
+                    .body(Full::new(Bytes::from(json!({"errorType": "WorkFailed", "errorMessage": m}).to_string()))),
+            };
+            resp.expect("response")
+        }
     });
-    ready_rx.recv().expect("adapter started");
 }
 
 fn stack() -> Stack {

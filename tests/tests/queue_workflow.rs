@@ -15,7 +15,6 @@
 //!   with the region that knows the token. `InvalidToken` answers from the other regions are
 //!   never shown to the functions.
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -24,11 +23,9 @@ use aws_sdk_sfn::config::Region;
 use aws_sdk_sfn::types::{ExecutionStatus, HistoryEventType};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
 use leasehold::store::DynamoStore;
 use leasehold::{Config, Coordinator, LeaseState};
-use leasehold_tests::emulator::{next_execution_region, Emulator, Moto, MOTO_REGIONS};
+use leasehold_tests::emulator::{forward_invoke, next_execution_region, serve_forever, Emulator, Moto, MOTO_REGIONS};
 use leasehold_tests::{dynamo_local, free_port, http, sdk_config_for, set_local_credentials, statemachines};
 use serde_json::{json, Value};
 
@@ -113,44 +110,11 @@ async fn adapt(
         return b.body(Full::new(Bytes::from(r.body))).unwrap();
     }
     // moto's Lambda invoke: the emulator's function error becomes Lambda's answer.
-    let url = format!("http://127.0.0.1:{emulator_port}{path}");
-    let b = hyper::Response::builder().header("x-amzn-requestid", format!("q-{}", free_port()));
-    match http::request(&method, &url, Some(&body)).await {
-        Ok(r) => {
-            let function_error =
-                r.status >= 400 && serde_json::from_slice::<Value>(&r.body).is_ok_and(|v| v.get("errorType").is_some());
-            let b = if function_error {
-                b.status(200).header("x-amz-function-error", "Unhandled")
-            } else {
-                b.status(r.status)
-            };
-            b.header("content-type", "application/json").body(Full::new(Bytes::from(r.body))).unwrap()
-        }
-        Err(e) => b.status(502).body(Full::new(Bytes::from(format!("emulator: {e}")))).unwrap(),
-    }
+    forward_invoke(emulator_port, &method, &path, &body).await
 }
 
 fn start_adapter(port: u16, emulator_port: u16, moto_port: u16) {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-        rt.block_on(async move {
-            let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], port))).await.unwrap();
-            tx.send(()).unwrap();
-            loop {
-                let Ok((stream, _)) = listener.accept().await else { continue };
-                tokio::spawn(async move {
-                    let service = service_fn(move |req| async move {
-                        Ok::<_, std::convert::Infallible>(adapt(req, emulator_port, moto_port).await)
-                    });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
-                });
-            }
-        });
-    });
-    rx.recv().unwrap();
+    serve_forever(port, move |req| adapt(req, emulator_port, moto_port));
 }
 
 fn stack() -> &'static Stack {

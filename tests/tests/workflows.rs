@@ -18,7 +18,6 @@
 //!   the backend, locks included), so every execution gets a region of its own. Regions only
 //!   separate moto's bookkeeping: all executions share one emulator and one lease table.
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -27,11 +26,9 @@ use aws_sdk_sfn::config::Region;
 use aws_sdk_sfn::types::{ExecutionStatus, HistoryEventType};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
 use leasehold::store::DynamoStore;
 use leasehold::{Config, Coordinator, LeaseState};
-use leasehold_tests::emulator::{next_execution_region, Emulator, Moto, MOTO_REGIONS};
+use leasehold_tests::emulator::{forward_invoke, next_execution_region, serve_forever, Emulator, Moto, MOTO_REGIONS};
 use leasehold_tests::{dynamo_local, free_port, http, sdk_config_for, set_local_credentials, statemachines};
 use serde_json::{json, Value};
 
@@ -61,62 +58,23 @@ fn next_region() -> &'static str {
 /// function errors into Lambda's answer: 200, `X-Amz-Function-Error: Unhandled`, the
 /// `{errorType, errorMessage}` body. Runs on its own thread for the life of the process.
 fn start_invoke_adapter(port: u16, emulator_port: u16, dynamo_port: u16, dynamo_region: String) {
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("rt");
-        rt.block_on(async move {
-            let listener =
-                tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], port))).await.expect("bind adapter");
-            ready_tx.send(()).unwrap();
-            loop {
-                let Ok((stream, _)) = listener.accept().await else { continue };
-                let dynamo_region = dynamo_region.clone();
-                tokio::spawn(async move {
-                    let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                        let dynamo_region = dynamo_region.clone();
-                        async move {
-                            let is_dynamodb = req
-                                .headers()
-                                .get("x-amz-target")
-                                .and_then(|t| t.to_str().ok())
-                                .is_some_and(|t| t.starts_with("DynamoDB_"));
-                            if is_dynamodb {
-                                return Ok::<_, std::convert::Infallible>(
-                                    forward_to_dynamodb(req, dynamo_port, &dynamo_region).await,
-                                );
-                            }
-                            let method = req.method().as_str().to_string();
-                            let path = req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or_default();
-                            let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
-                            let url = format!("http://127.0.0.1:{emulator_port}{path}");
-                            let mut builder = hyper::Response::builder().header("x-amzn-requestid", request_id());
-                            let resp = match http::request(&method, &url, Some(&body)).await {
-                                Ok(r) => {
-                                    let function_error = r.status >= 400
-                                        && serde_json::from_slice::<Value>(&r.body)
-                                            .is_ok_and(|v| v.get("errorType").is_some());
-                                    if function_error {
-                                        builder = builder.status(200).header("x-amz-function-error", "Unhandled");
-                                    } else {
-                                        builder = builder.status(r.status);
-                                    }
-                                    builder
-                                        .header("content-type", "application/json")
-                                        .body(Full::new(Bytes::from(r.body)))
-                                }
-                                Err(e) => builder.status(502).body(Full::new(Bytes::from(format!("emulator: {e}")))),
-                            };
-                            Ok::<_, std::convert::Infallible>(resp.expect("response"))
-                        }
-                    });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
-                });
+    serve_forever(port, move |req: hyper::Request<hyper::body::Incoming>| {
+        let dynamo_region = dynamo_region.clone();
+        async move {
+            let is_dynamodb = req
+                .headers()
+                .get("x-amz-target")
+                .and_then(|t| t.to_str().ok())
+                .is_some_and(|t| t.starts_with("DynamoDB_"));
+            if is_dynamodb {
+                return forward_to_dynamodb(req, dynamo_port, &dynamo_region).await;
             }
-        });
+            let method = req.method().as_str().to_string();
+            let path = req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or_default();
+            let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+            forward_invoke(emulator_port, &method, &path, &body).await
+        }
     });
-    ready_rx.recv().expect("adapter started");
 }
 
 /// Sends a DynamoDB request of a state machine's service integration to DynamoDB Local, in
@@ -159,11 +117,6 @@ async fn forward_to_dynamodb(
             hyper::Response::builder().status(502).body(Full::new(Bytes::from(format!("dynamodb: {e}")))).unwrap()
         }
     }
-}
-
-fn request_id() -> String {
-    static N: AtomicUsize = AtomicUsize::new(0);
-    format!("leasehold-test-{}-{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst))
 }
 
 fn stack() -> &'static Stack {
