@@ -8,7 +8,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
@@ -38,7 +38,10 @@ fn decode(json: &str) -> Result<Record> {
 }
 
 impl SqliteStore {
-    /// Opens (creating if needed) the store file at `path`.
+    /// Opens (creating if needed) the store file at `path`. Any number of processes may open
+    /// one file at once, new or old: the switch to WAL is retried while another process holds
+    /// the file, and the schema is created and migrated in one write transaction (see
+    /// [`migrate`]).
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
         if let Some(dir) = path.parent() {
@@ -47,24 +50,7 @@ impl SqliteStore {
                     .map_err(|e| Error::StoreUnavailable(format!("cannot create {}: {e}", dir.display())))?;
             }
         }
-        let conn = Connection::open(&path).map_err(store_err)?;
-        conn.busy_timeout(Duration::from_secs(5)).map_err(store_err)?;
-        conn.pragma_update(None, "journal_mode", "WAL").map_err(store_err)?;
-        conn.pragma_update(None, "synchronous", "FULL").map_err(store_err)?;
-        conn.execute_batch(
-            "CREATE TABLE IF NOT EXISTS leases (
-                key TEXT PRIMARY KEY NOT NULL,
-                record TEXT NOT NULL,
-                fence INTEGER NOT NULL,
-                ka_shard INTEGER,
-                ka_until_ms INTEGER,
-                ttl INTEGER
-            );
-            CREATE INDEX IF NOT EXISTS leases_keepalive ON leases(ka_shard, ka_until_ms)
-                WHERE ka_shard IS NOT NULL;",
-        )
-        .map_err(store_err)?;
-        migrate_states(&conn)?;
+        let conn = connect(&path)?;
         Ok(SqliteStore { conn: Arc::new(Mutex::new(conn)), path })
     }
 
@@ -115,27 +101,108 @@ impl SqliteStore {
     }
 }
 
-/// The work-state columns (`state`, and `due_ms`: the expiry of a key in a state, NULL while
-/// it is held fail-closed) and their index, added to files created before them. Rows written
-/// before hold no state, so NULL is right for them.
-fn migrate_states(conn: &Connection) -> Result<()> {
-    let has_state: bool = conn
-        .query_row("SELECT COUNT(*) FROM pragma_table_info('leases') WHERE name = 'state'", [], |r| r.get::<_, i64>(0))
-        .map_err(store_err)?
-        > 0;
-    if !has_state {
-        // Two processes may open an old file at once: the loser's ALTER fails on the column
-        // the winner added, which is fine.
-        let r = conn
-            .execute_batch("ALTER TABLE leases ADD COLUMN state TEXT; ALTER TABLE leases ADD COLUMN due_ms INTEGER;");
-        if let Err(e) = r {
-            if !e.to_string().contains("duplicate column") {
-                return Err(store_err(e));
+/// How long a statement waits for another connection's lock (SQLite's busy handler) before
+/// it answers `SQLITE_BUSY`.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long opening a file keeps retrying the steps SQLite can answer `SQLITE_BUSY` to without
+/// waiting in its busy handler (the switch to WAL while other processes open the same file).
+const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The schema version of the file (`PRAGMA user_version`), set by [`migrate`] in the same
+/// transaction that brings the schema to it. 0: a new file, or one made before versioning.
+/// 1: the `leases` table with the work-state columns and both indexes. Migrations only add
+/// (columns, tables, indexes), so a file of a later version opens as it is.
+const SCHEMA_VERSION: i64 = 1;
+
+/// One connection to the file, ready for use: the busy timeout first (every later statement,
+/// on every connection, waits for other processes' locks), WAL (retried: switching the
+/// journal mode can answer `SQLITE_BUSY` without calling the busy handler while another
+/// process opens or switches the same file), `synchronous=FULL` with `fullfsync`, and the
+/// schema at [`SCHEMA_VERSION`].
+fn connect(path: &Path) -> Result<Connection> {
+    let conn = Connection::open(path).map_err(store_err)?;
+    conn.busy_timeout(BUSY_TIMEOUT).map_err(store_err)?;
+    let deadline = Instant::now() + OPEN_TIMEOUT;
+    retry_busy(deadline, || {
+        let mode: String = conn.pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))?;
+        if mode.eq_ignore_ascii_case("wal") {
+            return Ok(());
+        }
+        // The mode could not be changed now (it answers the old one): as busy, try again.
+        Err(rusqlite::Error::SqliteFailure(
+            rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_BUSY),
+            Some(format!("journal_mode is {mode}, not wal")),
+        ))
+    })
+    .map_err(store_err)?;
+    conn.pragma_update(None, "synchronous", "FULL").map_err(store_err)?;
+    // On macOS a plain fsync() does not reach the disk's platters (only F_FULLFSYNC does), so
+    // `synchronous=FULL` alone would not make a commit durable there. Elsewhere SQLite
+    // ignores it.
+    conn.pragma_update(None, "fullfsync", "ON").map_err(store_err)?;
+    retry_busy(deadline, || migrate(&conn)).map_err(store_err)?;
+    Ok(conn)
+}
+
+/// Runs `step` again (after a short random pause) while it answers `SQLITE_BUSY` or
+/// `SQLITE_LOCKED`, until `deadline`.
+fn retry_busy<T>(deadline: Instant, mut step: impl FnMut() -> rusqlite::Result<T>) -> rusqlite::Result<T> {
+    loop {
+        match step() {
+            Err(rusqlite::Error::SqliteFailure(e, _))
+                if matches!(e.code, rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked)
+                    && Instant::now() < deadline =>
+            {
+                std::thread::sleep(crate::backoff::jitter(Duration::from_millis(20)));
             }
+            r => return r,
         }
     }
-    conn.execute_batch("CREATE INDEX IF NOT EXISTS leases_state ON leases(state, due_ms, key) WHERE state IS NOT NULL;")
-        .map_err(store_err)
+}
+
+/// Brings the schema to [`SCHEMA_VERSION`] in one `BEGIN IMMEDIATE` transaction (the file's
+/// write lock, across processes), which also sets the version: another process opening the
+/// same file at once either sees the whole schema or waits for it, never a part. A file made
+/// before versioning (version 0 with a `leases` table) gets what it lacks: the work-state
+/// columns (`state`, and `due_ms`: the expiry of a key in a state, NULL while it is held
+/// fail-closed; NULL is right for the rows written before, which hold no state) and the
+/// indexes.
+fn migrate(conn: &Connection) -> rusqlite::Result<()> {
+    let version = |c: &Connection| c.pragma_query_value(None, "user_version", |r| r.get::<_, i64>(0));
+    if version(conn)? >= SCHEMA_VERSION {
+        return Ok(());
+    }
+    let tx = rusqlite::Transaction::new_unchecked(conn, TransactionBehavior::Immediate)?;
+    if version(&tx)? < 1 {
+        tx.execute_batch(
+            "CREATE TABLE IF NOT EXISTS leases (
+                key TEXT PRIMARY KEY NOT NULL,
+                record TEXT NOT NULL,
+                fence INTEGER NOT NULL,
+                ka_shard INTEGER,
+                ka_until_ms INTEGER,
+                ttl INTEGER,
+                state TEXT,
+                due_ms INTEGER
+            );",
+        )?;
+        for column in ["state TEXT", "due_ms INTEGER"] {
+            let name = column.split(' ').next().expect("column name");
+            let has: i64 =
+                tx.query_row("SELECT COUNT(*) FROM pragma_table_info('leases') WHERE name = ?1", [name], |r| r.get(0))?;
+            if has == 0 {
+                tx.execute_batch(&format!("ALTER TABLE leases ADD COLUMN {column};"))?;
+            }
+        }
+        tx.execute_batch(
+            "CREATE INDEX IF NOT EXISTS leases_keepalive ON leases(ka_shard, ka_until_ms)
+                WHERE ka_shard IS NOT NULL;
+             CREATE INDEX IF NOT EXISTS leases_state ON leases(state, due_ms, key) WHERE state IS NOT NULL;",
+        )?;
+    }
+    tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
+    tx.commit()
 }
 
 fn read(c: &Connection, key: &str) -> Result<Option<Record>> {
@@ -324,9 +391,36 @@ mod tests {
         assert_eq!(store.scan(&kind, None, 10).await.unwrap().items.len(), 1);
         assert_eq!(store.count(&kind).await.unwrap(), 1);
         drop(store);
+        let version: i64 = Connection::open(&path).unwrap().query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
+        assert_eq!(version, SCHEMA_VERSION);
         // Opening again (the columns exist now) changes nothing.
         let again = SqliteStore::open(&path).unwrap();
         assert_eq!(again.get("old").await.unwrap().unwrap().state.as_deref(), Some("S"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A file an earlier build left half-migrated (it added `state` and `due_ms` in two
+    /// statements, and could stop between them) gets the missing column.
+    #[tokio::test]
+    async fn a_half_migrated_file_gets_the_missing_column() {
+        let dir = std::env::temp_dir().join(format!("leasehold-migrate-half-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("leases.db");
+        Connection::open(&path)
+            .unwrap()
+            .execute_batch(
+                "CREATE TABLE leases (key TEXT PRIMARY KEY NOT NULL, record TEXT NOT NULL, fence INTEGER NOT NULL,
+                   ka_shard INTEGER, ka_until_ms INTEGER, ttl INTEGER, state TEXT);",
+            )
+            .unwrap();
+        let store = SqliteStore::open(&path).unwrap();
+        let m = Mutation::Enter { now_ms: 10, holder: "p".into(), state: "S".into(), shard: "S#0".into() };
+        let c = Condition::Enterable { now_ms: 10, state: "S".into(), shard: "S#0".into() };
+        assert!(matches!(store.update("k", &c, &m).await.unwrap(), Write::Applied(_)));
+        let kind = ScanKind::State { state: "S".into(), shard: "S#0".into(), free_at_ms: Some(10) };
+        assert_eq!(store.count(&kind).await.unwrap(), 1);
+        drop(store);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
@@ -339,8 +433,10 @@ mod tests {
         let conn = store.conn.lock().unwrap();
         let sync: i64 = conn.query_row("PRAGMA synchronous", [], |r| r.get(0)).unwrap();
         let mode: String = conn.query_row("PRAGMA journal_mode", [], |r| r.get(0)).unwrap();
+        let fullfsync: i64 = conn.query_row("PRAGMA fullfsync", [], |r| r.get(0)).unwrap();
         drop(conn);
         let _ = std::fs::remove_dir_all(&dir);
         assert_eq!((sync, mode.as_str()), (2, "wal"), "synchronous must be FULL (2) in WAL mode");
+        assert_eq!(fullfsync, 1, "fullfsync must be on (macOS: a plain fsync does not reach the disk)");
     }
 }
