@@ -1,13 +1,20 @@
 //! The embedded store: one SQLite file that several processes on one machine can share.
 //!
-//! Every write is one `BEGIN IMMEDIATE` transaction (SQLite's database-wide write lock, held
-//! across processes) that reads the item, evaluates the [`Condition`] and applies the
-//! [`Mutation`] with their reference semantics, so the embedded store is linearizable for
-//! every process that opens the same file. WAL mode lets readers proceed during writes;
-//! `synchronous=FULL` makes every commit durable before it is answered (DESIGN.md).
+//! Every write is evaluated inside a `BEGIN IMMEDIATE` transaction (SQLite's database-wide
+//! write lock, held across processes) that reads the item, evaluates the [`Condition`] and
+//! applies the [`Mutation`] with their reference semantics, so the embedded store is
+//! linearizable for every process that opens the same file. WAL mode lets readers proceed
+//! during writes; `synchronous=FULL` makes every commit durable before it is answered.
+//!
+//! **Group commit.** One writer thread per store applies the writes; the writes that arrive
+//! while a commit is in flight (its fsync) wait together and go into the next transaction:
+//! one `BEGIN IMMEDIATE`, each write evaluated under its own condition in arrival order (a
+//! later write sees the earlier ones; a failed condition touches nothing), one `COMMIT` and
+//! one sync for all of them. Each write is answered only after the commit that holds it
+//! returned (DESIGN.md, "The embedded store").
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -19,8 +26,49 @@ use crate::model::Record;
 
 #[derive(Clone)]
 pub struct SqliteStore {
+    /// The connection reads (get, scan, count) use; in WAL mode they never wait for writes.
     conn: Arc<Mutex<Connection>>,
+    /// The writer thread's queue (see [`writer`]): it ends when the last handle is dropped.
+    writes: mpsc::Sender<Job>,
+    /// The writer thread's connection (locked by that thread only, per group; kept here so
+    /// tests can read its settings).
+    #[cfg_attr(not(test), allow(dead_code))]
+    write_conn: Arc<Mutex<Connection>>,
+    /// How many transactions the writer committed (tests: writes were grouped).
+    #[cfg_attr(not(test), allow(dead_code))]
+    groups: Arc<std::sync::atomic::AtomicU64>,
     path: PathBuf,
+}
+
+/// How the writer's commits are synced. The product always uses [`Synchronous::Full`]; `Normal`
+/// exists for the `serve_load` benchmark's comparison only (a power loss can roll back
+/// answered writes under it).
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Synchronous {
+    Full,
+    Normal,
+}
+
+impl Synchronous {
+    fn pragma(self) -> &'static str {
+        match self {
+            Synchronous::Full => "FULL",
+            Synchronous::Normal => "NORMAL",
+        }
+    }
+
+    /// `Full`, unless `LEASEHOLD_BENCH_SYNCHRONOUS=NORMAL` (undocumented: for the benchmark's
+    /// comparison only).
+    fn from_env() -> Synchronous {
+        match std::env::var("LEASEHOLD_BENCH_SYNCHRONOUS") {
+            Ok(v) if v.eq_ignore_ascii_case("normal") => {
+                tracing::warn!("embedded store: synchronous=NORMAL (benchmark setting): answered writes can be lost");
+                Synchronous::Normal
+            }
+            _ => Synchronous::Full,
+        }
+    }
 }
 
 impl std::fmt::Debug for SqliteStore {
@@ -50,8 +98,22 @@ impl SqliteStore {
                     .map_err(|e| Error::StoreUnavailable(format!("cannot create {}: {e}", dir.display())))?;
             }
         }
-        let conn = connect(&path)?;
-        Ok(SqliteStore { conn: Arc::new(Mutex::new(conn)), path })
+        SqliteStore::open_with(path, Synchronous::from_env())
+    }
+
+    /// [`SqliteStore::open`] with the commits synced as `sync` says (the benchmark's comparison).
+    #[doc(hidden)]
+    pub fn open_with(path: PathBuf, sync: Synchronous) -> Result<Self> {
+        let write_conn = Arc::new(Mutex::new(connect(&path, sync)?));
+        let groups = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let conn = connect(&path, sync)?;
+        let (writes, queue) = mpsc::channel();
+        let (c, g) = (write_conn.clone(), groups.clone());
+        std::thread::Builder::new()
+            .name("leasehold-sqlite-writer".into())
+            .spawn(move || writer(&c, &queue, &g))
+            .map_err(|e| Error::StoreUnavailable(format!("embedded store: cannot start its writer: {e}")))?;
+        Ok(SqliteStore { conn: Arc::new(Mutex::new(conn)), writes, write_conn, groups, path })
     }
 
     /// The default store file: `$LEASEHOLD_DB`, else `$XDG_DATA_HOME/leasehold/leases.db`,
@@ -77,14 +139,19 @@ impl SqliteStore {
     /// fence is below the current time in µs, so that a later acquire, which takes its fence
     /// from the current time in µs, always issues a higher one. Returns how many it deleted.
     pub async fn purge_expired(&self, now_ms: u64) -> Result<usize> {
-        self.blocking(move |c| {
-            c.execute(
-                "DELETE FROM leases WHERE ttl IS NOT NULL AND ttl < ?1 AND fence < ?2",
-                params![(now_ms / 1000) as i64, now_ms.saturating_mul(1000) as i64],
-            )
-            .map_err(store_err)
-        })
-        .await
+        match self.submit(Op::Purge { now_ms }).await? {
+            Done::Purged(n) => Ok(n),
+            Done::Write(_) => unreachable!("a purge answers how many it deleted"),
+        }
+    }
+
+    /// Queues one write for the writer thread and waits for its answer, which comes after the
+    /// commit that holds it.
+    async fn submit(&self, op: Op) -> Result<Done> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let gone = || Error::StoreUnavailable("embedded store: its writer stopped".into());
+        self.writes.send(Job { op, reply }).map_err(|_| gone())?;
+        answer.await.map_err(|_| gone())?
     }
 
     async fn blocking<T: Send + 'static>(
@@ -120,7 +187,7 @@ const SCHEMA_VERSION: i64 = 1;
 /// journal mode can answer `SQLITE_BUSY` without calling the busy handler while another
 /// process opens or switches the same file), `synchronous=FULL` with `fullfsync`, and the
 /// schema at [`SCHEMA_VERSION`].
-fn connect(path: &Path) -> Result<Connection> {
+fn connect(path: &Path, sync: Synchronous) -> Result<Connection> {
     let conn = Connection::open(path).map_err(store_err)?;
     conn.busy_timeout(BUSY_TIMEOUT).map_err(store_err)?;
     let deadline = Instant::now() + OPEN_TIMEOUT;
@@ -136,7 +203,7 @@ fn connect(path: &Path) -> Result<Connection> {
         ))
     })
     .map_err(store_err)?;
-    conn.pragma_update(None, "synchronous", "FULL").map_err(store_err)?;
+    conn.pragma_update(None, "synchronous", sync.pragma()).map_err(store_err)?;
     // On macOS a plain fsync() does not reach the disk's platters (only F_FULLFSYNC does), so
     // `synchronous=FULL` alone would not make a commit durable there. Elsewhere SQLite
     // ignores it.
@@ -206,14 +273,15 @@ fn migrate(conn: &Connection) -> rusqlite::Result<()> {
 }
 
 fn read(c: &Connection, key: &str) -> Result<Option<Record>> {
-    let json: Option<String> = c
-        .prepare_cached("SELECT record FROM leases WHERE key = ?1")
-        .and_then(|mut st| st.query_row([key], |r| r.get(0)).optional())
-        .map_err(store_err)?;
-    json.as_deref().map(decode).transpose()
+    read_json(c, key).map_err(store_err)?.as_deref().map(decode).transpose()
 }
 
-fn write(c: &Connection, r: &Record) -> Result<()> {
+fn read_json(c: &Connection, key: &str) -> rusqlite::Result<Option<String>> {
+    c.prepare_cached("SELECT record FROM leases WHERE key = ?1")
+        .and_then(|mut st| st.query_row([key], |r| r.get(0)).optional())
+}
+
+fn write(c: &Connection, r: &Record) -> rusqlite::Result<()> {
     let json = serde_json::to_string(r).expect("record serialises");
     let (shard, until) = match (&r.keepalive, &r.waiter) {
         // A waiter item sits in its key's queue shard of the same index (see `queue`).
@@ -232,26 +300,153 @@ fn write(c: &Connection, r: &Record) -> Result<()> {
     )
     .and_then(|mut st| {
         st.execute(params![r.key, json, r.fence as i64, shard, until, r.ttl.map(|t| t as i64), r.state, due])
-    })
-    .map_err(store_err)?;
+    })?;
     Ok(())
+}
+
+/// One write for the writer thread, and where its answer goes.
+struct Job {
+    op: Op,
+    reply: tokio::sync::oneshot::Sender<Result<Done>>,
+}
+
+enum Op {
+    Update {
+        key: String,
+        condition: Condition,
+        mutation: Mutation,
+    },
+    Delete {
+        key: String,
+        condition: Condition,
+    },
+    /// [`SqliteStore::purge_expired`].
+    Purge {
+        now_ms: u64,
+    },
+}
+
+enum Done {
+    Write(Write),
+    Purged(usize),
+}
+
+/// The most writes one transaction takes (the rest go into the next).
+const MAX_GROUP: usize = 256;
+
+/// The writer thread: takes the first queued write, and with it every write queued behind it
+/// (those that arrived while the previous commit was in flight), commits them as one group,
+/// answers each, and goes again. Ends when every [`SqliteStore`] handle is gone.
+fn writer(conn: &Mutex<Connection>, queue: &mpsc::Receiver<Job>, groups: &std::sync::atomic::AtomicU64) {
+    while let Ok(first) = queue.recv() {
+        let mut group = vec![first];
+        while group.len() < MAX_GROUP {
+            match queue.try_recv() {
+                Ok(job) => group.push(job),
+                Err(_) => break,
+            }
+        }
+        let conn = conn.lock().unwrap_or_else(|p| p.into_inner());
+        let answers = commit_group(&conn, &group);
+        groups.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        for (job, answer) in group.into_iter().zip(answers) {
+            // A caller that stopped waiting (a dropped future) gets nothing; its write stands.
+            let _ = job.reply.send(answer);
+        }
+    }
+}
+
+/// Why a group's transaction failed.
+enum GroupFailure {
+    /// `BEGIN IMMEDIATE` failed (the file's write lock not had within the busy timeout):
+    /// nothing was tried.
+    Begin(rusqlite::Error),
+    /// A statement or the `COMMIT` failed: the whole group was rolled back.
+    Later(rusqlite::Error),
+}
+
+/// One transaction for `group`, in order, each answered as its own write would have been. If
+/// the transaction fails after its start (a statement or the commit), nothing of it stays and
+/// each write is tried again alone, so one write's failure is not the others'.
+fn commit_group(conn: &Connection, group: &[Job]) -> Vec<Result<Done>> {
+    match run_group(conn, group) {
+        Ok(answers) => answers,
+        Err(GroupFailure::Later(_)) if group.len() > 1 => group
+            .iter()
+            .map(|job| match run_group(conn, std::slice::from_ref(job)) {
+                Ok(mut one) => one.pop().expect("one answer"),
+                Err(GroupFailure::Begin(e) | GroupFailure::Later(e)) => Err(store_err(e)),
+            })
+            .collect(),
+        Err(GroupFailure::Begin(e) | GroupFailure::Later(e)) => {
+            let msg = store_err(e).to_string();
+            group.iter().map(|_| Err(Error::StoreUnavailable(msg.clone()))).collect()
+        }
+    }
+}
+
+fn run_group(conn: &Connection, group: &[Job]) -> std::result::Result<Vec<Result<Done>>, GroupFailure> {
+    let tx = rusqlite::Transaction::new_unchecked(conn, TransactionBehavior::Immediate).map_err(GroupFailure::Begin)?;
+    let mut answers = Vec::with_capacity(group.len());
+    for job in group {
+        // A panic in a write's own evaluation (before it wrote anything) is that write's error.
+        let one = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| apply(&tx, &job.op)))
+            .unwrap_or_else(|_| Ok(Err(Error::StoreUnavailable("embedded store: the write panicked".into()))));
+        answers.push(one.map_err(GroupFailure::Later)?);
+    }
+    tx.commit().map_err(GroupFailure::Later)?;
+    Ok(answers)
+}
+
+/// Applies one write inside the open transaction `tx`: reads the item, evaluates the
+/// condition and, if it holds, writes. The outer error is a failed statement (the transaction
+/// is abandoned); the inner one is this write's alone (an undecodable item), with nothing
+/// written. Everything a write changes is written here, in the caller's transaction.
+fn apply(tx: &Connection, op: &Op) -> rusqlite::Result<Result<Done>> {
+    let current = |key: &str| -> rusqlite::Result<Result<Option<Record>>> {
+        Ok(read_json(tx, key)?.as_deref().map(decode).transpose())
+    };
+    match op {
+        Op::Update { key, condition, mutation } => {
+            let old = match current(key)? {
+                Ok(old) => old,
+                Err(e) => return Ok(Err(e)),
+            };
+            if !condition.holds(old.as_ref()) {
+                return Ok(Ok(Done::Write(Write::Rejected(old))));
+            }
+            let new = mutation.apply(key, old.as_ref());
+            write(tx, &new)?;
+            Ok(Ok(Done::Write(Write::Applied(new))))
+        }
+        Op::Delete { key, condition } => {
+            let old = match current(key)? {
+                Ok(old) => old,
+                Err(e) => return Ok(Err(e)),
+            };
+            if !condition.holds(old.as_ref()) {
+                return Ok(Ok(Done::Write(Write::Rejected(old))));
+            }
+            tx.prepare_cached("DELETE FROM leases WHERE key = ?1")?.execute([key])?;
+            Ok(Ok(Done::Write(Write::Applied(old.expect("condition held on an existing item")))))
+        }
+        Op::Purge { now_ms } => {
+            let n = tx
+                .prepare_cached("DELETE FROM leases WHERE ttl IS NOT NULL AND ttl < ?1 AND fence < ?2")?
+                .execute(params![(now_ms / 1000) as i64, now_ms.saturating_mul(1000) as i64])?;
+            Ok(Ok(Done::Purged(n)))
+        }
+    }
 }
 
 #[async_trait]
 impl Store for SqliteStore {
     async fn delete(&self, key: &str, condition: &Condition) -> Result<Write> {
-        let (key, condition) = (key.to_string(), condition.clone());
-        self.blocking(move |c| {
-            let tx = c.transaction_with_behavior(TransactionBehavior::Immediate).map_err(store_err)?;
-            let old = read(&tx, &key)?;
-            if !condition.holds(old.as_ref()) {
-                return Ok(Write::Rejected(old));
-            }
-            tx.execute("DELETE FROM leases WHERE key = ?1", [&key]).map_err(store_err)?;
-            tx.commit().map_err(store_err)?;
-            Ok(Write::Applied(old.expect("condition held on an existing item")))
-        })
-        .await
+        let op = Op::Delete { key: key.to_string(), condition: condition.clone() };
+        match self.submit(op).await? {
+            Done::Write(w) => Ok(w),
+            Done::Purged(_) => unreachable!("a delete answers a write"),
+        }
     }
 
     fn name(&self) -> &'static str {
@@ -264,19 +459,11 @@ impl Store for SqliteStore {
     }
 
     async fn update(&self, key: &str, condition: &Condition, mutation: &Mutation) -> Result<Write> {
-        let (key, condition, mutation) = (key.to_string(), condition.clone(), mutation.clone());
-        self.blocking(move |c| {
-            let tx = c.transaction_with_behavior(TransactionBehavior::Immediate).map_err(store_err)?;
-            let old = read(&tx, &key)?;
-            if !condition.holds(old.as_ref()) {
-                return Ok(Write::Rejected(old));
-            }
-            let new = mutation.apply(&key, old.as_ref());
-            write(&tx, &new)?;
-            tx.commit().map_err(store_err)?;
-            Ok(Write::Applied(new))
-        })
-        .await
+        let op = Op::Update { key: key.to_string(), condition: condition.clone(), mutation: mutation.clone() };
+        match self.submit(op).await? {
+            Done::Write(w) => Ok(w),
+            Done::Purged(_) => unreachable!("an update answers a write"),
+        }
     }
 
     async fn count(&self, kind: &ScanKind) -> Result<u64> {
@@ -424,13 +611,65 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// Writes that queue while a commit is in flight go into one transaction, each under its
+    /// own condition, in order: a later write sees the earlier ones, a failed condition
+    /// changes nothing and does not stop the others.
+    #[tokio::test]
+    async fn queued_writes_commit_as_one_group_each_under_its_own_condition() {
+        let dir = std::env::temp_dir().join(format!("leasehold-group-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let store = SqliteStore::open(dir.join("leases.db")).unwrap();
+        let enter =
+            |state: &str| Mutation::Enter { now_ms: 10, holder: "p".into(), state: state.into(), shard: "s".into() };
+        let enterable = |state: &str| Condition::Enterable { now_ms: 10, state: state.into(), shard: "s".into() };
+        let send = |op: Op| {
+            let (reply, answer) = tokio::sync::oneshot::channel();
+            store.writes.send(Job { op, reply }).unwrap();
+            answer
+        };
+        // The writer takes the first write and waits for its connection (held here); the
+        // next five queue behind it.
+        let held = store.write_conn.lock().unwrap();
+        let first = send(Op::Update { key: "a".into(), condition: enterable("S"), mutation: enter("S") });
+        std::thread::sleep(Duration::from_millis(200));
+        let ops = [
+            Op::Update { key: "k".into(), condition: enterable("S"), mutation: enter("S") },
+            Op::Update { key: "k".into(), condition: enterable("S"), mutation: enter("S") },
+            Op::Delete { key: "none".into(), condition: Condition::Exists },
+            Op::Update { key: "j".into(), condition: enterable("S"), mutation: enter("S") },
+            Op::Update { key: "k".into(), condition: enterable("T"), mutation: enter("T") },
+        ];
+        let answers: Vec<_> = ops.into_iter().map(send).collect();
+        drop(held);
+        let write = |r: Result<Done>| match r.unwrap() {
+            Done::Write(w) => w,
+            Done::Purged(_) => panic!("a write"),
+        };
+        assert!(matches!(write(first.await.unwrap()), Write::Applied(_)));
+        let mut got = Vec::new();
+        for a in answers {
+            got.push(write(a.await.unwrap()));
+        }
+        let state = |w: &Write| match w {
+            Write::Applied(r) => format!("applied {}", r.state.as_deref().unwrap_or("-")),
+            Write::Rejected(r) => format!("rejected {}", r.as_ref().and_then(|r| r.state.as_deref()).unwrap_or("none")),
+        };
+        let got: Vec<String> = got.iter().map(state).collect();
+        assert_eq!(got, ["applied S", "rejected S", "rejected none", "applied S", "applied T"]);
+        assert_eq!(store.groups.load(std::sync::atomic::Ordering::Relaxed), 2, "one transaction for the five");
+        assert_eq!(store.get("k").await.unwrap().unwrap().state.as_deref(), Some("T"));
+        assert_eq!(store.get("j").await.unwrap().unwrap().state.as_deref(), Some("S"));
+        drop(store);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// Every commit is synced before it is answered: `synchronous=FULL` (2) on the connection
     /// that writes, in WAL mode. NORMAL (1) could lose answered grants on power loss.
     #[test]
     fn every_commit_is_durable() {
         let dir = std::env::temp_dir().join(format!("leasehold-sync-{}", std::process::id()));
         let store = SqliteStore::open(dir.join("leases.db")).unwrap();
-        let conn = store.conn.lock().unwrap();
+        let conn = store.write_conn.lock().unwrap();
         let sync: i64 = conn.query_row("PRAGMA synchronous", [], |r| r.get(0)).unwrap();
         let mode: String = conn.query_row("PRAGMA journal_mode", [], |r| r.get(0)).unwrap();
         let fullfsync: i64 = conn.query_row("PRAGMA fullfsync", [], |r| r.get(0)).unwrap();
