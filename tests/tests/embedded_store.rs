@@ -56,3 +56,80 @@ fn six_processes_open_a_new_file_at_once() {
 fn sixteen_processes_open_a_new_file_at_once() {
     processes_open_a_new_file_at_once(16, 50);
 }
+
+/// One acquire over a fresh connection: `Some(fence)` when granted, `None` when the server
+/// did not answer a whole response (it was killed).
+fn acquire_over_http(addr: &str, key: &str) -> Option<u64> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(30))).ok()?;
+    let body = r#"{"holder":"crash","duration_ms":600000}"#;
+    let req = format!(
+        "POST /leases/acquire/{key} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).ok()?;
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let text = String::from_utf8_lossy(&raw);
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    assert!(head.starts_with("HTTP/1.1 200"), "{key}: {text}");
+    let v: serde_json::Value = serde_json::from_str(body).ok()?;
+    v["fence"].as_u64()
+}
+
+/// A `leasehold serve` on the embedded store, killed with SIGKILL while many acquires are in
+/// flight (every commit holds a group of them), loses no grant it answered: each answered
+/// key+fence is in the file when it is opened again. (An answer sent before its group's
+/// commit returned would be lost with the process.)
+#[test]
+fn a_killed_server_loses_no_answered_write() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+    for round in 0..3 {
+        let dir = TempDir::new("crash");
+        let db = dir.path().join("leases.db");
+        let mut server = cli_support::Server::start(&["--db".into(), db.display().to_string()], &[]);
+        let answered = Arc::new(Mutex::new(Vec::<(String, u64)>::new()));
+        let dead = Arc::new(AtomicBool::new(false));
+        let clients: Vec<_> = (0..24)
+            .map(|t| {
+                let (addr, answered, dead) = (server.addr.clone(), answered.clone(), dead.clone());
+                std::thread::spawn(move || {
+                    for i in 0.. {
+                        let key = format!("crash-{t}-{i}");
+                        match acquire_over_http(&addr, &key) {
+                            Some(fence) => answered.lock().unwrap().push((key, fence)),
+                            None if dead.load(Ordering::SeqCst) => return,
+                            None => panic!("{key}: no answer from a live server"),
+                        }
+                    }
+                })
+            })
+            .collect();
+        // Kill it once a few hundred grants were answered: writes are in flight all along.
+        let deadline = std::time::Instant::now() + LIMIT;
+        while answered.lock().unwrap().len() < 300 + 100 * round {
+            assert!(std::time::Instant::now() < deadline, "the server answered too few acquires");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        dead.store(true, Ordering::SeqCst);
+        server.proc.signal("KILL");
+        let _ = server.proc.wait(LIMIT);
+        for c in clients {
+            c.join().expect("client thread");
+        }
+        let answered = answered.lock().unwrap().clone();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let store = leasehold::store::SqliteStore::open(&db).expect("reopen");
+        let mut lost = Vec::new();
+        for (key, fence) in &answered {
+            let rec = rt.block_on(leasehold::store::Store::get(&store, key)).expect("read");
+            if rec.as_ref().map(|r| r.fence) != Some(*fence) {
+                lost.push(format!("{key} fence {fence}: {:?}", rec.map(|r| r.fence)));
+            }
+        }
+        assert!(lost.is_empty(), "round {round}: {} of {} answered grants lost: {lost:?}", lost.len(), answered.len());
+    }
+}
