@@ -276,6 +276,42 @@ impl Drop for TempDir {
     }
 }
 
+/// The scheduling delay a tokio runtime suffers while a timing check runs: a task sleeping
+/// 1 ms over and over records the largest overshoot. A deadline the code promises to meet can
+/// be met no sooner than its timer fires plus this delay, so timing checks add exactly it
+/// instead of a fixed slack that only a quiet machine keeps. (Start it inside the runtime.)
+pub struct SchedLag {
+    max_us: Arc<AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl SchedLag {
+    pub fn start() -> SchedLag {
+        let max_us = Arc::new(AtomicU64::new(0));
+        let m = max_us.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let t = Instant::now();
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                let over = t.elapsed().saturating_sub(Duration::from_millis(1));
+                m.fetch_max(over.as_micros() as u64, Ordering::Relaxed);
+            }
+        });
+        SchedLag { max_us, task }
+    }
+
+    /// The largest delay seen so far.
+    pub fn max(&self) -> Duration {
+        Duration::from_micros(self.max_us.load(Ordering::Relaxed))
+    }
+}
+
+impl Drop for SchedLag {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
 /// Test configuration: the documented defaults with short leases allowed.
 pub fn test_config() -> Config {
     let mut c = Config::default();

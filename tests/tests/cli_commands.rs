@@ -112,8 +112,9 @@ fn every_subcommand(t: &Target) {
     assert!(fc["expires_at_ms"].is_null() && fc["duration_ms"].is_null(), "{fc}");
     assert!(t.run(&["get", "cfg/closed"]).ok().stdout.contains("never (fail-closed"));
 
-    // --wait: a 1 s lease expires and the waiting acquire takes the key.
-    t.run(&["acquire", "wait/k", "--holder", "short", "--duration", "1s"]).ok();
+    // --wait: a 2 s lease expires and the waiting acquire takes the key. (2 s: a loaded
+    // machine can answer a grant later than a shorter lease's safe time.)
+    t.run(&["acquire", "wait/k", "--holder", "short", "--duration", "2s"]).ok();
     let w = t.run(&["acquire", "wait/k", "--holder", "patient", "--wait", "10s", "--json"]).ok().json();
     assert_eq!(w["holder"], "patient");
     // ... and without enough wait, LeaseHeld.

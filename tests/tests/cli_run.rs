@@ -157,8 +157,9 @@ fn sigterm_and_sigint_are_forwarded_and_the_lease_released() {
 #[test]
 fn waiting_run_takes_the_key_when_it_frees_and_can_be_interrupted() {
     let t = Target::embedded();
-    // Held by a plain acquire for 1 s: a waiting run gets it after the expiry.
-    t.run(&["acquire", "later", "--holder", "other", "--duration", "1s"]).ok();
+    // Held by a plain acquire for 2 s: a waiting run gets it after the expiry. (2 s: a loaded
+    // machine can answer a grant later than a shorter lease's safe time.)
+    t.run(&["acquire", "later", "--holder", "other", "--duration", "2s"]).ok();
     let marker = t.dir.path().join("ran");
     t.run(&run_args("later", &["--wait", "20s"], &sh(&format!("touch '{}'", marker.display())))).ok();
     assert!(marker.exists());

@@ -83,9 +83,11 @@ async fn a_lease_id_is_single_use(b: Backend) {
     let s = c.get("once").await.unwrap();
     assert!(!s.held && s.fence == l.fence, "nothing was taken: {s:?}");
     // Expired, not released: the same.
+    // 2 s: a loaded machine can answer a grant later than a shorter lease's safe time.
     let id = LeaseId::generate();
-    c.acquire("once", "h", Some(Duration::from_millis(150)), with_id(&id)).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(250)).await;
+    let l = c.acquire("once", "h", secs(2), with_id(&id)).await.unwrap();
+    let left = l.expires_at_ms.unwrap().saturating_sub(c.now_ms());
+    tokio::time::sleep(Duration::from_millis(left + 100)).await;
     let r = c.acquire("once", "h", secs(30), AcquireOptions { wait: secs(1), ..with_id(&id) }).await;
     assert!(matches!(r, Err(Error::NotHolder { reason: NotHolderReason::Expired, .. })), "{r:?}");
     assert!(!c.get("once").await.unwrap().held);
@@ -121,8 +123,10 @@ async fn late_grant_is_released_and_taken_anew_without_spinning(b: Backend) {
     let counting = Counting::new(b.store());
     let faulty = Faulty::new(counting.clone());
     let c = Coordinator::new(faulty.clone(), test_config());
-    let d = Some(Duration::from_millis(300));
-    faulty.inject(&[Fault::SlowAnswer(Duration::from_millis(350))]);
+    // The first answer comes after the lease's safe time (1.5 s lease, 1.6 s answer); the
+    // retry has the whole safe time of a 1.5 s lease to be answered in, room on a loaded machine.
+    let d = Some(Duration::from_millis(1500));
+    faulty.inject(&[Fault::SlowAnswer(Duration::from_millis(1600))]);
     let l = c.acquire("late", "h", d, AcquireOptions::default()).await.unwrap();
     assert!(l.safe_until.unwrap() > Instant::now());
     let writes = counting.updates.load(Ordering::SeqCst);
@@ -131,7 +135,7 @@ async fn late_grant_is_released_and_taken_anew_without_spinning(b: Backend) {
     c.release("late", &l.lease_id).await.unwrap();
 
     let id = LeaseId::generate();
-    faulty.inject(&[Fault::SlowAnswer(Duration::from_millis(350))]);
+    faulty.inject(&[Fault::SlowAnswer(Duration::from_millis(1600))]);
     let r = c.acquire("late", "h", d, with_id(&id)).await;
     assert!(matches!(r, Err(Error::StoreUnavailable(_))), "{r:?}");
     assert!(!c.get("late").await.unwrap().held, "the late grant was released");

@@ -258,12 +258,14 @@ async fn lease_live_commit_is_refused_after_expiry_release_and_takeover() {
     };
 
     // Live: commits.
-    let lease = c.acquire("k-expiry", "a", Some(Duration::from_millis(400)), AcquireOptions::default()).await.unwrap();
+    // 3 s: the commit must land while the lease is live, on a loaded machine too.
+    let lease = c.acquire("k-expiry", "a", Some(Duration::from_secs(3)), AcquireOptions::default()).await.unwrap();
     c.commit_while_live(&e.leases, &lease.key, &lease.lease_id, lease.fence, write("x1", "live"))
         .await
         .expect("commit while live");
     // Expired (the holder was paused past its expiry; nobody took over).
-    tokio::time::sleep(Duration::from_millis(450)).await;
+    let left = lease.expires_at_ms.unwrap().saturating_sub(c.now_ms());
+    tokio::time::sleep(Duration::from_millis(left + 100)).await;
     let r = c.commit_while_live(&e.leases, &lease.key, &lease.lease_id, lease.fence, write("x2", "expired")).await;
     refused(r, "after expiry");
     assert!(get(&e, "x2").await.is_none());
@@ -284,8 +286,9 @@ async fn lease_live_commit_is_refused_after_expiry_release_and_takeover() {
     refused(r, "after release");
 
     // Taken over after expiry: the new holder commits, the old one cannot.
-    let old = c.acquire("k-takeover", "a", Some(Duration::from_millis(200)), AcquireOptions::default()).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(250)).await;
+    let old = c.acquire("k-takeover", "a", Some(Duration::from_secs(2)), AcquireOptions::default()).await.unwrap();
+    let left = old.expires_at_ms.unwrap().saturating_sub(c.now_ms());
+    tokio::time::sleep(Duration::from_millis(left + 100)).await;
     let new = c.acquire("k-takeover", "b", Some(Duration::from_secs(30)), AcquireOptions::default()).await.unwrap();
     c.commit_while_live(&e.leases, &new.key, &new.lease_id, new.fence, write("x5", "new")).await.expect("new holder");
     let r = c.commit_while_live(&e.leases, &old.key, &old.lease_id, old.fence, write("x5", "old")).await;
@@ -312,7 +315,8 @@ async fn lease_live_commit_is_refused_after_expiry_release_and_takeover() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn held_lease_offers_both() {
     let e = env().await;
-    let held = e.coord.hold("k-held", "h", Duration::from_millis(600), AcquireOptions::default()).await.unwrap();
+    // 2 s (renewed every 2/3 s): each renewal has over a second to land on a loaded machine.
+    let held = e.coord.hold("k-held", "h", Duration::from_secs(2), AcquireOptions::default()).await.unwrap();
     let guard = held.fence_guard();
     assert_eq!(guard.fence(), held.fence());
     // Fenced items inside a lease-live commit: both checks in one transaction.
@@ -320,7 +324,7 @@ async fn held_lease_offers_both() {
     held.commit_while_live(&e.leases, e.client.transact_write_items().transact_items(item)).await.expect("commit");
     assert_eq!(num(&get(&e, "h1").await.unwrap(), DEFAULT_ATTRIBUTE), held.fence());
     // Renewed in the background: still live after twice its duration.
-    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    tokio::time::sleep(Duration::from_millis(4_200)).await;
     let tx = e.client.transact_write_items().transact_items(put_item(&e.table, "h2", "renewed", None));
     held.commit_while_live(&e.leases, tx).await.expect("commit after renewals");
     // A stale fence inside the commit is reported as Fenced with its index.

@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 use leasehold::store::DynamoStore;
 use leasehold::{AcquireOptions, Coordinator, Error, Lost};
 use leasehold_tests::proxy::{Proxy, ProxyFault};
-use leasehold_tests::{dynamo_local, free_port, proxied_table, sdk_config_for, test_config, DynamoLocal, TempDir};
+use leasehold_tests::{
+    dynamo_local, free_port, proxied_table, sdk_config_for, test_config, DynamoLocal, SchedLag, TempDir,
+};
 
 async fn through_proxy() -> (Arc<Proxy>, Coordinator, Coordinator) {
     let (proxy, table, conf) = proxied_table().await;
@@ -33,7 +35,9 @@ async fn sdk_faults_are_classified_and_retried() {
     let t = Instant::now();
     let r = c.heartbeat("p1", &l.lease_id, None).await;
     assert!(matches!(r, Err(Error::Throttled(_))), "{r:?}");
-    assert!(t.elapsed() < Duration::from_secs(3));
+    // Bounded by the 800 ms budget (200 throttles would take far longer), with room for a
+    // loaded machine.
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
     proxy.clear_faults();
     proxy.inject(&[ProxyFault::ServerError; 200]);
     let r = c.heartbeat("p1", &l.lease_id, None).await;
@@ -77,15 +81,20 @@ async fn sdk_faults_are_classified_and_retried() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn renewals_failing_until_safe_time_are_reported() {
     let (proxy, c, direct) = through_proxy().await;
-    let held = c.hold("r1", "h", Duration::from_millis(900), AcquireOptions::default()).await.unwrap();
+    // 2 s: a loaded machine can answer a grant later than a shorter lease's safe time.
+    let held = c.hold("r1", "h", Duration::from_secs(2), AcquireOptions::default()).await.unwrap();
+    let lag = SchedLag::start();
     let safe = held.safe_until().unwrap();
     proxy.inject(&[ProxyFault::Reset; 10_000]);
     let lost = held.lost().await;
     assert_eq!(lost, Lost::SafeTimeExpired);
+    // Told when its timer at the safe time fires: late by the scheduling delay measured
+    // meanwhile, and 100 ms more for a renewal attempt that was already on its way.
     assert!(
-        Instant::now() <= safe + Duration::from_millis(100),
-        "told {:?} after the safe time",
-        Instant::now() - safe
+        Instant::now() <= safe + Duration::from_millis(100) + lag.max(),
+        "told {:?} after the safe time (lag {:?})",
+        Instant::now() - safe,
+        lag.max()
     );
     proxy.clear_faults();
     // Nobody else could take the key before its expiry, which is after the safe time.

@@ -253,10 +253,11 @@ async fn plain_acquire_does_not_jump_the_queue(b: Backend) {
     // Without a deliverer: nobody serves the queue when the holder expires.
     let plain = b.coordinator(test_config());
     let k = key("jump");
-    let short = Duration::from_millis(300);
-    let Enqueued::Granted(_) = enqueue(&c, &k, "t0", short).await else { panic!() };
+    // 2 s: a loaded machine can answer a grant later than a shorter lease's safe time.
+    let Enqueued::Granted(t0) = enqueue(&c, &k, "t0", Duration::from_secs(2)).await else { panic!() };
     enqueue(&c, &k, "t1", Duration::from_secs(30)).await;
-    tokio::time::sleep(short + Duration::from_millis(100)).await;
+    let left = t0.expires_at_ms.unwrap().saturating_sub(c.now_ms());
+    tokio::time::sleep(Duration::from_millis(left + 100)).await;
     let err = plain.acquire(&k, "jumper", Some(Duration::from_secs(5)), AcquireOptions::default()).await;
     assert!(matches!(err, Err(leasehold::Error::LeaseHeld { .. })), "a free key with waiters is theirs: {err:?}");
     c.serve_queue(&k).await.unwrap();
@@ -400,11 +401,14 @@ async fn work_items_keep_their_state_through_the_queue(b: Backend) {
     let plain = b.coordinator(test_config());
     let k = key("work");
     c.put(&k, "PENDING", "producer").await.unwrap();
-    let short = Duration::from_millis(300);
-    let Enqueued::Granted(first) = enqueue(&c, &k, "t0", short).await else { panic!("a free key is granted") };
+    // 2 s: a loaded machine can answer a grant later than a shorter lease's safe time.
+    let Enqueued::Granted(first) = enqueue(&c, &k, "t0", Duration::from_secs(2)).await else {
+        panic!("a free key is granted")
+    };
     assert_eq!(first.state.as_deref(), Some("PENDING"), "{first:?}");
     enqueue(&c, &k, "t1", Duration::from_secs(30)).await;
-    tokio::time::sleep(short + Duration::from_millis(100)).await;
+    let left = first.expires_at_ms.unwrap().saturating_sub(c.now_ms());
+    tokio::time::sleep(Duration::from_millis(left + 100)).await;
     let taken =
         plain.acquire_next("PENDING", 10, "batch", Some(Duration::from_secs(5)), AcquireOptions::default()).await;
     assert!(

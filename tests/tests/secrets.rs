@@ -85,9 +85,10 @@ async fn no_lease_id_in_any_log_line() {
     secrets.push("g".repeat(40));
 
     // Holder API: renewals in the background, drop releases.
-    let held = coord.hold("s3", "h", Duration::from_millis(600), AcquireOptions::default()).await.unwrap();
+    // 3 s, renewed every second: room for a loaded machine's late answers.
+    let held = coord.hold("s3", "h", Duration::from_secs(3), AcquireOptions::default()).await.unwrap();
     secrets.push(held.lease().unwrap().lease_id.expose().to_string());
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
     drop(held);
     tokio::time::sleep(Duration::from_millis(300)).await;
 

@@ -460,9 +460,10 @@ async fn fenced_update_refuses_the_stale_holders_write() {
     let s = tokio::task::spawn_blocking(stack).await.unwrap();
     let target = fenced_target_client(&s.dynamo_endpoint, &function_region()).await;
     let (key, item) = (unique("fenced"), unique("item"));
-    // A: a 1 s lease, then 8 s of "work": paused past its expiry before its write.
+    // A: a 2 s lease, then 8 s of "work": paused past its expiry before its write. (2 s: a
+    // loaded machine can answer a grant later than a shorter lease's safe time.)
     let a =
-        start(FENCED, "", json!({"key": key, "item_id": item, "value": "A", "duration_ms": 1000, "work_seconds": 8}))
+        start(FENCED, "", json!({"key": key, "item_id": item, "value": "A", "duration_ms": 2000, "work_seconds": 8}))
             .await;
     let lease_a = wait_acquired(&a, LONG).await;
     // B: waits (server side) for A's lease to expire, takes the key and writes at once.
@@ -628,12 +629,12 @@ async fn single_flight_keepalive_outlives_the_lease_duration() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn single_flight_lease_taken_over_during_work_fails_the_execution() {
     tokio::task::spawn_blocking(stack).await.unwrap();
-    // Without keep-alive, a 1 s lease expires during 5 s of work and another holder takes the
+    // Without keep-alive, a 2 s lease expires during 6 s of work and another holder takes the
     // key: the release finds the lease gone and the execution fails with LeaseNotReleased
     // instead of reporting success.
     let coord = coordinator().await;
     let key = unique("lost");
-    let run = start(SINGLE_FLIGHT, "", json!({"key": key, "duration_ms": 1000, "work_seconds": 5})).await;
+    let run = start(SINGLE_FLIGHT, "", json!({"key": key, "duration_ms": 2000, "work_seconds": 6})).await;
     let lease = wait_acquired(&run, LONG).await;
     let expiry = lease["expires_at_ms"].as_u64().unwrap();
     let wait = expiry.saturating_sub(coord.now_ms()) + 300;
