@@ -169,7 +169,18 @@ impl DynamoLocal {
         static N: AtomicU64 = AtomicU64::new(0);
         let table = format!("leases-{}-{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst));
         let store = DynamoStore::new(self.client().await, table);
-        store.create_table().await.expect("create table");
+        // A loaded machine's DynamoDB Local can take longer than the client's attempt timeout
+        // to create a table (with its indexes): try again (an existing table is accepted).
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            match store.create_table().await {
+                Ok(()) => break,
+                Err(e) if e.is_transient() && Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(500)).await
+                }
+                Err(e) => panic!("create table: {e:?}"),
+            }
+        }
         store
     }
 }
@@ -217,18 +228,37 @@ pub async fn guarded_table(client: &aws_sdk_dynamodb::Client) -> String {
 /// Creates an on-demand table `name` keyed by the string attribute `id` (a resource the tests
 /// guard with fences).
 pub async fn create_id_table(client: &aws_sdk_dynamodb::Client, name: &str) {
+    use aws_sdk_dynamodb::error::ProvideErrorMetadata;
     use aws_sdk_dynamodb::types::{AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType};
-    client
-        .create_table()
-        .table_name(name)
-        .billing_mode(BillingMode::PayPerRequest)
-        .attribute_definitions(
-            AttributeDefinition::builder().attribute_name("id").attribute_type(ScalarAttributeType::S).build().unwrap(),
-        )
-        .key_schema(KeySchemaElement::builder().attribute_name("id").key_type(KeyType::Hash).build().unwrap())
-        .send()
-        .await
-        .unwrap_or_else(|e| panic!("create table {name}: {e:?}"));
+    // Tried again while a loaded machine's DynamoDB Local answers late (the table may exist
+    // by then: ResourceInUseException).
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let r = client
+            .create_table()
+            .table_name(name)
+            .billing_mode(BillingMode::PayPerRequest)
+            .attribute_definitions(
+                AttributeDefinition::builder()
+                    .attribute_name("id")
+                    .attribute_type(ScalarAttributeType::S)
+                    .build()
+                    .unwrap(),
+            )
+            .key_schema(KeySchemaElement::builder().attribute_name("id").key_type(KeyType::Hash).build().unwrap())
+            .send()
+            .await;
+        match r {
+            Ok(_) => return,
+            Err(e) if e.code() == Some("ResourceInUseException") => return,
+            Err(aws_sdk_dynamodb::error::SdkError::ServiceError(e)) => panic!("create table {name}: {e:?}"),
+            Err(e) if Instant::now() < deadline => {
+                tracing::debug!("create table {name}: {e:?}; trying again");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => panic!("create table {name}: {e:?}"),
+        }
+    }
 }
 
 /// The DynamoDB Local shared by every test of this process.

@@ -122,7 +122,9 @@ async fn stale_release_after_force_release_changes_nothing(b: Backend) {
 async fn late_grant_is_released_and_taken_anew_without_spinning(b: Backend) {
     let counting = Counting::new(b.store());
     let faulty = Faulty::new(counting.clone());
-    let c = Coordinator::new(faulty.clone(), test_config());
+    // A budget for the late answer, the release of its grant and a fresh grant on a loaded
+    // machine (the test's default 3 s is less than those can take there).
+    let c = Coordinator::new(faulty.clone(), Config { retry_budget: Duration::from_secs(10), ..test_config() });
     // The first answer comes after the lease's safe time (1.5 s lease, 1.6 s answer); the
     // retry has the whole safe time of a 1.5 s lease to be answered in, room on a loaded machine.
     let d = Some(Duration::from_millis(1500));
@@ -247,7 +249,8 @@ async fn a_wrong_clock_is_refused_and_takes_nothing() {
     let honest = b.coordinator(test_config());
     for offset_ms in [5_000i64, -5_000, 2 * 3600 * 1000, 300 * 365 * 24 * 3600 * 1000] {
         let key = format!("clock{offset_ms}");
-        let l = honest.acquire(&key, "honest", secs(2), AcquireOptions::default()).await.unwrap();
+        // 30 s: held all through the wrong coordinator's attempts, however slow (released below).
+        let l = honest.acquire(&key, "honest", secs(30), AcquireOptions::default()).await.unwrap();
         let cfg = Config { clock_offset_ms: offset_ms, ..test_config() };
         // A new process with its own client: it has not talked to the store yet.
         let wrong = Coordinator::new(Backend::dynamo_store_like(&b).await, cfg);
@@ -258,7 +261,7 @@ async fn a_wrong_clock_is_refused_and_takes_nothing() {
         let s = honest.get(&key).await.unwrap();
         assert!(s.held && s.holder == "honest" && s.fence == l.fence, "{s:?}");
         honest.release(&key, &l.lease_id).await.unwrap();
-        honest.acquire(&key, "honest", secs(1), AcquireOptions::default()).await.unwrap();
+        honest.acquire(&key, "honest", secs(5), AcquireOptions::default()).await.unwrap();
     }
     // Within the margin: served.
     let cfg = Config { clock_offset_ms: 20, ..test_config() };

@@ -92,7 +92,9 @@ async fn attempt_time(c: &Coordinator, held_key: &str) -> Duration {
 
 async fn acquire_get_release(b: Backend) {
     let c = b.coordinator(test_config());
+    let sent = Instant::now();
     let lease = c.acquire("jobs/nightly", "worker-1", secs(30), AcquireOptions::default()).await.unwrap();
+    let answered = Instant::now();
     assert_eq!(lease.key, "jobs/nightly");
     assert_eq!(lease.holder, "worker-1");
     assert_eq!(lease.lease_id.expose().len(), 32, "128-bit hex lease_id");
@@ -100,7 +102,10 @@ async fn acquire_get_release(b: Backend) {
     let now = c.now_us();
     assert!(lease.fence >= now - 5_000_000 && lease.fence <= now, "fresh key starts its fence at the clock in µs");
     let safe = lease.safe_until.expect("timed lease");
-    assert!(safe > Instant::now() + Duration::from_secs(29) && safe < Instant::now() + Duration::from_secs(30));
+    // The safe time counts from when the request was sent (less the skew margin), however long
+    // the answer took.
+    let margin = c.config().skew_margin;
+    assert!(safe >= sent + Duration::from_secs(30) - margin && safe <= answered + Duration::from_secs(30), "{safe:?}");
 
     let state = c.get("jobs/nightly").await.unwrap();
     assert!(state.held);
@@ -776,15 +781,18 @@ async fn keepalive_sweep_renews_every_live_lease(b: Backend) {
     let (stale, live, budget) = (150, 60, 100u32);
     // "a/..." sorts before "z/..." in every shard: a sweep reading shards from the start and
     // counting stale entries spends its budget on them first.
+    let mut stale_until = 0;
     for i in 0..stale {
-        // The shortest keep-alive lease the test config allows (3 sweep periods of 50 ms).
-        c.acquire(&format!("a/stale-{i}"), "gone", ms(150), opts()).await.unwrap();
+        // 1 s (the test config allows 150 ms, 3 sweep periods): a loaded machine can answer a
+        // grant later than a shorter lease's safe time.
+        let l = c.acquire(&format!("a/stale-{i}"), "gone", ms(1000), opts()).await.unwrap();
+        stale_until = l.expires_at_ms.unwrap();
     }
     let mut lives = Vec::new();
     for i in 0..live {
         lives.push(c.acquire(&format!("z/live-{i}"), "etl", secs(60), opts()).await.unwrap());
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    tokio::time::sleep(Duration::from_millis(stale_until.saturating_sub(c.now_ms()) + 150)).await;
     let started = c.now_ms();
     let report = c.keepalive_sweep(None, budget, Instant::now() + Duration::from_secs(60)).await;
     println!("{} sweep 1: {report:?}", b.store().name());
