@@ -310,6 +310,8 @@ struct Job {
     reply: tokio::sync::oneshot::Sender<Result<Done>>,
 }
 
+// Moved once, through the writer's queue: boxing the large variant would only add an allocation.
+#[allow(clippy::large_enum_variant)]
 enum Op {
     Update {
         key: String,
@@ -326,6 +328,7 @@ enum Op {
     },
 }
 
+#[allow(clippy::large_enum_variant)]
 enum Done {
     Write(Write),
     Purged(usize),
