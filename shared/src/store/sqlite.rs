@@ -88,8 +88,8 @@ fn decode(json: &str) -> Result<Record> {
 impl SqliteStore {
     /// Opens (creating if needed) the store file at `path`. Any number of processes may open
     /// one file at once, new or old: the switch to WAL is retried while another process holds
-    /// the file, and the schema is created and migrated in one write transaction (see
-    /// [`migrate`]).
+    /// the file, and the schema is created and migrated in one write transaction, versioned
+    /// with `PRAGMA user_version` (DESIGN.md, "The embedded store").
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
         if let Some(dir) = path.parent() {
