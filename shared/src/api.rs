@@ -332,6 +332,8 @@ impl HttpResponse {
             Error::LeaseHeld { expires_at_ms: Some(exp), .. } => Some(exp.saturating_sub(now_ms).div_ceil(1000).max(1)),
             Error::LeaseHeld { expires_at_ms: None, .. } => Some(1),
             Error::StoreUnavailable(_) | Error::Throttled(_) | Error::OutcomeUnknown { .. } => Some(1),
+            // It lasts until the clock is fixed: not a hot retry loop.
+            Error::ClockSkew(_) => e.retry_after().map(|d| d.as_secs().max(1)),
             _ => None,
         };
         if let Some(s) = retry_after {
