@@ -83,6 +83,18 @@ impl ClockSamples {
         q.push_back(s);
     }
 
+    /// Makes every sample `by` older, as if this process had been idle (or frozen) that long.
+    /// For tests of the evidence's age bound.
+    #[doc(hidden)]
+    pub fn backdate(&self, by: Duration) {
+        let mut q = self.samples.lock().unwrap_or_else(|p| p.into_inner());
+        for s in q.iter_mut() {
+            if let (Some(sent), Some(received)) = (s.sent.checked_sub(by), s.received.checked_sub(by)) {
+                (s.sent, s.received) = (sent, received);
+            }
+        }
+    }
+
     /// How many samples are younger than [`MAX_AGE`].
     pub(crate) fn recent(&self) -> usize {
         let q = self.samples.lock().unwrap_or_else(|p| p.into_inner());

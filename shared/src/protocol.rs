@@ -232,7 +232,19 @@ impl Coordinator {
         &self,
         key: &str,
         deadline: Instant,
+        attempt: impl FnMut(u64) -> Result<(Condition, Mutation)>,
+    ) -> std::result::Result<(Write, Instant, u64), Failed> {
+        self.write_noting(key, deadline, attempt, &mut false).await
+    }
+
+    /// [`Coordinator::write`], also setting `landed` when an attempt may have landed although
+    /// a later one answered (an acquire carries that across its attempts).
+    pub(crate) async fn write_noting(
+        &self,
+        key: &str,
+        deadline: Instant,
         mut attempt: impl FnMut(u64) -> Result<(Condition, Mutation)>,
+        landed: &mut bool,
     ) -> std::result::Result<(Write, Instant, u64), Failed> {
         let mut backoff = Backoff::new(self.config.retry_base, self.config.retry_max);
         let mut maybe_landed = false;
@@ -244,6 +256,7 @@ impl Coordinator {
                 Ok(w) => return Ok((w, sent, now)),
                 Err(e) if e.is_transient() => {
                     maybe_landed |= e.may_have_landed();
+                    *landed |= maybe_landed;
                     let pause = backoff.next_pause();
                     if Instant::now() + pause >= deadline {
                         return Err(Failed { error: e, maybe_landed });
@@ -347,9 +360,21 @@ impl Coordinator {
         // is about (the caller's, or the generated one), which a release reaches.
         let mut lease_id = opts.lease_id.clone().unwrap_or_else(LeaseId::generate);
         let mut landed = false;
+        // (A batch lease is written under the state visit the index showed, and every grant
+        // counts an attempt of the visit: once another lease holds the key, a write of ours can
+        // never land, so `LeaseHeld` stays what it is.)
+        let batch = want.is_some();
         let res = self.acquire_attempts(key, holder, duration, opts, want, &mut lease_id, &mut landed).await;
         res.map_err(|e| match e {
-            e @ (Error::LeaseHeld { .. } | Error::StoreUnavailable(_) | Error::Throttled(_)) if landed => {
+            e @ Error::LeaseHeld { .. } if landed && !batch => Error::outcome_unknown(
+                key,
+                format!(
+                    "{e}; an earlier attempt of this acquire timed out and may still land: release with this \
+                     lease_id, or send the same request again with it"
+                ),
+            )
+            .with_lease_id(&lease_id),
+            e @ (Error::StoreUnavailable(_) | Error::Throttled(_)) if landed => {
                 Error::outcome_unknown(
                     key,
                     format!(
@@ -429,21 +454,23 @@ impl Coordinator {
             };
             let mut fence = 0;
             let (w, sent, now) = self
-                .write(key, deadline, |now| {
-                    fence = self.next_fence(key, seen_fence)?;
-                    let cond = match &visit {
-                        None => Condition::Free { now_ms: now, fence, lease_id: lease_id.clone() },
-                        Some(v) => {
-                            Condition::FreeIn { now_ms: now, fence, lease_id: lease_id.clone(), visit: v.clone() }
-                        }
-                    };
-                    Ok((cond, Mutation::Acquire(new(now, fence))))
-                })
+                .write_noting(
+                    key,
+                    deadline,
+                    |now| {
+                        fence = self.next_fence(key, seen_fence)?;
+                        let cond = match &visit {
+                            None => Condition::Free { now_ms: now, fence, lease_id: lease_id.clone() },
+                            Some(v) => {
+                                Condition::FreeIn { now_ms: now, fence, lease_id: lease_id.clone(), visit: v.clone() }
+                            }
+                        };
+                        Ok((cond, Mutation::Acquire(new(now, fence))))
+                    },
+                    landed,
+                )
                 .await
-                .map_err(|f| {
-                    *landed |= f.maybe_landed;
-                    f.into_error(key)
-                })?;
+                .map_err(|f| f.into_error(key))?;
             if want.is_some() && matches!(w, Write::Rejected(None)) {
                 return Err(Error::NotFound { key: key.to_string() });
             }
