@@ -365,16 +365,10 @@ impl Coordinator {
         // never land, so `LeaseHeld` stays what it is.)
         let batch = want.is_some();
         let res = self.acquire_attempts(key, holder, duration, opts, want, &mut lease_id, &mut landed).await;
-        res.map_err(|e| match e {
-            e @ Error::LeaseHeld { .. } if landed && !batch => Error::outcome_unknown(
-                key,
-                format!(
-                    "{e}; an earlier attempt of this acquire timed out and may still land: release with this \
-                     lease_id, or send the same request again with it"
-                ),
-            )
-            .with_lease_id(&lease_id),
-            e @ (Error::StoreUnavailable(_) | Error::Throttled(_)) if landed => {
+        res.map_err(|e| {
+            let open = matches!(e, Error::StoreUnavailable(_) | Error::Throttled(_))
+                || (matches!(e, Error::LeaseHeld { .. }) && !batch);
+            let e = if landed && open {
                 Error::outcome_unknown(
                     key,
                     format!(
@@ -382,9 +376,10 @@ impl Coordinator {
                          lease_id, or send the same request again with it"
                     ),
                 )
-                .with_lease_id(&lease_id)
-            }
-            e => e.with_lease_id(&lease_id),
+            } else {
+                e
+            };
+            e.with_lease_id(&lease_id)
         })
     }
 

@@ -366,3 +366,48 @@ async fn takers_drain_a_state_through_dropped_and_delayed_answers() {
     assert_eq!(direct.count_in_state("TODO").await.unwrap(), 0);
     assert!(unavailable * 50 <= batches, "{unavailable} of {batches} batches answered 503 (at most 2%)");
 }
+
+/// Records deliveries of queued grants.
+#[derive(Default)]
+struct Deliveries(Mutex<Vec<String>>);
+
+#[async_trait::async_trait]
+impl leasehold::queue::Deliver for Deliveries {
+    async fn success(&self, token: &str, _: &leasehold::Lease) -> Result<(), leasehold::queue::DeliveryError> {
+        self.0.lock().unwrap().push(token.to_string());
+        Ok(())
+    }
+    async fn failure(&self, _: &str, _: &str, _: &str) -> Result<(), leasehold::queue::DeliveryError> {
+        Ok(())
+    }
+}
+
+/// The scheduled heartbeat function on a clock 30 s ahead: the keep-alive sweep is refused with
+/// `ClockSkew`, and so is the queue sweep after it; the old handler ran the queue sweep anyway,
+/// saw the live lease as expired and handed the key to the head waiter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_refused_clock_runs_no_queue_sweep() {
+    use leasehold::lambda::{Function, Handler};
+    let b = Backend::dynamo().await;
+    let deliveries = Arc::new(Deliveries::default());
+    let honest = Coordinator::new(b.store(), test_config()).with_deliver(deliveries.clone());
+    let held = honest.acquire("queued", "holder", secs(20), AcquireOptions::default()).await.unwrap();
+    let q = honest
+        .acquire_or_enqueue("queued", "waiter", Duration::from_secs(60), AcquireOptions::default(), "token-1", None)
+        .await
+        .unwrap();
+    assert!(matches!(q, leasehold::queue::Enqueued::Queued { .. }), "{q:?}");
+    // A new heartbeat function whose clock runs 30 s ahead (its own store client): to it the
+    // 20 s lease looks expired.
+    let Backend::Dynamo(ddb) = &b else { unreachable!() };
+    let store: Arc<dyn leasehold::store::Store> =
+        Arc::new(DynamoStore::new(dynamo_local().client().await, ddb.table().to_string()));
+    let wrong =
+        Coordinator::new(store, Config { clock_offset_ms: 30_000, ..test_config() }).with_deliver(deliveries.clone());
+    let h = Handler { function: Function::Heartbeat, coord: wrong, executions: None, sweep_max_items: 100 };
+    let event = json!({"source": "aws.events", "detail-type": "Scheduled Event", "detail": {}});
+    let _ = h.handle(event, Duration::from_secs(20)).await;
+    assert!(deliveries.0.lock().unwrap().is_empty(), "a live key was handed over: {:?}", deliveries.0.lock().unwrap());
+    let s = honest.get("queued").await.unwrap();
+    assert!(s.held && s.fence == held.fence, "{s:?}");
+}
