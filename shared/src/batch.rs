@@ -194,7 +194,14 @@ impl Coordinator {
         // Every other field is checked as a single acquire checks it (a state name is a valid key).
         self.check_acquire(state, holder, Some(duration), &opts)?;
         let wait_deadline = start + opts.wait.unwrap_or_default();
-        let item_opts = AcquireOptions { wait: None, ..opts };
+        // As for a single acquire: the wait, or the retry budget when it is longer, and never
+        // past the caller's own deadline. Every round's reads and writes end by then, so the
+        // last round cannot run past the wait (or a Lambda invocation's end).
+        let mut deadline = wait_deadline.max(start + self.config().retry_budget);
+        if let Some(d) = opts.deadline {
+            deadline = deadline.min(d);
+        }
+        let item_opts = AcquireOptions { wait: None, deadline: Some(deadline), ..opts };
         loop {
             self.check_clock(state).await?;
             let round = self.take(state, limit, holder, duration, &item_opts).await;
@@ -220,7 +227,7 @@ impl Coordinator {
                 });
             }
             let now = Instant::now();
-            if now >= wait_deadline {
+            if now >= wait_deadline.min(deadline) {
                 return Ok(Vec::new());
             }
             tokio::time::sleep(jitter(self.config().poll_max).min(wait_deadline - now)).await;
@@ -262,7 +269,10 @@ impl Coordinator {
             let kind = ScanKind::State { state: state.to_string(), shard: shard.clone(), free_at_ms: Some(now) };
             // A read is retried within the budget of a request: one lost answer must not fail
             // the batch.
-            let deadline = Instant::now() + self.config().retry_budget;
+            let mut deadline = Instant::now() + self.config().retry_budget;
+            if let Some(d) = opts.deadline {
+                deadline = deadline.min(d);
+            }
             let items = match self.read(deadline, || self.store().scan(&kind, None, page as u32)).await {
                 Ok(p) => p.items,
                 Err(e) => {

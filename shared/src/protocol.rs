@@ -85,6 +85,10 @@ pub struct AcquireOptions {
     /// Caller-chosen lease_id, so a retried acquire (lost response) gets the same lease.
     /// When `None`, 128 bits are drawn from the OS CSPRNG.
     pub lease_id: Option<LeaseId>,
+    /// The whole acquire, its last attempt's retries included, ends by then (a Lambda
+    /// invocation's end less its safety margin); `None`: the wait and the retry budget decide.
+    /// A request already sent is bounded by the store client's attempt timeout.
+    pub deadline: Option<Instant>,
 }
 
 /// The lease coordinator: validation, conditions, retries and fencing over one store.
@@ -400,7 +404,10 @@ impl Coordinator {
         // refused if the key has moved on since).
         let mut visit = want.clone();
         let wait_deadline = start + opts.wait.unwrap_or_default();
-        let deadline = wait_deadline.max(start + self.config.retry_budget);
+        let mut deadline = wait_deadline.max(start + self.config.retry_budget);
+        if let Some(d) = opts.deadline {
+            deadline = deadline.min(d);
+        }
         let mut wait = Waiting::new(&self.pacer, key, self.config.poll_max, start);
         // Waiting acquires of this coordinator line up per key: only the head tries, and a
         // release handled here wakes it at once (DESIGN.md, "In-process waiters").

@@ -22,6 +22,7 @@ both_backends!(
     an_acquire_whose_answers_are_all_lost_names_its_lease_id,
     a_throttled_end_after_a_lost_answer_is_outcome_unknown,
     a_wait_that_lost_an_answer_and_then_saw_the_key_held_is_outcome_unknown,
+    an_invocation_ends_within_its_remaining_time,
 );
 
 fn secs(s: u64) -> Option<Duration> {
@@ -410,4 +411,27 @@ async fn a_refused_clock_runs_no_queue_sweep() {
     assert!(deliveries.0.lock().unwrap().is_empty(), "a live key was handed over: {:?}", deliveries.0.lock().unwrap());
     let s = honest.get("queued").await.unwrap();
     assert!(s.held && s.fence == held.fence, "{s:?}");
+}
+
+/// An invocation with `remaining` time (a Lambda's): an acquire or a batch whose writes are
+/// throttled answers before the invocation ends, not when the retry budget does (the final
+/// attempt's retries used to run on past the invoke's safety margin).
+async fn an_invocation_ends_within_its_remaining_time(b: Backend) {
+    let faulty = Faulty::new(b.store());
+    let cfg = Config { retry_budget: Duration::from_secs(8), ..test_config() };
+    let c = Coordinator::new(faulty.clone(), cfg);
+    c.put("inv/1", "INV", "loader").await.unwrap();
+    faulty.inject(&vec![Fault::Throttle; 10_000]);
+    let remaining = Duration::from_millis(2500);
+    let t = Instant::now();
+    let acquire = json!({"key": "inv", "holder": "h", "duration_ms": 60000, "wait_ms": 500});
+    let r = api::run(&c, Operation::Acquire, None, acquire, Some(remaining)).await;
+    assert!(matches!(r, Err(Error::Throttled(_))), "{r:?}");
+    assert!(t.elapsed() < remaining, "the acquire answered after {:?}", t.elapsed());
+    let t = Instant::now();
+    let next = json!({"holder": "h", "limit": 1, "duration_ms": 60000, "wait_ms": 500});
+    let r = api::run(&c, Operation::Next, Some("INV"), next, Some(remaining)).await;
+    assert!(matches!(r, Err(Error::Throttled(_))), "{r:?}");
+    assert!(t.elapsed() < remaining, "the batch answered after {:?}", t.elapsed());
+    faulty.plan.lock().unwrap().clear();
 }
