@@ -264,7 +264,7 @@ pub(crate) fn metric_line(function: &str, outcome: &str, latency_ms: f64, counts
     line
 }
 
-/// The clock check's evidence, by `Function` (see [`with_clock_offset`]): the bounds of the
+/// The clock check's evidence, by `Function` (on every metric line with recent evidence): the bounds of the
 /// measured offset `store clock - function clock` in ms, as the recent `Date` headers of the
 /// store's answers give it (DESIGN.md, "Clocks").
 pub const CLOCK_METRICS: [&str; 2] = ["ClockOffsetLoMs", "ClockOffsetHiMs"];

@@ -387,7 +387,10 @@ impl Coordinator {
         })
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// The attempts of [`Coordinator::acquire_visit`]: `lease_id` is the one it writes (a
+    /// generated one is replaced when it ended), `landed` is set once an attempt may have landed.
+    // `&lease_id` on the `&mut` binding: the body reads as it did when the id was a local.
+    #[allow(clippy::too_many_arguments, clippy::needless_borrow)]
     async fn acquire_attempts(
         &self,
         key: &str,
