@@ -154,6 +154,14 @@ async fn clock_skew_says_when_to_retry_over_http() {
     let after: u64 = r.header("retry-after").expect("a Retry-After").parse().unwrap();
     assert!(after >= leasehold::CLOCK_SKEW_RETRY_AFTER.as_secs(), "Retry-After: {after}");
     assert_eq!(body["retry_after_ms"].as_u64(), Some(leasehold::CLOCK_SKEW_RETRY_AFTER.as_millis() as u64));
+    // The CLI asked to wait retries no sooner than that (once within a 7 s wait), and then
+    // reports the refusal.
+    let t = Instant::now();
+    let mut c = clean_command();
+    c.args(["--url", &server.url, "acquire", "skewed", "--holder", "cli", "--wait", "7s", "--json"]);
+    let out = tokio::task::spawn_blocking(move || output(c)).await.unwrap();
+    assert_eq!((out.code, out.json()["error"].as_str()), (77, Some("ClockSkew")), "{out:?}");
+    assert!(t.elapsed() >= leasehold::CLOCK_SKEW_RETRY_AFTER, "retried after {:?}", t.elapsed());
 }
 
 /// A fresh table behind the fault proxy, with `leasehold serve --table` in front of it.
