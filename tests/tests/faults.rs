@@ -23,6 +23,7 @@ both_backends!(
     a_throttled_end_after_a_lost_answer_is_outcome_unknown,
     a_wait_that_lost_an_answer_and_then_saw_the_key_held_is_outcome_unknown,
     an_invocation_ends_within_its_remaining_time,
+    a_lost_batch_names_the_leases_it_may_have_taken,
 );
 
 fn secs(s: u64) -> Option<Duration> {
@@ -442,4 +443,33 @@ async fn an_invocation_ends_within_its_remaining_time(b: Backend) {
     assert!(matches!(r, Err(Error::Throttled(_))), "{r:?}");
     assert!(t.elapsed() < remaining, "the batch answered after {:?}", t.elapsed());
     faulty.plan.lock().unwrap().clear();
+}
+
+/// A batch whose every write answer is lost: `OutcomeUnknown` names the `(key, lease_id)` of
+/// every lease it may have taken; releasing them frees those keys at once (the old answer named
+/// none, so they stayed held until they expired).
+async fn a_lost_batch_names_the_leases_it_may_have_taken(b: Backend) {
+    let faulty = Faulty::new(b.store());
+    let cfg = Config { retry_budget: Duration::from_millis(300), ..test_config() };
+    let c = Coordinator::new(faulty.clone(), cfg);
+    for i in 0..6 {
+        c.put(&format!("lb/{i}"), "LB", "loader").await.unwrap();
+    }
+    faulty.inject(&vec![Fault::LoseResponse; 200]);
+    let r = c.acquire_next("LB", 4, "t", secs(600), AcquireOptions::default()).await;
+    faulty.plan.lock().unwrap().clear();
+    let leases = match &r {
+        Err(e @ Error::OutcomeUnknown { .. }) => e.unknown_leases(),
+        other => panic!("expected OutcomeUnknown, got {other:?}"),
+    };
+    assert!(!leases.is_empty(), "{r:?}");
+    let body = r.unwrap_err().to_json();
+    assert_eq!(body["leases"].as_array().map(Vec::len), Some(leases.len()), "{body}");
+    let other = b.coordinator(test_config());
+    for (key, id) in &leases {
+        c.release(key, &leasehold::validate::lease_id(id).unwrap()).await.unwrap();
+    }
+    // Every key is free again at once: all six are taken now.
+    let got = other.acquire_next("LB", 10, "u", secs(60), AcquireOptions::default()).await.unwrap();
+    assert_eq!(got.len(), 6, "{got:?}");
 }
