@@ -340,6 +340,7 @@ impl Coordinator {
                 fence,
                 poll_ms: wait.advertise(),
                 visit: visit.as_ref().map(|v| Visit { attempts: v.attempts.saturating_add(1), ..v.clone() }),
+                released: None,
             };
             let mut fence = 0;
             let (w, sent, now) = self
@@ -471,6 +472,7 @@ impl Coordinator {
                 fence: 0,
                 poll_ms,
                 visit: None,
+                released: None,
             },
         }
     }
@@ -531,7 +533,12 @@ impl Coordinator {
         match w {
             Write::Applied(r) => {
                 check_fence(&r)?;
-                self.keep_queued(key, &r).await;
+                // Not on the renewal's answer path: the renewal landed, and a slow TTL removal
+                // must not delay (or fail) it past the holder's safe time.
+                if r.state.is_some() && r.ttl.is_some() {
+                    let (c, k, r) = (self.clone(), key.to_string(), r.clone());
+                    tokio::spawn(async move { c.keep_queued(&k, &r).await });
+                }
                 Ok(r.lease(sent, now, self.skew_ms()))
             }
             // Still ours, but not extended: a fail-closed lease (nothing to extend), a later
@@ -623,6 +630,18 @@ impl Coordinator {
                 Write::Rejected(Some(r)) if &r.lease_id == lease_id && r.released_at_ms.is_some() => {
                     return Ok(released(&r, true))
                 }
+                // Released by a hand-over that granted the key on in the same write (or right
+                // after): the grant keeps the released lease's id and fence.
+                Write::Rejected(Some(r)) if r.released_lease_id.as_ref() == Some(lease_id) => {
+                    return Ok(Released {
+                        key: key.to_string(),
+                        fence: r.released_fence.unwrap_or(r.fence),
+                        released_at_ms: r.acquired_at_ms,
+                        free_at_ms: r.acquired_at_ms,
+                        already_released: true,
+                        state: r.state.clone(),
+                    })
+                }
                 Write::Rejected(r) => return Err(self.not_holder(key, lease_id, r.as_ref(), now)),
             }
         }
@@ -643,6 +662,9 @@ impl Coordinator {
         lease.now_ms = now;
         lease.fence = self.next_fence(key, Some(r.fence)).ok()?;
         lease.ttl = lease.duration_ms.map(|d| self.ttl_after(now + d));
+        // A retried release of the releasing lease answers `already_released` (not
+        // `wrong_lease_id`): the grant keeps its id and fence.
+        lease.released = Some((lease_id.clone(), r.fence));
         let cond = Condition::HandTo { lease_id: lease_id.clone(), fence: r.fence, now_ms: now };
         let released = Released {
             key: key.to_string(),
