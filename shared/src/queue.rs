@@ -297,9 +297,14 @@ impl Coordinator {
                 tracing::warn!(key, why, "delivery of a queued acquire's grant failed; the sweep delivers it");
                 let deadline = Instant::now() + self.config().retry_budget;
                 let mark = Mutation::MarkUndelivered { token: token.to_string(), shard: queue_shard(key) };
-                if let Err(f) = self.write(key, deadline, |_| Ok((Condition::FenceIs(lease.fence), mark.clone()))).await {
+                if let Err(f) = self.write(key, deadline, |_| Ok((Condition::FenceIs(lease.fence), mark.clone()))).await
+                {
                     let e = f.into_error(key);
-                    tracing::warn!(key, error = e.name(), "could not mark a grant undelivered; it ends with its duration");
+                    tracing::warn!(
+                        key,
+                        error = e.name(),
+                        "could not mark a grant undelivered; it ends with its duration"
+                    );
                 }
                 Ok(Enqueued::Granted(lease))
             }
@@ -700,7 +705,8 @@ impl Coordinator {
         }
         match self.store().get(key).await {
             Ok(Some(r)) if r.queue_len() == 0 && r.pending_token.is_none() => {
-                if let Ok(Write::Applied(_)) = self.store().update(key, &Condition::QueueIdle, &Mutation::Unindex).await {
+                if let Ok(Write::Applied(_)) = self.store().update(key, &Condition::QueueIdle, &Mutation::Unindex).await
+                {
                     report.unindexed += 1;
                 }
             }

@@ -723,7 +723,8 @@ async fn a_missing_slot_is_skipped_after_its_own_grace(b: Backend) {
     // Each failing put is retried for the retry budget (3 s) before its enqueue gives up.
     for (key, token) in [(&lonely, "l-dead"), (&k, "dead")] {
         faults.once(move |_, m| puts_waiter(m, token).then_some(Act::Fail));
-        let out = c.acquire_or_enqueue(key, token, Duration::from_secs(30), AcquireOptions::default(), token, None).await;
+        let out =
+            c.acquire_or_enqueue(key, token, Duration::from_secs(30), AcquireOptions::default(), token, None).await;
         assert!(out.is_err(), "its put failed: {out:?}");
     }
     enqueue(&c, &k, "w2", Duration::from_secs(30)).await;

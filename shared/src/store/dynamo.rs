@@ -543,7 +543,8 @@ impl Expr {
             }
             Condition::Queueable { now_ms, lease_id } => {
                 let (f, e) = (self.n(attr::FENCE), self.n(attr::EXPIRES_AT));
-                let (qt, qh, ql) = (self.n(attr::QUEUE_TAIL), self.n(attr::QUEUE_HEAD), self.n(attr::QUEUE_TAIL_LEASE_ID));
+                let (qt, qh, ql) =
+                    (self.n(attr::QUEUE_TAIL), self.n(attr::QUEUE_HEAD), self.n(attr::QUEUE_TAIL_LEASE_ID));
                 let now = self.v("now", num(*now_ms));
                 let lid = self.v("lease_id", str_(lease_id.expose()));
                 format!(

@@ -145,7 +145,9 @@ fn migrate_states(conn: &Connection) -> Result<()> {
 /// in no index now).
 fn migrate_queues(conn: &Connection) -> Result<()> {
     let has: bool = conn
-        .query_row("SELECT COUNT(*) FROM pragma_table_info('leases') WHERE name = 'q_shard'", [], |r| r.get::<_, i64>(0))
+        .query_row("SELECT COUNT(*) FROM pragma_table_info('leases') WHERE name = 'q_shard'", [], |r| {
+            r.get::<_, i64>(0)
+        })
         .map_err(store_err)?
         > 0;
     if !has {
