@@ -418,7 +418,7 @@ impl Coordinator {
                 AcquireAnswer::Held(r) => {
                     // A free key kept for its queued waiters has no expiry to wake up for: the
                     // paced poll alone (not a tight loop on an expiry already past).
-                    let queued = r.queue_len() > 0 && !r.is_held(self.now_ms());
+                    let queued = (r.queue_len() > 0 || r.pending_token.is_some()) && !r.is_held(self.now_ms());
                     let until_expiry = r
                         .expires_at_ms
                         .filter(|_| !queued)

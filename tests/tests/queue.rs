@@ -827,6 +827,21 @@ async fn an_expired_undelivered_grant_is_ended_and_the_next_served(b: Backend) {
     assert_eq!(rec.tokens(), ["t0", "t2"]);
     let st = c.get(&k).await.unwrap();
     assert!(st.held && st.holder == "t2", "{st:?}");
+    // A queued acquire's grant of a free key, never delivered, expired: no plain acquire takes
+    // the key over the mark (its waiter would never be told); the sweep tells it, then the key
+    // is free for anyone.
+    let k = key("expired-free-grant");
+    rec.transient.store(100, Ordering::SeqCst);
+    let out = enqueue(&c, &k, "f0", Duration::from_millis(500)).await;
+    rec.transient.store(0, Ordering::SeqCst);
+    assert!(matches!(out, Enqueued::Granted(_)), "{out:?}");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let plain = b.coordinator(test_config());
+    let taken = plain.acquire(&k, "p", Some(Duration::from_secs(5)), AcquireOptions::default()).await;
+    assert!(matches!(taken, Err(leasehold::Error::LeaseHeld { .. })), "{taken:?}");
+    c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    assert!(rec.failed.lock().unwrap().iter().any(|(t, e)| t == "f0" && e == "LeaseExpired"));
+    plain.acquire(&k, "p", Some(Duration::from_secs(5)), AcquireOptions::default()).await.unwrap();
 }
 
 /// A release whose min_hold is still running leaves the key blocked until it ends: the release

@@ -504,10 +504,11 @@ impl Expr {
                 let fv = self.v("fence", num(*fence));
                 let lid = self.v("lease_id", str_(lease_id.expose()));
                 let (qt, qh) = (self.n(attr::QUEUE_TAIL), self.n(attr::QUEUE_HEAD));
-                let ss = self.n(attr::STATE_SHARD);
+                let (ss, p) = (self.n(attr::STATE_SHARD), self.n(attr::PENDING_TOKEN));
                 format!(
                     "attribute_not_exists({f}) OR ({e} <= {now} AND {f} < {fv} AND {l} <> {lid} \
-                     AND (attribute_not_exists({qt}) OR {qt} <= {qh}) AND attribute_not_exists({ss}))"
+                     AND (attribute_not_exists({qt}) OR {qt} <= {qh}) AND attribute_not_exists({ss}) \
+                     AND attribute_not_exists({p}))"
                 )
             }
             Condition::Renew { lease_id, now_ms, expires_at_ms } => {
@@ -596,10 +597,10 @@ impl Expr {
                 let ssv = self.v("state_shard", str_(&visit.shard));
                 let siv = self.v("state_since_ms", num(visit.since_ms));
                 let atv = self.v("attempts", num(visit.attempts as u64));
-                let (qt, qh) = (self.n(attr::QUEUE_TAIL), self.n(attr::QUEUE_HEAD));
+                let (qt, qh, p) = (self.n(attr::QUEUE_TAIL), self.n(attr::QUEUE_HEAD), self.n(attr::PENDING_TOKEN));
                 format!(
                     "{e} <= {now} AND {f} < {fv} AND {l} <> {lid} AND (attribute_not_exists({qt}) OR {qt} <= {qh}) \
-                     AND {ss} = {ssv} AND {si} = {siv} AND {at} = {atv}"
+                     AND {ss} = {ssv} AND {si} = {siv} AND {at} = {atv} AND attribute_not_exists({p})"
                 )
             }
             Condition::Enterable { now_ms, shard, .. } => {

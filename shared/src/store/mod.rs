@@ -27,11 +27,13 @@ pub enum Condition {
     /// The key can be taken with fence `fence` by `lease_id`: no item, or an item whose expiry
     /// is present and `<= now_ms`, whose last fence is below `fence`, whose last lease is not
     /// `lease_id` (a lease_id is single-use: once its lease ended it is never granted again),
-    /// without queued waiters (a free key with waiters belongs to the head waiter), and which is
+    /// without queued waiters (a free key with waiters belongs to the head waiter), without a
+    /// grant still marked undelivered (its waiter is told before the key moves on), and which is
     /// in no work state (a key in a state is taken with [`Condition::FreeIn`], which keeps its
     /// state). DynamoDB: `attribute_not_exists(fence) OR (expires_at_ms <= :now AND fence <
     /// :fence AND lease_id <> :lease_id AND (attribute_not_exists(queue_tail) OR queue_tail <=
-    /// queue_head) AND attribute_not_exists(state_shard))` (every item has a fence)
+    /// queue_head) AND attribute_not_exists(state_shard) AND attribute_not_exists(pending_token))`
+    /// (every item has a fence)
     Free { now_ms: u64, fence: u64, lease_id: LeaseId },
     /// `lease_id` holds the key and this renewal is newer than the last one: same lease_id, not
     /// released, no expiry or expiry `> now_ms`, and no renewal at or after `now_ms` (a delayed
@@ -83,7 +85,8 @@ pub enum Condition {
     /// copies the state into the new item, so it must be the item's current one. DynamoDB:
     /// `expires_at_ms <= :now AND fence < :fence AND lease_id <> :lease_id AND
     /// (attribute_not_exists(queue_tail) OR queue_tail <= queue_head) AND state_shard =
-    /// :state_shard AND state_since_ms = :state_since_ms AND attempts = :attempts`
+    /// :state_shard AND state_since_ms = :state_since_ms AND attempts = :attempts AND
+    /// attribute_not_exists(pending_token)`
     FreeIn { now_ms: u64, fence: u64, lease_id: LeaseId, visit: Visit },
     /// A key may be put into `state`: no item, or a free item not already in `state`.
     /// DynamoDB: `attribute_not_exists(fence) OR (expires_at_ms <= :now AND
@@ -123,6 +126,7 @@ impl Condition {
                     && &r.lease_id != lease_id
                     && r.queue_len() == 0
                     && r.state.is_none()
+                    && r.pending_token.is_none()
             }
             (Condition::Renew { lease_id, now_ms, expires_at_ms }, Some(r)) => {
                 r.is_live_for(lease_id, *now_ms)
@@ -161,6 +165,7 @@ impl Condition {
                     && r.state.as_deref() == Some(visit.state.as_str())
                     && r.state_since_ms == Some(visit.since_ms)
                     && r.attempts.unwrap_or(0) == visit.attempts
+                    && r.pending_token.is_none()
             }
             (Condition::Live { lease_id, now_ms }, Some(r)) => r.is_live_for(lease_id, *now_ms),
             (Condition::Unqueued { lease_id }, Some(r)) => {
