@@ -533,11 +533,18 @@ impl Coordinator {
         match w {
             Write::Applied(r) => {
                 check_fence(&r)?;
-                // Not on the renewal's answer path: the renewal landed, and a slow TTL removal
-                // must not delay (or fail) it past the holder's safe time.
+                // A key in a work state keeps no TTL. The renewal has landed: the removal gets
+                // one try of at most 1 s (and never past the heartbeat's deadline) before the
+                // answer, and any retries run after it, so a slow store cannot hold a landed
+                // renewal back past the holder's safe time.
                 if r.state.is_some() && r.ttl.is_some() {
-                    let (c, k, r) = (self.clone(), key.to_string(), r.clone());
-                    tokio::spawn(async move { c.keep_queued(&k, &r).await });
+                    let bound = deadline.min(Instant::now() + Duration::from_secs(1));
+                    let cond = Condition::FenceIs(r.fence);
+                    let once = self.store.update(key, &cond, &Mutation::ClearTtl);
+                    if !matches!(tokio::time::timeout_at(bound.into(), once).await, Ok(Ok(_))) {
+                        let (c, k, r) = (self.clone(), key.to_string(), r.clone());
+                        tokio::spawn(async move { c.keep_queued(&k, &r).await });
+                    }
                 }
                 Ok(r.lease(sent, now, self.skew_ms()))
             }
