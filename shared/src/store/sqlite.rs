@@ -178,9 +178,10 @@ const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The schema version of the file (`PRAGMA user_version`), set by [`migrate`] in the same
 /// transaction that brings the schema to it. 0: a new file, or one made before versioning.
-/// 1: the `leases` table with the work-state columns and both indexes. Migrations only add
-/// (columns, tables, indexes), so a file of a later version opens as it is.
-const SCHEMA_VERSION: i64 = 1;
+/// 1: the `leases` table with the work-state columns and the keep-alive and state indexes.
+/// 2: the queue index (`q_shard`). Migrations only add (columns, tables, indexes), so a file
+/// of a later version opens as it is.
+const SCHEMA_VERSION: i64 = 2;
 
 /// One connection to the file, ready for use: the busy timeout first (every later statement,
 /// on every connection, waits for other processes' locks), WAL (retried: switching the
@@ -268,8 +269,37 @@ fn migrate(conn: &Connection) -> rusqlite::Result<()> {
              CREATE INDEX IF NOT EXISTS leases_state ON leases(state, due_ms, key) WHERE state IS NOT NULL;",
         )?;
     }
+    if version(&tx)? < 2 {
+        // The queue index column (`q_shard`: the queue shard of a lease item with queued
+        // waiters or an undelivered grant, NULL otherwise) and its index. Rows of keys with a
+        // queue get their shard, and waiter items leave the keep-alive index (they are in no
+        // index now): rewritten as `write` writes them.
+        let has: i64 =
+            tx.query_row("SELECT COUNT(*) FROM pragma_table_info('leases') WHERE name = 'q_shard'", [], |r| r.get(0))?;
+        if has == 0 {
+            tx.execute_batch("ALTER TABLE leases ADD COLUMN q_shard INTEGER;")?;
+        }
+        let rows: Vec<String> = tx
+            .prepare(
+                "SELECT record FROM leases WHERE record LIKE '%\"queue_tail\"%' OR record LIKE '%\"pending_token\"%'
+                 OR record LIKE '%\"waiter\"%'",
+            )?
+            .query_map([], |r| r.get(0))?
+            .collect::<rusqlite::Result<_>>()?;
+        for json in rows {
+            let record = decode(&json).map_err(|e| rusqlite::Error::ToSqlConversionFailure(Box::new(e)))?;
+            write(&tx, &record)?;
+        }
+        tx.execute_batch("CREATE INDEX IF NOT EXISTS leases_queue ON leases(q_shard, key) WHERE q_shard IS NOT NULL;")?;
+    }
     tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
     tx.commit()
+}
+
+/// The queue index entry of a record: lease items with queued waiters or an undelivered grant.
+fn queue_index(r: &Record) -> Option<i64> {
+    (r.waiter.is_none() && (r.queue_len() > 0 || r.pending_token.is_some()))
+        .then(|| crate::queue::queue_shard(&r.key) as i64)
 }
 
 fn read(c: &Connection, key: &str) -> Result<Option<Record>> {
@@ -284,22 +314,21 @@ fn read_json(c: &Connection, key: &str) -> rusqlite::Result<Option<String>> {
 fn write(c: &Connection, r: &Record) -> rusqlite::Result<()> {
     let json = serde_json::to_string(r).expect("record serialises");
     let (shard, until) = match (&r.keepalive, &r.waiter) {
-        // A waiter item sits in its key's queue shard of the same index (see `queue`).
-        (_, Some(_)) => (Some(crate::queue::queue_shard(&r.key) as i64), Some(r.acquired_at_ms as i64)),
         (Some(k), None) => (Some(keepalive_shard(&r.key, KEEPALIVE_SHARDS) as i64), Some(k.until_ms as i64)),
-        (None, None) => (None, None),
+        _ => (None, None),
     };
+    let q_shard = queue_index(r);
     let due = r.state.as_ref().and(r.expires_at_ms).map(|e| e.min(i64::MAX as u64) as i64);
     // Statements are prepared once per connection (the write path is the hot path).
     c.prepare_cached(
-        "INSERT INTO leases (key, record, fence, ka_shard, ka_until_ms, ttl, state, due_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
+        "INSERT INTO leases (key, record, fence, ka_shard, ka_until_ms, ttl, state, due_ms, q_shard)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)
          ON CONFLICT(key) DO UPDATE SET record = excluded.record, fence = excluded.fence,
            ka_shard = excluded.ka_shard, ka_until_ms = excluded.ka_until_ms, ttl = excluded.ttl,
-           state = excluded.state, due_ms = excluded.due_ms",
+           state = excluded.state, due_ms = excluded.due_ms, q_shard = excluded.q_shard",
     )
     .and_then(|mut st| {
-        st.execute(params![r.key, json, r.fence as i64, shard, until, r.ttl.map(|t| t as i64), r.state, due])
+        st.execute(params![r.key, json, r.fence as i64, shard, until, r.ttl.map(|t| t as i64), r.state, due, q_shard])
     })?;
     Ok(())
 }
@@ -508,6 +537,17 @@ impl Store for SqliteStore {
                         .map_err(store_err)?;
                     let it = st
                         .query_map(params![shard as i64, after_ms as i64, start, limit], |r| Ok((r.get(0)?, r.get(1)?)))
+                        .map_err(store_err)?;
+                    it.collect::<rusqlite::Result<_>>().map_err(store_err)?
+                }
+                ScanKind::Queue { shard } => {
+                    let mut st = c
+                        .prepare_cached(
+                            "SELECT key, record FROM leases WHERE q_shard = ?1 AND key > ?2 ORDER BY key LIMIT ?3",
+                        )
+                        .map_err(store_err)?;
+                    let it = st
+                        .query_map(params![shard as i64, start, limit], |r| Ok((r.get(0)?, r.get(1)?)))
                         .map_err(store_err)?;
                     it.collect::<rusqlite::Result<_>>().map_err(store_err)?
                 }
