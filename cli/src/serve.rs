@@ -75,9 +75,9 @@ async fn serve(g: &Global, args: ServeArgs) -> i32 {
             Ok(s) => (Arc::new(s.clone()), Some(s)),
             Err(e) => return output::failure(g, &Failure::unreachable(format!("{}: {e}", choice.describe()))),
         },
-        StoreChoice::Dynamo { .. } => match choice.open().await {
+        StoreChoice::Dynamo { .. } => match crate::target::open_store(&choice).await {
             Ok(s) => (s, None),
-            Err(e) => return output::failure(g, &Failure::unreachable(format!("{}: {e}", choice.describe()))),
+            Err(f) => return output::failure(g, &f),
         },
     };
     let coord = Coordinator::new(store, config);

@@ -165,6 +165,41 @@ fn lease_table_matches_the_store() {
     assert_eq!(t["Conditions"]["ProtectTable"], json!({"Fn::Equals": [{"Ref": "TableDeletionProtection"}, "true"]}));
 }
 
+/// `leasehold table create` makes exactly template.yaml's table: the same key schema, attribute
+/// definitions, indexes (keys and projections), TTL, billing and stream
+/// (`leasehold::store::table::LEASE_TABLE` is what both the CLI and `table check` use).
+#[test]
+fn lease_table_is_the_cli_table() {
+    use leasehold::store::table::LEASE_TABLE as spec;
+    let t = raw();
+    let p = &t["Resources"]["LeaseTable"]["Properties"];
+    assert_eq!(p["BillingMode"], spec.billing);
+    assert_eq!(p["KeySchema"], json!([{"AttributeName": spec.key, "KeyType": "HASH"}]));
+    let defs: BTreeSet<(String, String)> = p["AttributeDefinitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| (d["AttributeName"].as_str().unwrap().to_string(), d["AttributeType"].as_str().unwrap().to_string()))
+        .collect();
+    let want: BTreeSet<(String, String)> =
+        spec.attributes().iter().map(|(a, b)| (a.to_string(), b.to_string())).collect();
+    assert_eq!(defs, want);
+    let gsis: Vec<Value> = spec
+        .indexes
+        .iter()
+        .map(|i| {
+            json!({
+                "IndexName": i.name,
+                "KeySchema": [{"AttributeName": i.hash.0, "KeyType": "HASH"}, {"AttributeName": i.range.0, "KeyType": "RANGE"}],
+                "Projection": {"ProjectionType": i.projection},
+            })
+        })
+        .collect();
+    assert_eq!(p["GlobalSecondaryIndexes"], json!(gsis));
+    assert_eq!(p["TimeToLiveSpecification"], json!({"AttributeName": spec.ttl, "Enabled": true}));
+    assert_eq!(p["StreamSpecification"], json!({"StreamViewType": spec.stream}));
+}
+
 #[test]
 fn functions_are_built_and_configured() {
     let t = raw();
