@@ -27,6 +27,7 @@ Routes (the same as the HTTP API of the AWS deployment):
 Operator routes (this server only):
   GET  /                       the live page: held keys, a prefix filter, force-release
   GET  /leases?prefix=P&limit=N                 POST /leases/force-release/{key}
+  GET  /leases/history/{key}?since=1h&limit=N   who held the key when (GET /leases/history: every key)
 Anyone who can reach the server can use every route, force-release included: keep it on
 127.0.0.1 (the default) or behind something that authenticates.
 The key is the rest of the path, '/' included (/leases/acquire/jobs/nightly is the key
@@ -81,6 +82,14 @@ async fn serve(g: &Global, args: ServeArgs) -> i32 {
         },
     };
     let coord = Coordinator::new(store, config);
+    let ops = Arc::new(Ops {
+        history: match &choice {
+            StoreChoice::Embedded { path } => crate::history::Source::Embedded(path.clone()),
+            StoreChoice::Dynamo { table } => {
+                crate::history::Source::Dynamo { history_table: crate::history::history_table_of(table, None) }
+            }
+        },
+    });
     let listener = match tokio::net::TcpListener::bind(args.addr).await {
         Ok(l) => l,
         Err(e) => {
@@ -104,6 +113,7 @@ async fn serve(g: &Global, args: ServeArgs) -> i32 {
 
     if let Some(s) = sqlite {
         let (c, every) = (coord.clone(), args.purge_every.max(Duration::from_secs(1)));
+        let path = s.path().to_path_buf();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(every);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -113,6 +123,12 @@ async fn serve(g: &Global, args: ServeArgs) -> i32 {
                     Ok(0) => {}
                     Ok(n) => tracing::debug!(purged = n, "purged expired items"),
                     Err(e) => tracing::warn!(error = %e, "purge of expired items failed"),
+                }
+                let (p, now) = (path.clone(), c.now_ms());
+                match tokio::task::spawn_blocking(move || leasehold::store::sqlite_history::prune(&p, now)).await {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => tracing::warn!(error = %e, "history pruning failed"),
+                    Err(e) => tracing::warn!(error = %e, "history pruning failed"),
                 }
             }
         });
@@ -127,8 +143,8 @@ async fn serve(g: &Global, args: ServeArgs) -> i32 {
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
                     let _ = stream.set_nodelay(true);
-                    let coord = coord.clone();
-                    let service = hyper::service::service_fn(move |req| handle(coord.clone(), req));
+                    let (coord, ops) = (coord.clone(), ops.clone());
+                    let service = hyper::service::service_fn(move |req| handle(coord.clone(), ops.clone(), req));
                     let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), service));
                     tokio::spawn(async move {
                         if let Err(e) = conn.await {
@@ -178,7 +194,16 @@ fn too_large() -> HttpResponse {
     r
 }
 
-async fn handle(coord: Coordinator, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
+/// What the operator routes of this server read besides the coordinator.
+pub struct Ops {
+    pub history: crate::history::Source,
+}
+
+async fn handle(
+    coord: Coordinator,
+    ops: Arc<Ops>,
+    req: Request<Incoming>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
     let method = req.method().as_str().to_string();
     let path = req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or_else(|| "/".into());
     let declared = req
@@ -197,6 +222,9 @@ async fn handle(coord: Coordinator, req: Request<Incoming>) -> Result<Response<F
         match Limited::new(req.into_body(), MAX_BODY_BYTES).collect().await {
             Ok(body) => match HttpRequest::from_raw(&method, &path, body.to_bytes().to_vec()) {
                 Ok(req) if req.path == "/" => page(&method),
+                Ok(req) if req.path == "/leases/history" || req.path.starts_with("/leases/history/") => {
+                    history_route(&coord, &ops, &req, &path).await
+                }
                 Ok(req) if req.path.starts_with("/leases/force-release/") && method == "POST" && !json_body => {
                     // A browser sends application/json across origins only after a preflight
                     // this server never approves: another site's page cannot force-release.
@@ -220,6 +248,37 @@ async fn handle(coord: Coordinator, req: Request<Incoming>) -> Result<Response<F
         }
     };
     Ok(to_hyper(resp))
+}
+
+/// `GET /leases/history/{key+}` (one key's events) and `GET /leases/history` (every key's
+/// recent events, embedded store only).
+async fn history_route(coord: &Coordinator, ops: &Ops, req: &HttpRequest, raw: &str) -> HttpResponse {
+    if req.method != "GET" && req.method != "HEAD" {
+        return api::method_not_allowed("GET", format!("use GET for {}, not {}", req.path, req.method));
+    }
+    let key = req.path.strip_prefix("/leases/history/");
+    let query = raw.split_once('?').map(|(_, q)| q).unwrap_or("");
+    match crate::history::route(&ops.history, key, query, coord.now_ms()).await {
+        Ok(v) => HttpResponse {
+            status: 200,
+            headers: vec![("content-type".into(), "application/json".into())],
+            body: v.to_string(),
+            error: None,
+        },
+        Err(f) => {
+            let name = f.json.get("error").and_then(serde_json::Value::as_str).and_then(leasehold::ErrorName::parse);
+            let status = match name {
+                Some(leasehold::ErrorName::InvalidRequest) => 400,
+                _ => 503,
+            };
+            HttpResponse {
+                status,
+                headers: vec![("content-type".into(), "application/json".into())],
+                body: f.json.to_string(),
+                error: name,
+            }
+        }
+    }
 }
 
 /// The operator page: one static file, its script polling `GET /leases` (no lease_id ever

@@ -192,7 +192,7 @@ impl Target {
 /// One request to the HTTP API: the answer's JSON, or its error as a [`Failure`].
 /// `operator`: the command, for the routes only `leasehold serve` has (an API without them,
 /// such as the AWS deployment, answers 404 without an error of ours).
-async fn http(
+pub(crate) async fn http(
     e: &Endpoint,
     method: &str,
     path: &str,

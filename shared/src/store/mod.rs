@@ -16,6 +16,7 @@ use crate::model::{Keepalive, LeaseId, Record};
 
 pub mod dynamo;
 pub mod sqlite;
+pub mod sqlite_history;
 pub mod table;
 
 pub use dynamo::DynamoStore;
