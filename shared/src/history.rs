@@ -9,6 +9,8 @@
 //! so both paths give the same times, and the store's clock does not matter.
 
 pub mod dynamo;
+#[cfg(feature = "streams")]
+pub mod lambda;
 
 use std::sync::OnceLock;
 use std::time::Duration;

@@ -184,3 +184,156 @@ async fn retention_prunes_old_events() {
     assert_eq!(leasehold::store::sqlite_history::prune(&path, at + 7 * day + 1).unwrap(), 1);
     assert!(read(&path).is_empty());
 }
+
+/// DynamoDB-JSON of a stream record's attribute (what a Lambda event carries).
+fn ddb_json(v: &aws_sdk_dynamodbstreams::types::AttributeValue) -> Value {
+    use aws_sdk_dynamodbstreams::types::AttributeValue as A;
+    use serde_json::json;
+    match v {
+        A::S(s) => json!({ "S": s }),
+        A::N(n) => json!({ "N": n }),
+        A::Bool(b) => json!({ "BOOL": b }),
+        A::Null(_) => json!({ "NULL": true }),
+        A::M(m) => json!({ "M": item_json(m) }),
+        A::L(l) => json!({ "L": l.iter().map(ddb_json).collect::<Vec<_>>() }),
+        A::Ss(s) => json!({ "SS": s }),
+        A::Ns(s) => json!({ "NS": s }),
+        other => panic!("the lease table has no attribute like {other:?}"),
+    }
+}
+
+fn item_json(m: &std::collections::HashMap<String, aws_sdk_dynamodbstreams::types::AttributeValue>) -> Value {
+    Value::Object(m.iter().map(|(k, v)| (k.clone(), ddb_json(v))).collect())
+}
+
+/// Every record of `table`'s stream so far, as the records of a Lambda DynamoDB event.
+async fn stream_records(conf: &aws_config::SdkConfig, client: &aws_sdk_dynamodb::Client, table: &str) -> Vec<Value> {
+    let streams = aws_sdk_dynamodbstreams::Client::new(conf);
+    let d = client.describe_table().table_name(table).send().await.unwrap();
+    let arn = d.table().and_then(|t| t.latest_stream_arn()).expect("the lease table has a stream").to_string();
+    let desc = streams.describe_stream().stream_arn(&arn).send().await.unwrap();
+    let shards = desc.stream_description().map(|s| s.shards().to_vec()).unwrap_or_default();
+    assert!(!shards.is_empty(), "{desc:?}");
+    let mut out = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for shard in shards {
+        let it = streams
+            .get_shard_iterator()
+            .stream_arn(&arn)
+            .shard_id(shard.shard_id().unwrap())
+            .shard_iterator_type(aws_sdk_dynamodbstreams::types::ShardIteratorType::TrimHorizon)
+            .send()
+            .await
+            .unwrap();
+        let mut iter = it.shard_iterator().map(str::to_string);
+        let mut empty = 0;
+        while let Some(i) = iter.take() {
+            let r = streams.get_records().shard_iterator(i).send().await.unwrap();
+            if r.records().is_empty() {
+                empty += 1;
+                if empty >= 3 {
+                    break;
+                }
+            }
+            for rec in r.records() {
+                let s = rec.dynamodb().expect("a change");
+                // A shard read again (a parent and its child) must not hand a record over twice.
+                if !seen.insert(s.sequence_number().unwrap_or_default().to_string()) {
+                    continue;
+                }
+                let mut change = serde_json::json!({
+                    "ApproximateCreationDateTime": s.approximate_creation_date_time().map(|t| t.secs()).unwrap_or(0),
+                    "Keys": item_json(s.keys().unwrap_or(&Default::default())),
+                    "SequenceNumber": s.sequence_number(),
+                    "SizeBytes": s.size_bytes().unwrap_or(0),
+                    "StreamViewType": s.stream_view_type().map(|v| v.as_str()),
+                });
+                if let Some(n) = s.new_image() {
+                    change["NewImage"] = item_json(n);
+                }
+                if let Some(o) = s.old_image() {
+                    change["OldImage"] = item_json(o);
+                }
+                out.push(serde_json::json!({
+                    "eventID": rec.event_id(),
+                    "eventName": rec.event_name().map(|n| n.as_str()),
+                    "eventVersion": rec.event_version(),
+                    "eventSource": "aws:dynamodb",
+                    "awsRegion": "us-east-1",
+                    "eventSourceARN": arn,
+                    "dynamodb": change,
+                }));
+            }
+            iter = r.next_shard_iterator().map(str::to_string);
+        }
+    }
+    out
+}
+
+/// The same scripted run on a table made by `leasehold table create`'s definition, on DynamoDB
+/// Local: its stream is read, handed to the history function in the Lambda emulator as DynamoDB
+/// events (in batches, as the event source mapping would), and `leasehold history --table`
+/// lists exactly the run's events from the history table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn scripted_run_through_the_stream() {
+    let local = tokio::task::spawn_blocking(leasehold_tests::dynamo_local).await.unwrap();
+    let conf = local.sdk_config().await;
+    let client = aws_sdk_dynamodb::Client::new(&conf);
+    let table = format!("streamed-{}", std::process::id());
+    let history = format!("{table}-history");
+    leasehold::store::table::create(&client, &table, Duration::from_secs(60)).await.unwrap();
+    leasehold::history::dynamo::create_table(&client, &history).await.unwrap();
+    let store = leasehold::store::DynamoStore::new(client.clone(), table.clone());
+    let rec = Arc::new(Recorder::default());
+    let c = Coordinator::new(Arc::new(store), test_config()).with_deliver(rec.clone() as Arc<dyn Deliver>);
+    let key = "orders/42";
+    let want = scripted_run(&c, &rec, key).await;
+    c.acquire("orders/43", "x", Some(Duration::from_secs(60)), AcquireOptions::default()).await.unwrap();
+
+    let records = stream_records(&conf, &client, &table).await;
+    assert!(records.len() >= want.len(), "{records:#?}");
+    let env: Vec<(String, String)> = vec![
+        ("LEASEHOLD_HISTORY_TABLE".into(), history.clone()),
+        ("AWS_ENDPOINT_URL_DYNAMODB".into(), local.endpoint.clone()),
+        ("AWS_ACCESS_KEY_ID".into(), "test".into()),
+        ("AWS_SECRET_ACCESS_KEY".into(), "test".into()),
+        ("AWS_REGION".into(), "us-east-1".into()),
+        ("AWS_EC2_METADATA_DISABLED".into(), "true".into()),
+    ];
+    let emu = tokio::task::spawn_blocking(move || leasehold_tests::emulator::Emulator::start(&env)).await.unwrap();
+    let mut written = 0;
+    for batch in records.chunks(4) {
+        let event = serde_json::json!({ "Records": batch });
+        // What the function receives is an aws_lambda_events DynamoDB event.
+        let parsed: aws_lambda_events::dynamodb::Event = serde_json::from_value(event.clone()).unwrap();
+        assert_eq!(parsed.records.len(), batch.len());
+        let r = emu.invoke("history", &event).await;
+        assert!(r.error_type.is_none(), "{:?}\n{}", r.body, emu.server.log_text());
+        written += r.body["events"].as_u64().unwrap();
+    }
+    // A batch delivered twice (a retry) writes nothing new.
+    let again = emu.invoke("history", &serde_json::json!({ "Records": records })).await;
+    assert!(again.error_type.is_none(), "{:?}", again.body);
+
+    let mut env = cli_support::dynamo_env(&local.endpoint);
+    env.push(("LEASEHOLD_HISTORY_TABLE".into(), history.clone()));
+    let t = Target {
+        args: vec!["--table".into(), table.clone()],
+        env,
+        server: None,
+        dir: leasehold_tests::TempDir::new("hist"),
+    };
+    let (j, text) = tokio::task::spawn_blocking(move || {
+        (t.run(&["history", key, "--json"]).ok().json(), t.run(&["history", key]).ok().stdout)
+    })
+    .await
+    .unwrap();
+    assert_eq!(got(&j), want, "{j:#}");
+    assert_eq!(j["events"][8]["interface"], "queue");
+    assert_eq!(text.lines().count(), want.len(), "{text}");
+    let names: Vec<(&str, &str)> = records
+        .iter()
+        .map(|r| (r["eventName"].as_str().unwrap_or(""), r["dynamodb"]["Keys"]["key"]["S"].as_str().unwrap_or("")))
+        .collect();
+    assert_eq!(written as usize, want.len() + 1, "the run's events and orders/43's grant; records: {names:?}");
+}

@@ -103,7 +103,7 @@ fn sam_transform_output_is_clean_cloudformation() {
     std::fs::write(&file, serde_json::to_vec_pretty(out).unwrap()).unwrap();
     let (ok, text) = run_tool(venv_bin("cfn-lint"), &[file.to_str().unwrap()]);
     assert!(ok, "cfn-lint on the transformed template:\n{text}");
-    for name in ["AcquireFunction", "HeartbeatFunction", "ReleaseFunction"] {
+    for name in ["AcquireFunction", "HeartbeatFunction", "ReleaseFunction", "HistoryFunction"] {
         assert_eq!(out["Resources"][name]["Type"], "AWS::Lambda::Function", "{name}");
     }
     // SingleFlight, QueuedSingleFlight, ScheduledJob, FencedUpdate (deployed only with a target
@@ -119,8 +119,9 @@ fn sam_transform_output_is_clean_cloudformation() {
 fn lease_table_matches_the_store() {
     let t = raw();
     let tables = resources_of(t, "AWS::DynamoDB::Table");
-    assert_eq!(tables.len(), 1, "one lease table");
-    let (_, table) = tables[0];
+    let names: BTreeSet<&str> = tables.iter().map(|(n, _)| *n).collect();
+    assert_eq!(names, BTreeSet::from(["LeaseTable", "HistoryTable"]), "the lease table and the history table");
+    let table = &t["Resources"]["LeaseTable"];
     assert_eq!(table["DeletionPolicy"], "Retain");
     assert_eq!(table["UpdateReplacePolicy"], "Retain");
     let p = &table["Properties"];
@@ -163,6 +164,25 @@ fn lease_table_matches_the_store() {
     assert_eq!(p["SSESpecification"]["SSEEnabled"], true);
     assert_eq!(p["DeletionProtectionEnabled"], json!({"Fn::If": ["ProtectTable", true, false]}));
     assert_eq!(t["Conditions"]["ProtectTable"], json!({"Fn::Equals": [{"Ref": "TableDeletionProtection"}, "true"]}));
+}
+
+/// The history table is what `leasehold::history::dynamo` writes and reads: `key` + `sk`, TTL.
+#[test]
+fn history_table_matches_the_history_function() {
+    use leasehold::history::dynamo::attr as h;
+    let t = raw();
+    let p = &t["Resources"]["HistoryTable"]["Properties"];
+    assert_eq!(p["BillingMode"], "PAY_PER_REQUEST");
+    assert_eq!(
+        p["KeySchema"],
+        json!([{"AttributeName": h::KEY, "KeyType": "HASH"}, {"AttributeName": h::SK, "KeyType": "RANGE"}])
+    );
+    assert_eq!(p["TimeToLiveSpecification"], json!({"AttributeName": h::TTL, "Enabled": true}));
+    let f = &t["Resources"]["HistoryFunction"]["Properties"];
+    assert_eq!(f["Environment"]["Variables"]["LEASEHOLD_HISTORY_TABLE"], json!({"Ref": "HistoryTable"}));
+    let stream = &f["Events"]["LeaseStream"];
+    assert_eq!(stream["Type"], "DynamoDB");
+    assert_eq!(stream["Properties"]["Stream"], json!({"Fn::GetAtt": ["LeaseTable", "StreamArn"]}));
 }
 
 /// `leasehold table create` makes exactly template.yaml's table: the same key schema, attribute
@@ -215,7 +235,7 @@ fn functions_are_built_and_configured() {
     }
     let functions = resources_of(t, "AWS::Serverless::Function");
     let names: BTreeSet<&str> = functions.iter().map(|(n, _)| *n).collect();
-    assert_eq!(names, BTreeSet::from(["AcquireFunction", "HeartbeatFunction", "ReleaseFunction"]));
+    assert_eq!(names, BTreeSet::from(["AcquireFunction", "HeartbeatFunction", "ReleaseFunction", "HistoryFunction"]));
     for (name, f) in &functions {
         let binary = name.trim_end_matches("Function").to_lowercase();
         assert!(
@@ -327,6 +347,13 @@ fn allowed_resource(action: &str, resource: &Value, own_log_group: &str) -> bool
     let log_group = json!({"Fn::GetAtt": [own_log_group, "Arn"]});
     match action {
         "dynamodb:Query" => *resource == index || *resource == json!({"Fn::Sub": "${LeaseTable.Arn}/index/state"}),
+        // The history function: the lease table's stream, and its own table's PutItem only.
+        "dynamodb:DescribeStream" | "dynamodb:GetRecords" | "dynamodb:GetShardIterator" | "dynamodb:ListStreams" => {
+            *resource == json!({"Fn::GetAtt": ["LeaseTable", "StreamArn"]})
+        }
+        "dynamodb:PutItem" if own_log_group == "HistoryLogGroup" => {
+            *resource == json!({"Fn::GetAtt": ["HistoryTable", "Arn"]})
+        }
         a if a.starts_with("dynamodb:") => *resource == table,
         "states:DescribeExecution" => {
             MACHINES.iter().any(|m| *resource == executions(m))
@@ -344,7 +371,7 @@ fn allowed_resource(action: &str, resource: &Value, own_log_group: &str) -> bool
 #[test]
 fn function_roles_are_least_privilege() {
     let t = raw();
-    let expected: [(&str, &[&str]); 3] = [
+    let expected: [(&str, &[&str]); 4] = [
         (
             "AcquireFunction",
             &[
@@ -378,6 +405,18 @@ fn function_roles_are_least_privilege() {
                 "dynamodb:GetItem",
                 "dynamodb:DeleteItem",
                 "states:SendTaskSuccess",
+                "logs:CreateLogStream",
+                "logs:PutLogEvents",
+            ],
+        ),
+        (
+            "HistoryFunction",
+            &[
+                "dynamodb:DescribeStream",
+                "dynamodb:GetRecords",
+                "dynamodb:GetShardIterator",
+                "dynamodb:ListStreams",
+                "dynamodb:PutItem",
                 "logs:CreateLogStream",
                 "logs:PutLogEvents",
             ],
@@ -482,6 +521,7 @@ fn outputs_name_every_entry_point() {
         r#"["AcquireFunction","Arn"]"#,
         r#"["HeartbeatFunction","Arn"]"#,
         r#"["ReleaseFunction","Arn"]"#,
+        r#"{"Ref":"HistoryTable"}"#,
         r#"{"Ref":"SingleFlightStateMachine"}"#,
         r#"{"Ref":"ScheduledJobStateMachine"}"#,
         r#"{"Ref":"FencedUpdateStateMachine"}"#,
