@@ -18,6 +18,7 @@
 mod client;
 mod duration;
 mod history;
+mod metrics;
 mod output;
 mod run;
 mod serve;

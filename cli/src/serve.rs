@@ -28,6 +28,7 @@ Operator routes (this server only):
   GET  /                       the live page: held keys, a prefix filter, force-release
   GET  /leases?prefix=P&limit=N                 POST /leases/force-release/{key}
   GET  /leases/history/{key}?since=1h&limit=N   who held the key when (GET /leases/history: every key)
+  GET  /metrics                                 Prometheus text format (README, Metrics)
 Anyone who can reach the server can use every route, force-release included: keep it on
 127.0.0.1 (the default) or behind something that authenticates.
 The key is the rest of the path, '/' included (/leases/acquire/jobs/nightly is the key
@@ -81,8 +82,12 @@ async fn serve(g: &Global, args: ServeArgs) -> i32 {
             Err(f) => return output::failure(g, &f),
         },
     };
-    let coord = Coordinator::new(store, config);
+    let metrics = Arc::new(crate::metrics::Metrics::default());
+    let store: Arc<dyn Store> = Arc::new(crate::metrics::Metered { inner: store, metrics: metrics.clone() });
+    let coord = Coordinator::new(store.clone(), config);
     let ops = Arc::new(Ops {
+        metrics,
+        store,
         history: match &choice {
             StoreChoice::Embedded { path } => crate::history::Source::Embedded(path.clone()),
             StoreChoice::Dynamo { table } => {
@@ -197,6 +202,9 @@ fn too_large() -> HttpResponse {
 /// What the operator routes of this server read besides the coordinator.
 pub struct Ops {
     pub history: crate::history::Source,
+    pub metrics: Arc<crate::metrics::Metrics>,
+    /// The (timed) store, for the scrape of `/metrics`.
+    pub store: Arc<dyn Store>,
 }
 
 async fn handle(
@@ -216,12 +224,16 @@ async fn handle(
         .get(hyper::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.split(';').next().unwrap_or("").trim().eq_ignore_ascii_case("application/json"));
+    let started = std::time::Instant::now();
+    let op = crate::metrics::operation(&method, req.uri().path());
+    let mut waited = false;
     let resp = if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
         too_large()
     } else {
         match Limited::new(req.into_body(), MAX_BODY_BYTES).collect().await {
             Ok(body) => match HttpRequest::from_raw(&method, &path, body.to_bytes().to_vec()) {
                 Ok(req) if req.path == "/" => page(&method),
+                Ok(req) if req.path == "/metrics" => metrics_route(&coord, &ops, &req).await,
                 Ok(req) if req.path == "/leases/history" || req.path.starts_with("/leases/history/") => {
                     history_route(&coord, &ops, &req, &path).await
                 }
@@ -235,6 +247,12 @@ async fn handle(
                     .with_status(415)
                 }
                 Ok(req) => {
+                    if op == "acquire" {
+                        waited = serde_json::from_slice::<serde_json::Value>(&req.body)
+                            .ok()
+                            .and_then(|v| v.get("wait_ms").and_then(serde_json::Value::as_u64))
+                            .is_some_and(|w| w > 0);
+                    }
                     let query = path.split_once('?').map(|(_, q)| q).unwrap_or("");
                     match api::handle_operator(&coord, &req, query).await {
                         Some(resp) => resp,
@@ -247,7 +265,32 @@ async fn handle(
             Err(e) => HttpResponse::error(&Error::invalid(format!("could not read the request body: {e}")), 0),
         }
     };
+    let leases = if op == "next" && resp.error.is_none() {
+        serde_json::from_str::<serde_json::Value>(&resp.body)
+            .ok()
+            .and_then(|v| v.get("leases").and_then(serde_json::Value::as_array).map(|a| a.len() as u64))
+            .unwrap_or(0)
+    } else {
+        0
+    };
+    ops.metrics.answered(op, resp.error.map(|e| e.as_str()), started.elapsed(), waited, leases);
     Ok(to_hyper(resp))
+}
+
+/// `GET /metrics`: the Prometheus text exposition (see `metrics`).
+async fn metrics_route(coord: &Coordinator, ops: &Ops, req: &HttpRequest) -> HttpResponse {
+    if req.method != "GET" && req.method != "HEAD" {
+        return api::method_not_allowed("GET", format!("use GET for /metrics, not {}", req.method));
+    }
+    match crate::metrics::scrape(ops.store.as_ref()).await {
+        Ok((items, complete)) => HttpResponse {
+            status: 200,
+            headers: vec![("content-type".into(), "text/plain; version=0.0.4; charset=utf-8".into())],
+            body: ops.metrics.render(&items, complete, coord.now_ms()),
+            error: None,
+        },
+        Err(e) => HttpResponse::error(&e, coord.now_ms()),
+    }
 }
 
 /// `GET /leases/history/{key+}` (one key's events) and `GET /leases/history` (every key's

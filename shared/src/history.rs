@@ -12,6 +12,7 @@ pub mod dynamo;
 #[cfg(feature = "streams")]
 pub mod lambda;
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -102,6 +103,33 @@ pub fn retention() -> Duration {
 }
 
 static INTERFACE: OnceLock<&'static str> = OnceLock::new();
+
+const KINDS: [EventKind; 8] = [
+    EventKind::Granted,
+    EventKind::TakenOver,
+    EventKind::Renewed,
+    EventKind::Released,
+    EventKind::ForceReleased,
+    EventKind::HandedOver,
+    EventKind::Revoked,
+    EventKind::Put,
+];
+
+static COUNTS: [AtomicU64; 8] = [const { AtomicU64::new(0) }; 8];
+
+/// Events of `kind` this process recorded (the embedded store's write path counts them): what
+/// `leasehold serve`'s `/metrics` reports as expiries taken over.
+pub fn counted(kind: EventKind) -> u64 {
+    KINDS.iter().position(|k| *k == kind).map_or(0, |i| COUNTS[i].load(Ordering::Relaxed))
+}
+
+pub(crate) fn count(events: &[Event]) {
+    for e in events {
+        if let Some(i) = KINDS.iter().position(|k| *k == e.kind) {
+            COUNTS[i].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
 
 /// Names the interface this process serves (`http`, `cli`, `lambda`), recorded in the events
 /// the embedded store writes. The store itself cannot tell who called it; unset, events say

@@ -51,9 +51,9 @@ async fn scripted_run(c: &Coordinator, rec: &Recorder, key: &str) -> Vec<Expecte
     assert_eq!(r.state.as_deref(), Some("DONE"));
     want.push(("released".into(), "w1".into(), a.fence, Some("DONE".into()), None));
     // A holder that crashes: its lease expires unreleased and w2 takes the key over.
-    let crash = c.acquire(key, "crasher", Some(Duration::from_millis(300)), opts()).await.unwrap();
+    let crash = c.acquire(key, "crasher", Some(Duration::from_millis(1000)), opts()).await.unwrap();
     want.push(("granted".into(), "crasher".into(), crash.fence, Some("DONE".into()), None));
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     let w2 = c.acquire(key, "w2", long, opts()).await.unwrap();
     want.push(("taken_over".into(), "w2".into(), w2.fence, Some("DONE".into()), Some(("crasher".into(), crash.fence))));
     // An operator's force-release: the evicted lease's holder and fence.
@@ -277,7 +277,13 @@ async fn stream_records(conf: &aws_config::SdkConfig, client: &aws_sdk_dynamodb:
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn scripted_run_through_the_stream() {
     let local = tokio::task::spawn_blocking(leasehold_tests::dynamo_local).await.unwrap();
-    let conf = local.sdk_config().await;
+    // Generous timeouts: creating a table with a stream on a loaded machine takes seconds.
+    leasehold_tests::set_local_credentials();
+    let conf = leasehold::store::dynamo::load_sdk_config(Duration::from_secs(60))
+        .await
+        .into_builder()
+        .endpoint_url(&local.endpoint)
+        .build();
     let client = aws_sdk_dynamodb::Client::new(&conf);
     let table = format!("streamed-{}", std::process::id());
     let history = format!("{table}-history");

@@ -27,12 +27,14 @@ pub mod attr {
     pub const TTL: &str = "ttl";
 }
 
-fn sdk<E: ProvideErrorMetadata>(what: &str, e: &E) -> Error {
-    Error::StoreUnavailable(format!(
-        "history {what}: {}: {}",
-        e.code().unwrap_or("error"),
-        e.message().unwrap_or("the request failed (is DynamoDB reachable?)")
-    ))
+fn sdk<E: ProvideErrorMetadata + std::error::Error + 'static>(what: &str, e: &E) -> Error {
+    match e.code() {
+        Some(code) => Error::StoreUnavailable(format!("history {what}: {code}: {}", e.message().unwrap_or(""))),
+        None => Error::StoreUnavailable(format!(
+            "history {what}: {}",
+            aws_smithy_types::error::display::DisplayErrorContext(e)
+        )),
+    }
 }
 
 /// The sort key of an event.

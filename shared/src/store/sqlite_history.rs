@@ -45,6 +45,7 @@ pub(crate) fn record(c: &Connection, old: Option<&Record>, new: Option<&Record>)
     if evs.is_empty() {
         return Ok(());
     }
+    crate::history::count(&evs);
     let keep = retention();
     if keep.is_zero() {
         return Ok(());

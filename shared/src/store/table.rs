@@ -100,12 +100,14 @@ fn built<T>(r: std::result::Result<T, aws_sdk_dynamodb::error::BuildError>) -> R
     r.map_err(|e| Error::StoreUnavailable(format!("table definition: {e}")))
 }
 
-fn sdk_err<E: ProvideErrorMetadata>(what: &str, table: &str, e: &E) -> Error {
-    Error::StoreUnavailable(format!(
-        "{what} {table}: {}: {}",
-        e.code().unwrap_or("error"),
-        e.message().unwrap_or("the request failed (is DynamoDB reachable?)")
-    ))
+fn sdk_err<E: ProvideErrorMetadata + std::error::Error + 'static>(what: &str, table: &str, e: &E) -> Error {
+    match e.code() {
+        Some(code) => Error::StoreUnavailable(format!("{what} {table}: {code}: {}", e.message().unwrap_or(""))),
+        None => Error::StoreUnavailable(format!(
+            "{what} {table}: {}",
+            aws_smithy_types::error::display::DisplayErrorContext(e)
+        )),
+    }
 }
 
 /// Creates `table` as [`LEASE_TABLE`] says (on-demand, key schema, both indexes, the stream),
