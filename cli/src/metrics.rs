@@ -95,6 +95,7 @@ pub fn operation(method: &str, path: &str) -> &'static str {
         (_, "/", _) => "page",
         (_, "/health", _) => "health",
         (_, "/metrics", _) => "metrics",
+        (_, "/summary", _) => "summary",
         (_, "/openapi.json", _) => "openapi",
         (_, "/leases", _) => "list",
         ("POST", _, "acquire") => "acquire",

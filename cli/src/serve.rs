@@ -25,10 +25,11 @@ Routes (the same as the HTTP API of the AWS deployment):
   GET  /leases/{key}           GET /openapi.json              GET /health
   POST /leases/next/{state}    POST /leases/put/{key}         POST /leases/count/{state}
 Operator routes (this server only):
-  GET  /                       the live page: held keys, a prefix filter, force-release
+  GET  /                       the live page: held keys, queues, work states, events, force-release
   GET  /leases?prefix=P&limit=N                 POST /leases/force-release/{key}
   GET  /leases/history/{key}?since=1h&limit=N   who held the key when (GET /leases/history: every key)
   GET  /metrics                                 Prometheus text format (README, Metrics)
+  GET  /summary                                 keys per work state and queued waiters (the page's)
 Anyone who can reach the server can use every route, force-release included: keep it on
 127.0.0.1 (the default) or behind something that authenticates.
 The key is the rest of the path, '/' included (/leases/acquire/jobs/nightly is the key
@@ -234,6 +235,7 @@ async fn handle(
             Ok(body) => match HttpRequest::from_raw(&method, &path, body.to_bytes().to_vec()) {
                 Ok(req) if req.path == "/" => page(&method),
                 Ok(req) if req.path == "/metrics" => metrics_route(&coord, &ops, &req).await,
+                Ok(req) if req.path == "/summary" => summary_route(&coord, &ops, &req).await,
                 Ok(req) if req.path == "/leases/history" || req.path.starts_with("/leases/history/") => {
                     history_route(&coord, &ops, &req, &path).await
                 }
@@ -275,6 +277,39 @@ async fn handle(
     };
     ops.metrics.answered(op, resp.error.map(|e| e.as_str()), started.elapsed(), waited, leases);
     Ok(to_hyper(resp))
+}
+
+/// `GET /summary`: keys per work state (and how many of them are held) and queued waiters, for
+/// the operator page; read from the store as `/metrics` reads it.
+async fn summary_route(coord: &Coordinator, ops: &Ops, req: &HttpRequest) -> HttpResponse {
+    if req.method != "GET" && req.method != "HEAD" {
+        return api::method_not_allowed("GET", format!("use GET for /summary, not {}", req.method));
+    }
+    match crate::metrics::scrape(ops.store.as_ref()).await {
+        Ok((items, complete)) => {
+            let now = coord.now_ms();
+            let mut states: std::collections::BTreeMap<&str, (u64, u64)> = Default::default();
+            let mut queued = 0;
+            for r in items.iter().filter(|r| r.waiter.is_none()) {
+                queued += r.queue_len();
+                if let Some(s) = &r.state {
+                    let e = states.entry(s.as_str()).or_default();
+                    e.0 += 1;
+                    e.1 += u64::from(r.is_held(now));
+                }
+            }
+            let states: Vec<serde_json::Value> =
+                states.iter().map(|(s, (n, h))| serde_json::json!({ "state": s, "keys": n, "held": h })).collect();
+            let v = serde_json::json!({ "states": states, "queued_waiters": queued, "complete": complete });
+            HttpResponse {
+                status: 200,
+                headers: vec![("content-type".into(), "application/json".into())],
+                body: v.to_string(),
+                error: None,
+            }
+        }
+        Err(e) => HttpResponse::error(&e, coord.now_ms()),
+    }
 }
 
 /// `GET /metrics`: the Prometheus text exposition (see `metrics`).
