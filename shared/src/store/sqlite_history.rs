@@ -1,5 +1,5 @@
 //! The embedded store's lease history: a `history` table in the same SQLite file, written in
-//! the same transaction as each change ([`record`], called by the store's write path with the
+//! the same transaction as each change (`record`, called by the store's write path with the
 //! item before and after), so an event is committed exactly when its change is. Events come
 //! from [`crate::history::events`], the function the DynamoDB Streams path uses too.
 //!
