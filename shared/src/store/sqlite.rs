@@ -66,6 +66,7 @@ impl SqliteStore {
         .map_err(store_err)?;
         migrate_states(&conn)?;
         migrate_queues(&conn)?;
+        super::sqlite_history::ensure_schema(&conn)?;
         Ok(SqliteStore { conn: Arc::new(Mutex::new(conn)), path })
     }
 
@@ -241,6 +242,7 @@ impl Store for SqliteStore {
             }
             let new = mutation.apply(&key, old.as_ref());
             write(&tx, &new)?;
+            super::sqlite_history::record(&tx, old.as_ref(), Some(&new))?;
             tx.commit().map_err(store_err)?;
             Ok(Write::Applied(new))
         })
