@@ -14,8 +14,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 runs="${1:-${RUNS:-10}}"
 cd "$root"
 
-echo "== cargo build --release -p acquire -p heartbeat -p release" >&2
-cargo build --release -p acquire -p heartbeat -p release >&2
+echo "== cargo build --release -p acquire -p heartbeat -p release -p leasehold-cli" >&2
+cargo build --release -p acquire -p heartbeat -p release -p leasehold-cli >&2
 
 py="$root/.tools/venv/bin/python"
 [ -x "$py" ] || py="$(command -v python3)"

@@ -17,9 +17,12 @@
 
 mod client;
 mod duration;
+mod history;
+mod metrics;
 mod output;
 mod run;
 mod serve;
+mod table;
 mod target;
 mod work;
 
@@ -134,6 +137,12 @@ enum Cmd {
     /// Count the keys in a work state
     #[command(after_help = work::COUNT_HELP)]
     Count(work::CountArgs),
+    /// Create or check the DynamoDB lease table (--table)
+    #[command(after_help = table::HELP)]
+    Table(table::TableArgs),
+    /// Who held KEY when, with which fence: grants, renewals, releases, take-overs
+    #[command(after_help = history::HELP)]
+    History(history::HistoryArgs),
 }
 
 #[derive(Args, Debug)]
@@ -269,12 +278,15 @@ fn main() {
     } else {
         leasehold::env::init_tracing(false);
     }
+    leasehold::history::set_interface(if is_serve { "http" } else { "cli" });
     let code = match cli.cmd {
         Cmd::Serve(args) => serve::main(&cli.global, args),
         Cmd::Run(args) => run::main(&cli.global, args),
         Cmd::Put(a) => work::main(&cli.global, work::Work::Put(a)),
         Cmd::Next(a) => work::main(&cli.global, work::Work::Next(a)),
         Cmd::Count(a) => work::main(&cli.global, work::Work::Count(a)),
+        Cmd::Table(a) => table::main(&cli.global, a),
+        Cmd::History(a) => history::main(&cli.global, a),
         cmd => {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
             rt.block_on(lease_command(&cli.global, cmd))
@@ -328,7 +340,9 @@ async fn lease_command(g: &Global, cmd: Cmd) -> i32 {
             None => target.list(&l.prefix, l.limit as usize).await,
         },
         Cmd::ForceRelease(k) => target.force_release(&k.key).await,
-        Cmd::Serve(_) | Cmd::Run(_) | Cmd::Put(_) | Cmd::Next(_) | Cmd::Count(_) => unreachable!("handled in main"),
+        Cmd::Serve(_) | Cmd::Run(_) | Cmd::Put(_) | Cmd::Next(_) | Cmd::Count(_) | Cmd::Table(_) | Cmd::History(_) => {
+            unreachable!("handled in main")
+        }
     };
     match result {
         Ok(v) => {

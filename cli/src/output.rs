@@ -122,7 +122,7 @@ pub fn success(g: &Global, cmd: &Cmd, mut v: Value) {
             n(&v, "fence").unwrap_or(0)
         ),
         Cmd::List(_) => list(&v),
-        Cmd::Serve(_) | Cmd::Run(_) | Cmd::Put(_) | Cmd::Next(_) | Cmd::Count(_) => String::new(),
+        Cmd::Serve(_) | Cmd::Run(_) | Cmd::Put(_) | Cmd::Next(_) | Cmd::Count(_) | Cmd::Table(_) | Cmd::History(_) => String::new(),
     };
     print(&text);
 }

@@ -25,8 +25,11 @@ Routes (the same as the HTTP API of the AWS deployment):
   GET  /leases/{key}           GET /openapi.json              GET /health
   POST /leases/next/{state}    POST /leases/put/{key}         POST /leases/count/{state}
 Operator routes (this server only):
-  GET  /                       the live page: held keys, a prefix filter, force-release
+  GET  /                       the live page: held keys, queues, work states, events, force-release
   GET  /leases?prefix=P&limit=N                 POST /leases/force-release/{key}
+  GET  /leases/history/{key}?since=1h&limit=N   who held the key when (GET /leases/history: every key)
+  GET  /metrics                                 Prometheus text format (README, Metrics)
+  GET  /summary                                 keys per work state and queued waiters (the page's)
 Anyone who can reach the server can use every route, force-release included: keep it on
 127.0.0.1 (the default) or behind something that authenticates.
 The key is the rest of the path, '/' included (/leases/acquire/jobs/nightly is the key
@@ -75,12 +78,24 @@ async fn serve(g: &Global, args: ServeArgs) -> i32 {
             Ok(s) => (Arc::new(s.clone()), Some(s)),
             Err(e) => return output::failure(g, &Failure::unreachable(format!("{}: {e}", choice.describe()))),
         },
-        StoreChoice::Dynamo { .. } => match choice.open().await {
+        StoreChoice::Dynamo { .. } => match crate::target::open_store(&choice).await {
             Ok(s) => (s, None),
-            Err(e) => return output::failure(g, &Failure::unreachable(format!("{}: {e}", choice.describe()))),
+            Err(f) => return output::failure(g, &f),
         },
     };
-    let coord = Coordinator::new(store, config);
+    let metrics = Arc::new(crate::metrics::Metrics::default());
+    let store: Arc<dyn Store> = Arc::new(crate::metrics::Metered { inner: store, metrics: metrics.clone() });
+    let coord = Coordinator::new(store.clone(), config);
+    let ops = Arc::new(Ops {
+        metrics,
+        store,
+        history: match &choice {
+            StoreChoice::Embedded { path } => crate::history::Source::Embedded(path.clone()),
+            StoreChoice::Dynamo { table } => {
+                crate::history::Source::Dynamo { history_table: crate::history::history_table_of(table, None) }
+            }
+        },
+    });
     let listener = match tokio::net::TcpListener::bind(args.addr).await {
         Ok(l) => l,
         Err(e) => {
@@ -104,6 +119,7 @@ async fn serve(g: &Global, args: ServeArgs) -> i32 {
 
     if let Some(s) = sqlite {
         let (c, every) = (coord.clone(), args.purge_every.max(Duration::from_secs(1)));
+        let path = s.path().to_path_buf();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(every);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -113,6 +129,12 @@ async fn serve(g: &Global, args: ServeArgs) -> i32 {
                     Ok(0) => {}
                     Ok(n) => tracing::debug!(purged = n, "purged expired items"),
                     Err(e) => tracing::warn!(error = %e, "purge of expired items failed"),
+                }
+                let (p, now) = (path.clone(), c.now_ms());
+                match tokio::task::spawn_blocking(move || leasehold::store::sqlite_history::prune(&p, now)).await {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => tracing::warn!(error = %e, "history pruning failed"),
+                    Err(e) => tracing::warn!(error = %e, "history pruning failed"),
                 }
             }
         });
@@ -127,8 +149,8 @@ async fn serve(g: &Global, args: ServeArgs) -> i32 {
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
                     let _ = stream.set_nodelay(true);
-                    let coord = coord.clone();
-                    let service = hyper::service::service_fn(move |req| handle(coord.clone(), req));
+                    let (coord, ops) = (coord.clone(), ops.clone());
+                    let service = hyper::service::service_fn(move |req| handle(coord.clone(), ops.clone(), req));
                     let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), service));
                     tokio::spawn(async move {
                         if let Err(e) = conn.await {
@@ -178,7 +200,19 @@ fn too_large() -> HttpResponse {
     r
 }
 
-async fn handle(coord: Coordinator, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
+/// What the operator routes of this server read besides the coordinator.
+pub struct Ops {
+    pub history: crate::history::Source,
+    pub metrics: Arc<crate::metrics::Metrics>,
+    /// The (timed) store, for the scrape of `/metrics`.
+    pub store: Arc<dyn Store>,
+}
+
+async fn handle(
+    coord: Coordinator,
+    ops: Arc<Ops>,
+    req: Request<Incoming>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
     let method = req.method().as_str().to_string();
     let path = req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or_else(|| "/".into());
     let declared = req
@@ -191,12 +225,20 @@ async fn handle(coord: Coordinator, req: Request<Incoming>) -> Result<Response<F
         .get(hyper::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.split(';').next().unwrap_or("").trim().eq_ignore_ascii_case("application/json"));
+    let started = std::time::Instant::now();
+    let op = crate::metrics::operation(&method, req.uri().path());
+    let mut waited = false;
     let resp = if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
         too_large()
     } else {
         match Limited::new(req.into_body(), MAX_BODY_BYTES).collect().await {
             Ok(body) => match HttpRequest::from_raw(&method, &path, body.to_bytes().to_vec()) {
                 Ok(req) if req.path == "/" => page(&method),
+                Ok(req) if req.path == "/metrics" => metrics_route(&coord, &ops, &req).await,
+                Ok(req) if req.path == "/summary" => summary_route(&coord, &ops, &req).await,
+                Ok(req) if req.path == "/leases/history" || req.path.starts_with("/leases/history/") => {
+                    history_route(&coord, &ops, &req, &path).await
+                }
                 Ok(req) if req.path.starts_with("/leases/force-release/") && method == "POST" && !json_body => {
                     // A browser sends application/json across origins only after a preflight
                     // this server never approves: another site's page cannot force-release.
@@ -207,6 +249,12 @@ async fn handle(coord: Coordinator, req: Request<Incoming>) -> Result<Response<F
                     .with_status(415)
                 }
                 Ok(req) => {
+                    if op == "acquire" {
+                        waited = serde_json::from_slice::<serde_json::Value>(&req.body)
+                            .ok()
+                            .and_then(|v| v.get("wait_ms").and_then(serde_json::Value::as_u64))
+                            .is_some_and(|w| w > 0);
+                    }
                     let query = path.split_once('?').map(|(_, q)| q).unwrap_or("");
                     match api::handle_operator(&coord, &req, query).await {
                         Some(resp) => resp,
@@ -219,7 +267,96 @@ async fn handle(coord: Coordinator, req: Request<Incoming>) -> Result<Response<F
             Err(e) => HttpResponse::error(&Error::invalid(format!("could not read the request body: {e}")), 0),
         }
     };
+    let leases = if op == "next" && resp.error.is_none() {
+        serde_json::from_str::<serde_json::Value>(&resp.body)
+            .ok()
+            .and_then(|v| v.get("leases").and_then(serde_json::Value::as_array).map(|a| a.len() as u64))
+            .unwrap_or(0)
+    } else {
+        0
+    };
+    ops.metrics.answered(op, resp.error.map(|e| e.as_str()), started.elapsed(), waited, leases);
     Ok(to_hyper(resp))
+}
+
+/// `GET /summary`: keys per work state (and how many of them are held) and queued waiters, for
+/// the operator page; read from the store as `/metrics` reads it.
+async fn summary_route(coord: &Coordinator, ops: &Ops, req: &HttpRequest) -> HttpResponse {
+    if req.method != "GET" && req.method != "HEAD" {
+        return api::method_not_allowed("GET", format!("use GET for /summary, not {}", req.method));
+    }
+    match crate::metrics::scrape(ops.store.as_ref()).await {
+        Ok((items, complete)) => {
+            let now = coord.now_ms();
+            let mut states: std::collections::BTreeMap<&str, (u64, u64)> = Default::default();
+            let mut queued = 0;
+            for r in items.iter().filter(|r| r.waiter.is_none()) {
+                queued += r.queue_len();
+                if let Some(s) = &r.state {
+                    let e = states.entry(s.as_str()).or_default();
+                    e.0 += 1;
+                    e.1 += u64::from(r.is_held(now));
+                }
+            }
+            let states: Vec<serde_json::Value> =
+                states.iter().map(|(s, (n, h))| serde_json::json!({ "state": s, "keys": n, "held": h })).collect();
+            let v = serde_json::json!({ "states": states, "queued_waiters": queued, "complete": complete });
+            HttpResponse {
+                status: 200,
+                headers: vec![("content-type".into(), "application/json".into())],
+                body: v.to_string(),
+                error: None,
+            }
+        }
+        Err(e) => HttpResponse::error(&e, coord.now_ms()),
+    }
+}
+
+/// `GET /metrics`: the Prometheus text exposition (see `metrics`).
+async fn metrics_route(coord: &Coordinator, ops: &Ops, req: &HttpRequest) -> HttpResponse {
+    if req.method != "GET" && req.method != "HEAD" {
+        return api::method_not_allowed("GET", format!("use GET for /metrics, not {}", req.method));
+    }
+    match crate::metrics::scrape(ops.store.as_ref()).await {
+        Ok((items, complete)) => HttpResponse {
+            status: 200,
+            headers: vec![("content-type".into(), "text/plain; version=0.0.4; charset=utf-8".into())],
+            body: ops.metrics.render(&items, complete, coord.now_ms()),
+            error: None,
+        },
+        Err(e) => HttpResponse::error(&e, coord.now_ms()),
+    }
+}
+
+/// `GET /leases/history/{key+}` (one key's events) and `GET /leases/history` (every key's
+/// recent events, embedded store only).
+async fn history_route(coord: &Coordinator, ops: &Ops, req: &HttpRequest, raw: &str) -> HttpResponse {
+    if req.method != "GET" && req.method != "HEAD" {
+        return api::method_not_allowed("GET", format!("use GET for {}, not {}", req.path, req.method));
+    }
+    let key = req.path.strip_prefix("/leases/history/");
+    let query = raw.split_once('?').map(|(_, q)| q).unwrap_or("");
+    match crate::history::route(&ops.history, key, query, coord.now_ms()).await {
+        Ok(v) => HttpResponse {
+            status: 200,
+            headers: vec![("content-type".into(), "application/json".into())],
+            body: v.to_string(),
+            error: None,
+        },
+        Err(f) => {
+            let name = f.json.get("error").and_then(serde_json::Value::as_str).and_then(leasehold::ErrorName::parse);
+            let status = match name {
+                Some(leasehold::ErrorName::InvalidRequest) => 400,
+                _ => 503,
+            };
+            HttpResponse {
+                status,
+                headers: vec![("content-type".into(), "application/json".into())],
+                body: f.json.to_string(),
+                error: name,
+            }
+        }
+    }
 }
 
 /// The operator page: one static file, its script polling `GET /leases` (no lease_id ever

@@ -98,8 +98,19 @@ pub enum Either {
 /// Opens a coordinator on `choice` with the configuration from the environment.
 pub async fn coordinator(choice: &StoreChoice) -> Result<(Coordinator, Arc<dyn Store>), Failure> {
     let config = leasehold::env::config_from_env().map_err(|e| Failure::usage(e.to_string()))?;
-    let store = choice.open().await.map_err(|e| Failure::unreachable(format!("{}: {e}", choice.describe())))?;
+    let store = open_store(choice).await?;
     Ok((Coordinator::new(store.clone(), config), store))
+}
+
+/// Opens the store of `choice`; a DynamoDB table is first checked once against what the code
+/// needs (`leasehold table check`), so a missing index fails here, not at the first batch.
+pub async fn open_store(choice: &StoreChoice) -> Result<Arc<dyn Store>, Failure> {
+    if let StoreChoice::Dynamo { table } = choice {
+        let store = leasehold::store::DynamoStore::from_env(table.clone(), std::time::Duration::from_secs(3)).await;
+        crate::table::check_at_start(&store).await?;
+        return Ok(Arc::new(store));
+    }
+    choice.open().await.map_err(|e| Failure::unreachable(format!("{}: {e}", choice.describe())))
 }
 
 pub enum Target {
@@ -186,7 +197,7 @@ impl Target {
 /// One request to the HTTP API: the answer's JSON, or its error as a [`Failure`].
 /// `operator`: the command, for the routes only `leasehold serve` has (an API without them,
 /// such as the AWS deployment, answers 404 without an error of ours).
-async fn http(
+pub(crate) async fn http(
     e: &Endpoint,
     method: &str,
     path: &str,

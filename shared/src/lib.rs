@@ -18,6 +18,7 @@ mod clock;
 pub mod env;
 mod error;
 pub mod fenced;
+pub mod history;
 mod holder;
 mod keepalive;
 mod model;

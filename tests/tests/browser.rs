@@ -114,3 +114,85 @@ fn the_operator_page_shows_the_leases_live_in_chromium() {
     assert_eq!(state["fence"].to_string(), result["fence"].as_str().unwrap());
     assert!(state["fence"].as_u64() > job_b["fence"].as_u64());
 }
+
+/// The page shows the whole product: keys per work state (and how many are held), the queue
+/// length beside a holder, the recent events of the keys shown, and a key's timeline when it
+/// is clicked (tests/browser/ops.test.mjs). Screenshot: target/artifacts/operator-page-ops.png.
+#[test]
+fn the_operator_page_shows_states_queues_and_timelines_in_chromium() {
+    use std::sync::Arc;
+    let browser_tools = tools_dir().join("browser");
+    assert!(
+        browser_tools.join("node_modules/playwright-core").is_dir()
+            && std::path::Path::new("/usr/bin/chromium").exists(),
+        "chromium or playwright-core is missing: run scripts/install-test-deps.sh"
+    );
+    let store = Target::embedded();
+    let server = Server::start(&store.args, &[]);
+    let a = &server.addr;
+    let post = |path: &str, body: Value| {
+        let (s, _, b) = http(a, "POST", path, &[("content-type", "application/json")], body.to_string().as_bytes());
+        assert_eq!(s, 200, "{path}: {b}");
+        serde_json::from_str::<Value>(&b).unwrap()
+    };
+    // Work items: three in PENDING (one of them taken), one moved on to DONE.
+    for k in ["orders/1", "orders/2", "orders/3", "orders/4"] {
+        post(&format!("/leases/put/{k}"), json!({"state": "PENDING", "holder": "producer"}));
+    }
+    let next = post("/leases/next/PENDING", json!({"holder": "w", "limit": 2, "duration_ms": 300_000}));
+    let first = &next["leases"][0];
+    post(
+        &format!("/leases/release/{}", first["key"].as_str().unwrap()),
+        json!({"lease_id": first["lease_id"], "state": "DONE"}),
+    );
+    // A key with history: granted, then renewed.
+    let t = post("/leases/acquire/jobs/t", json!({"holder": "worker-t", "duration_ms": 120_000}));
+    post("/leases/heartbeat/jobs/t", json!({"lease_id": t["lease_id"], "duration_ms": 300_000}));
+    // A key no longer shown: its events stay off the page.
+    let g = post("/leases/acquire/gone/key", json!({"holder": "x", "duration_ms": 60_000}));
+    post("/leases/release/gone/key", json!({"lease_id": g["lease_id"]}));
+    // A held key with two queued waiters (written by another process on the same file).
+    post("/leases/acquire/jobs/q", json!({"holder": "holder-q", "duration_ms": 300_000}));
+    struct Nobody;
+    #[async_trait::async_trait]
+    impl leasehold::queue::Deliver for Nobody {
+        async fn success(&self, _: &str, _: &leasehold::Lease) -> Result<(), leasehold::queue::DeliveryError> {
+            Ok(())
+        }
+        async fn failure(&self, _: &str, _: &str, _: &str) -> Result<(), leasehold::queue::DeliveryError> {
+            Ok(())
+        }
+    }
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let s = leasehold::store::SqliteStore::open(&store.args[1]).unwrap();
+        let c = leasehold::Coordinator::new(Arc::new(s), leasehold_tests::test_config())
+            .with_deliver(Arc::new(Nobody) as Arc<dyn leasehold::queue::Deliver>);
+        for tok in ["tok-1", "tok-2"] {
+            let o = leasehold::AcquireOptions::default();
+            c.acquire_or_enqueue("jobs/q", "waiter", Duration::from_secs(60), o, tok, None).await.unwrap();
+        }
+    });
+    let fence = t["fence"].as_u64().unwrap().to_string();
+    let expect = json!({"timeline": [["granted", fence], ["renewed", fence]]});
+
+    let artifacts = repo_root().join("target/artifacts");
+    std::fs::create_dir_all(&artifacts).unwrap();
+    let shot = artifacts.join("operator-page-ops.png");
+    let _ = std::fs::remove_file(&shot);
+    let out = Command::new("node")
+        .arg(repo_root().join("tests/browser/ops.test.mjs"))
+        .arg(format!("{}/", server.url))
+        .arg(&shot)
+        .env("LEASEHOLD_BROWSER_TOOLS", &browser_tools)
+        .env("LEASEHOLD_EXPECT", expect.to_string())
+        .stdin(Stdio::null())
+        .output()
+        .expect("node");
+    let text = String::from_utf8_lossy(&out.stdout);
+    println!("{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && !text.contains("FAILED"), "the browser checks failed:\n{text}");
+    assert!(text.lines().filter(|l| l.starts_with("ok ")).count() >= 8, "{text}");
+    assert!(shot.is_file(), "no screenshot at {}", shot.display());
+    println!("screenshot: {}", shot.display());
+}

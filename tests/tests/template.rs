@@ -103,7 +103,7 @@ fn sam_transform_output_is_clean_cloudformation() {
     std::fs::write(&file, serde_json::to_vec_pretty(out).unwrap()).unwrap();
     let (ok, text) = run_tool(venv_bin("cfn-lint"), &[file.to_str().unwrap()]);
     assert!(ok, "cfn-lint on the transformed template:\n{text}");
-    for name in ["AcquireFunction", "HeartbeatFunction", "ReleaseFunction"] {
+    for name in ["AcquireFunction", "HeartbeatFunction", "ReleaseFunction", "HistoryFunction"] {
         assert_eq!(out["Resources"][name]["Type"], "AWS::Lambda::Function", "{name}");
     }
     // SingleFlight, QueuedSingleFlight, ScheduledJob, FencedUpdate (deployed only with a target
@@ -119,8 +119,9 @@ fn sam_transform_output_is_clean_cloudformation() {
 fn lease_table_matches_the_store() {
     let t = raw();
     let tables = resources_of(t, "AWS::DynamoDB::Table");
-    assert_eq!(tables.len(), 1, "one lease table");
-    let (_, table) = tables[0];
+    let names: BTreeSet<&str> = tables.iter().map(|(n, _)| *n).collect();
+    assert_eq!(names, BTreeSet::from(["LeaseTable", "HistoryTable"]), "the lease table and the history table");
+    let table = &t["Resources"]["LeaseTable"];
     assert_eq!(table["DeletionPolicy"], "Retain");
     assert_eq!(table["UpdateReplacePolicy"], "Retain");
     let p = &table["Properties"];
@@ -170,6 +171,62 @@ fn lease_table_matches_the_store() {
     assert_eq!(t["Conditions"]["ProtectTable"], json!({"Fn::Equals": [{"Ref": "TableDeletionProtection"}, "true"]}));
 }
 
+/// The history table is what `leasehold::history::dynamo` writes and reads: `key` + `sk`, TTL.
+#[test]
+fn history_table_matches_the_history_function() {
+    use leasehold::history::dynamo::attr as h;
+    let t = raw();
+    let p = &t["Resources"]["HistoryTable"]["Properties"];
+    assert_eq!(p["BillingMode"], "PAY_PER_REQUEST");
+    assert_eq!(
+        p["KeySchema"],
+        json!([{"AttributeName": h::KEY, "KeyType": "HASH"}, {"AttributeName": h::SK, "KeyType": "RANGE"}])
+    );
+    assert_eq!(p["TimeToLiveSpecification"], json!({"AttributeName": h::TTL, "Enabled": true}));
+    let f = &t["Resources"]["HistoryFunction"]["Properties"];
+    assert_eq!(f["Environment"]["Variables"]["LEASEHOLD_HISTORY_TABLE"], json!({"Ref": "HistoryTable"}));
+    let stream = &f["Events"]["LeaseStream"];
+    assert_eq!(stream["Type"], "DynamoDB");
+    assert_eq!(stream["Properties"]["Stream"], json!({"Fn::GetAtt": ["LeaseTable", "StreamArn"]}));
+}
+
+/// `leasehold table create` makes exactly template.yaml's table: the same key schema, attribute
+/// definitions, indexes (keys and projections), TTL, billing and stream
+/// (`leasehold::store::table::LEASE_TABLE` is what both the CLI and `table check` use).
+#[test]
+fn lease_table_is_the_cli_table() {
+    use leasehold::store::table::LEASE_TABLE as spec;
+    let t = raw();
+    let p = &t["Resources"]["LeaseTable"]["Properties"];
+    assert_eq!(p["BillingMode"], spec.billing);
+    assert_eq!(p["KeySchema"], json!([{"AttributeName": spec.key, "KeyType": "HASH"}]));
+    let defs: BTreeSet<(String, String)> = p["AttributeDefinitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| (d["AttributeName"].as_str().unwrap().to_string(), d["AttributeType"].as_str().unwrap().to_string()))
+        .collect();
+    let want: BTreeSet<(String, String)> =
+        spec.attributes().iter().map(|(a, b)| (a.to_string(), b.to_string())).collect();
+    assert_eq!(defs, want);
+    let gsis: Vec<Value> = spec
+        .indexes
+        .iter()
+        .map(|i| {
+            let mut keys = vec![json!({"AttributeName": i.hash.0, "KeyType": "HASH"})];
+            keys.extend(i.range.map(|r| json!({"AttributeName": r.0, "KeyType": "RANGE"})));
+            json!({
+                "IndexName": i.name,
+                "KeySchema": keys,
+                "Projection": {"ProjectionType": i.projection},
+            })
+        })
+        .collect();
+    assert_eq!(p["GlobalSecondaryIndexes"], json!(gsis));
+    assert_eq!(p["TimeToLiveSpecification"], json!({"AttributeName": spec.ttl, "Enabled": true}));
+    assert_eq!(p["StreamSpecification"], json!({"StreamViewType": spec.stream}));
+}
+
 #[test]
 fn functions_are_built_and_configured() {
     let t = raw();
@@ -185,7 +242,7 @@ fn functions_are_built_and_configured() {
     }
     let functions = resources_of(t, "AWS::Serverless::Function");
     let names: BTreeSet<&str> = functions.iter().map(|(n, _)| *n).collect();
-    assert_eq!(names, BTreeSet::from(["AcquireFunction", "HeartbeatFunction", "ReleaseFunction"]));
+    assert_eq!(names, BTreeSet::from(["AcquireFunction", "HeartbeatFunction", "ReleaseFunction", "HistoryFunction"]));
     for (name, f) in &functions {
         let binary = name.trim_end_matches("Function").to_lowercase();
         assert!(
@@ -301,6 +358,13 @@ fn allowed_resource(action: &str, resource: &Value, own_log_group: &str) -> bool
                 || *resource == json!({"Fn::Sub": "${LeaseTable.Arn}/index/state"})
                 || *resource == json!({"Fn::Sub": "${LeaseTable.Arn}/index/queue"})
         }
+        // The history function: the lease table's stream, and its own table's PutItem only.
+        "dynamodb:DescribeStream" | "dynamodb:GetRecords" | "dynamodb:GetShardIterator" | "dynamodb:ListStreams" => {
+            *resource == json!({"Fn::GetAtt": ["LeaseTable", "StreamArn"]})
+        }
+        "dynamodb:PutItem" if own_log_group == "HistoryLogGroup" => {
+            *resource == json!({"Fn::GetAtt": ["HistoryTable", "Arn"]})
+        }
         a if a.starts_with("dynamodb:") => *resource == table,
         "states:DescribeExecution" => {
             MACHINES.iter().any(|m| *resource == executions(m))
@@ -318,7 +382,7 @@ fn allowed_resource(action: &str, resource: &Value, own_log_group: &str) -> bool
 #[test]
 fn function_roles_are_least_privilege() {
     let t = raw();
-    let expected: [(&str, &[&str]); 3] = [
+    let expected: [(&str, &[&str]); 4] = [
         (
             "AcquireFunction",
             &[
@@ -355,6 +419,18 @@ fn function_roles_are_least_privilege() {
                 "dynamodb:DeleteItem",
                 "states:SendTaskSuccess",
                 "states:SendTaskFailure",
+                "logs:CreateLogStream",
+                "logs:PutLogEvents",
+            ],
+        ),
+        (
+            "HistoryFunction",
+            &[
+                "dynamodb:DescribeStream",
+                "dynamodb:GetRecords",
+                "dynamodb:GetShardIterator",
+                "dynamodb:ListStreams",
+                "dynamodb:PutItem",
                 "logs:CreateLogStream",
                 "logs:PutLogEvents",
             ],
@@ -462,6 +538,7 @@ fn outputs_name_every_entry_point() {
         r#"["AcquireFunction","Arn"]"#,
         r#"["HeartbeatFunction","Arn"]"#,
         r#"["ReleaseFunction","Arn"]"#,
+        r#"{"Ref":"HistoryTable"}"#,
         r#"{"Ref":"SingleFlightStateMachine"}"#,
         r#"{"Ref":"ScheduledJobStateMachine"}"#,
         r#"{"Ref":"FencedUpdateStateMachine"}"#,

@@ -16,6 +16,8 @@ use crate::model::{Keepalive, LeaseId, Record};
 
 pub mod dynamo;
 pub mod sqlite;
+pub mod sqlite_history;
+pub mod table;
 
 pub use dynamo::DynamoStore;
 pub use sqlite::SqliteStore;

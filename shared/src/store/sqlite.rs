@@ -210,6 +210,7 @@ fn connect(path: &Path, sync: Synchronous) -> Result<Connection> {
     // ignores it.
     conn.pragma_update(None, "fullfsync", "ON").map_err(store_err)?;
     retry_busy(deadline, || migrate(&conn)).map_err(store_err)?;
+    super::sqlite_history::ensure_schema(&conn)?;
     Ok(conn)
 }
 
@@ -449,6 +450,10 @@ fn apply(tx: &Connection, op: &Op) -> rusqlite::Result<Result<Done>> {
             }
             let new = mutation.apply(key, old.as_ref());
             write(tx, &new)?;
+            // The lease history, in the same transaction as the change (a failure abandons
+            // the transaction, as a failed statement does).
+            super::sqlite_history::record(tx, old.as_ref(), Some(&new))
+                .map_err(|e| rusqlite::Error::ToSqlConversionFailure(Box::new(e)))?;
             Ok(Ok(Done::Write(Write::Applied(new))))
         }
         Op::Delete { key, condition } => {

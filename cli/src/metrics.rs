@@ -1,0 +1,296 @@
+//! `GET /metrics` of `leasehold serve`, in the Prometheus text format (version 0.0.4): what this
+//! server answered (acquisitions, contention, waits, releases, errors by name), how long its
+//! store took, and, read from the store at each scrape, queue lengths and work-state counts.
+//! README lists every metric.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use leasehold::store::{Condition, Mutation, Page, ScanKind, Store, Write};
+use leasehold::{ClockSamples, Record};
+
+/// A histogram with fixed upper bounds (seconds).
+pub struct Histogram {
+    bounds: &'static [f64],
+    counts: Vec<AtomicU64>,
+    sum_us: AtomicU64,
+    total: AtomicU64,
+}
+
+impl Histogram {
+    pub fn new(bounds: &'static [f64]) -> Histogram {
+        Histogram {
+            bounds,
+            counts: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
+            sum_us: AtomicU64::new(0),
+            total: AtomicU64::new(0),
+        }
+    }
+
+    pub fn observe(&self, d: Duration) {
+        let s = d.as_secs_f64();
+        for (b, c) in self.bounds.iter().zip(&self.counts) {
+            if s <= *b {
+                c.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.sum_us.fetch_add(d.as_micros() as u64, Ordering::Relaxed);
+        self.total.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn render(&self, out: &mut String, name: &str, labels: &str) {
+        let sep = if labels.is_empty() { "" } else { "," };
+        for (b, c) in self.bounds.iter().zip(&self.counts) {
+            let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"{b}\"}} {}", c.load(Ordering::Relaxed));
+        }
+        let total = self.total.load(Ordering::Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {total}");
+        let braces = if labels.is_empty() { String::new() } else { format!("{{{labels}}}") };
+        let _ = writeln!(out, "{name}_sum{braces} {}", self.sum_us.load(Ordering::Relaxed) as f64 / 1e6);
+        let _ = writeln!(out, "{name}_count{braces} {total}");
+    }
+}
+
+const WAIT_BOUNDS: &[f64] = &[0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+const STORE_BOUNDS: &[f64] = &[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5];
+const STORE_OPS: [&str; 4] = ["get", "update", "delete", "scan"];
+
+/// Most items one scrape reads to count queue lengths and work states.
+pub const SCRAPE_ITEMS: usize = 10_000;
+
+pub struct Metrics {
+    /// (operation, outcome): outcome `ok` or the error's name.
+    requests: Mutex<BTreeMap<(String, String), u64>>,
+    pub acquisitions: AtomicU64,
+    pub contention: AtomicU64,
+    pub releases: AtomicU64,
+    waits: Histogram,
+    store: Vec<Histogram>,
+    started: Instant,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics {
+            requests: Mutex::new(BTreeMap::new()),
+            acquisitions: AtomicU64::new(0),
+            contention: AtomicU64::new(0),
+            releases: AtomicU64::new(0),
+            waits: Histogram::new(WAIT_BOUNDS),
+            store: STORE_OPS.iter().map(|_| Histogram::new(STORE_BOUNDS)).collect(),
+            started: Instant::now(),
+        }
+    }
+}
+
+/// The operation a request path names (for labels).
+pub fn operation(method: &str, path: &str) -> &'static str {
+    let rest = path.strip_prefix("/leases/").unwrap_or("");
+    let first = rest.split('/').next().unwrap_or("");
+    match (method, path, first) {
+        (_, "/", _) => "page",
+        (_, "/health", _) => "health",
+        (_, "/metrics", _) => "metrics",
+        (_, "/summary", _) => "summary",
+        (_, "/openapi.json", _) => "openapi",
+        (_, "/leases", _) => "list",
+        ("POST", _, "acquire") => "acquire",
+        ("POST", _, "heartbeat") => "heartbeat",
+        ("POST", _, "release") => "release",
+        ("POST", _, "force-release") => "force_release",
+        ("POST", _, "next") => "next",
+        ("POST", _, "put") => "put",
+        ("POST", _, "count") => "count",
+        (_, _, "history") => "history",
+        ("GET", _, _) if !rest.is_empty() => "get",
+        _ => "other",
+    }
+}
+
+impl Metrics {
+    /// Counts one answered request. `waited`: the acquire asked to wait (`wait_ms` > 0);
+    /// `leases`: how many leases a successful `next` granted.
+    pub fn answered(&self, op: &str, error: Option<&str>, took: Duration, waited: bool, leases: u64) {
+        *self.requests.lock().unwrap().entry((op.to_string(), error.unwrap_or("ok").to_string())).or_default() += 1;
+        match (op, error) {
+            ("acquire", None) => {
+                self.acquisitions.fetch_add(1, Ordering::Relaxed);
+            }
+            ("next", None) => {
+                self.acquisitions.fetch_add(leases, Ordering::Relaxed);
+            }
+            ("acquire", Some("LeaseHeld")) => {
+                self.contention.fetch_add(1, Ordering::Relaxed);
+            }
+            ("release", None) => {
+                self.releases.fetch_add(1, Ordering::Relaxed);
+            }
+            _ => {}
+        }
+        if op == "acquire" && waited {
+            self.waits.observe(took);
+        }
+    }
+
+    fn store_op(&self, op: usize, took: Duration) {
+        self.store[op].observe(took);
+    }
+
+    /// The exposition: this process's counters, then `items` read from the store (queue
+    /// lengths per key, keys per work state).
+    pub fn render(&self, items: &[Record], complete: bool, now_ms: u64) -> String {
+        let mut o = String::new();
+        let counter = |o: &mut String, name: &str, help: &str, v: u64| {
+            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+        };
+        counter(
+            &mut o,
+            "leasehold_acquisitions_total",
+            "Leases granted by acquire and next.",
+            self.acquisitions.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut o,
+            "leasehold_contention_total",
+            "Acquires refused because the key was held (LeaseHeld).",
+            self.contention.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut o,
+            "leasehold_releases_total",
+            "Leases released by their holder.",
+            self.releases.load(Ordering::Relaxed),
+        );
+        let taken = leasehold::history::counted(leasehold::history::EventKind::TakenOver);
+        counter(
+            &mut o,
+            "leasehold_expiries_taken_over_total",
+            "Grants on keys whose last lease expired unreleased, written by this server (embedded store only).",
+            taken,
+        );
+        let _ = writeln!(o, "# HELP leasehold_requests_total Requests answered, by operation and outcome (ok or the error's name).\n# TYPE leasehold_requests_total counter");
+        let requests = self.requests.lock().unwrap().clone();
+        for ((op, outcome), n) in &requests {
+            let _ = writeln!(o, "leasehold_requests_total{{operation=\"{op}\",outcome=\"{outcome}\"}} {n}");
+        }
+        let _ = writeln!(o, "# HELP leasehold_errors_total Requests answered with an error, by error name.\n# TYPE leasehold_errors_total counter");
+        let mut errors: BTreeMap<&str, u64> = BTreeMap::new();
+        for ((_, outcome), n) in &requests {
+            if outcome != "ok" {
+                *errors.entry(outcome.as_str()).or_default() += n;
+            }
+        }
+        for (name, n) in errors {
+            let _ = writeln!(o, "leasehold_errors_total{{error=\"{name}\"}} {n}");
+        }
+        let _ = writeln!(o, "# HELP leasehold_acquire_wait_seconds Time acquires that asked to wait (wait_ms > 0) took, any outcome.\n# TYPE leasehold_acquire_wait_seconds histogram");
+        self.waits.render(&mut o, "leasehold_acquire_wait_seconds", "");
+        let _ = writeln!(o, "# HELP leasehold_store_latency_seconds Time of each store request, by operation.\n# TYPE leasehold_store_latency_seconds histogram");
+        for (i, op) in STORE_OPS.iter().enumerate() {
+            self.store[i].render(&mut o, "leasehold_store_latency_seconds", &format!("operation=\"{op}\""));
+        }
+        let _ = writeln!(o, "# HELP leasehold_queue_length Waiters queued on a key (keys with waiters only).\n# TYPE leasehold_queue_length gauge");
+        let mut states: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
+        for r in items.iter().filter(|r| r.waiter.is_none()) {
+            if r.queue_len() > 0 {
+                let _ = writeln!(o, "leasehold_queue_length{{key=\"{}\"}} {}", escape(&r.key), r.queue_len());
+            }
+            if let Some(s) = &r.state {
+                let e = states.entry(s.as_str()).or_default();
+                e.0 += 1;
+                if r.is_held(now_ms) {
+                    e.1 += 1;
+                }
+            }
+        }
+        let _ = writeln!(
+            o,
+            "# HELP leasehold_work_state_keys Keys in each work state.\n# TYPE leasehold_work_state_keys gauge"
+        );
+        for (s, (n, _)) in &states {
+            let _ = writeln!(o, "leasehold_work_state_keys{{state=\"{}\"}} {n}", escape(s));
+        }
+        let _ = writeln!(o, "# HELP leasehold_work_state_held_keys Keys in each work state held right now.\n# TYPE leasehold_work_state_held_keys gauge");
+        for (s, (_, h)) in &states {
+            let _ = writeln!(o, "leasehold_work_state_held_keys{{state=\"{}\"}} {h}", escape(s));
+        }
+        let _ = writeln!(o, "# HELP leasehold_scrape_complete 1 when the scrape read every item (at most {SCRAPE_ITEMS}), 0 when the gauges above count only the first ones.\n# TYPE leasehold_scrape_complete gauge\nleasehold_scrape_complete {}", u8::from(complete));
+        let _ = writeln!(o, "# HELP leasehold_uptime_seconds Seconds since this server started.\n# TYPE leasehold_uptime_seconds gauge\nleasehold_uptime_seconds {}", self.started.elapsed().as_secs());
+        o
+    }
+}
+
+/// A label value with `\`, `"` and newlines escaped.
+fn escape(s: &str) -> String {
+    s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+/// Reads at most [`SCRAPE_ITEMS`] items of `store`; `true` when that was all of them.
+pub async fn scrape(store: &dyn Store) -> leasehold::Result<(Vec<Record>, bool)> {
+    let (mut items, mut start) = (Vec::new(), None::<String>);
+    loop {
+        let page = store.scan(&ScanKind::All, start.as_deref(), 1000).await?;
+        items.extend(page.items);
+        match page.next {
+            Some(s) if items.len() < SCRAPE_ITEMS => start = Some(s),
+            Some(_) => return Ok((items, false)),
+            None => return Ok((items, true)),
+        }
+    }
+}
+
+/// The store, timed: every request's latency goes to `leasehold_store_latency_seconds`.
+pub struct Metered {
+    pub inner: Arc<dyn Store>,
+    pub metrics: Arc<Metrics>,
+}
+
+#[async_trait]
+impl Store for Metered {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    async fn get(&self, key: &str) -> leasehold::Result<Option<Record>> {
+        let t = Instant::now();
+        let r = self.inner.get(key).await;
+        self.metrics.store_op(0, t.elapsed());
+        r
+    }
+
+    async fn update(&self, key: &str, condition: &Condition, mutation: &Mutation) -> leasehold::Result<Write> {
+        let t = Instant::now();
+        let r = self.inner.update(key, condition, mutation).await;
+        self.metrics.store_op(1, t.elapsed());
+        r
+    }
+
+    async fn delete(&self, key: &str, condition: &Condition) -> leasehold::Result<Write> {
+        let t = Instant::now();
+        let r = self.inner.delete(key, condition).await;
+        self.metrics.store_op(2, t.elapsed());
+        r
+    }
+
+    async fn scan(&self, kind: &ScanKind, start: Option<&str>, limit: u32) -> leasehold::Result<Page> {
+        let t = Instant::now();
+        let r = self.inner.scan(kind, start, limit).await;
+        self.metrics.store_op(3, t.elapsed());
+        r
+    }
+
+    fn clock(&self) -> Option<&ClockSamples> {
+        self.inner.clock()
+    }
+
+    async fn count(&self, kind: &ScanKind) -> leasehold::Result<u64> {
+        let t = Instant::now();
+        let r = self.inner.count(kind).await;
+        self.metrics.store_op(3, t.elapsed());
+        r
+    }
+}

@@ -1,0 +1,414 @@
+//! The lease table's definition, written once: what `leasehold table create` creates, what
+//! `leasehold table check` (and every CLI or `serve` start on `--table`) compares an existing
+//! table with, and what a test keeps equal to template.yaml's `LeaseTable`.
+//!
+//! The comparison ([`compare`]) is a pure function of the definition and the table's
+//! `DescribeTable` / `DescribeTimeToLive` answers, so it is tested without a server; [`create`]
+//! and [`check`] are the two requests around it.
+
+use std::time::{Duration, Instant};
+
+use aws_sdk_dynamodb::error::ProvideErrorMetadata;
+use aws_sdk_dynamodb::types::{
+    AttributeDefinition, BillingMode, GlobalSecondaryIndex, IndexStatus, KeySchemaElement, KeyType, Projection,
+    ProjectionType, ScalarAttributeType, StreamSpecification, StreamViewType, TableDescription, TableStatus,
+    TimeToLiveDescription, TimeToLiveSpecification, TimeToLiveStatus,
+};
+use aws_sdk_dynamodb::Client;
+
+use super::dynamo::{attr, KEEPALIVE_INDEX, QUEUE_INDEX, STATE_INDEX};
+use crate::error::{Error, Result};
+
+/// A global secondary index the code queries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IndexSpec {
+    pub name: &'static str,
+    /// Partition key: (attribute, DynamoDB scalar type "S" | "N").
+    pub hash: (&'static str, &'static str),
+    /// Sort key, if the index has one.
+    pub range: Option<(&'static str, &'static str)>,
+    /// "ALL": the code reads whole items from the index; "KEYS_ONLY": only the keys.
+    pub projection: &'static str,
+    /// What fails without the index (named by `table check`).
+    pub used_by: &'static str,
+}
+
+/// The lease table as the code needs it (and as template.yaml declares it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableSpec {
+    /// Partition key (string); the table has no sort key.
+    pub key: &'static str,
+    pub indexes: &'static [IndexSpec],
+    /// The TTL attribute (epoch seconds).
+    pub ttl: &'static str,
+    /// "PAY_PER_REQUEST" (on-demand).
+    pub billing: &'static str,
+    /// The stream the history function reads: "NEW_AND_OLD_IMAGES" (DESIGN.md, "Lease history").
+    pub stream: &'static str,
+}
+
+/// The lease table.
+pub const LEASE_TABLE: TableSpec = TableSpec {
+    key: attr::KEY,
+    indexes: &[
+        IndexSpec {
+            name: KEEPALIVE_INDEX,
+            hash: (attr::KA_SHARD, "N"),
+            range: Some((attr::KA_UNTIL, "N")),
+            projection: "ALL",
+            used_by: "the keep-alive sweep (acquires with a keepalive are never renewed) and queued acquires \
+                      (waiters are never found: POST /leases/acquire with a task_token)",
+        },
+        IndexSpec {
+            name: STATE_INDEX,
+            hash: (attr::STATE_SHARD, "S"),
+            range: Some((attr::EXPIRES_AT, "N")),
+            projection: "ALL",
+            used_by: "work items: `next` (batch leases, POST /leases/next), `count` (POST /leases/count) \
+                      and `list --state` fail",
+        },
+        IndexSpec {
+            name: QUEUE_INDEX,
+            hash: (attr::Q_SHARD, "N"),
+            range: None,
+            projection: "KEYS_ONLY",
+            used_by: "the queue sweep (a queued key whose holder crashed, or whose grant was not delivered, \
+                      is never served by the scheduled run)",
+        },
+    ],
+    ttl: attr::TTL,
+    billing: "PAY_PER_REQUEST",
+    stream: "NEW_AND_OLD_IMAGES",
+};
+
+impl TableSpec {
+    /// Every attribute a key schema names, with its type: the table's `AttributeDefinitions`.
+    pub fn attributes(&self) -> Vec<(&'static str, &'static str)> {
+        let mut v = vec![(self.key, "S")];
+        for i in self.indexes {
+            for a in std::iter::once(i.hash).chain(i.range) {
+                if !v.contains(&a) {
+                    v.push(a);
+                }
+            }
+        }
+        v
+    }
+}
+
+/// ", sort NAME TYPE" for an index with a sort key, nothing for one without.
+fn sort_text(i: &IndexSpec) -> String {
+    i.range.map(|(n, t)| format!(", sort {n} {t}")).unwrap_or_default()
+}
+
+fn scalar(t: &str) -> ScalarAttributeType {
+    if t == "N" {
+        ScalarAttributeType::N
+    } else {
+        ScalarAttributeType::S
+    }
+}
+
+fn built<T>(r: std::result::Result<T, aws_sdk_dynamodb::error::BuildError>) -> Result<T> {
+    r.map_err(|e| Error::StoreUnavailable(format!("table definition: {e}")))
+}
+
+fn sdk_err<E: ProvideErrorMetadata + std::error::Error + 'static>(what: &str, table: &str, e: &E) -> Error {
+    match e.code() {
+        Some(code) => Error::StoreUnavailable(format!("{what} {table}: {code}: {}", e.message().unwrap_or(""))),
+        None => Error::StoreUnavailable(format!(
+            "{what} {table}: {}",
+            aws_smithy_types::error::display::DisplayErrorContext(e)
+        )),
+    }
+}
+
+/// Creates `table` as [`LEASE_TABLE`] says (on-demand, key schema, both indexes, the stream),
+/// waits until it and its indexes are active (at most `wait`), and enables TTL. Idempotent: an
+/// existing table is left as it is (check it with [`check`]). Returns whether it created it.
+pub async fn create(client: &Client, table: &str, wait: Duration) -> Result<bool> {
+    let spec = &LEASE_TABLE;
+    let ks = |n: &str, t: KeyType| KeySchemaElement::builder().attribute_name(n).key_type(t).build();
+    let mut req = client
+        .create_table()
+        .table_name(table)
+        .billing_mode(BillingMode::from(spec.billing))
+        .key_schema(built(ks(spec.key, KeyType::Hash))?)
+        .stream_specification(built(
+            StreamSpecification::builder()
+                .stream_enabled(true)
+                .stream_view_type(StreamViewType::from(spec.stream))
+                .build(),
+        )?);
+    for (name, ty) in spec.attributes() {
+        req = req.attribute_definitions(built(
+            AttributeDefinition::builder().attribute_name(name).attribute_type(scalar(ty)).build(),
+        )?);
+    }
+    for i in spec.indexes {
+        let mut gsi =
+            GlobalSecondaryIndex::builder().index_name(i.name).key_schema(built(ks(i.hash.0, KeyType::Hash))?);
+        if let Some(range) = i.range {
+            gsi = gsi.key_schema(built(ks(range.0, KeyType::Range))?);
+        }
+        let gsi =
+            gsi.projection(Projection::builder().projection_type(ProjectionType::from(i.projection)).build()).build();
+        req = req.global_secondary_indexes(built(gsi)?);
+    }
+    let created = match req.send().await {
+        Ok(_) => true,
+        Err(e) if e.code() == Some("ResourceInUseException") => false,
+        Err(e) => return Err(sdk_err("create table", table, &e)),
+    };
+    let deadline = Instant::now() + wait;
+    loop {
+        let d = client.describe_table().table_name(table).send().await.map_err(|e| sdk_err("describe", table, &e))?;
+        let t = d.table().cloned().unwrap_or_else(|| TableDescription::builder().build());
+        let active = t.table_status() == Some(&TableStatus::Active)
+            && t.global_secondary_indexes().iter().all(|g| g.index_status() == Some(&IndexStatus::Active));
+        if active {
+            break;
+        }
+        if Instant::now() >= deadline {
+            return Err(Error::StoreUnavailable(format!("table {table} did not become active within {wait:?}")));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let ttl = built(TimeToLiveSpecification::builder().attribute_name(spec.ttl).enabled(true).build())?;
+    match client.update_time_to_live().table_name(table).time_to_live_specification(ttl).send().await {
+        Ok(_) => {}
+        // Already enabled (on this attribute: `check` says so if on another).
+        Err(e) if e.code() == Some("ValidationException") => {}
+        Err(e) => return Err(sdk_err("enable TTL on", table, &e)),
+    }
+    Ok(created)
+}
+
+/// What [`check`] found wrong with a table: one line per difference, in the order an operator
+/// would fix them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mismatch(pub Vec<String>);
+
+impl Mismatch {
+    /// The message `table check`, `serve --table` and the CLI print.
+    pub fn message(&self, table: &str) -> String {
+        format!(
+            "table {table} is not the lease table leasehold needs ({} problem{}; `leasehold table create` makes a correct one):\n  - {}",
+            self.0.len(),
+            if self.0.len() == 1 { "" } else { "s" },
+            self.0.join("\n  - ")
+        )
+    }
+}
+
+/// What [`compare`] found: problems (the code fails on them) and warnings (it works, something
+/// is lost).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Findings {
+    pub problems: Vec<String>,
+    pub warnings: Vec<String>,
+}
+
+/// Compares a table (its `DescribeTable` and `DescribeTimeToLive` answers) with `spec`. Only
+/// what the code depends on is a problem: key schema, attribute types of keys, the indexes'
+/// keys and projections, TTL. A stream without both images is a warning (only the lease
+/// history, fed by it on AWS, is lost). Billing mode is not compared (a provisioned table
+/// works).
+pub fn compare(spec: &TableSpec, t: &TableDescription, ttl: Option<&TimeToLiveDescription>) -> Findings {
+    let mut out = Vec::new();
+    let types: Vec<(String, String)> = t
+        .attribute_definitions()
+        .iter()
+        .map(|d| (d.attribute_name().to_string(), d.attribute_type().as_str().to_string()))
+        .collect();
+    let type_of = |n: &str| type_in(&types, n);
+    let keys = |ks: &[KeySchemaElement]| -> Vec<(String, String)> {
+        ks.iter().map(|k| (k.attribute_name().to_string(), k.key_type().as_str().to_string())).collect()
+    };
+    let want_key = vec![(spec.key.to_string(), "HASH".to_string())];
+    let have_key = keys(t.key_schema());
+    if have_key != want_key || type_of(spec.key) != Some("S") {
+        out.push(format!(
+            "key schema is {} but must be `{}` (string, partition key only): no operation works",
+            describe_keys(&have_key, &types),
+            spec.key
+        ));
+    }
+    for i in spec.indexes {
+        let Some(g) = t.global_secondary_indexes().iter().find(|g| g.index_name() == Some(i.name)) else {
+            out.push(format!(
+                "index `{}` is missing (partition {} {}{}, projection {}): {}",
+                i.name,
+                i.hash.0,
+                i.hash.1,
+                sort_text(i),
+                i.projection,
+                i.used_by
+            ));
+            continue;
+        };
+        let mut want = vec![(i.hash.0.to_string(), "HASH".to_string())];
+        want.extend(i.range.map(|r| (r.0.to_string(), "RANGE".to_string())));
+        let have = keys(g.key_schema());
+        let types_ok = type_of(i.hash.0) == Some(i.hash.1) && i.range.is_none_or(|r| type_of(r.0) == Some(r.1));
+        if have != want || !types_ok {
+            out.push(format!(
+                "index `{}` has keys {} but needs partition {} {}{}: {}",
+                i.name,
+                describe_keys(&have, &types),
+                i.hash.0,
+                i.hash.1,
+                sort_text(i),
+                i.used_by
+            ));
+        }
+        let projection = g.projection().and_then(|p| p.projection_type()).map(|p| p.as_str()).unwrap_or("none");
+        if projection != i.projection {
+            out.push(format!("index `{}` projects {projection} but needs {}: {}", i.name, i.projection, i.used_by));
+        }
+    }
+    match ttl {
+        Some(d)
+            if d.time_to_live_status() == Some(&TimeToLiveStatus::Enabled)
+                || d.time_to_live_status() == Some(&TimeToLiveStatus::Enabling) =>
+        {
+            if d.attribute_name() != Some(spec.ttl) {
+                out.push(format!(
+                    "TTL is on attribute `{}` but must be on `{}`: released and expired items are never deleted",
+                    d.attribute_name().unwrap_or("?"),
+                    spec.ttl
+                ));
+            }
+        }
+        _ => out.push(format!(
+            "TTL is not enabled on `{}`: released and expired items are never deleted (the table only grows)",
+            spec.ttl
+        )),
+    }
+    let stream = t.stream_specification();
+    let view = stream.filter(|s| s.stream_enabled()).and_then(|s| s.stream_view_type()).map(|v| v.as_str());
+    let mut warnings = Vec::new();
+    if view != Some(spec.stream) {
+        warnings.push(format!(
+            "stream is {} instead of {}: the lease history on AWS (the history function) receives nothing",
+            view.unwrap_or("off"),
+            spec.stream
+        ));
+    }
+    Findings { problems: out, warnings }
+}
+
+fn type_in<'a>(types: &'a [(String, String)], n: &str) -> Option<&'a str> {
+    types.iter().find(|(a, _)| a == n).map(|(_, t)| t.as_str())
+}
+
+fn describe_keys(ks: &[(String, String)], types: &[(String, String)]) -> String {
+    if ks.is_empty() {
+        return "none".into();
+    }
+    ks.iter()
+        .map(|(n, k)| format!("{n} {} ({})", type_in(types, n).unwrap_or("?"), k.to_lowercase()))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Reads `table`'s definition and compares it with [`LEASE_TABLE`]: `Ok(Ok(warnings))` when it
+/// is what the code needs, `Ok(Err(mismatch))` when not, `Err` when it cannot be read (no such
+/// table is a mismatch; no permission to describe it is `Ok(Ok(..))` with a warning: the check
+/// is a help, not a gate on roles that may only read and write items).
+pub async fn check(client: &Client, table: &str) -> Result<std::result::Result<Vec<String>, Mismatch>> {
+    let d = match client.describe_table().table_name(table).send().await {
+        Ok(d) => d,
+        Err(e) if e.code() == Some("ResourceNotFoundException") => {
+            return Ok(Err(Mismatch(vec![format!(
+                "table {table} does not exist: create it with `leasehold table create --table {table}` \
+                 (or deploy template.yaml)"
+            )])))
+        }
+        Err(e) if e.code() == Some("AccessDeniedException") => {
+            return Ok(Ok(vec![format!("no permission to describe table {table}: its definition is not checked")]));
+        }
+        Err(e) => return Err(sdk_err("describe", table, &e)),
+    };
+    let ttl = match client.describe_time_to_live().table_name(table).send().await {
+        Ok(t) => t.time_to_live_description().cloned(),
+        Err(e) if e.code() == Some("AccessDeniedException") => {
+            return Ok(Ok(vec![format!(
+                "no permission to describe the TTL of {table}: its definition is not checked"
+            )]));
+        }
+        Err(e) => return Err(sdk_err("describe TTL of", table, &e)),
+    };
+    let f =
+        compare(&LEASE_TABLE, &d.table().cloned().unwrap_or_else(|| TableDescription::builder().build()), ttl.as_ref());
+    Ok(if f.problems.is_empty() { Ok(f.warnings) } else { Err(Mismatch(f.problems)) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use aws_sdk_dynamodb::types::{GlobalSecondaryIndexDescription, StreamSpecification};
+
+    fn good() -> (TableDescription, TimeToLiveDescription) {
+        let spec = &LEASE_TABLE;
+        let ks = |n: &str, t: KeyType| KeySchemaElement::builder().attribute_name(n).key_type(t).build().unwrap();
+        let mut t = TableDescription::builder().key_schema(ks(spec.key, KeyType::Hash));
+        for (n, ty) in spec.attributes() {
+            t = t.attribute_definitions(
+                AttributeDefinition::builder().attribute_name(n).attribute_type(scalar(ty)).build().unwrap(),
+            );
+        }
+        for i in spec.indexes {
+            let mut g =
+                GlobalSecondaryIndexDescription::builder().index_name(i.name).key_schema(ks(i.hash.0, KeyType::Hash));
+            if let Some(range) = i.range {
+                g = g.key_schema(ks(range.0, KeyType::Range));
+            }
+            t = t.global_secondary_indexes(
+                g.projection(Projection::builder().projection_type(ProjectionType::from(i.projection)).build()).build(),
+            );
+        }
+        t = t.stream_specification(
+            StreamSpecification::builder()
+                .stream_enabled(true)
+                .stream_view_type(StreamViewType::NewAndOldImages)
+                .build()
+                .unwrap(),
+        );
+        let ttl = TimeToLiveDescription::builder()
+            .attribute_name(spec.ttl)
+            .time_to_live_status(TimeToLiveStatus::Enabled)
+            .build();
+        (t.build(), ttl)
+    }
+
+    #[test]
+    fn the_definition_passes_its_own_check() {
+        let (t, ttl) = good();
+        assert_eq!(compare(&LEASE_TABLE, &t, Some(&ttl)), Findings::default());
+    }
+
+    #[test]
+    fn a_missing_index_names_what_fails() {
+        let (mut t, ttl) = good();
+        t.global_secondary_indexes.as_mut().unwrap().retain(|g| g.index_name() != Some(STATE_INDEX));
+        let p = compare(&LEASE_TABLE, &t, Some(&ttl)).problems;
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert!(p[0].starts_with("index `state` is missing") && p[0].contains("next"), "{p:?}");
+    }
+
+    #[test]
+    fn ttl_stream_and_projection_differences_are_named() {
+        let (mut t, _) = good();
+        t.global_secondary_indexes.as_mut().unwrap()[0].projection =
+            Some(Projection::builder().projection_type(ProjectionType::KeysOnly).build());
+        t.stream_specification = None;
+        let f = compare(&LEASE_TABLE, &t, None);
+        let p = &f.problems;
+        assert_eq!(p.len(), 2, "{p:?}");
+        assert!(p[0].contains("`keepalive` projects KEYS_ONLY"), "{p:?}");
+        assert!(p[1].contains("TTL is not enabled on `ttl`"), "{p:?}");
+        assert_eq!(f.warnings.len(), 1);
+        assert!(f.warnings[0].contains("stream is off"), "{f:?}");
+    }
+}

@@ -1,0 +1,143 @@
+//! `GET /metrics` of `leasehold serve`: the Prometheus text format, parsed by a Prometheus
+//! text-format parser (the `prometheus-parse` crate), with the values a scripted set of
+//! requests must leave: acquisitions, contention, a waited acquire, releases, an expiry taken
+//! over, errors by name, store latency, a queue length and work-state counts.
+
+mod cli_support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use cli_support::{http, Server, Target};
+use leasehold::queue::{Deliver, DeliveryError, Enqueued};
+use leasehold::{AcquireOptions, Coordinator, Lease};
+use leasehold_tests::test_config;
+use prometheus_parse::{Sample, Scrape, Value as P};
+use serde_json::Value;
+
+struct Nobody;
+
+#[async_trait]
+impl Deliver for Nobody {
+    async fn success(&self, _: &str, _: &Lease) -> Result<(), DeliveryError> {
+        Ok(())
+    }
+    async fn failure(&self, _: &str, _: &str, _: &str) -> Result<(), DeliveryError> {
+        Ok(())
+    }
+}
+
+fn post(addr: &str, path: &str, body: &str) -> (u16, Value) {
+    let (s, _, b) = http(addr, "POST", path, &[("content-type", "application/json")], body.as_bytes());
+    (s, serde_json::from_str(&b).unwrap_or(Value::Null))
+}
+
+fn scrape(addr: &str) -> (Scrape, String) {
+    let (s, h, b) = http(addr, "GET", "/metrics", &[], b"");
+    assert_eq!(s, 200, "{b}");
+    let ct = h.iter().find(|(k, _)| k == "content-type").map(|(_, v)| v.as_str()).unwrap_or("");
+    assert!(ct.starts_with("text/plain; version=0.0.4"), "{ct}");
+    let parsed = Scrape::parse(b.lines().map(|l| Ok(l.to_string()))).expect("the Prometheus text format parses");
+    (parsed, b)
+}
+
+fn find<'a>(s: &'a Scrape, metric: &str, labels: &[(&str, &str)]) -> Option<&'a Sample> {
+    s.samples.iter().find(|x| x.metric == metric && labels.iter().all(|(k, v)| x.labels.get(k) == Some(*v)))
+}
+
+fn num(s: &Scrape, metric: &str, labels: &[(&str, &str)]) -> f64 {
+    match find(s, metric, labels).map(|x| &x.value) {
+        Some(P::Counter(v) | P::Gauge(v) | P::Untyped(v)) => *v,
+        other => panic!("{metric} {labels:?}: {other:?}"),
+    }
+}
+
+fn histogram_count(s: &Scrape, metric: &str, labels: &[(&str, &str)]) -> f64 {
+    match find(s, metric, labels).map(|x| &x.value) {
+        Some(P::Histogram(b)) => b.iter().map(|c| c.count).fold(0.0, f64::max),
+        other => panic!("{metric} {labels:?}: {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn metrics_parse_and_count_what_happened() {
+    let target = Target::embedded();
+    let env = vec![
+        ("LEASEHOLD_MIN_DURATION_MS".to_string(), "100".to_string()),
+        ("LEASEHOLD_SKEW_MARGIN_MS".to_string(), "50".to_string()),
+    ];
+    let server = Server::start(&target.args, &env);
+    let a = server.addr.clone();
+    let db = std::path::PathBuf::from(&target.args[1]);
+    let addr = a.clone();
+    let (queued_key, put_keys) = tokio::task::spawn_blocking(move || {
+        let a = addr;
+        // Acquire; contention (refused, and refused after a wait); a bad heartbeat; a release.
+        let (s, l) = post(&a, "/leases/acquire/m/a", r#"{"holder":"h","duration_ms":30000}"#);
+        assert_eq!(s, 200, "{l}");
+        assert_eq!(post(&a, "/leases/acquire/m/a", r#"{"holder":"x"}"#).0, 409);
+        assert_eq!(post(&a, "/leases/acquire/m/a", r#"{"holder":"x","wait_ms":300}"#).0, 409);
+        let bad = r#"{"lease_id":"zzzzzzzzzzzzzzzzzzzzzzzzzz"}"#;
+        assert_eq!(post(&a, "/leases/heartbeat/m/a", bad).1["error"], "NotHolder");
+        let rel = serde_json::json!({"lease_id": l["lease_id"]}).to_string();
+        assert_eq!(post(&a, "/leases/release/m/a", &rel).0, 200);
+        // Work items: three keys put into PENDING, one taken by next.
+        for k in ["w/1", "w/2", "w/3"] {
+            assert_eq!(post(&a, &format!("/leases/put/{k}"), r#"{"state":"PENDING","holder":"p"}"#).0, 200);
+        }
+        let (s, n) = post(&a, "/leases/next/PENDING", r#"{"holder":"w","limit":1,"duration_ms":30000}"#);
+        assert_eq!((s, n["leases"].as_array().map(Vec::len)), (200, Some(1)), "{n}");
+        // A crash taken over after expiry.
+        assert_eq!(post(&a, "/leases/acquire/m/t", r#"{"holder":"crash","duration_ms":1000}"#).0, 200);
+        std::thread::sleep(Duration::from_millis(1500));
+        assert_eq!(post(&a, "/leases/acquire/m/t", r#"{"holder":"next","duration_ms":30000}"#).0, 200);
+        // A held key for a waiter to queue on.
+        assert_eq!(post(&a, "/leases/acquire/m/q", r#"{"holder":"q","duration_ms":30000}"#).0, 200);
+        ("m/q", 3)
+    })
+    .await
+    .unwrap();
+    // A queued waiter, written by another process on the same store file.
+    let store = leasehold::store::SqliteStore::open(&db).unwrap();
+    let c = Coordinator::new(Arc::new(store), test_config()).with_deliver(Arc::new(Nobody) as Arc<dyn Deliver>);
+    let q = c
+        .acquire_or_enqueue(queued_key, "waiter", Duration::from_secs(60), AcquireOptions::default(), "tok", None)
+        .await
+        .unwrap();
+    assert!(matches!(q, Enqueued::Queued { .. }), "{q:?}");
+
+    let (m, text) = tokio::task::spawn_blocking(move || scrape(&a)).await.unwrap();
+    // acquire m/a, next (1 lease), m/t twice, m/q.
+    assert_eq!(num(&m, "leasehold_acquisitions_total", &[]), 5.0, "{text}");
+    assert_eq!(num(&m, "leasehold_contention_total", &[]), 2.0, "{text}");
+    assert_eq!(num(&m, "leasehold_releases_total", &[]), 1.0, "{text}");
+    assert_eq!(num(&m, "leasehold_expiries_taken_over_total", &[]), 1.0, "{text}");
+    assert_eq!(num(&m, "leasehold_errors_total", &[("error", "LeaseHeld")]), 2.0, "{text}");
+    assert_eq!(num(&m, "leasehold_errors_total", &[("error", "NotHolder")]), 1.0, "{text}");
+    assert_eq!(num(&m, "leasehold_requests_total", &[("operation", "put"), ("outcome", "ok")]), put_keys as f64);
+    assert_eq!(histogram_count(&m, "leasehold_acquire_wait_seconds", &[]), 1.0, "{text}");
+    assert!(histogram_count(&m, "leasehold_store_latency_seconds", &[("operation", "update")]) >= 10.0, "{text}");
+    assert_eq!(num(&m, "leasehold_queue_length", &[("key", "m/q")]), 1.0, "{text}");
+    assert_eq!(num(&m, "leasehold_work_state_keys", &[("state", "PENDING")]), 3.0, "{text}");
+    assert_eq!(num(&m, "leasehold_work_state_held_keys", &[("state", "PENDING")]), 1.0, "{text}");
+    assert_eq!(num(&m, "leasehold_scrape_complete", &[]), 1.0);
+    // Every metric is documented in the exposition (HELP and TYPE).
+    for name in [
+        "leasehold_acquisitions_total",
+        "leasehold_contention_total",
+        "leasehold_acquire_wait_seconds",
+        "leasehold_store_latency_seconds",
+        "leasehold_queue_length",
+        "leasehold_work_state_keys",
+    ] {
+        assert!(m.docs.contains_key(name), "{name} has HELP");
+        assert!(text.contains(&format!("# TYPE {name} ")), "{name} has TYPE");
+    }
+    // README describes each metric.
+    let readme = std::fs::read_to_string(leasehold_tests::repo_root().join("README.md")).unwrap();
+    for name in m.docs.keys() {
+        assert!(readme.contains(name.as_str()), "README describes {name}");
+    }
+    drop(server);
+}
