@@ -178,6 +178,20 @@ impl Coordinator {
         &self,
         key: &str,
         deadline: Instant,
+        attempt: impl FnMut(u64) -> Result<(Condition, Mutation)>,
+    ) -> std::result::Result<(Write, Instant, u64), Failed> {
+        self.write_as(key, deadline, None, attempt).await
+    }
+
+    /// [`Coordinator::write`] for a write that may grant the lease `grants`: each request runs
+    /// in a task of its own, so that if the caller's future is dropped while it is in flight
+    /// (a timeout, a disconnected HTTP client) the request still gets its answer, and a grant
+    /// that lands for the departed caller is released at once (DESIGN.md, "Cancellation").
+    pub(crate) async fn write_as(
+        &self,
+        key: &str,
+        deadline: Instant,
+        grants: Option<&LeaseId>,
         mut attempt: impl FnMut(u64) -> Result<(Condition, Mutation)>,
     ) -> std::result::Result<(Write, Instant, u64), Failed> {
         let mut backoff = Backoff::new(self.config.retry_base, self.config.retry_max);
@@ -186,7 +200,11 @@ impl Coordinator {
             let sent = Instant::now();
             let now = self.now_ms();
             let (cond, m) = attempt(now).map_err(|error| Failed { error, maybe_landed })?;
-            match self.store.update(key, &cond, &m).await {
+            let answer = match grants {
+                None => self.store.update(key, &cond, &m).await,
+                Some(id) => self.update_detached(key, cond, m, id.clone()).await,
+            };
+            match answer {
                 Ok(w) => return Ok((w, sent, now)),
                 Err(e) if e.is_transient() => {
                     maybe_landed |= e.may_have_landed();
@@ -204,6 +222,66 @@ impl Coordinator {
                 }
                 Err(error) => return Err(Failed { error, maybe_landed }),
             }
+        }
+    }
+
+    /// One store write in a task of its own, answered through a channel. When nobody is left to
+    /// take the answer (the caller's future was dropped) and the write granted, or may have
+    /// granted, the lease `lease_id`, that lease is released at once.
+    async fn update_detached(&self, key: &str, cond: Condition, m: Mutation, lease_id: LeaseId) -> Result<Write> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (coord, key) = (self.clone(), key.to_string());
+        tokio::spawn(async move {
+            let answer = coord.store.update(&key, &cond, &m).await;
+            if let Err(answer) = tx.send(answer) {
+                let granted = match answer {
+                    Ok(Write::Applied(r) | Write::Rejected(Some(r))) => r.lease_id == lease_id,
+                    Ok(Write::Rejected(None)) => false,
+                    // It may have landed: look.
+                    Err(e) => e.may_have_landed(),
+                };
+                if granted {
+                    coord.release_departed(&key, &lease_id).await;
+                }
+            }
+        });
+        rx.await.unwrap_or_else(|_| Err(Error::StoreUnavailable("the store request ended without an answer".into())))
+    }
+
+    /// Releases the lease `lease_id` granted to an acquire that left before it could be told
+    /// (its future was dropped). Nothing to do when it did not land or already ended.
+    fn release_departed<'a>(
+        &'a self,
+        key: &'a str,
+        lease_id: &'a LeaseId,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + 'a>> {
+        Box::pin(self.release_departed_now(key, lease_id))
+    }
+
+    async fn release_departed_now(&self, key: &str, lease_id: &LeaseId) {
+        // The ordinary release, without a hand-over of its own (that would make this recursive):
+        // the next waiter is woken and tries.
+        let deadline = Instant::now() + self.config.retry_budget;
+        let max = self.max_duration_ms();
+        let w = self
+            .write(key, deadline, |now| {
+                let cond = Condition::Unreleased { lease_id: lease_id.clone() };
+                Ok((cond, Mutation::Release { now_ms: now, ttl: self.ttl_after(now + max) }))
+            })
+            .await;
+        match w {
+            Ok((Write::Applied(r), _, _)) => {
+                tracing::debug!(key, "released a grant whose acquire had left");
+                self.keep_queued(key, &r).await;
+                self.wakeups.wake(key);
+                self.hand_over_after_free(key, &r).await;
+            }
+            Ok(_) => {}
+            Err(f) => tracing::warn!(
+                key,
+                error = f.into_error(key).name(),
+                "could not release a grant whose acquire had left; it expires on its own"
+            ),
         }
     }
 
@@ -298,7 +376,8 @@ impl Coordinator {
         let mut wait = Waiting::new(&self.pacer, key, self.config.poll_max, start);
         // Waiting acquires of this coordinator line up per key: only the head tries, and a
         // release handled here wakes it at once (DESIGN.md, "In-process waiters").
-        let mut ticket = (!opts.wait.unwrap_or_default().is_zero()).then(|| self.wakeups.enter(key));
+        let mut ticket = (!opts.wait.unwrap_or_default().is_zero())
+            .then(|| InLine { ticket: self.wakeups.enter(key), coord: self.clone() });
         if ticket.as_ref().is_some_and(|t| t.is_head()) {
             wait.courtesy(wait_deadline).await;
         }
@@ -343,7 +422,7 @@ impl Coordinator {
             };
             let mut fence = 0;
             let (w, sent, now) = self
-                .write(key, deadline, |now| {
+                .write_as(key, deadline, Some(&lease_id), |now| {
                     fence = self.next_fence(key, seen_fence)?;
                     let cond = match &visit {
                         None => Condition::Free { now_ms: now, fence, lease_id: lease_id.clone() },
@@ -568,9 +647,14 @@ impl Coordinator {
         }
         // A head waiter of this coordinator sleeping on the key: hand it over in this write
         // (not when the key moves to a work state: the hand-over writes a lease in none).
+        // A hand-over whose write failed ambiguously stays claimed (its waiter keeps waiting)
+        // until the ordinary release below settles whether it landed.
+        let mut unsettled = None;
         if let Some(claim) = state.is_none().then(|| self.wakeups.claim(key)).flatten() {
-            if let Some(released) = self.release_to_waiter(key, lease_id, claim).await {
-                return Ok(released);
+            match self.release_to_waiter(key, lease_id, claim).await {
+                ToWaiter::Done(released) => return Ok(released),
+                ToWaiter::NotDone => {}
+                ToWaiter::Unsettled(u) => unsettled = Some(u),
             }
         }
         // A coordinator that serves queues releases in this write only a key without queued
@@ -604,7 +688,17 @@ impl Coordinator {
                 state: r.state.clone(),
             };
             match w {
+                // The ambiguous hand-over did land: the key is the waiter's, and this release
+                // is done.
+                Write::Rejected(Some(r)) if unsettled.as_ref().is_some_and(|u| u.claim.offer().lease.lease_id == r.lease_id) => {
+                    let u = unsettled.take().expect("unsettled");
+                    self.settle_grant(key, u.claim, r, u.sent, u.now).await;
+                    return Ok(u.released);
+                }
                 Write::Applied(r) => {
+                    // This release landed, so the ambiguous hand-over never can (its condition
+                    // needs the lease unreleased): its waiter tries by itself.
+                    drop(unsettled.take());
                     self.keep_queued(key, &r).await;
                     self.wakeups.wake(key);
                     self.hand_over_after_free(key, &r).await;
@@ -631,17 +725,26 @@ impl Coordinator {
     /// The release of `lease_id` as one write that grants the key to the claimed in-process
     /// waiter (DESIGN.md, "In-process waiters"). `None`: not done (the claim is dropped and the
     /// waiter tries by itself); the ordinary release follows.
-    async fn release_to_waiter(&self, key: &str, lease_id: &LeaseId, claim: crate::wakeup::Claim) -> Option<Released> {
-        self.check_clock(key).await.ok()?;
-        let r = self.store.get(key).await.ok()??;
+    async fn release_to_waiter(&self, key: &str, lease_id: &LeaseId, claim: crate::wakeup::Claim) -> ToWaiter {
+        use ToWaiter::NotDone;
+        if self.check_clock(key).await.is_err() {
+            return NotDone;
+        }
+        let Ok(Some(r)) = self.store.get(key).await else { return NotDone };
         let sent = Instant::now();
         let now = self.now_ms();
         if &r.lease_id != lease_id || r.released_at_ms.is_some() || r.min_hold_until_ms > now || r.queue_len() > 0 {
-            return None;
+            return NotDone;
+        }
+        // A lease_id is single-use: a waiter offering the very lease_id being released (two
+        // acquires with one caller id) must not be granted it again.
+        if &claim.offer().lease.lease_id == lease_id {
+            return NotDone;
         }
         let mut lease = claim.offer().lease.clone();
         lease.now_ms = now;
-        lease.fence = self.next_fence(key, Some(r.fence)).ok()?;
+        let Ok(fence) = self.next_fence(key, Some(r.fence)) else { return NotDone };
+        lease.fence = fence;
         lease.ttl = lease.duration_ms.map(|d| self.ttl_after(now + d));
         let cond = Condition::HandTo { lease_id: lease_id.clone(), fence: r.fence, now_ms: now };
         let released = Released {
@@ -655,19 +758,28 @@ impl Coordinator {
         let waiter = lease.lease_id.clone();
         match self.store.update(key, &cond, &Mutation::Acquire(lease)).await {
             Ok(Write::Applied(g)) => {
-                claim.granted(g, sent, now);
-                Some(released)
+                self.settle_grant(key, claim, g, sent, now).await;
+                ToWaiter::Done(released)
             }
-            // The grant may have landed: if it did, it is the waiter's (its own attempt would
-            // find it too), and this release is done.
+            // The grant may have landed, or may still land (a request stuck in the network): if
+            // the read shows it, it is the waiter's and this release is done; otherwise the claim
+            // stays (its waiter keeps waiting) until the ordinary release settles it.
             Err(e) if e.may_have_landed() => match self.store.get(key).await {
                 Ok(Some(g)) if g.lease_id == waiter && g.is_live_for(&waiter, self.now_ms()) => {
-                    claim.granted(g, sent, now);
-                    Some(released)
+                    self.settle_grant(key, claim, g, sent, now).await;
+                    ToWaiter::Done(released)
                 }
-                _ => None,
+                _ => ToWaiter::Unsettled(Unsettled { claim, sent, now, released }),
             },
-            _ => None,
+            _ => NotDone,
+        }
+    }
+
+    /// Hands a grant that landed to its claimed waiter; if the waiter left while the grant was
+    /// being written, the grant is nobody's and is released at once.
+    async fn settle_grant(&self, key: &str, claim: crate::wakeup::Claim, g: Record, sent: Instant, now: u64) {
+        if let Err(g) = claim.granted(g, sent, now) {
+            self.release_departed(key, &g.lease_id).await;
         }
     }
 
@@ -725,6 +837,59 @@ impl Coordinator {
                 Some(n) => start = Some(n),
                 None => return Ok(out),
             }
+        }
+    }
+}
+
+/// What became of a release's hand-over to its in-process waiter.
+enum ToWaiter {
+    /// The waiter has the key; the release is done.
+    Done(Released),
+    /// Nothing was granted: the claim is dropped (the waiter tries by itself).
+    NotDone,
+    /// The grant's write failed ambiguously: it may land yet. The claim is kept until the
+    /// ordinary release's answer says whether it did.
+    Unsettled(Unsettled),
+}
+
+struct Unsettled {
+    claim: crate::wakeup::Claim,
+    sent: Instant,
+    now: u64,
+    released: Released,
+}
+
+/// A waiting acquire's place in its coordinator's line. When the acquire's future is dropped
+/// (a timeout, a disconnected HTTP client, a deadline), the waiter departs: a release writing
+/// its grant right now gives the grant back, and a grant that landed but was never read is
+/// released here (DESIGN.md, "Cancellation").
+struct InLine {
+    ticket: crate::wakeup::Ticket,
+    coord: Coordinator,
+}
+
+impl std::ops::Deref for InLine {
+    type Target = crate::wakeup::Ticket;
+    fn deref(&self) -> &Self::Target {
+        &self.ticket
+    }
+}
+
+impl std::ops::DerefMut for InLine {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.ticket
+    }
+}
+
+impl Drop for InLine {
+    fn drop(&mut self) {
+        let Some((r, _, _)) = self.ticket.depart() else { return };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                let coord = self.coord.clone();
+                rt.spawn(async move { coord.release_departed(&r.key, &r.lease_id).await });
+            }
+            Err(_) => tracing::warn!(key = %r.key, "a grant left unread by a departed acquire expires on its own"),
         }
     }
 }
