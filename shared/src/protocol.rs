@@ -690,7 +690,9 @@ impl Coordinator {
             match w {
                 // The ambiguous hand-over did land: the key is the waiter's, and this release
                 // is done.
-                Write::Rejected(Some(r)) if unsettled.as_ref().is_some_and(|u| u.claim.offer().lease.lease_id == r.lease_id) => {
+                Write::Rejected(Some(r))
+                    if unsettled.as_ref().is_some_and(|u| u.claim.offer().lease.lease_id == r.lease_id) =>
+                {
                     let u = unsettled.take().expect("unsettled");
                     self.settle_grant(key, u.claim, r, u.sent, u.now).await;
                     return Ok(u.released);
