@@ -93,6 +93,8 @@ pub struct Coordinator {
     pub(crate) deliver: Option<Arc<dyn crate::queue::Deliver>>,
     /// This coordinator's waiting acquires, woken by the releases it handles.
     pub(crate) wakeups: Arc<crate::wakeup::Wakeups>,
+    /// Names this coordinator on the items its in-process hand-overs grant (`handed_in`).
+    id: Arc<str>,
 }
 
 impl std::fmt::Debug for Coordinator {
@@ -103,7 +105,14 @@ impl std::fmt::Debug for Coordinator {
 
 impl Coordinator {
     pub fn new(store: Arc<dyn Store>, config: Config) -> Self {
-        Coordinator { store, config: Arc::new(config), pacer: Arc::default(), deliver: None, wakeups: Arc::default() }
+        Coordinator {
+            store,
+            config: Arc::new(config),
+            pacer: Arc::default(),
+            deliver: None,
+            wakeups: Arc::default(),
+            id: LeaseId::generate().expose()[..16].into(),
+        }
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {
@@ -273,7 +282,7 @@ impl Coordinator {
             Ok((Write::Applied(r), _, _)) => {
                 tracing::debug!(key, "released a grant whose acquire had left");
                 self.keep_queued(key, &r).await;
-                self.wakeups.wake(key);
+                self.freed(key, &r);
                 self.hand_over_after_free(key, &r).await;
             }
             Ok(_) => {}
@@ -403,6 +412,11 @@ impl Coordinator {
                     }
                 }
             }
+            // The key was left free for a waiter of another process: this coordinator's waiters
+            // let it have it (DESIGN.md, "In-process waiters": fairness across processes).
+            if let Some(until) = ticket.as_ref().and(self.wakeups.held_back(key)) {
+                tokio::time::sleep_until(until.min(wait_deadline).into()).await;
+            }
             // Every attempt judges expiry with this clock: it must agree with the store's.
             self.check_clock(key).await?;
             wait.attempts += 1;
@@ -419,6 +433,7 @@ impl Coordinator {
                 fence,
                 poll_ms: wait.advertise(),
                 visit: visit.as_ref().map(|v| Visit { attempts: v.attempts.saturating_add(1), ..v.clone() }),
+                handed_in: None,
             };
             let mut fence = 0;
             let (w, sent, now) = self
@@ -501,7 +516,14 @@ impl Coordinator {
                         .expires_at_ms
                         .filter(|_| !queued)
                         .map(|e| Duration::from_millis(e.saturating_sub(self.now_ms()) + 1));
-                    match wait.held(r.fence, r.poll_ms, until_expiry, wait_deadline) {
+                    let pause = wait.held(r.fence, r.poll_ms, until_expiry, wait_deadline);
+                    // The key went to another coordinator's in-process line while this acquire
+                    // waited: it says so on the item, and that coordinator's next release leaves
+                    // the key free for it instead of handing it over again.
+                    if pause.is_some() && wait.missed_turn() && self.turn_elsewhere(&r) {
+                        self.waits_in(key, r.fence).await;
+                    }
+                    match pause {
                         Some(pause) => match ticket.as_mut() {
                             Some(t) => {
                                 // Asleep, this waiter offers its lease to this coordinator's
@@ -550,6 +572,7 @@ impl Coordinator {
                 fence: 0,
                 poll_ms,
                 visit: None,
+                handed_in: None,
             },
         }
     }
@@ -702,7 +725,7 @@ impl Coordinator {
                     // needs the lease unreleased): its waiter tries by itself.
                     drop(unsettled.take());
                     self.keep_queued(key, &r).await;
-                    self.wakeups.wake(key);
+                    self.freed(key, &r);
                     self.hand_over_after_free(key, &r).await;
                     return Ok(released(&r, false));
                 }
@@ -721,6 +744,41 @@ impl Coordinator {
                 }
                 Write::Rejected(r) => return Err(self.not_holder(key, lease_id, r.as_ref(), now)),
             }
+        }
+    }
+
+    /// How long this coordinator's waiters hold back after leaving a key free for a waiter of
+    /// another process: longer than that waiter's longest pause between polls (`poll_max`, up
+    /// to 1.5 times with jitter; coordinators of one table are assumed to share `poll_max`).
+    fn yield_for(&self) -> Duration {
+        self.config.poll_max * 2
+    }
+
+    /// The key is free after this coordinator's release of item `r`: the head of its line tries
+    /// at once, unless a waiter of another process marked the item (it missed a turn to this
+    /// coordinator's line) and this coordinator has waiters that would win the race: they hold
+    /// back while it polls.
+    fn freed(&self, key: &str, r: &Record) {
+        if r.handed_in.as_deref().is_some_and(|c| c != &*self.id) && self.wakeups.waiting(key) > 0 {
+            self.wakeups.hold_back(key, self.yield_for());
+        } else {
+            self.wakeups.wake(key);
+        }
+    }
+
+    /// Did the lease on item `r` come from the in-process line of another coordinator (and
+    /// nobody marked it yet)?
+    fn turn_elsewhere(&self, r: &Record) -> bool {
+        r.handed_in.as_deref().is_some_and(|c| c != &*self.id) && r.is_held(self.now_ms())
+    }
+
+    /// Marks the lease of fence `fence` on `key`: a waiter of this coordinator missed a turn to
+    /// another coordinator's line. Best effort (one write; a lost mark is written again at the
+    /// next missed turn).
+    async fn waits_in(&self, key: &str, fence: u64) {
+        let m = Mutation::WaitsIn { coordinator: self.id.to_string() };
+        if let Err(e) = self.store.update(key, &Condition::FenceIs(fence), &m).await {
+            tracing::debug!(key, error = e.name(), "could not mark the key as awaited elsewhere");
         }
     }
 
@@ -743,8 +801,15 @@ impl Coordinator {
         if &claim.offer().lease.lease_id == lease_id {
             return NotDone;
         }
+        // A waiter of another process missed a turn to this coordinator's line: the key goes
+        // free for it, and this coordinator's waiters hold back while it polls.
+        if r.handed_in.as_deref().is_some_and(|c| c != &*self.id) {
+            self.wakeups.hold_back(key, self.yield_for());
+            return NotDone;
+        }
         let mut lease = claim.offer().lease.clone();
         lease.now_ms = now;
+        lease.handed_in = Some(self.id.to_string());
         let Ok(fence) = self.next_fence(key, Some(r.fence)) else { return NotDone };
         lease.fence = fence;
         lease.ttl = lease.duration_ms.map(|d| self.ttl_after(now + d));

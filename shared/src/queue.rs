@@ -235,6 +235,7 @@ impl Coordinator {
                 ttl: Some(self.ttl_after(now + max_wait + self.max_duration_ms())),
                 renewed_at_ms: None,
                 poll_ms: None,
+                handed_in: None,
                 queue_head: None,
                 queue_tail: None,
                 queue_tail_at_ms: None,
@@ -340,6 +341,7 @@ impl Coordinator {
             fence: self.next_fence(key, Some(r.fence))?,
             poll_ms: None,
             visit: None,
+            handed_in: None,
         })
     }
 

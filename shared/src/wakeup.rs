@@ -52,7 +52,13 @@ type Lines = HashMap<String, VecDeque<(u64, Arc<Slot>)>>;
 pub struct Wakeups {
     keys: Mutex<Lines>,
     next: AtomicU64,
+    /// Keys this coordinator left free for a waiter of another process, and until when its
+    /// own waiters hold back (DESIGN.md, "In-process waiters": fairness across processes).
+    held_back: Mutex<HashMap<String, std::time::Instant>>,
 }
+
+/// Keys remembered as held back at most; expired entries are dropped when it is reached.
+const MAX_HELD_BACK: usize = 1024;
 
 /// One waiting acquire's place in its key's line. Leaving (drop) passes the turn on when this
 /// waiter gave up without the key.
@@ -103,6 +109,31 @@ impl Wakeups {
         *hand = Hand::Claimed;
         drop(hand);
         Some(Claim { slot, offer: Some(offer) })
+    }
+
+    /// This coordinator's waiters of `key` make no attempt for `for_`: the key was left free for
+    /// a waiter of another process, which polls.
+    pub fn hold_back(&self, key: &str, for_: Duration) {
+        let until = std::time::Instant::now() + for_;
+        let mut held = self.held_back.lock().unwrap_or_else(|e| e.into_inner());
+        if held.len() >= MAX_HELD_BACK {
+            let now = std::time::Instant::now();
+            held.retain(|_, u| *u > now);
+        }
+        held.insert(key.to_string(), until);
+    }
+
+    /// Until when this coordinator's waiters of `key` hold back, if they do.
+    pub fn held_back(&self, key: &str) -> Option<std::time::Instant> {
+        let mut held = self.held_back.lock().unwrap_or_else(|e| e.into_inner());
+        match held.get(key) {
+            Some(u) if *u > std::time::Instant::now() => Some(*u),
+            Some(_) => {
+                held.remove(key);
+                None
+            }
+            None => None,
+        }
     }
 
     /// How many acquires of this coordinator wait for `key`.
