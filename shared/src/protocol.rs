@@ -748,10 +748,11 @@ impl Coordinator {
     }
 
     /// How long this coordinator's waiters hold back after leaving a key free for a waiter of
-    /// another process: longer than that waiter's longest pause between polls (`poll_max`, up
-    /// to 1.5 times with jitter; coordinators of one table are assumed to share `poll_max`).
+    /// another process: well over that waiter's longest pause between polls (`poll_max`, up
+    /// to 1.5 times with jitter; coordinators of one table are assumed to share `poll_max`), so
+    /// that a loaded machine's late poll still finds the key free.
     fn yield_for(&self) -> Duration {
-        self.config.poll_max * 2
+        self.config.poll_max * 3
     }
 
     /// The key is free after this coordinator's release of item `r`: the head of its line tries
