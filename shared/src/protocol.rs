@@ -837,7 +837,7 @@ impl Coordinator {
                     self.settle_grant(key, claim, g, sent, now).await;
                     ToWaiter::Done(released)
                 }
-                _ => ToWaiter::Unsettled(Unsettled { claim, sent, now, released }),
+                _ => ToWaiter::Unsettled(Box::new(Unsettled { claim, sent, now, released })),
             },
             _ => NotDone,
         }
@@ -846,8 +846,8 @@ impl Coordinator {
     /// Hands a grant that landed to its claimed waiter; if the waiter left while the grant was
     /// being written, the grant is nobody's and is released at once.
     async fn settle_grant(&self, key: &str, claim: crate::wakeup::Claim, g: Record, sent: Instant, now: u64) {
-        if let Err(g) = claim.granted(g, sent, now) {
-            self.release_departed(key, &g.lease_id).await;
+        if let Err(lease_id) = claim.granted(g, sent, now) {
+            self.release_departed(key, &lease_id).await;
         }
     }
 
@@ -917,7 +917,7 @@ enum ToWaiter {
     NotDone,
     /// The grant's write failed ambiguously: it may land yet. The claim is kept until the
     /// ordinary release's answer says whether it did.
-    Unsettled(Unsettled),
+    Unsettled(Box<Unsettled>),
 }
 
 struct Unsettled {

@@ -159,13 +159,13 @@ impl Claim {
     }
 
     /// The release's write granted the waiter: hand it the item as written. `Err` with the
-    /// item when the waiter left while the grant was being written (its acquire was dropped):
-    /// the grant is nobody's, and the releaser must release it at once.
-    pub fn granted(mut self, r: Record, sent: std::time::Instant, now_ms: u64) -> Result<(), Record> {
+    /// granted lease_id when the waiter left while the grant was being written (its acquire was
+    /// dropped): the grant is nobody's, and the releaser must release it at once.
+    pub fn granted(mut self, r: Record, sent: std::time::Instant, now_ms: u64) -> Result<(), crate::model::LeaseId> {
         self.offer = None;
         let mut hand = self.slot.hand.lock().unwrap_or_else(|e| e.into_inner());
         if matches!(*hand, Hand::Gone) {
-            return Err(r);
+            return Err(r.lease_id);
         }
         *hand = Hand::Granted(Box::new(r), sent, now_ms);
         drop(hand);
