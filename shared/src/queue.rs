@@ -268,6 +268,8 @@ impl Coordinator {
     pub async fn serve_queue(&self, key: &str) -> Result<Served> {
         let mut served = Served::default();
         let Some(deliver) = self.deliver.clone() else { return Ok(served) };
+        // It judges expiry and writes one: not with a clock the store's disagrees with.
+        self.check_clock(key).await?;
         // Bounded: each pass either serves one waiter or stops; races re-read.
         for _ in 0..64 {
             let Some(r) = self.store().get(key).await? else { return Ok(served) };
@@ -400,6 +402,7 @@ impl Coordinator {
         r: &Record,
     ) -> Result<Option<Released>> {
         let (Some(deliver), Some(head)) = (self.deliver.clone(), r.queue_head) else { return Ok(None) };
+        self.check_clock(key).await?;
         let now = self.now_ms();
         if r.min_hold_until_ms > now {
             return Ok(None);
@@ -501,6 +504,7 @@ impl Coordinator {
     /// starting keys at `deadline`.
     pub async fn sweep_queues(&self, deadline: Instant) -> Result<QueueSweep> {
         let mut report = QueueSweep::default();
+        self.check_clock("leasehold/queue-sweep").await?;
         for shard in 0..QUEUE_SHARDS {
             let mut start: Option<String> = None;
             let mut keys: Vec<String> = Vec::new();

@@ -1018,6 +1018,7 @@ fn alarms_watch_the_sweep_and_throttles_and_notify_the_optional_topic() {
         "Invocations:LessThanThreshold",
         "Throttled:GreaterThanOrEqualToThreshold",
         "SweepReleased:GreaterThanOrEqualToThreshold",
+        "ClockSkew:GreaterThanOrEqualToThreshold",
     ]
     .into_iter()
     .map(String::from)
@@ -1035,4 +1036,39 @@ fn alarms_watch_the_sweep_and_throttles_and_notify_the_optional_topic() {
         let s = t["Mappings"]["SweepAlarm"][minutes]["MissingPeriodS"].as_u64();
         assert_eq!(s, m["Ms"].as_u64().map(|ms| ms * 3 / 1000), "sweep period {minutes}");
     }
+}
+
+/// `ClockSkew` lasts until a clock is fixed: a workflow that retries it does so in an entry of
+/// its own, no sooner than the `Retry-After` the API gives it (issue 22: a hot retry loop on
+/// `ClockSkew` sent 227,755 requests in 60 s).
+#[test]
+fn workflows_back_off_on_clock_skew() {
+    fn walk(v: &Value, file: &str, seen: &mut u32) {
+        match v {
+            Value::Object(o) => {
+                if let Some(Value::Array(retries)) = o.get("Retry") {
+                    for r in retries {
+                        let errors = r["ErrorEquals"].as_array().unwrap();
+                        if errors.iter().any(|e| e == "ClockSkew") {
+                            *seen += 1;
+                            assert_eq!(errors.len(), 1, "{file}: ClockSkew shares a Retry entry: {r}");
+                            let after = leasehold::CLOCK_SKEW_RETRY_AFTER.as_secs();
+                            assert!(r["IntervalSeconds"].as_u64().unwrap_or(1) >= after, "{file}: {r}");
+                        }
+                    }
+                }
+                o.values().for_each(|v| walk(v, file, seen));
+            }
+            Value::Array(a) => a.iter().for_each(|v| walk(v, file, seen)),
+            _ => {}
+        }
+    }
+    let mut seen = 0;
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../statemachines");
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        walk(&serde_json::from_str(&text).unwrap(), &path.display().to_string(), &mut seen);
+    }
+    assert!(seen > 0, "some workflow retries ClockSkew");
 }

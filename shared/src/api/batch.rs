@@ -115,6 +115,7 @@ pub async fn run(
                 metadata: r.metadata,
                 keepalive: r.keepalive,
                 lease_id: None,
+                deadline: super::invoke_deadline(received, remaining),
             };
             let duration = Some(r.duration_ms.map(Duration::from_millis).unwrap_or(coord.config().default_duration));
             let leases = coord.acquire_next(&state, r.limit.unwrap_or(1), &r.holder, duration, opts).await?;
