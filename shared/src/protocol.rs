@@ -541,6 +541,7 @@ impl Coordinator {
                 poll_ms: wait.advertise(),
                 visit: visit.as_ref().map(|v| Visit { attempts: v.attempts.saturating_add(1), ..v.clone() }),
                 handed_in: None,
+                released: None,
             };
             let mut fence = 0;
             let (w, sent, now) = self
@@ -626,7 +627,7 @@ impl Coordinator {
                 AcquireAnswer::Held(r) => {
                     // A free key kept for its queued waiters has no expiry to wake up for: the
                     // paced poll alone (not a tight loop on an expiry already past).
-                    let queued = r.queue_len() > 0 && !r.is_held(self.now_ms());
+                    let queued = (r.queue_len() > 0 || r.pending_token.is_some()) && !r.is_held(self.now_ms());
                     let until_expiry = r
                         .expires_at_ms
                         .filter(|_| !queued)
@@ -688,6 +689,7 @@ impl Coordinator {
                 poll_ms,
                 visit: None,
                 handed_in: None,
+                released: None,
             },
         }
     }
@@ -748,7 +750,19 @@ impl Coordinator {
         match w {
             Write::Applied(r) => {
                 check_fence(&r)?;
-                self.keep_queued(key, &r).await;
+                // A key in a work state keeps no TTL. The renewal has landed: the removal gets
+                // one try of at most 1 s (and never past the heartbeat's deadline) before the
+                // answer, and any retries run after it, so a slow store cannot hold a landed
+                // renewal back past the holder's safe time.
+                if r.state.is_some() && r.ttl.is_some() {
+                    let bound = deadline.min(Instant::now() + Duration::from_secs(1));
+                    let cond = Condition::FenceIs(r.fence);
+                    let once = self.store.update(key, &cond, &Mutation::ClearTtl);
+                    if !matches!(tokio::time::timeout_at(bound.into(), once).await, Ok(Ok(_))) {
+                        let (c, k, r) = (self.clone(), key.to_string(), r.clone());
+                        tokio::spawn(async move { c.keep_queued(&k, &r).await });
+                    }
+                }
                 Ok(r.lease(sent, now, self.skew_ms()))
             }
             // Still ours, but not extended: a fail-closed lease (nothing to extend), a later
@@ -857,6 +871,18 @@ impl Coordinator {
                 Write::Rejected(Some(r)) if &r.lease_id == lease_id && r.released_at_ms.is_some() => {
                     return Ok(released(&r, true))
                 }
+                // Released by a hand-over that granted the key on in the same write (or right
+                // after): the grant keeps the released lease's id and fence.
+                Write::Rejected(Some(r)) if r.released_lease_id.as_ref() == Some(lease_id) => {
+                    return Ok(Released {
+                        key: key.to_string(),
+                        fence: r.released_fence.unwrap_or(r.fence),
+                        released_at_ms: r.acquired_at_ms,
+                        free_at_ms: r.acquired_at_ms,
+                        already_released: true,
+                        state: r.state.clone(),
+                    })
+                }
                 Write::Rejected(r) => return Err(self.not_holder(key, lease_id, r.as_ref(), now)),
             }
         }
@@ -929,6 +955,9 @@ impl Coordinator {
         let Ok(fence) = self.next_fence(key, Some(r.fence)) else { return NotDone };
         lease.fence = fence;
         lease.ttl = lease.duration_ms.map(|d| self.ttl_after(now + d));
+        // A retried release of the releasing lease answers `already_released` (not
+        // `wrong_lease_id`): the grant keeps its id and fence.
+        lease.released = Some((lease_id.clone(), r.fence));
         let cond = Condition::HandTo { lease_id: lease_id.clone(), fence: r.fence, now_ms: now };
         let released = Released {
             key: key.to_string(),
