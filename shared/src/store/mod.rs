@@ -209,6 +209,8 @@ pub struct NewLease {
     pub poll_ms: Option<u64>,
     /// The work state the key stays in, with `attempts` counting this grant.
     pub visit: Option<Visit>,
+    /// An in-process hand-over's grant: the releasing coordinator's id (see [`Record::handed_in`]).
+    pub handed_in: Option<String>,
     /// A hand-over: the released lease this grant replaces (its lease_id and fence), kept on the
     /// item so that a retried release of it answers `already_released`.
     pub released: Option<(LeaseId, u64)>,
@@ -242,6 +244,7 @@ impl NewLease {
             ttl: self.ttl,
             renewed_at_ms: Some(self.now_ms),
             poll_ms: self.poll_ms,
+            handed_in: self.handed_in.clone(),
             queue_head: None,
             queue_tail: None,
             queue_tail_at_ms: None,
@@ -306,6 +309,9 @@ pub enum Mutation {
     ReleaseTo { now_ms: u64, state: String, shard: String },
     /// Remove the TTL: a key in a work state is kept until it is taken.
     ClearTtl,
+    /// A waiter of coordinator `coordinator` missed a turn to an in-process hand-over: it takes
+    /// the mark (`handed_in = coordinator`), so the releaser leaves the key free for it.
+    WaitsIn { coordinator: String },
 }
 
 impl Mutation {
@@ -409,6 +415,7 @@ impl Mutation {
                     ttl: None,
                     renewed_at_ms: None,
                     poll_ms: None,
+                    handed_in: None,
                     queue_head: None,
                     queue_tail: None,
                     queue_tail_at_ms: None,
@@ -442,6 +449,11 @@ impl Mutation {
             Mutation::ClearTtl => {
                 let mut r = old.expect("clear-ttl applies to an existing item").clone();
                 r.ttl = None;
+                r
+            }
+            Mutation::WaitsIn { coordinator } => {
+                let mut r = old.expect("waits-in applies to an existing item").clone();
+                r.handed_in = Some(coordinator.clone());
                 r
             }
         }
