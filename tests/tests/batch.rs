@@ -11,7 +11,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use aws_sdk_sfn::config::Region;
@@ -20,8 +20,8 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use leasehold::store::DynamoStore;
 use leasehold::{Config, Coordinator};
-use leasehold_tests::emulator::{forward_invoke, request_id, serve_forever, Emulator, Moto};
-use leasehold_tests::{dynamo_local, free_port, repo_root, sdk_config_for, set_local_credentials};
+use leasehold_tests::emulator::{next_execution_region, request_id, serve_forever, Emulator, Moto};
+use leasehold_tests::{dynamo_local, free_port, repo_root, sdk_config_for, set_local_credentials, sfn_quotas};
 use serde_json::{json, Value};
 
 /// One call of the work function.
@@ -37,7 +37,11 @@ struct Call {
 /// first attempt, and checks that no key is worked on twice at once.
 #[derive(Default)]
 struct Work {
+    /// The lease table, for the keys whose work inspects or steals their lease.
+    coord: OnceLock<Coordinator>,
     calls: Mutex<Vec<Call>>,
+    /// `slow/...` keys whose lease had less than half its duration left when the work began.
+    short_leases: Mutex<Vec<String>>,
     highest: Mutex<HashMap<String, u64>>,
     in_flight: Mutex<HashSet<String>>,
     overlaps: AtomicUsize,
@@ -64,6 +68,24 @@ impl Work {
             *last = fence.max(*last);
         }
         self.calls.lock().unwrap().push(Call { key: key.clone(), fence, attempts });
+        if let Some(c) = self.coord.get() {
+            if key.starts_with("slow/") {
+                // The lease was sized to when this iteration runs: well over half is left.
+                let st = c.get(&key).await.map_err(|e| e.to_string())?;
+                let left = st.expires_at_ms.unwrap_or(0).saturating_sub(c.now_ms());
+                if !st.held || st.fence != fence || left < SLOW_DURATION_MS / 2 {
+                    self.short_leases.lock().unwrap().push(format!("{key}: {left} ms left, {st:?}"));
+                }
+                tokio::time::sleep(Duration::from_millis(SLOW_WORK_MS)).await;
+            }
+            if key.starts_with("stolen/") {
+                // Another holder takes the key during the work: this lease's release is refused.
+                c.force_release(&key).await.map_err(|e| e.to_string())?;
+                c.acquire(&key, "thief", Some(Duration::from_secs(60)), Default::default())
+                    .await
+                    .map_err(|e| e.to_string())?;
+            }
+        }
         tokio::time::sleep(Duration::from_millis(5)).await;
         self.in_flight.lock().unwrap().remove(&key);
         if key.starts_with("poison/") || (key.starts_with("flaky/") && attempts == 1) {
@@ -72,6 +94,10 @@ impl Work {
         Ok(json!({ "done": key }))
     }
 }
+
+/// The lease duration and the work time of the `slow/...` keys' test.
+const SLOW_DURATION_MS: u64 = 4000;
+const SLOW_WORK_MS: u64 = 1500;
 
 struct Stack {
     moto: Moto,
@@ -82,23 +108,36 @@ struct Stack {
 }
 
 /// Serves Lambda's Invoke API on `port`: the work function here, the others forwarded to the
-/// emulator, function errors answered as Lambda answers them.
-fn start_invoke_adapter(port: u16, emulator_port: u16, work: Arc<Work>) {
+/// emulator, function errors answered as Lambda answers them, Step Functions' payload quota
+/// enforced; and a state machine's StartExecution (its continue-as-new), started on moto at
+/// `moto_port` (leasehold_tests::sfn_quotas).
+fn start_invoke_adapter(port: u16, emulator_port: u16, moto_port: u16, work: Arc<Work>) {
     serve_forever(port, move |req: hyper::Request<hyper::body::Incoming>| {
         let work = work.clone();
         async move {
             let method = req.method().as_str().to_string();
             let path = req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or_default();
+            let target = req.headers().get("x-amz-target").and_then(|t| t.to_str().ok()).map(str::to_string);
             let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+            if sfn_quotas::is_sfn_call(target.as_deref()) {
+                let moto = format!("http://127.0.0.1:{moto_port}");
+                return sfn_quotas::start_execution_elsewhere(&moto, target.as_deref().unwrap_or(""), &body).await;
+            }
             if !path.contains("/functions/work/") {
-                return forward_invoke(emulator_port, &method, &path, &body).await;
+                return sfn_quotas::forward_invoke_within_quotas(emulator_port, &method, &path, &body).await;
             }
             let builder = hyper::Response::builder()
                 .header("x-amzn-requestid", request_id())
                 .header("content-type", "application/json");
             let payload: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
             let resp = match work.handle(&payload).await {
-                Ok(v) => builder.status(200).body(Full::new(Bytes::from(v.to_string()))),
+                Ok(v) => {
+                    let v = v.to_string();
+                    if v.len() > sfn_quotas::MAX_PAYLOAD_BYTES {
+                        return sfn_quotas::oversized_result(&path, v.len());
+                    }
+                    builder.status(200).body(Full::new(Bytes::from(v)))
+                }
                 Err(m) => builder
                     .status(200)
                     .header("x-amz-function-error", "Unhandled")
@@ -130,12 +169,13 @@ fn stack() -> Stack {
         let emulator = Emulator::start_with(free_port(), &env, &["--concurrency", "4"]);
         let work = Arc::new(Work::default());
         let adapter_port = free_port();
-        start_invoke_adapter(adapter_port, emulator.port, work.clone());
-        let moto = Moto::start(free_port(), adapter_port);
+        let moto_port = free_port();
+        start_invoke_adapter(adapter_port, emulator.port, moto_port, work.clone());
+        let moto = Moto::start(moto_port, adapter_port);
         rt.block_on(async {
             moto.enable_execution().await;
             // The emulator compiles each function on its first invoke: do that now.
-            for f in ["acquire", "release"] {
+            for f in ["acquire", "heartbeat", "release"] {
                 let inv = emulator.invoke(f, &json!({})).await;
                 assert_eq!(inv.error_type.as_deref(), Some("InvalidRequest"), "{f} warm-up: {:?}", inv.body);
             }
@@ -158,6 +198,7 @@ fn definition() -> String {
     let mut text = std::fs::read_to_string(repo_root().join("statemachines/batch_processor.asl.json")).unwrap();
     for (name, value) in [
         ("AcquireFunctionArn", "acquire"),
+        ("HeartbeatFunctionArn", "heartbeat"),
         ("ReleaseFunctionArn", "release"),
         ("WorkFunctionArn", "work"),
         ("Partition", "aws"),

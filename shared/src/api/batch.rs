@@ -117,7 +117,12 @@ pub async fn run(
                 lease_id: None,
             };
             let duration = Some(r.duration_ms.map(Duration::from_millis).unwrap_or(coord.config().default_duration));
-            let leases = coord.acquire_next(&state, r.limit.unwrap_or(1), &r.holder, duration, opts).await?;
+            // Fewer keys than asked when `limit` leases of this size could make an answer that a
+            // Step Functions task cannot take (checked before anything is leased).
+            let limit = r.limit.unwrap_or(1);
+            let fit = answer_fits(coord, &state, &r.holder, opts.metadata.as_ref(), opts.keepalive.as_ref());
+            let limit = if (1..=crate::batch::MAX_BATCH).contains(&limit) { limit.min(fit) } else { limit };
+            let leases = coord.acquire_next(&state, limit, &r.holder, duration, opts).await?;
             let leases: Vec<_> = leases.into_iter().map(|l| l.with_safe_for(received)).collect();
             Ok(json!({ "state": state, "leases": leases }))
         }
@@ -129,9 +134,54 @@ pub async fn run(
         Operation::Count => {
             let r: CountRequest = parse(payload)?;
             let state = from_path(path, r.state, "state")?;
-            let count = coord.count_in_state(&state).await?;
+            // A deadline: a state too large to count before the caller gives up is answered
+            // with an error, not cut off by API Gateway or the function's timeout.
+            let count = match remaining.map(|r| r.saturating_sub(INVOKE_SAFETY_MARGIN)) {
+                None => coord.count_in_state(&state).await?,
+                Some(budget) if budget.is_zero() => return Err(count_deadline(&state)),
+                Some(budget) => tokio::time::timeout(budget, coord.count_in_state(&state))
+                    .await
+                    .map_err(|_| count_deadline(&state))??,
+            };
             Ok(json!({ "state": state, "count": count }))
         }
         _ => unreachable!("not a work operation"),
     }
+}
+
+fn count_deadline(state: &str) -> Error {
+    Error::StoreUnavailable(format!(
+        "counting state {state:?} did not finish before the caller's deadline (too many keys to count in one request)"
+    ))
+}
+
+/// The largest answer `next` gives: Step Functions refuses a task result over 256 KiB
+/// (`States.DataLimitExceeded`, which no `Catch` catches), and the BatchProcessor keeps the
+/// leases in its state beside its configuration. 192 KiB leaves room for both.
+pub const MAX_NEXT_ANSWER_BYTES: usize = 192 * 1024;
+
+/// Bytes of one serialised lease besides its key, holder, state, metadata and keep-alive:
+/// field names, numbers and the generated lease_id (checked by a test against the largest).
+pub(crate) const LEASE_FIXED_BYTES: usize = 512;
+
+/// How many leases of this request fit in [`MAX_NEXT_ANSWER_BYTES`], at least 1: every key
+/// counted at the longest a key may be, JSON-escaped (at most twice its bytes: keys hold no
+/// control characters).
+pub(crate) fn answer_fits(
+    coord: &Coordinator,
+    state: &str,
+    holder: &str,
+    metadata: Option<&Map<String, Value>>,
+    keepalive: Option<&Keepalive>,
+) -> u32 {
+    let json_len = |v: &Value| v.to_string().len();
+    let per_lease = LEASE_FIXED_BYTES
+        + 2 * coord.config().limits.max_key_bytes
+        + json_len(&json!(holder))
+        + 2 * json_len(&json!(state))
+        + metadata.map_or(0, |m| json_len(&Value::Object(m.clone())))
+        + keepalive.map_or(0, |k| json_len(&serde_json::to_value(k).expect("keepalive serialises")));
+    // The answer's own fields: {"state": ..., "leases": [...]}.
+    let room = MAX_NEXT_ANSWER_BYTES.saturating_sub(64 + json_len(&json!(state)));
+    u32::try_from(room / per_lease).unwrap_or(u32::MAX).max(1)
 }
