@@ -678,6 +678,27 @@ mod tests {
     }
 
     #[test]
+    fn invoke_only_fields_are_refused_over_http_and_keepalive_binds_to_the_execution() {
+        let ka = json!({"holder": "h", "keepalive": {"execution_arn": "arn:aws:states:r:1:execution:m:e"}});
+        for op in [Operation::Acquire, Operation::Next] {
+            assert!(refuse_invoke_only_fields(op, &json!({"holder": "h", "task_token": "t"})).is_err());
+            assert!(refuse_invoke_only_fields(op, &ka).is_err());
+            assert!(refuse_invoke_only_fields(op, &json!({"holder": "h", "keepalive": {"until_ms": 5}})).is_ok());
+        }
+        assert!(refuse_invoke_only_fields(Operation::Release, &json!({"task_token": "t"})).is_ok());
+        let mut p = ka.clone();
+        fill_keepalive_until(&mut p, 1_000);
+        assert_eq!(p["keepalive"]["until_ms"], json!(1_000 + KEEPALIVE_RUN_HORIZON_MS));
+        // A given until_ms is kept; without an execution nothing is filled in.
+        let mut p = json!({"keepalive": {"execution_arn": "arn:x", "until_ms": 7}});
+        fill_keepalive_until(&mut p, 1_000);
+        assert_eq!(p["keepalive"]["until_ms"], 7);
+        let mut p = json!({"keepalive": {}});
+        fill_keepalive_until(&mut p, 1_000);
+        assert!(p["keepalive"].get("until_ms").is_none());
+    }
+
+    #[test]
     fn list_queries() {
         assert_eq!(ListQuery::parse("").unwrap(), ListQuery { prefix: String::new(), limit: MAX_LIST_LIMIT });
         assert_eq!(

@@ -143,8 +143,9 @@ pub async fn start_execution_elsewhere(moto_endpoint: &str, target: &str, body: 
         );
     }
     let req: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
-    // The integration's Input may arrive as a JSON object (Step Functions serialises it).
-    let input = match &req["Input"] {
+    eprintln!("adapter: {target} {}", String::from_utf8_lossy(body));
+    // The wire names: stateMachineArn, name, input (a string; kept general).
+    let input = match &req["input"] {
         Value::String(s) => s.clone(),
         Value::Null => "{}".to_string(),
         other => other.to_string(),
@@ -152,7 +153,7 @@ pub async fn start_execution_elsewhere(moto_endpoint: &str, target: &str, body: 
     if Quotas::global().payload_exceeds("a StartExecution input", input.len()) {
         return sfn_answer(400, json!({"__type": "States.DataLimitExceeded", "message": "input too large"}));
     }
-    let Some(arn) = req["StateMachineArn"].as_str() else {
+    let Some(arn) = req["stateMachineArn"].as_str() else {
         return sfn_answer(400, json!({"__type": "ValidationException", "message": "no StateMachineArn"}));
     };
     // arn:aws:states:REGION:ACCOUNT:stateMachine:NAME
@@ -178,7 +179,7 @@ pub async fn start_execution_elsewhere(moto_endpoint: &str, target: &str, body: 
         .await
         .unwrap_or_else(|e| panic!("create the continued state machine in {region}: {e:?}"));
     let mut start = to.start_execution().state_machine_arn(created.state_machine_arn()).input(&input);
-    if let Some(name) = req["Name"].as_str() {
+    if let Some(name) = req["name"].as_str() {
         start = start.name(name);
     }
     match start.send().await {
@@ -243,13 +244,42 @@ pub fn assert_within_quotas() {
     assert!(v.is_empty(), "Step Functions quotas exceeded: {v:#?}");
 }
 
-/// The answer Step Functions gives a Lambda task whose result exceeds [`MAX_PAYLOAD_BYTES`]
-/// (`bytes` long, from `path`): the violation is recorded and the task fails with an error no
-/// `Catch` catches. moto fails an execution that way (`States.Runtime`) when the Invoke answer
-/// is an HTTP error, so that is what it gets.
-pub fn oversized_result(path: &str, bytes: usize) -> Response<Full<Bytes>> {
+/// What Step Functions does with a Lambda task whose result exceeds [`MAX_PAYLOAD_BYTES`]
+/// (`bytes` long, from `path`): the violation is recorded, and the task never completes in
+/// moto (its answer is held back), because Step Functions fails the execution with
+/// `States.DataLimitExceeded`, which no `Catch` or `Retry` sees, and moto would let `States.ALL`
+/// catch any error it got. [`fail_on_violation`] ends the execution as Step Functions does.
+pub async fn oversized_result(path: &str, bytes: usize) -> Response<Full<Bytes>> {
     Quotas::global().payload_exceeds(&format!("the result of {path}"), bytes);
+    // moto's StopExecution takes effect when the task returns: by then the execution is
+    // stopping, and the error fails it without any Catch.
+    tokio::time::sleep(HELD_BACK).await;
     data_limit_error("the task result")
+}
+
+/// How long the answer of a task over the payload quota is held back: time for
+/// [`fail_on_violation`] to stop the execution first.
+pub const HELD_BACK: Duration = Duration::from_secs(10);
+
+/// Waits (up to `timeout`) for a payload violation whose text contains `marker` (the path of
+/// the task that exceeded it), then fails the execution `arn` with `States.DataLimitExceeded`
+/// (moto's StopExecution), as Step Functions fails it: no Catch, no further state. moto ends
+/// it when the held-back task returns, as ABORTED or FAILED (`Lambda.500`), never through a
+/// Catch.
+pub async fn fail_on_violation(client: &aws_sdk_sfn::Client, arn: &str, marker: &str, timeout: Duration) {
+    let deadline = std::time::Instant::now() + timeout;
+    while !Quotas::global().violations().iter().any(|v| v.contains(marker)) {
+        assert!(std::time::Instant::now() < deadline, "no quota violation with {marker} within {timeout:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    client
+        .stop_execution()
+        .execution_arn(arn)
+        .error("States.DataLimitExceeded")
+        .cause(format!("a task result over {MAX_PAYLOAD_BYTES} bytes"))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("stop {arn}: {e:?}"));
 }
 
 /// [`assert_within_quotas`], except violations whose text contains one of `expected` (a

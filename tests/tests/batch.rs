@@ -53,7 +53,7 @@ impl Work {
         let key = payload["key"].as_str().ok_or("no key")?.to_string();
         let fence = payload["fence"].as_u64().ok_or("no fence")?;
         let attempts = payload["attempts"].as_u64().ok_or("no attempts")?;
-        if payload["state"] != "PENDING" || !payload["metadata"].is_object() {
+        if !payload["state"].is_string() || !payload["metadata"].is_object() {
             return Err(format!("unexpected payload {payload}"));
         }
         if !self.in_flight.lock().unwrap().insert(key.clone()) {
@@ -134,7 +134,7 @@ fn start_invoke_adapter(port: u16, emulator_port: u16, moto_port: u16, work: Arc
                 Ok(v) => {
                     let v = v.to_string();
                     if v.len() > sfn_quotas::MAX_PAYLOAD_BYTES {
-                        return sfn_quotas::oversized_result(&path, v.len());
+                        return sfn_quotas::oversized_result(&path, v.len()).await;
                     }
                     builder.status(200).body(Full::new(Bytes::from(v)))
                 }
@@ -148,7 +148,13 @@ fn start_invoke_adapter(port: u16, emulator_port: u16, moto_port: u16, work: Arc
     });
 }
 
-fn stack() -> Stack {
+/// One stack for every test of this file (each test uses work states and keys of its own).
+fn stack() -> &'static Stack {
+    static STACK: OnceLock<Stack> = OnceLock::new();
+    STACK.get_or_init(start_stack)
+}
+
+fn start_stack() -> Stack {
     std::thread::spawn(|| {
         set_local_credentials();
         let local = dynamo_local();
@@ -224,7 +230,8 @@ async fn sfn(s: &Stack, region: &str) -> aws_sdk_sfn::Client {
 }
 
 /// Creates the state machine in `region` and starts one execution named `name`.
-async fn start(s: &Stack, region: &str, name: &str, input: Value) -> (aws_sdk_sfn::Client, String) {
+async fn start(s: &Stack, region: &str, name: impl Into<String>, input: Value) -> (aws_sdk_sfn::Client, String) {
+    let name: String = name.into();
     let client = sfn(s, region).await;
     let sm = client
         .create_state_machine()
@@ -237,7 +244,7 @@ async fn start(s: &Stack, region: &str, name: &str, input: Value) -> (aws_sdk_sf
     let out = client
         .start_execution()
         .state_machine_arn(sm.state_machine_arn())
-        .name(name)
+        .name(&name)
         .input(input.to_string())
         .send()
         .await
@@ -264,8 +271,7 @@ async fn wait_end(client: &aws_sdk_sfn::Client, arn: &str, timeout: Duration) ->
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_batch_processors_drain_a_state_exactly_once() {
     let s = tokio::task::spawn_blocking(stack).await.unwrap();
-    let client = aws_sdk_dynamodb::Client::new(&sdk_config_for(&s.dynamo_endpoint).await);
-    let c = Coordinator::new(Arc::new(DynamoStore::new(client, s.table.clone())), Config::default());
+    let c = coordinator(s).await;
     let (good, flaky, poison) = (180, 10, 10);
     let mut keys = Vec::new();
     for (prefix, n) in [("good", good), ("flaky", flaky), ("poison", poison)] {
@@ -277,8 +283,8 @@ async fn two_batch_processors_drain_a_state_exactly_once() {
     }
     let input = json!({"limit": 10, "max_attempts": 2, "duration_ms": 120000});
     let (a, b) = tokio::join!(
-        start(&s, "eu-west-1", "drain-a", input.clone()),
-        start(&s, "eu-west-2", "drain-b", input.clone())
+        start(s, next_execution_region(""), "drain-a", input.clone()),
+        start(s, next_execution_region(""), "drain-b", input.clone())
     );
     let (ea, eb) =
         tokio::join!(wait_end(&a.0, &a.1, Duration::from_secs(600)), wait_end(&b.0, &b.1, Duration::from_secs(600)));
@@ -315,4 +321,238 @@ async fn two_batch_processors_drain_a_state_exactly_once() {
         h
     };
     assert!(holders.contains("drain-a") && holders.contains("drain-b"), "{holders:?}");
+}
+
+async fn coordinator(s: &Stack) -> Coordinator {
+    let client = aws_sdk_dynamodb::Client::new(&sdk_config_for(&s.dynamo_endpoint).await);
+    let c = Coordinator::new(Arc::new(DynamoStore::new(client, s.table.clone())), Config::default());
+    let _ = s.work.coord.set(c.clone());
+    c
+}
+
+/// An execution's end: its status, output, error, and the number of its history events
+/// (checked against Step Functions' 25,000 by the quota adapter).
+struct End {
+    status: ExecutionStatus,
+    output: Value,
+    error: Option<String>,
+    cause: Option<String>,
+    events: usize,
+}
+
+async fn end_of(client: &aws_sdk_sfn::Client, arn: &str, timeout: Duration) -> End {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let d = client.describe_execution().execution_arn(arn).send().await.unwrap_or_else(|e| panic!("{e:?}"));
+        if *d.status() != ExecutionStatus::Running {
+            let events = sfn_quotas::check_history(client, arn).await;
+            return End {
+                status: d.status().clone(),
+                output: d.output().and_then(|o| serde_json::from_str(o).ok()).unwrap_or(Value::Null),
+                error: d.error().map(str::to_string),
+                cause: d.cause().map(str::to_string),
+                events,
+            };
+        }
+        // Stopped (and recorded) if it passes the history quota while it runs.
+        assert!(Instant::now() < deadline, "{arn} still running after {timeout:?}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// Follows an execution and the executions it continued as: each one's end, in order.
+async fn follow(s: &Stack, client: aws_sdk_sfn::Client, arn: String) -> Vec<End> {
+    let (mut client, mut arn) = (client, arn);
+    let mut ends = Vec::new();
+    loop {
+        let end = end_of(&client, &arn, Duration::from_secs(900)).await;
+        assert_eq!(end.status, ExecutionStatus::Succeeded, "{arn}: {:?} {:?} {}", end.error, end.cause, end.output);
+        let next = end.output["continued_as"].as_str().map(str::to_string);
+        ends.push(end);
+        match next {
+            Some(n) => {
+                client = sfn_quotas::client_for(&s.moto.endpoint(), &n).await;
+                arn = n;
+            }
+            None => return ends,
+        }
+    }
+}
+
+async fn put_keys(c: &Coordinator, state: &str, keys: &[String]) {
+    let mut set = tokio::task::JoinSet::new();
+    for chunk in keys.chunks(keys.len().div_ceil(8).max(1)) {
+        let (c, state, chunk) = (c.clone(), state.to_string(), chunk.to_vec());
+        set.spawn(async move {
+            for k in chunk {
+                c.put(&k, &state, "producer").await.unwrap();
+            }
+        });
+    }
+    while let Some(r) = set.join_next().await {
+        r.unwrap();
+    }
+}
+
+/// Keys per execution before the BatchProcessor continues as new in the long drain below: its
+/// input overrides the production default so that the drain stays short; the events one
+/// execution spends per key at the default are checked by
+/// `batch_processor_event_counts_justify_the_continue_thresholds`.
+const DRAIN_CONTINUE_AFTER_KEYS: usize = 300;
+
+/// A drain whose history events pass Step Functions' 25,000 in one logical run completes: the
+/// execution continues as a new one (StartExecution of itself, the same configuration) after
+/// `continue_after_keys` keys, each execution stays under the quota (the adapter counts every
+/// history), and every key ends in DONE.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_processor_continues_as_new_past_the_history_quota() {
+    let s = tokio::task::spawn_blocking(stack).await.unwrap();
+    let c = coordinator(s).await;
+    let state = "LONGDRAIN";
+    let continue_after: usize =
+        std::env::var("LONG_DRAIN_CONTINUE").ok().and_then(|v| v.parse().ok()).unwrap_or(DRAIN_CONTINUE_AFTER_KEYS);
+    // About 17 events per key and 15 per batch of 10 (measured below): 1,450 keys pass 25,000.
+    let n: usize = std::env::var("LONG_DRAIN_KEYS").ok().and_then(|v| v.parse().ok()).unwrap_or(1450);
+    let keys: Vec<String> = (0..n).map(|i| format!("long/{i:05}")).collect();
+    put_keys(&c, state, &keys).await;
+    let input = json!({"state": state, "limit": 10, "max_attempts": 2, "duration_ms": 120000,
+                       "continue_after_keys": continue_after});
+    let started = Instant::now();
+    let (client, arn) = start(s, next_execution_region(""), "long-drain", input).await;
+    let ends = follow(s, client, arn).await;
+    let total: usize = ends.iter().map(|e| e.events).sum();
+    let per_execution: Vec<usize> = ends.iter().map(|e| e.events).collect();
+    println!(
+        "long drain: {n} keys, {} executions, events {per_execution:?} (total {total}) in {:?}",
+        ends.len(),
+        started.elapsed()
+    );
+    if n >= 1450 {
+        assert!(total > sfn_quotas::MAX_HISTORY_EVENTS, "the drain would not have fit one execution: {total} events");
+    }
+    assert!(ends.len() >= 2 && per_execution.iter().all(|e| *e <= sfn_quotas::MAX_HISTORY_EVENTS), "{per_execution:?}");
+    for (i, e) in ends[..ends.len() - 1].iter().enumerate() {
+        assert_eq!(e.output["keys"].as_u64(), Some(continue_after as u64), "execution {i}: {}", e.output);
+    }
+    sfn_quotas::assert_within_quotas();
+    assert_eq!(c.count_in_state(state).await.unwrap(), 0, "drained");
+    let done: HashSet<String> = {
+        let calls = s.work.calls.lock().unwrap();
+        calls.iter().filter(|c| c.key.starts_with("long/")).map(|c| c.key.clone()).collect()
+    };
+    assert_eq!(done.len(), n, "every key worked on");
+    for k in keys.iter().step_by(97) {
+        let st = c.get(k).await.unwrap();
+        assert_eq!((st.state.as_deref(), st.held), (Some("DONE"), false), "{k}");
+    }
+}
+
+/// The production thresholds (the definition's defaults, continue_after_keys and
+/// continue_after_batches) measured against the history events one execution spends: per
+/// batch, per key that succeeds, per key whose work fails, each bounded with Retry attempts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_processor_event_counts_justify_the_continue_thresholds() {
+    let s = tokio::task::spawn_blocking(stack).await.unwrap();
+    let c = coordinator(s).await;
+    // (state, keys, limit, max_attempts): an empty drain; 20 keys in 2 and in 4 batches; 10
+    // keys whose work fails (straight to FAILED).
+    let runs = [
+        ("EVEMPTY", 0, 10, 3, "good"),
+        ("EV10", 20, 10, 3, "good"),
+        ("EV5", 20, 5, 3, "good"),
+        ("EVFAIL", 10, 10, 1, "poison"),
+    ];
+    let mut execs = Vec::new();
+    for (state, n, limit, max_attempts, kind) in runs {
+        let keys: Vec<String> = (0..n).map(|i| format!("{kind}/{state}-{i:03}")).collect();
+        put_keys(&c, state, &keys).await;
+        let input = json!({"state": state, "limit": limit, "max_attempts": max_attempts});
+        execs.push(start(s, next_execution_region(""), format!("events-{state}"), input));
+    }
+    let mut events = Vec::new();
+    for e in in_order(execs).await {
+        let (client, arn) = e;
+        let ends = follow(s, client, arn).await;
+        assert_eq!(ends.len(), 1);
+        events.push(ends[0].events as i64);
+    }
+    let (empty, ten, five, fail) = (events[0], events[1], events[2], events[3]);
+    // ten = empty + 2 batches + 20 keys; five = empty + 4 batches + 20 keys.
+    let per_batch = (five - ten) / 2;
+    let per_key = (ten - empty - 2 * per_batch) / 20;
+    let per_failing_key = (fail - empty - per_batch) / 10;
+    println!(
+        "events: empty drain {empty}, per batch {per_batch}, per key {per_key}, per failing key {per_failing_key}"
+    );
+    assert!(per_batch > 0 && per_key > 0 && per_failing_key >= per_key, "{events:?}");
+    // Each Retry attempt adds 3 events (scheduled, started, failed); allow two per task of an
+    // iteration (renew, work, release) on every key.
+    let worst_key = per_failing_key + 3 * 2 * 3;
+    let def = statemachine_defaults();
+    let (keys, batches) =
+        (def["continue_after_keys"].as_i64().unwrap(), def["continue_after_batches"].as_i64().unwrap());
+    // The most one execution can spend before it continues: `keys` keys in as many batches as
+    // it may take (one key each, up to `batches`), plus the batch that crosses the line.
+    let worst = empty + (keys + 100) * worst_key + (batches.min(keys) + 1) * per_batch;
+    println!("worst case of one execution at the defaults ({keys} keys, {batches} batches): {worst} events");
+    assert!(worst <= sfn_quotas::MAX_HISTORY_EVENTS as i64, "{worst}");
+    // And a batch of the most keys cannot make a normal drain's execution much shorter.
+    assert!(keys * per_key >= 5_000, "the thresholds leave most of the quota unused: {keys} x {per_key}");
+}
+
+async fn in_order<F: std::future::Future<Output = T>, T>(fs: Vec<F>) -> Vec<T> {
+    let mut out = Vec::new();
+    for f in fs {
+        out.push(f.await);
+    }
+    out
+}
+
+fn statemachine_defaults() -> Value {
+    let d: Value = serde_json::from_str(&definition()).unwrap();
+    d["States"]["Defaults"]["Parameters"]["defaults"].clone()
+}
+
+/// `metadata: null` is refused before anything is leased (the iterations need an object:
+/// after the lease it would fail the execution with States.Runtime, holding the batch).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_processor_refuses_null_metadata_before_leasing() {
+    let s = tokio::task::spawn_blocking(stack).await.unwrap();
+    let c = coordinator(s).await;
+    let keys: Vec<String> = (0..3).map(|i| format!("meta/{i}")).collect();
+    put_keys(&c, "NULLMETA", &keys).await;
+    let input = json!({"state": "NULLMETA", "metadata": null});
+    let (client, arn) = start(s, next_execution_region(""), "null-metadata", input).await;
+    let end = end_of(&client, &arn, Duration::from_secs(300)).await;
+    assert_eq!(end.status, ExecutionStatus::Failed);
+    assert_eq!(end.error.as_deref(), Some("InvalidInput"));
+    for k in &keys {
+        let st = c.get(k).await.unwrap();
+        assert!(!st.held && st.state.as_deref() == Some("NULLMETA"), "{st:?}");
+    }
+}
+
+/// One batch larger than MaxConcurrency, each key's work longer than a quarter of the lease:
+/// every iteration renews its lease when it starts, so each works under a lease sized from
+/// then; and a key whose lease is taken during its work (the release answers NotHolder) ends
+/// its own iteration, not the execution.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_processor_sizes_each_lease_to_its_iteration_and_survives_a_lost_one() {
+    let s = tokio::task::spawn_blocking(stack).await.unwrap();
+    let c = coordinator(s).await;
+    let mut keys: Vec<String> = (0..12).map(|i| format!("slow/{i:02}")).collect();
+    keys.push("stolen/0".to_string());
+    put_keys(&c, "SLOW", &keys).await;
+    let input = json!({"state": "SLOW", "limit": 13, "max_attempts": 1, "duration_ms": SLOW_DURATION_MS});
+    let (client, arn) = start(s, next_execution_region(""), "slow", input).await;
+    let end = end_of(&client, &arn, Duration::from_secs(300)).await;
+    assert_eq!(end.status, ExecutionStatus::Succeeded, "{:?} {}", end.error, end.output);
+    let short = s.work.short_leases.lock().unwrap().clone();
+    assert!(short.is_empty(), "iterations worked under leases sized from the batch's take: {short:#?}");
+    for k in &keys[..12] {
+        let st = c.get(k).await.unwrap();
+        assert_eq!((st.state.as_deref(), st.held), (Some("DONE"), false), "{k}: {st:?}");
+    }
+    let stolen = c.get("stolen/0").await.unwrap();
+    assert!(stolen.held && stolen.holder == "thief", "the thief's lease is untouched: {stolen:?}");
 }
