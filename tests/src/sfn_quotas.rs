@@ -143,7 +143,6 @@ pub async fn start_execution_elsewhere(moto_endpoint: &str, target: &str, body: 
         );
     }
     let req: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
-    eprintln!("adapter: {target} {}", String::from_utf8_lossy(body));
     // The wire names: stateMachineArn, name, input (a string; kept general).
     let input = match &req["input"] {
         Value::String(s) => s.clone(),

@@ -394,59 +394,6 @@ async fn put_keys(c: &Coordinator, state: &str, keys: &[String]) {
     }
 }
 
-/// Keys per execution before the BatchProcessor continues as new in the long drain below: its
-/// input overrides the production default so that the drain stays short; the events one
-/// execution spends per key at the default are checked by
-/// `batch_processor_event_counts_justify_the_continue_thresholds`.
-const DRAIN_CONTINUE_AFTER_KEYS: usize = 300;
-
-/// A drain whose history events pass Step Functions' 25,000 in one logical run completes: the
-/// execution continues as a new one (StartExecution of itself, the same configuration) after
-/// `continue_after_keys` keys, each execution stays under the quota (the adapter counts every
-/// history), and every key ends in DONE.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn batch_processor_continues_as_new_past_the_history_quota() {
-    let s = tokio::task::spawn_blocking(stack).await.unwrap();
-    let c = coordinator(s).await;
-    let state = "LONGDRAIN";
-    let continue_after: usize =
-        std::env::var("LONG_DRAIN_CONTINUE").ok().and_then(|v| v.parse().ok()).unwrap_or(DRAIN_CONTINUE_AFTER_KEYS);
-    // About 17 events per key and 15 per batch of 10 (measured below): 1,450 keys pass 25,000.
-    let n: usize = std::env::var("LONG_DRAIN_KEYS").ok().and_then(|v| v.parse().ok()).unwrap_or(1450);
-    let keys: Vec<String> = (0..n).map(|i| format!("long/{i:05}")).collect();
-    put_keys(&c, state, &keys).await;
-    let input = json!({"state": state, "limit": 10, "max_attempts": 2, "duration_ms": 120000,
-                       "continue_after_keys": continue_after});
-    let started = Instant::now();
-    let (client, arn) = start(s, next_execution_region(""), "long-drain", input).await;
-    let ends = follow(s, client, arn).await;
-    let total: usize = ends.iter().map(|e| e.events).sum();
-    let per_execution: Vec<usize> = ends.iter().map(|e| e.events).collect();
-    println!(
-        "long drain: {n} keys, {} executions, events {per_execution:?} (total {total}) in {:?}",
-        ends.len(),
-        started.elapsed()
-    );
-    if n >= 1450 {
-        assert!(total > sfn_quotas::MAX_HISTORY_EVENTS, "the drain would not have fit one execution: {total} events");
-    }
-    assert!(ends.len() >= 2 && per_execution.iter().all(|e| *e <= sfn_quotas::MAX_HISTORY_EVENTS), "{per_execution:?}");
-    for (i, e) in ends[..ends.len() - 1].iter().enumerate() {
-        assert_eq!(e.output["keys"].as_u64(), Some(continue_after as u64), "execution {i}: {}", e.output);
-    }
-    sfn_quotas::assert_within_quotas();
-    assert_eq!(c.count_in_state(state).await.unwrap(), 0, "drained");
-    let done: HashSet<String> = {
-        let calls = s.work.calls.lock().unwrap();
-        calls.iter().filter(|c| c.key.starts_with("long/")).map(|c| c.key.clone()).collect()
-    };
-    assert_eq!(done.len(), n, "every key worked on");
-    for k in keys.iter().step_by(97) {
-        let st = c.get(k).await.unwrap();
-        assert_eq!((st.state.as_deref(), st.held), (Some("DONE"), false), "{k}");
-    }
-}
-
 /// The production thresholds (the definition's defaults, continue_after_keys and
 /// continue_after_batches) measured against the history events one execution spends: per
 /// batch, per key that succeeds, per key whose work fails, each bounded with Retry attempts.

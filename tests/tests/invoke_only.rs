@@ -42,7 +42,7 @@ fn serve_refuses_invoke_only_fields() {
     }
     // Nothing was taken: the key is still free to a plain acquire, and a keep-alive without an
     // execution is still accepted over HTTP.
-    let body = json!({"holder": "h", "duration_ms": 60000, "keepalive": {"until_ms": until}});
+    let body = json!({"holder": "h", "duration_ms": 180000, "keepalive": {"until_ms": until}});
     let (status, _, answer) = http(
         &server.addr,
         "POST",
