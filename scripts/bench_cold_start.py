@@ -65,14 +65,15 @@ if have_boto and os.path.exists(os.path.join(jar_dir, "DynamoDBLocal.jar")) and 
             if time.time() > deadline:
                 sys.exit("DynamoDB Local did not start")
             time.sleep(0.2)
-    # The lease table as the functions expect it: key `key`, sparse keep-alive and work-state indexes.
+    # The lease table as the functions expect it: key `key`, sparse keep-alive, work-state and queue indexes.
     client.create_table(
         TableName=table, BillingMode="PAY_PER_REQUEST",
         AttributeDefinitions=[{"AttributeName": "key", "AttributeType": "S"},
                               {"AttributeName": "ka_shard", "AttributeType": "N"},
                               {"AttributeName": "ka_until_ms", "AttributeType": "N"},
                               {"AttributeName": "state_shard", "AttributeType": "S"},
-                              {"AttributeName": "expires_at_ms", "AttributeType": "N"}],
+                              {"AttributeName": "expires_at_ms", "AttributeType": "N"},
+                              {"AttributeName": "q_shard", "AttributeType": "N"}],
         KeySchema=[{"AttributeName": "key", "KeyType": "HASH"}],
         GlobalSecondaryIndexes=[{"IndexName": "keepalive",
                                  "KeySchema": [{"AttributeName": "ka_shard", "KeyType": "HASH"},
@@ -81,7 +82,10 @@ if have_boto and os.path.exists(os.path.join(jar_dir, "DynamoDBLocal.jar")) and 
                                 {"IndexName": "state",
                                  "KeySchema": [{"AttributeName": "state_shard", "KeyType": "HASH"},
                                                {"AttributeName": "expires_at_ms", "KeyType": "RANGE"}],
-                                 "Projection": {"ProjectionType": "ALL"}}])
+                                 "Projection": {"ProjectionType": "ALL"}},
+                                {"IndexName": "queue",
+                                 "KeySchema": [{"AttributeName": "q_shard", "KeyType": "HASH"}],
+                                 "Projection": {"ProjectionType": "KEYS_ONLY"}}])
     store_env = {"LEASEHOLD_TABLE": table, "AWS_ENDPOINT_URL_DYNAMODB": endpoint}
     store_desc = f"DynamoDB Local table {table}"
 else:

@@ -306,7 +306,7 @@ async fn lease_command(g: &Global, cmd: Cmd) -> i32 {
                 ),
                 ..Default::default()
             };
-            target.acquire(&a.key, req).await
+            acquire(&target, &a.key, req, a.fail_closed).await
         }
         Cmd::Heartbeat(h) => {
             let req = leasehold::api::HeartbeatRequest {
@@ -337,6 +337,44 @@ async fn lease_command(g: &Global, cmd: Cmd) -> i32 {
         }
         Err(f) => output::failure(g, &f),
     }
+}
+
+/// An acquire. With `--wait`, a `ClockSkew` answer is retried after the pause it names
+/// (`retry_after_ms`) while the wait lasts, never at once. Every failure of a fail-closed acquire,
+/// and every `OutcomeUnknown`, carries the lease_id this command chose, so that what may have
+/// landed can be released.
+async fn acquire(
+    target: &target::Target,
+    key: &str,
+    mut req: leasehold::api::AcquireRequest,
+    fail_closed: bool,
+) -> Result<serde_json::Value, target::Failure> {
+    let started = std::time::Instant::now();
+    let wait = Duration::from_millis(req.wait_ms.unwrap_or(0));
+    let lease_id = req.lease_id.clone().unwrap_or_default();
+    let result = loop {
+        let r = target.acquire(key, req.clone()).await;
+        let skew_pause = r.as_ref().err().filter(|f| f.name() == Some(leasehold::ErrorName::ClockSkew)).map(|f| {
+            f.json
+                .get("retry_after_ms")
+                .and_then(serde_json::Value::as_u64)
+                .map_or(leasehold::CLOCK_SKEW_RETRY_AFTER, Duration::from_millis)
+        });
+        match skew_pause {
+            Some(p) if started.elapsed() + p < wait => {
+                tokio::time::sleep(p).await;
+                req.wait_ms = Some(wait.saturating_sub(started.elapsed()).as_millis() as u64);
+            }
+            _ => break r,
+        }
+    };
+    result.map_err(|mut f| {
+        let unknown = f.name() == Some(leasehold::ErrorName::OutcomeUnknown);
+        if (fail_closed || unknown) && f.json.get("lease_id").is_none() {
+            f.json["lease_id"] = serde_json::json!(lease_id);
+        }
+        f
+    })
 }
 
 /// `get --watch`: the state of the key every `every` until SIGINT or SIGTERM (exit 0). A

@@ -25,6 +25,16 @@ pub fn failure(g: &Global, f: &Failure) -> i32 {
         print(&f.json.to_string());
     } else {
         eprintln!("leasehold: error: {}", f.message());
+        // What may hold a key under this command's name: release it with this lease_id.
+        if let Some(id) = f.json.get("lease_id").and_then(Value::as_str) {
+            eprintln!("  lease_id  {id} (this acquire's: release with it if the acquire may have landed)");
+        }
+        for l in f.json.get("leases").and_then(Value::as_array).into_iter().flatten() {
+            let (k, id) = (l.get("key").and_then(Value::as_str), l.get("lease_id").and_then(Value::as_str));
+            if let (Some(k), Some(id)) = (k, id) {
+                eprintln!("  may hold {k:?} with lease_id {id}");
+            }
+        }
     }
     f.code
 }

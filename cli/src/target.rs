@@ -33,6 +33,11 @@ impl Failure {
         Failure::new(ErrorName::StoreUnavailable, message)
     }
 
+    /// The error name of the answer.
+    pub fn name(&self) -> Option<ErrorName> {
+        self.json.get("error").and_then(Value::as_str).and_then(ErrorName::parse)
+    }
+
     pub fn message(&self) -> String {
         self.json.get("message").and_then(Value::as_str).unwrap_or("unknown error").to_string()
     }

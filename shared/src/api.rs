@@ -121,6 +121,13 @@ impl Operation {
 /// kept to answer `LeaseHeld` before the function times out.
 pub const INVOKE_SAFETY_MARGIN: Duration = Duration::from_millis(1500);
 
+/// When an operation of an invocation with `remaining` time must be done: the final attempt
+/// of an acquire (and its retries) ends with half the safety margin to spare, in which the
+/// answer is written.
+pub(crate) fn invoke_deadline(received: std::time::Instant, remaining: Option<Duration>) -> Option<std::time::Instant> {
+    remaining.map(|r| received + r.saturating_sub(INVOKE_SAFETY_MARGIN / 2))
+}
+
 /// Parses a JSON payload, turning every serde complaint into a clear `InvalidRequest`.
 pub(crate) fn parse<T: serde::de::DeserializeOwned>(payload: Value) -> Result<T> {
     if !payload.is_object() {
@@ -195,6 +202,7 @@ pub async fn run(
                 metadata: r.metadata,
                 keepalive: r.keepalive,
                 lease_id: r.lease_id.as_deref().map(validate::lease_id).transpose()?,
+                deadline: invoke_deadline(received, remaining),
             };
             let lease = coord.acquire(&key, &r.holder, duration, opts).await?.with_safe_for(received);
             Ok(serde_json::to_value(lease).expect("lease serialises"))
@@ -372,6 +380,8 @@ impl HttpResponse {
             Error::LeaseHeld { expires_at_ms: Some(exp), .. } => Some(exp.saturating_sub(now_ms).div_ceil(1000).max(1)),
             Error::LeaseHeld { expires_at_ms: None, .. } => Some(1),
             Error::StoreUnavailable(_) | Error::Throttled(_) | Error::OutcomeUnknown { .. } => Some(1),
+            // It lasts until the clock is fixed: not a hot retry loop.
+            Error::ClockSkew(_) => e.retry_after().map(|d| d.as_secs().max(1)),
             _ => None,
         };
         if let Some(s) = retry_after {

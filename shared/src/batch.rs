@@ -86,6 +86,8 @@ fn random_below(n: usize) -> usize {
 struct Round {
     leases: Vec<Lease>,
     error: Option<Error>,
+    /// `(key, lease_id)` of the candidates whose acquire ended `OutcomeUnknown`: taken, maybe.
+    unknown: Vec<(String, String)>,
 }
 
 impl Coordinator {
@@ -192,21 +194,56 @@ impl Coordinator {
         // Every other field is checked as a single acquire checks it (a state name is a valid key).
         self.check_acquire(state, holder, Some(duration), &opts)?;
         let wait_deadline = start + opts.wait.unwrap_or_default();
-        let item_opts = AcquireOptions { wait: None, ..opts };
+        // As for a single acquire: the wait, or the retry budget when it is longer, and never
+        // past the caller's own deadline. Every round's reads and writes end by then, so the
+        // last round cannot run past the wait (or a Lambda invocation's end).
+        let mut deadline = wait_deadline.max(start + self.config().retry_budget);
+        if let Some(d) = opts.deadline {
+            deadline = deadline.min(d);
+        }
+        let item_opts = AcquireOptions { wait: None, deadline: Some(deadline), ..opts };
         loop {
             self.check_clock(state).await?;
             let round = self.take(state, limit, holder, duration, &item_opts).await;
             if !round.leases.is_empty() {
+                // The leases taken are the answer, even if the store failed on other
+                // candidates: an error would strand them until they expire.
+                self.release_unknown(&round.unknown).await;
                 return Ok(round.leases);
             }
             if let Some(e) = round.error {
-                return Err(e);
+                if round.unknown.is_empty() {
+                    return Err(e);
+                }
+                return Err(Error::OutcomeUnknown {
+                    key: state.to_string(),
+                    message: format!(
+                        "{e}; the acquires of {} candidate(s) may have landed: release each with its lease_id \
+                         (leases)",
+                        round.unknown.len()
+                    ),
+                    lease_id: None,
+                    leases: round.unknown,
+                });
             }
             let now = Instant::now();
-            if now >= wait_deadline {
+            if now >= wait_deadline.min(deadline) {
                 return Ok(Vec::new());
             }
             tokio::time::sleep(jitter(self.config().poll_max).min(wait_deadline - now)).await;
+        }
+    }
+
+    /// Releases what a batch's candidates whose outcome is unknown may have taken, when the
+    /// batch answers with other leases (its answer has no room for "maybe" leases): a write
+    /// that landed is freed at once instead of at its expiry. Best effort.
+    async fn release_unknown(&self, unknown: &[(String, String)]) {
+        for (key, id) in unknown {
+            let Ok(id) = crate::validate::lease_id(id) else { continue };
+            if let Err(e) = self.release(key, &id).await.map_err(|e| e.error_name()) {
+                // NotHolder: it never landed (or another taker has the key since).
+                tracing::debug!(key, error = %e, "could not release a batch candidate whose outcome is unknown");
+            }
         }
     }
 
@@ -216,7 +253,7 @@ impl Coordinator {
     async fn take(&self, state: &str, limit: u32, holder: &str, duration: Duration, opts: &AcquireOptions) -> Round {
         let shards = self.config().state_shards.max(1);
         let first = random_below(shards as usize) as u32;
-        let mut round = Round { leases: Vec::new(), error: None };
+        let mut round = Round { leases: Vec::new(), error: None, unknown: Vec::new() };
         let mut i = 0;
         while i < shards {
             let want = limit as usize - round.leases.len();
@@ -230,7 +267,13 @@ impl Coordinator {
             let page = if spread { (want * SPREAD).min(MAX_CANDIDATES) } else { 2 * want };
             let now = self.now_ms();
             let kind = ScanKind::State { state: state.to_string(), shard: shard.clone(), free_at_ms: Some(now) };
-            let items = match self.store().scan(&kind, None, page as u32).await {
+            // A read is retried within the budget of a request: one lost answer must not fail
+            // the batch.
+            let mut deadline = Instant::now() + self.config().retry_budget;
+            if let Some(d) = opts.deadline {
+                deadline = deadline.min(d);
+            }
+            let items = match self.read(deadline, || self.store().scan(&kind, None, page as u32)).await {
                 Ok(p) => p.items,
                 Err(e) => {
                     round.error = Some(e);
@@ -265,7 +308,7 @@ impl Coordinator {
                     }
                     // The store is in trouble: no more writes this round.
                     Err(e) => {
-                        round.error = Some(e);
+                        self.collect(&mut round, Err(e));
                         break;
                     }
                 }
@@ -320,7 +363,10 @@ impl Coordinator {
         match got {
             Ok(Some(l)) => round.leases.push(l),
             Ok(None) => {}
-            Err(e) => round.error = Some(e),
+            Err(e) => {
+                round.unknown.extend(e.unknown_leases());
+                round.error = Some(e);
+            }
         }
     }
 
@@ -331,7 +377,8 @@ impl Coordinator {
         let mut n = 0;
         for i in 0..self.config().state_shards.max(1) {
             let kind = ScanKind::State { state: state.to_string(), shard: format!("{state}#{i}"), free_at_ms: None };
-            n += self.store().count(&kind).await?;
+            let deadline = Instant::now() + self.config().retry_budget;
+            n += self.read(deadline, || self.store().count(&kind)).await?;
         }
         Ok(n)
     }
@@ -345,7 +392,8 @@ impl Coordinator {
             let kind = ScanKind::State { state: state.to_string(), shard: format!("{state}#{i}"), free_at_ms: None };
             let mut start: Option<String> = None;
             loop {
-                let page = self.store().scan(&kind, start.as_deref(), 100).await?;
+                let deadline = Instant::now() + self.config().retry_budget;
+                let page = self.read(deadline, || self.store().scan(&kind, start.as_deref(), 100)).await?;
                 let now = self.now_ms();
                 out.extend(page.items.iter().map(|r| r.state(now)));
                 if out.len() >= limit {

@@ -25,14 +25,21 @@ pub(crate) struct Sample {
     pub date_s: u64,
 }
 
-/// Samples older than this are not used (clocks drift, and may be stepped).
-const MAX_AGE: Duration = Duration::from_secs(300);
+/// Samples older than this are not used (clocks drift, and may be stepped): it is the bound
+/// on the age of the evidence every judgement of an expiry rests on.
+pub(crate) const MAX_AGE: Duration = Duration::from_secs(300);
 /// Samples kept.
 const MAX_SAMPLES: usize = 64;
-/// Allowance for a `Date` stamped a little before the answer left the server (a clock cache):
-/// a stamp up to this much older than the server's clock is not taken for a wrong clock here.
-/// (DynamoDB Local's stamps were never late by more than the round trip.)
-pub(crate) const DATE_LAG_MS: i64 = 250;
+/// Default allowance for a `Date` stamped a little before the answer left the server (a clock
+/// cache): a stamp up to this much older than the server's clock is not taken for a wrong
+/// clock here. (DynamoDB Local's stamps were never late by more than the round trip.)
+/// Configurable: `Config::date_lag`, `LEASEHOLD_DATE_LAG_MS`.
+pub const DATE_LAG_MS: i64 = 250;
+/// How many answers must each certainly put the clock beyond the margin, in the same
+/// direction, before the coordinator refuses: one answer stamped late (a slow front end, a
+/// cached `Date`) must not stop every write. A coordinator with fewer recent answers than this
+/// asks the store for more before it judges.
+pub const AGREEMENT: usize = 3;
 
 /// The recent `Date` samples of one store client, shared with its coordinators.
 #[derive(Debug, Default)]
@@ -54,6 +61,19 @@ impl Offset {
     }
 }
 
+/// What the recent samples say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Evidence {
+    /// The intersection of the recent samples' intervals (the newest alone when they disagree).
+    pub offset: Offset,
+    /// Recent samples.
+    pub samples: usize,
+    /// The `AGREEMENT`-th tightest bounds (of all samples when fewer): at least that many
+    /// samples each put the offset above `lo` (and as many below `hi`). The clock is refused
+    /// when this interval is beyond the margin, i.e. when that many answers agree that it is.
+    pub agreed: Offset,
+}
+
 impl ClockSamples {
     pub(crate) fn record(&self, s: Sample) {
         let mut q = self.samples.lock().unwrap_or_else(|p| p.into_inner());
@@ -63,25 +83,54 @@ impl ClockSamples {
         q.push_back(s);
     }
 
-    pub(crate) fn is_empty(&self) -> bool {
-        self.samples.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
+    /// Makes every sample `by` older, as if this process had been idle (or frozen) that long.
+    /// For tests of the evidence's age bound.
+    #[doc(hidden)]
+    pub fn backdate(&self, by: Duration) {
+        let mut q = self.samples.lock().unwrap_or_else(|p| p.into_inner());
+        for s in q.iter_mut() {
+            if let (Some(sent), Some(received)) = (s.sent.checked_sub(by), s.received.checked_sub(by)) {
+                (s.sent, s.received) = (sent, received);
+            }
+        }
+    }
+
+    /// How many samples are younger than [`MAX_AGE`].
+    pub(crate) fn recent(&self) -> usize {
+        let q = self.samples.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        q.iter().rev().take_while(|s| now.saturating_duration_since(s.received) < MAX_AGE).count()
     }
 
     /// The offset of the clock `clock_at` (epoch ms at a monotonic instant) from the server's,
     /// as the intersection of the recent samples' intervals; when they disagree (a clock was
-    /// stepped), the newest sample alone. `None` without a recent sample.
-    pub(crate) fn offset(&self, clock_at: impl Fn(Instant) -> i64) -> Option<Offset> {
+    /// stepped), the newest sample alone. `None` without a recent sample. `lag_ms`: the
+    /// allowance for a late `Date`.
+    pub(crate) fn offset(&self, clock_at: impl Fn(Instant) -> i64, lag_ms: i64) -> Option<Offset> {
+        self.evidence(clock_at, lag_ms).map(|e| e.offset)
+    }
+
+    /// The offset and how far the recent samples agree on it (see [`Evidence`]).
+    pub(crate) fn evidence(&self, clock_at: impl Fn(Instant) -> i64, lag_ms: i64) -> Option<Evidence> {
         let q = self.samples.lock().unwrap_or_else(|p| p.into_inner());
         let now = Instant::now();
         let interval = |s: &Sample| {
             let date = s.date_s as i64 * 1000;
-            Offset { lo: date - clock_at(s.received), hi: date + 999 + DATE_LAG_MS - clock_at(s.sent) }
+            Offset { lo: date - clock_at(s.received), hi: date + 999 + lag_ms - clock_at(s.sent) }
         };
         let recent: Vec<Offset> =
             q.iter().rev().take_while(|s| now.saturating_duration_since(s.received) < MAX_AGE).map(interval).collect();
         let newest = *recent.first()?;
         let both = recent.iter().fold(newest, |a, b| Offset { lo: a.lo.max(b.lo), hi: a.hi.min(b.hi) });
-        Some(if both.lo <= both.hi { both } else { newest })
+        let offset = if both.lo <= both.hi { both } else { newest };
+        let mut los: Vec<i64> = recent.iter().map(|o| o.lo).collect();
+        let mut his: Vec<i64> = recent.iter().map(|o| o.hi).collect();
+        los.sort_unstable_by(|a, b| b.cmp(a));
+        his.sort_unstable();
+        // With fewer answers than the agreement (the store could not give more), all of them.
+        let k = AGREEMENT.min(recent.len()) - 1;
+        let agreed = Offset { lo: los[k], hi: his[k] };
+        Some(Evidence { offset, samples: recent.len(), agreed })
     }
 }
 
@@ -100,7 +149,7 @@ mod tests {
         // Our clock reads 10_000.000 s at `base`; the server stamps 10_000 s at +300 ms.
         let clock = |i: Instant| 10_000_000 + i.saturating_duration_since(base).as_millis() as i64;
         c.record(Sample { sent: at(base, 290), received: at(base, 310), date_s: 10_000 });
-        let o = c.offset(clock).unwrap();
+        let o = c.offset(clock, DATE_LAG_MS).unwrap();
         assert_eq!((o.lo, o.hi), (-310, 999 + DATE_LAG_MS - 290));
         assert!(!o.beyond(200));
     }
@@ -115,7 +164,7 @@ mod tests {
             let server_ms = 10_000_000 + phase;
             c.record(Sample { sent: at(base, phase - 5), received: at(base, phase + 5), date_s: server_ms / 1000 });
         }
-        let o = c.offset(clock).unwrap();
+        let o = c.offset(clock, DATE_LAG_MS).unwrap();
         assert!(o.lo >= -5_000 - 1000 && o.hi <= -5_000 + 1_000, "{o:?}");
         assert!(o.beyond(200), "{o:?}");
     }
@@ -127,7 +176,53 @@ mod tests {
         c.record(Sample { sent: at(base, 0), received: at(base, 10), date_s: 10_000 });
         c.record(Sample { sent: at(base, 20), received: at(base, 30), date_s: 20_000 });
         let clock = |i: Instant| 10_000_000 + i.saturating_duration_since(base).as_millis() as i64;
-        let o = c.offset(clock).unwrap();
+        let o = c.offset(clock, DATE_LAG_MS).unwrap();
         assert!(o.lo > 9_000_000, "{o:?}");
+    }
+
+    #[test]
+    fn one_late_date_does_not_refuse_but_several_agreeing_answers_do() {
+        let c = ClockSamples::default();
+        let base = Instant::now();
+        // An honest clock: our clock equals the server's.
+        let clock = |i: Instant| 10_000_000 + i.saturating_duration_since(base).as_millis() as i64;
+        for phase in [100u64, 400, 700] {
+            c.record(Sample { sent: at(base, phase - 5), received: at(base, phase + 5), date_s: 10_000 });
+        }
+        // One answer stamped 2 s late (a cached `Date`): alone it says our clock is ahead.
+        c.record(Sample { sent: at(base, 800), received: at(base, 810), date_s: 9_998 });
+        let e = c.evidence(clock, DATE_LAG_MS).unwrap();
+        assert!(e.offset.beyond(200), "one sample alone would refuse: {e:?}");
+        assert!(!e.agreed.beyond(200), "{e:?}");
+        // Two more late answers: three agree, and the clock is refused.
+        c.record(Sample { sent: at(base, 820), received: at(base, 830), date_s: 9_998 });
+        assert!(!c.evidence(clock, DATE_LAG_MS).unwrap().agreed.beyond(200));
+        c.record(Sample { sent: at(base, 840), received: at(base, 850), date_s: 9_998 });
+        assert!(c.evidence(clock, DATE_LAG_MS).unwrap().agreed.beyond(200));
+    }
+
+    #[test]
+    fn with_fewer_answers_than_the_agreement_all_must_agree() {
+        let c = ClockSamples::default();
+        let base = Instant::now();
+        let clock = |i: Instant| 10_000_000 + i.saturating_duration_since(base).as_millis() as i64;
+        c.record(Sample { sent: at(base, 0), received: at(base, 10), date_s: 9_990 });
+        let e = c.evidence(clock, DATE_LAG_MS).unwrap();
+        assert!(e.agreed.beyond(200) && e.samples == 1, "{e:?}");
+        c.record(Sample { sent: at(base, 20), received: at(base, 30), date_s: 10_000 });
+        assert!(!c.evidence(clock, DATE_LAG_MS).unwrap().agreed.beyond(200));
+    }
+
+    #[test]
+    fn the_allowance_for_a_late_date_is_a_parameter() {
+        let c = ClockSamples::default();
+        let base = Instant::now();
+        // Our clock is 1.5 s ahead of the stamps: beyond with 250 ms of allowance, not with 2 s.
+        let clock = |i: Instant| 10_001_500 + i.saturating_duration_since(base).as_millis() as i64;
+        for phase in [10u64, 20, 30] {
+            c.record(Sample { sent: at(base, phase - 5), received: at(base, phase + 5), date_s: 10_000 });
+        }
+        assert!(c.evidence(clock, 250).unwrap().agreed.beyond(200));
+        assert!(!c.evidence(clock, 2_000).unwrap().agreed.beyond(200));
     }
 }

@@ -27,7 +27,8 @@ fn env_u64(name: &str) -> Result<Option<u64>> {
 /// `LEASEHOLD_RETRY_BUDGET_MS`, `LEASEHOLD_POLL_MAX_MS` (longest pause between a waiting
 /// acquire's attempts; see DESIGN.md, "Contention"), `LEASEHOLD_SWEEP_PERIOD_MS` (period of
 /// the scheduled keep-alive sweep: keep-alive leases must last 3 periods; 0 = no sweep),
-/// `LEASEHOLD_STATE_SHARDS` (partitions of the work-state index per state, 1..=64; see
+/// `LEASEHOLD_DATE_LAG_MS` (allowance for a late store `Date` header in the clock check, 0..=5000;
+/// see DESIGN.md, "Clocks"), `LEASEHOLD_STATE_SHARDS` (partitions of the work-state index per state, 1..=64; see
 /// DESIGN.md, "Work items and batch leases").
 pub fn config_from_env() -> Result<Config> {
     let mut c = Config::default();
@@ -61,6 +62,12 @@ pub fn config_from_env() -> Result<Config> {
     }
     if let Some(v) = env_u64("LEASEHOLD_SWEEP_PERIOD_MS")? {
         c.limits.keepalive_sweep_period = ms(v);
+    }
+    if let Some(v) = env_u64("LEASEHOLD_DATE_LAG_MS")? {
+        if v > 5_000 {
+            return Err(Error::invalid("LEASEHOLD_DATE_LAG_MS must be at most 5000"));
+        }
+        c.date_lag = ms(v);
     }
     if let Some(v) = env_u64("LEASEHOLD_STATE_SHARDS")? {
         if !(1..=64).contains(&v) {

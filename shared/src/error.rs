@@ -125,13 +125,30 @@ pub enum Error {
 
     /// The store could not be reached in time and a write of this request may have landed:
     /// retrying the same request with the same lease_id (or releasing with it) is safe.
-    #[error("the outcome on {key:?} is unknown: {message}")]
-    OutcomeUnknown { key: String, message: String },
+    /// `lease_id`: an acquire's lease_id (the caller's own or the generated one), so a caller
+    /// who let the coordinator choose can release what may have landed; `leases`: for a batch,
+    /// every `(key, lease_id)` it may have taken.
+    #[error("the outcome on {key:?} is unknown{}: {message}", lease_hint(lease_id.as_deref(), leases))]
+    OutcomeUnknown { key: String, message: String, lease_id: Option<String>, leases: Vec<(String, String)> },
 
     /// This coordinator's clock is certainly further from the store's than the skew margin: it
-    /// must not judge or write expiries (DESIGN.md, "Clocks").
+    /// must not judge or write expiries (DESIGN.md, "Clocks"). It lasts until the clock is
+    /// fixed: callers retry no sooner than [`CLOCK_SKEW_RETRY_AFTER`].
     #[error("{0}")]
     ClockSkew(String),
+}
+
+/// How long a caller waits before retrying after `ClockSkew` (`Retry-After` over HTTP,
+/// `retry_after_ms` in the body): a wrong clock is not fixed in milliseconds, and a hot retry
+/// loop only loads the store.
+pub const CLOCK_SKEW_RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(5);
+
+fn lease_hint(lease_id: Option<&str>, leases: &[(String, String)]) -> String {
+    match (lease_id, leases.len()) {
+        (Some(id), _) => format!(" (lease_id {id})"),
+        (None, 0) => String::new(),
+        (None, n) => format!(" ({n} leases may have been taken)"),
+    }
 }
 
 fn until(expires_at_ms: Option<u64>) -> String {
@@ -158,6 +175,36 @@ const NOT_SENT: &str = "not sent: ";
 impl Error {
     pub fn invalid(msg: impl Into<String>) -> Self {
         Error::InvalidRequest(msg.into())
+    }
+
+    /// `OutcomeUnknown` on `key` without a lease_id to report.
+    pub fn outcome_unknown(key: impl Into<String>, message: impl Into<String>) -> Self {
+        Error::OutcomeUnknown { key: key.into(), message: message.into(), lease_id: None, leases: Vec::new() }
+    }
+
+    /// This error, carrying the acquire's `lease_id` when it is `OutcomeUnknown`.
+    pub fn with_lease_id(self, id: &crate::model::LeaseId) -> Self {
+        match self {
+            Error::OutcomeUnknown { key, message, leases, .. } => {
+                Error::OutcomeUnknown { key, message, lease_id: Some(id.expose().to_string()), leases }
+            }
+            e => e,
+        }
+    }
+
+    /// The lease_ids an `OutcomeUnknown` says may have been taken (an acquire's one, or a
+    /// batch's), with their keys.
+    pub fn unknown_leases(&self) -> Vec<(String, String)> {
+        match self {
+            Error::OutcomeUnknown { key, lease_id: Some(id), .. } => vec![(key.clone(), id.clone())],
+            Error::OutcomeUnknown { leases, .. } => leases.clone(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// How long to wait before sending the same request again, when the error says (`ClockSkew`).
+    pub fn retry_after(&self) -> Option<std::time::Duration> {
+        matches!(self, Error::ClockSkew(_)).then_some(CLOCK_SKEW_RETRY_AFTER)
     }
 
     /// The stable machine name of this error, as text (logs, metrics).
@@ -214,8 +261,21 @@ impl Error {
                 obj.insert("key".into(), json!(key));
                 obj.insert("reason".into(), json!(reason.as_str()));
             }
-            Error::NotFound { key } | Error::OutcomeUnknown { key, .. } => {
+            Error::NotFound { key } => {
                 obj.insert("key".into(), json!(key));
+            }
+            Error::OutcomeUnknown { key, lease_id, leases, .. } => {
+                obj.insert("key".into(), json!(key));
+                if let Some(id) = lease_id {
+                    obj.insert("lease_id".into(), json!(id));
+                }
+                if !leases.is_empty() {
+                    let l: Vec<Value> = leases.iter().map(|(k, id)| json!({"key": k, "lease_id": id})).collect();
+                    obj.insert("leases".into(), Value::Array(l));
+                }
+            }
+            Error::ClockSkew(_) => {
+                obj.insert("retry_after_ms".into(), json!(CLOCK_SKEW_RETRY_AFTER.as_millis() as u64));
             }
             _ => {}
         }

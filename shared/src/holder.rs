@@ -101,9 +101,12 @@ async fn renew_loop(
 ) {
     let Some(duration_ms) = lease.duration_ms else { return };
     let interval = Duration::from_millis((duration_ms / 3).max(1));
+    // After an answer that says when to try again (`ClockSkew`), no sooner than that.
+    let mut pause = interval;
     loop {
         let Some(safe_until) = lease.safe_until else { return };
-        let next = (Instant::now() + interval).min(safe_until);
+        let next = (Instant::now() + pause).min(safe_until);
+        pause = interval;
         tokio::time::sleep_until(next.into()).await;
         if tx.is_closed() {
             return;
@@ -131,8 +134,10 @@ async fn renew_loop(
                 return;
             }
             Some(Err(e)) => {
-                // Not transient and not a loss: keep trying until the safe time ends.
+                // Not transient and not a loss: keep trying until the safe time ends, backing
+                // off as the answer asks (`ClockSkew` lasts until a clock is fixed).
                 tracing::warn!(key = %lease.key, error = e.name(), "renewal failed");
+                pause = e.retry_after().map_or(interval, |r| r.max(interval));
             }
             None => {
                 tracing::warn!(key = %lease.key, fence = lease.fence, "renewal did not finish before safe time");

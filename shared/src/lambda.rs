@@ -194,8 +194,11 @@ pub const OUTCOME_METRICS: [&str; 2] = ["Latency", "Invocations"];
 /// keep-alive sweep's report: `SweepScanned`, `SweepRenewed`, `SweepReleased` (leases of
 /// executions that ended without releasing: crashed or stopped), `SweepErrors`,
 /// `SweepDescribeFailures` (leases renewed because DescribeExecution failed for their
-/// execution), `SweepIncomplete` (1 when the budget or the time ran out before every shard was read).
-pub const COUNT_METRICS: [&str; 11] = [
+/// execution), `SweepIncomplete` (1 when the budget or the time ran out before every shard
+/// was read); `ClockSkew` (answered `ClockSkew`: this function's clock is refused, see
+/// DESIGN.md, "Clocks").
+pub const COUNT_METRICS: [&str; 12] = [
+    "ClockSkew",
     "Acquired",
     "Contended",
     "Waited",
@@ -211,7 +214,8 @@ pub const COUNT_METRICS: [&str; 11] = [
 
 /// The counts of one invocation (names from [`COUNT_METRICS`]).
 fn counts(function: Function, outcome: &str, waited: bool, lost: bool) -> Vec<(&'static str, u64)> {
-    let mut c = vec![("Throttled", u64::from(outcome == "Throttled"))];
+    let mut c =
+        vec![("Throttled", u64::from(outcome == "Throttled")), ("ClockSkew", u64::from(outcome == "ClockSkew"))];
     match function {
         Function::Acquire => c.extend([
             ("Acquired", u64::from(outcome == "ok")),
@@ -223,9 +227,10 @@ fn counts(function: Function, outcome: &str, waited: bool, lost: bool) -> Vec<(&
     c
 }
 
-fn sweep_counts(r: &SweepReport) -> Vec<(&'static str, u64)> {
+fn sweep_counts(r: &SweepReport, clock_skew: bool) -> Vec<(&'static str, u64)> {
     vec![
         ("Throttled", 0),
+        ("ClockSkew", u64::from(clock_skew)),
         ("SweepScanned", r.scanned.into()),
         ("SweepRenewed", r.renewed.into()),
         ("SweepReleased", r.released.into()),
@@ -260,6 +265,27 @@ pub(crate) fn metric_line(function: &str, outcome: &str, latency_ms: f64, counts
     for (n, v) in counts {
         line[*n] = json!(v);
     }
+    line
+}
+
+/// The clock check's evidence, by `Function` (on every metric line with recent evidence): the bounds of the
+/// measured offset `store clock - function clock` in ms, as the recent `Date` headers of the
+/// store's answers give it (DESIGN.md, "Clocks").
+pub const CLOCK_METRICS: [&str; 2] = ["ClockOffsetLoMs", "ClockOffsetHiMs"];
+
+/// `line` with the measured clock offset interval, when there is recent evidence.
+pub(crate) fn with_clock_offset(mut line: Value, offset: Option<(i64, i64)>) -> Value {
+    let Some((lo, hi)) = offset else { return line };
+    let directive = json!({
+        "Namespace": METRIC_NAMESPACE,
+        "Dimensions": [["Function"]],
+        "Metrics": CLOCK_METRICS.map(|n| json!({"Name": n, "Unit": "Milliseconds"}))
+    });
+    if let Some(d) = line["_aws"]["CloudWatchMetrics"].as_array_mut() {
+        d.push(directive);
+    }
+    line["ClockOffsetLoMs"] = json!(lo);
+    line["ClockOffsetHiMs"] = json!(hi);
     line
 }
 
@@ -339,7 +365,9 @@ impl Handler {
             EventKind::Schedule => self.schedule(remaining).await,
             EventKind::Direct => self.direct(event, remaining, started).await,
         };
-        emit_metric(self.function.name(), &h.outcome, started.elapsed().as_secs_f64() * 1000.0, &h.counts);
+        let line = metric_line(self.function.name(), &h.outcome, started.elapsed().as_secs_f64() * 1000.0, &h.counts);
+        // CloudWatch Embedded Metric Format: one JSON line on stdout per invocation.
+        println!("{}", with_clock_offset(line, self.coord.clock_offset()));
         h.result
     }
 
@@ -388,6 +416,17 @@ impl Handler {
             };
         }
         let deadline = Instant::now() + remaining.saturating_sub(api::INVOKE_SAFETY_MARGIN);
+        // Both sweeps judge and write expiries: a function whose clock is refused runs neither
+        // (the queue sweep would hand a live key to the head waiter).
+        if let Err(e) = self.coord.check_clock("leasehold/keepalive-sweep").await {
+            tracing::error!(error = e.name(), message = %e, "keep-alive and queue sweeps refused");
+            let report = SweepReport { errors: 1, complete: false, ..Default::default() };
+            return Handled {
+                counts: sweep_counts(&report, matches!(e, Error::ClockSkew(_))),
+                result: Ok(serde_json::to_value(&report).expect("report serialises")),
+                outcome: e.name().to_string(),
+            };
+        }
         let report = self.coord.keepalive_sweep(self.executions.clone(), self.sweep_max_items, deadline).await;
         // Then the waiter queues: expired holders replaced, undelivered grants delivered.
         match self.coord.sweep_queues(deadline).await {
@@ -413,7 +452,7 @@ impl Handler {
             "keep-alive sweep"
         );
         Handled {
-            counts: sweep_counts(&report),
+            counts: sweep_counts(&report, false),
             result: Ok(serde_json::to_value(&report).expect("report serialises")),
             outcome: "sweep".to_string(),
         }
@@ -546,16 +585,22 @@ mod tests {
             ("acquire", "LeaseHeld", counts(Function::Acquire, "LeaseHeld", false, false)),
             ("heartbeat", "NotHolder", counts(Function::Heartbeat, "NotHolder", false, true)),
             ("release", "Throttled", counts(Function::Release, "Throttled", false, false)),
-            ("heartbeat", "sweep", sweep_counts(&sweep)),
+            ("heartbeat", "sweep", sweep_counts(&sweep, false)),
+            ("heartbeat", "ClockSkew", sweep_counts(&sweep, true)),
         ];
         for (f, outcome, c) in &cases {
-            let line = metric_line(f, outcome, 1.5, c);
+            let line = with_clock_offset(metric_line(f, outcome, 1.5, c), Some((-120, 900)));
             let directives = line["_aws"]["CloudWatchMetrics"].as_array().unwrap();
             for d in directives {
                 assert_eq!(d["Namespace"], METRIC_NAMESPACE);
                 for m in d["Metrics"].as_array().unwrap() {
                     let name = m["Name"].as_str().unwrap();
-                    assert!(OUTCOME_METRICS.contains(&name) || COUNT_METRICS.contains(&name), "{name}");
+                    assert!(
+                        OUTCOME_METRICS.contains(&name)
+                            || COUNT_METRICS.contains(&name)
+                            || CLOCK_METRICS.contains(&name),
+                        "{name}"
+                    );
                     assert!(line[name].is_number(), "{name} has a value in {line}");
                 }
                 for set in d["Dimensions"].as_array().unwrap() {
@@ -582,6 +627,16 @@ mod tests {
             .map(|n| get(4, n)),
             [Some(9), Some(5), Some(2), Some(1), Some(3), Some(1)]
         );
+        assert_eq!((get(4, "ClockSkew"), get(5, "ClockSkew")), (Some(0), Some(1)));
+        let line = with_clock_offset(
+            metric_line("x", "ClockSkew", 0.0, &counts(Function::Acquire, "ClockSkew", false, false)),
+            Some((-120, 900)),
+        );
+        assert_eq!(
+            (line["ClockSkew"].as_u64(), line["ClockOffsetLoMs"].as_i64(), line["ClockOffsetHiMs"].as_i64()),
+            (Some(1), Some(-120), Some(900))
+        );
+        assert!(with_clock_offset(metric_line("x", "ok", 0.0, &[]), None).get("ClockOffsetLoMs").is_none());
     }
 
     #[test]

@@ -29,7 +29,7 @@ pub mod validate;
 mod wakeup;
 
 pub use clock::ClockSamples;
-pub use error::{Error, ErrorName, NotHolderReason, Result};
+pub use error::{Error, ErrorName, NotHolderReason, Result, CLOCK_SKEW_RETRY_AFTER};
 pub use fenced::{FenceGuard, FencedError};
 pub use holder::{HeldLease, HoldState, Lost};
 pub use keepalive::{ExecutionState, Executions, SweepReport};

@@ -94,6 +94,16 @@ pub struct Record {
     /// A lease granted to a waiter by hand-over and not yet delivered: the waiter's task token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pending_token: Option<String>,
+    /// The lease_id of the last enqueue's waiter: a retried enqueue of the same lease_id (a lost
+    /// answer) finds its slot by it instead of taking a second one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_tail_lease_id: Option<LeaseId>,
+    /// A grant that replaced a released lease (a hand-over) keeps that lease's id and fence, so
+    /// that a retried release of it answers `already_released` instead of `wrong_lease_id`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub released_lease_id: Option<LeaseId>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub released_fence: Option<u64>,
     /// Waiter items only (at `queue::waiter_key(key, seq)`): the queued acquire.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waiter: Option<crate::queue::Waiter>,
@@ -110,6 +120,37 @@ pub struct Record {
 }
 
 impl Record {
+    /// A record that carries only its key (an entry of a keys-only index).
+    pub(crate) fn key_only(key: String) -> Record {
+        Record {
+            key,
+            fence: 0,
+            holder: String::new(),
+            lease_id: LeaseId::from_string(""),
+            acquired_at_ms: 0,
+            expires_at_ms: None,
+            duration_ms: None,
+            min_hold_until_ms: 0,
+            released_at_ms: None,
+            metadata: None,
+            keepalive: None,
+            ttl: None,
+            renewed_at_ms: None,
+            poll_ms: None,
+            queue_head: None,
+            queue_tail: None,
+            queue_tail_at_ms: None,
+            pending_token: None,
+            queue_tail_lease_id: None,
+            released_lease_id: None,
+            released_fence: None,
+            waiter: None,
+            state: None,
+            state_since_ms: None,
+            attempts: None,
+        }
+    }
+
     /// Waiters queued on this lease item (0 without a queue).
     pub fn queue_len(&self) -> u64 {
         match (self.queue_head, self.queue_tail) {

@@ -47,6 +47,9 @@ pub struct Config {
     /// Partitions of the work-state index per state (DESIGN.md, "Work items and batch leases").
     /// A property of the table: every coordinator on one table must use the same number.
     pub state_shards: u32,
+    /// Allowance for a store `Date` header stamped before the answer left the server (DESIGN.md,
+    /// "Clocks"): how late a stamp may be without being taken for a wrong clock here.
+    pub date_lag: Duration,
 }
 
 impl Default for Config {
@@ -63,6 +66,7 @@ impl Default for Config {
             clock_offset_ms: 0,
             fence_lead: Duration::from_secs(60),
             state_shards: 1,
+            date_lag: Duration::from_millis(crate::clock::DATE_LAG_MS as u64),
         }
     }
 }
@@ -81,6 +85,10 @@ pub struct AcquireOptions {
     /// Caller-chosen lease_id, so a retried acquire (lost response) gets the same lease.
     /// When `None`, 128 bits are drawn from the OS CSPRNG.
     pub lease_id: Option<LeaseId>,
+    /// The whole acquire, its last attempt's retries included, ends by then (a Lambda
+    /// invocation's end less its safety margin); `None`: the wait and the retry budget decide.
+    /// A request already sent is bounded by the store client's attempt timeout.
+    pub deadline: Option<Instant>,
 }
 
 /// The lease coordinator: validation, conditions, retries and fencing over one store.
@@ -148,24 +156,74 @@ impl Coordinator {
         self.now_ms() as i64 - Instant::now().saturating_duration_since(at).as_millis() as i64
     }
 
+    /// The measured offset `store clock - this clock` in ms (`lo`, `hi`), from the recent
+    /// `Date` samples; `None` without recent evidence or on a store without one (the embedded
+    /// store shares the machine's clock).
+    pub fn clock_offset(&self) -> Option<(i64, i64)> {
+        let samples = self.store.clock()?;
+        let o = samples.offset(|at| self.clock_at(at), self.config.date_lag.as_millis() as i64)?;
+        Some((o.lo, o.hi))
+    }
+
     /// Refuses to judge or write expiries with a clock that is certainly further from the
     /// store's than the skew margin (DESIGN.md, "Clocks"). The evidence is the `Date` of the
-    /// store's recent answers; a coordinator that has none yet asks once (a read of `key`).
+    /// store's answers of the last [`MAX_AGE`](crate::clock::MAX_AGE): with fewer recent
+    /// answers than [`AGREEMENT`](crate::clock::AGREEMENT) (a new process, or one idle for
+    /// minutes: when a thawed clock is most likely wrong), it reads `key` until it has them.
+    /// It refuses only when that many answers agree that the clock is beyond the margin (when
+    /// fewer could be had, all of them); with no recent answer at all it refuses to judge
+    /// (`StoreUnavailable`, nothing sent).
     pub(crate) async fn check_clock(&self, key: &str) -> Result<()> {
         let Some(samples) = self.store.clock() else { return Ok(()) };
-        if samples.is_empty() {
-            let _ = self.store.get(key).await;
+        let need = crate::clock::AGREEMENT;
+        let deadline = Instant::now() + self.config.retry_budget;
+        // Bounded: answers may come without a usable `Date`.
+        let mut reads = 0;
+        while samples.recent() < need && reads < 2 * need && Instant::now() < deadline {
+            reads += 1;
+            let _ = self.read(deadline, || self.store.get(key)).await;
         }
-        match samples.offset(|at| self.clock_at(at)) {
-            Some(o) if o.beyond(self.skew_ms() as i64) => {
-                let (dir, lo, hi) = if o.lo > 0 { ("behind", o.lo, o.hi) } else { ("ahead of", -o.hi, -o.lo) };
-                Err(Error::ClockSkew(format!(
-                    "this coordinator's clock is {lo} to {hi} ms {dir} the store's, beyond the skew margin of {} ms: \
-                     it must not judge or write lease expiries until its time is synchronised",
-                    self.skew_ms()
-                )))
+        let lag = self.config.date_lag.as_millis() as i64;
+        let Some(e) = samples.evidence(|at| self.clock_at(at), lag) else {
+            return Err(Error::not_sent(
+                "no answer of the store in the last 5 minutes to check this coordinator's clock against; \
+                 expiries are not judged without one",
+            ));
+        };
+        let o = e.agreed;
+        if o.beyond(self.skew_ms() as i64) {
+            let (dir, lo, hi) = if o.lo > 0 { ("behind", o.lo, o.hi) } else { ("ahead of", -o.hi, -o.lo) };
+            return Err(Error::ClockSkew(format!(
+                "this coordinator's clock is {lo} to {hi} ms {dir} the store's ({} answers agree), beyond the skew \
+                 margin of {} ms: it must not judge or write lease expiries until its time is synchronised",
+                need.min(e.samples),
+                self.skew_ms()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Runs one read, retrying throttled/unavailable answers with jittered backoff until
+    /// `deadline`: a read is always safe to send again, and one lost answer must not fail the
+    /// request that needed it.
+    pub(crate) async fn read<T, F, Fut>(&self, deadline: Instant, mut read: F) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        let mut backoff = Backoff::new(self.config.retry_base, self.config.retry_max);
+        loop {
+            match read().await {
+                Err(e) if e.is_transient() => {
+                    let pause = backoff.next_pause();
+                    if Instant::now() + pause >= deadline {
+                        return Err(e);
+                    }
+                    tracing::debug!(error = e.name(), pause_ms = pause.as_millis() as u64, "retrying store read");
+                    tokio::time::sleep(pause).await;
+                }
+                r => return r,
             }
-            _ => Ok(()),
         }
     }
 
@@ -178,7 +236,19 @@ impl Coordinator {
         &self,
         key: &str,
         deadline: Instant,
+        attempt: impl FnMut(u64) -> Result<(Condition, Mutation)>,
+    ) -> std::result::Result<(Write, Instant, u64), Failed> {
+        self.write_noting(key, deadline, attempt, &mut false).await
+    }
+
+    /// [`Coordinator::write`], also setting `landed` when an attempt may have landed although
+    /// a later one answered (an acquire carries that across its attempts).
+    pub(crate) async fn write_noting(
+        &self,
+        key: &str,
+        deadline: Instant,
         mut attempt: impl FnMut(u64) -> Result<(Condition, Mutation)>,
+        landed: &mut bool,
     ) -> std::result::Result<(Write, Instant, u64), Failed> {
         let mut backoff = Backoff::new(self.config.retry_base, self.config.retry_max);
         let mut maybe_landed = false;
@@ -190,6 +260,7 @@ impl Coordinator {
                 Ok(w) => return Ok((w, sent, now)),
                 Err(e) if e.is_transient() => {
                     maybe_landed |= e.may_have_landed();
+                    *landed |= maybe_landed;
                     let pause = backoff.next_pause();
                     if Instant::now() + pause >= deadline {
                         return Err(Failed { error: e, maybe_landed });
@@ -287,14 +358,59 @@ impl Coordinator {
         opts: AcquireOptions,
         want: Option<Visit>,
     ) -> Result<Lease> {
+        // "May have landed" is carried across the whole acquire: an attempt whose answer was
+        // lost may still land after a later attempt saw the key held or the store throttled,
+        // so such an end is `OutcomeUnknown`; and every `OutcomeUnknown` names the lease_id it
+        // is about (the caller's, or the generated one), which a release reaches.
+        let mut lease_id = opts.lease_id.clone().unwrap_or_else(LeaseId::generate);
+        let mut landed = false;
+        // (A batch lease is written under the state visit the index showed, and every grant
+        // counts an attempt of the visit: once another lease holds the key, a write of ours can
+        // never land, so `LeaseHeld` stays what it is.)
+        let batch = want.is_some();
+        let res = self.acquire_attempts(key, holder, duration, opts, want, &mut lease_id, &mut landed).await;
+        res.map_err(|e| {
+            let open = matches!(e, Error::StoreUnavailable(_) | Error::Throttled(_))
+                || (matches!(e, Error::LeaseHeld { .. }) && !batch);
+            let e = if landed && open {
+                Error::outcome_unknown(
+                    key,
+                    format!(
+                        "{e}; an earlier attempt of this acquire timed out and may still land: release with this \
+                         lease_id, or send the same request again with it"
+                    ),
+                )
+            } else {
+                e
+            };
+            e.with_lease_id(&lease_id)
+        })
+    }
+
+    /// The attempts of [`Coordinator::acquire_visit`]: `lease_id` is the one it writes (a
+    /// generated one is replaced when it ended), `landed` is set once an attempt may have landed.
+    // `&lease_id` on the `&mut` binding: the body reads as it did when the id was a local.
+    #[allow(clippy::too_many_arguments, clippy::needless_borrow)]
+    async fn acquire_attempts(
+        &self,
+        key: &str,
+        holder: &str,
+        duration: Option<Duration>,
+        opts: AcquireOptions,
+        want: Option<Visit>,
+        lease_id: &mut LeaseId,
+        landed: &mut bool,
+    ) -> Result<Lease> {
         let start = Instant::now();
         self.check_acquire(key, holder, duration, &opts)?;
         // The work-state visit the key is believed to be in: the write keeps it (and is
         // refused if the key has moved on since).
         let mut visit = want.clone();
         let wait_deadline = start + opts.wait.unwrap_or_default();
-        let deadline = wait_deadline.max(start + self.config.retry_budget);
-        let mut lease_id = opts.lease_id.clone().unwrap_or_else(LeaseId::generate);
+        let mut deadline = wait_deadline.max(start + self.config.retry_budget);
+        if let Some(d) = opts.deadline {
+            deadline = deadline.min(d);
+        }
         let mut wait = Waiting::new(&self.pacer, key, self.config.poll_max, start);
         // Waiting acquires of this coordinator line up per key: only the head tries, and a
         // release handled here wakes it at once (DESIGN.md, "In-process waiters").
@@ -340,19 +456,25 @@ impl Coordinator {
                 fence,
                 poll_ms: wait.advertise(),
                 visit: visit.as_ref().map(|v| Visit { attempts: v.attempts.saturating_add(1), ..v.clone() }),
+                released: None,
             };
             let mut fence = 0;
             let (w, sent, now) = self
-                .write(key, deadline, |now| {
-                    fence = self.next_fence(key, seen_fence)?;
-                    let cond = match &visit {
-                        None => Condition::Free { now_ms: now, fence, lease_id: lease_id.clone() },
-                        Some(v) => {
-                            Condition::FreeIn { now_ms: now, fence, lease_id: lease_id.clone(), visit: v.clone() }
-                        }
-                    };
-                    Ok((cond, Mutation::Acquire(new(now, fence))))
-                })
+                .write_noting(
+                    key,
+                    deadline,
+                    |now| {
+                        fence = self.next_fence(key, seen_fence)?;
+                        let cond = match &visit {
+                            None => Condition::Free { now_ms: now, fence, lease_id: lease_id.clone() },
+                            Some(v) => {
+                                Condition::FreeIn { now_ms: now, fence, lease_id: lease_id.clone(), visit: v.clone() }
+                            }
+                        };
+                        Ok((cond, Mutation::Acquire(new(now, fence))))
+                    },
+                    landed,
+                )
                 .await
                 .map_err(|f| f.into_error(key))?;
             if want.is_some() && matches!(w, Write::Rejected(None)) {
@@ -381,7 +503,8 @@ impl Coordinator {
                                 .into(),
                         ));
                     }
-                    lease_id = LeaseId::generate();
+                    *lease_id = LeaseId::generate();
+                    *landed = false;
                     tokio::time::sleep(jitter(self.config.retry_base).min(deadline - Instant::now())).await;
                 }
                 // Free, but its last fence is not below ours (a coordinator whose clock runs
@@ -412,12 +535,13 @@ impl Coordinator {
                     if opts.lease_id.is_some() || Instant::now() >= deadline {
                         return Err(Error::NotHolder { key: key.to_string(), reason });
                     }
-                    lease_id = LeaseId::generate();
+                    *lease_id = LeaseId::generate();
+                    *landed = false;
                 }
                 AcquireAnswer::Held(r) => {
                     // A free key kept for its queued waiters has no expiry to wake up for: the
                     // paced poll alone (not a tight loop on an expiry already past).
-                    let queued = r.queue_len() > 0 && !r.is_held(self.now_ms());
+                    let queued = (r.queue_len() > 0 || r.pending_token.is_some()) && !r.is_held(self.now_ms());
                     let until_expiry = r
                         .expires_at_ms
                         .filter(|_| !queued)
@@ -471,6 +595,7 @@ impl Coordinator {
                 fence: 0,
                 poll_ms,
                 visit: None,
+                released: None,
             },
         }
     }
@@ -531,7 +656,19 @@ impl Coordinator {
         match w {
             Write::Applied(r) => {
                 check_fence(&r)?;
-                self.keep_queued(key, &r).await;
+                // A key in a work state keeps no TTL. The renewal has landed: the removal gets
+                // one try of at most 1 s (and never past the heartbeat's deadline) before the
+                // answer, and any retries run after it, so a slow store cannot hold a landed
+                // renewal back past the holder's safe time.
+                if r.state.is_some() && r.ttl.is_some() {
+                    let bound = deadline.min(Instant::now() + Duration::from_secs(1));
+                    let cond = Condition::FenceIs(r.fence);
+                    let once = self.store.update(key, &cond, &Mutation::ClearTtl);
+                    if !matches!(tokio::time::timeout_at(bound.into(), once).await, Ok(Ok(_))) {
+                        let (c, k, r) = (self.clone(), key.to_string(), r.clone());
+                        tokio::spawn(async move { c.keep_queued(&k, &r).await });
+                    }
+                }
                 Ok(r.lease(sent, now, self.skew_ms()))
             }
             // Still ours, but not extended: a fail-closed lease (nothing to extend), a later
@@ -623,6 +760,18 @@ impl Coordinator {
                 Write::Rejected(Some(r)) if &r.lease_id == lease_id && r.released_at_ms.is_some() => {
                     return Ok(released(&r, true))
                 }
+                // Released by a hand-over that granted the key on in the same write (or right
+                // after): the grant keeps the released lease's id and fence.
+                Write::Rejected(Some(r)) if r.released_lease_id.as_ref() == Some(lease_id) => {
+                    return Ok(Released {
+                        key: key.to_string(),
+                        fence: r.released_fence.unwrap_or(r.fence),
+                        released_at_ms: r.acquired_at_ms,
+                        free_at_ms: r.acquired_at_ms,
+                        already_released: true,
+                        state: r.state.clone(),
+                    })
+                }
                 Write::Rejected(r) => return Err(self.not_holder(key, lease_id, r.as_ref(), now)),
             }
         }
@@ -643,6 +792,9 @@ impl Coordinator {
         lease.now_ms = now;
         lease.fence = self.next_fence(key, Some(r.fence)).ok()?;
         lease.ttl = lease.duration_ms.map(|d| self.ttl_after(now + d));
+        // A retried release of the releasing lease answers `already_released` (not
+        // `wrong_lease_id`): the grant keeps its id and fence.
+        lease.released = Some((lease_id.clone(), r.fence));
         let cond = Condition::HandTo { lease_id: lease_id.clone(), fence: r.fence, now_ms: now };
         let released = Released {
             key: key.to_string(),
@@ -697,7 +849,8 @@ impl Coordinator {
     /// The public state of `key` (never the lease_id).
     pub async fn get(&self, key: &str) -> Result<LeaseState> {
         self.config.limits.key(key)?;
-        match self.store.get(key).await? {
+        let deadline = Instant::now() + self.config.retry_budget;
+        match self.read(deadline, || self.store.get(key)).await? {
             Some(r) => Ok(r.state(self.now_ms())),
             None => Err(Error::NotFound { key: key.to_string() }),
         }
@@ -714,7 +867,8 @@ impl Coordinator {
         let mut out = Vec::new();
         let mut start: Option<String> = None;
         loop {
-            let page = self.store.scan(&ScanKind::All, start.as_deref(), 100).await?;
+            let deadline = Instant::now() + self.config.retry_budget;
+            let page = self.read(deadline, || self.store.scan(&ScanKind::All, start.as_deref(), 100)).await?;
             let now = self.now_ms();
             out.extend(page.items.iter().filter(|r| r.is_held(now) && r.key.starts_with(prefix)).map(|r| r.state(now)));
             if out.len() >= limit {
@@ -742,13 +896,14 @@ impl Failed {
     /// it; a release's retry answers `already_released`).
     pub(crate) fn into_error(self, key: &str) -> Error {
         match self.error {
-            e @ Error::StoreUnavailable(_) if self.maybe_landed => Error::OutcomeUnknown {
-                key: key.to_string(),
-                message: format!(
+            // A throttled end after an attempt that timed out is no less unknown.
+            e @ (Error::StoreUnavailable(_) | Error::Throttled(_)) if self.maybe_landed => Error::outcome_unknown(
+                key,
+                format!(
                     "{e}; a write may have landed: send the same request again with the same lease_id (it is \
                      idempotent), or release with it"
                 ),
-            },
+            ),
             e => e,
         }
     }

@@ -7,6 +7,7 @@
 //! lease) grants it to the head waiter in one conditional write and delivers the lease through
 //! [`Deliver`] (Step Functions `SendTaskSuccess` in the Lambda functions).
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -23,15 +24,31 @@ use crate::store::{Condition, Mutation, NewLease, ScanKind, Write};
 /// so no waiter key is ever a lease key, nor a prefix of one.
 pub const SEPARATOR: char = '\u{1f}';
 
-/// First shard number of the queue's entries in the sparse index (keep-alive uses 0..8).
+/// First shard number of the queue index's partitions (`q_shard`: 1000..1008; numbered apart
+/// from the keep-alive shards 0..8, which waiter items of earlier versions shared).
 pub const QUEUE_SHARD_BASE: u32 = 1000;
 
 /// Number of queue shards.
 pub const QUEUE_SHARDS: u32 = 8;
 
-/// A counter increment whose waiter item is still missing after this long belongs to an
-/// enqueuer that died between its two writes: the waiter is skipped.
+/// A slot whose waiter item is still missing this long after the slot was taken belongs to an
+/// enqueuer that died between its two writes (or whose put failed): the slot is skipped. A
+/// slot's time is bounded by the enqueue time of the next waiter item after it (taken later),
+/// or by `queue_tail_at_ms` when none follows.
 pub const ENQUEUE_GRACE_MS: u64 = 10_000;
+
+/// How long a waiter without a timeout of its own may wait (its item's TTL covers this).
+pub const LONGEST_WAIT_MS: u64 = 366 * 24 * 3600 * 1000;
+
+/// A release that leaves waiters behind a min_hold ending within this long waits for it and
+/// serves the queue itself; a later end is served by the sweep.
+pub const MIN_HOLD_WAIT_MS: u64 = 5_000;
+
+/// Where consecutive queue sweeps of this process start (as the keep-alive sweep's).
+static NEXT_START: AtomicU32 = AtomicU32::new(u32::MAX);
+
+/// Keys read per page of the queue index.
+const SWEEP_PAGE: u32 = 50;
 
 /// A grant still marked undelivered this long after it was written is delivered again by
 /// whoever serves the queue (the granting function died, or every delivery attempt failed).
@@ -48,7 +65,7 @@ pub fn split_waiter_key(k: &str) -> Option<(&str, u64)> {
     Some((key, rest.strip_prefix('q')?.parse().ok()?))
 }
 
-/// The index shard of a waiter item (of the lease key it waits for).
+/// The queue index partition of a key (of the lease key, for a waiter key).
 pub fn queue_shard(k: &str) -> u32 {
     let key = split_waiter_key(k).map_or(k, |(key, _)| key);
     QUEUE_SHARD_BASE + crate::store::keepalive_shard(key, QUEUE_SHARDS)
@@ -97,7 +114,9 @@ pub trait Deliver: Send + Sync + 'static {
 // One answer per call, never stored in bulk: boxing the lease would only add an allocation.
 #[allow(clippy::large_enum_variant)]
 pub enum Enqueued {
-    /// The key was free: the lease was granted (and delivered).
+    /// The key was free: the lease was granted and delivered, or, when every delivery attempt
+    /// failed for a transient reason (it may have landed), kept and marked undelivered for the
+    /// sweep to deliver again.
     Granted(Lease),
     /// The waiter joined the queue: `position` 1 is next.
     Queued { seq: u64, position: u64, lease_id: LeaseId },
@@ -120,6 +139,10 @@ pub struct QueueSweep {
     pub keys: u32,
     pub served: Served,
     pub errors: u32,
+    /// Keys that left the queue index (no waiter, no undelivered grant).
+    pub unindexed: u32,
+    /// False when the deadline came before every shard was read.
+    pub complete: bool,
 }
 
 impl Coordinator {
@@ -134,6 +157,14 @@ impl Coordinator {
     pub(crate) async fn hand_over_after_free(&self, key: &str, r: &Record) {
         if r.queue_len() == 0 || self.deliver.is_none() {
             return;
+        }
+        // A min_hold still running: nothing else serves the queue when it ends (but the sweep),
+        // so a short one is waited for here.
+        if let Some(free_at) = r.expires_at_ms.filter(|_| r.released_at_ms.is_some()) {
+            let left = free_at.saturating_sub(self.now_ms());
+            if left > 0 && left <= MIN_HOLD_WAIT_MS {
+                tokio::time::sleep(Duration::from_millis(left + 1)).await;
+            }
         }
         if let Err(e) = self.serve_queue(key).await {
             tracing::warn!(key, error = e.name(), "hand-over after release failed; the sweep serves the queue");
@@ -177,33 +208,33 @@ impl Coordinator {
         let deliver = self.deliverer()?.clone();
         let lease_id = opts.lease_id.clone().unwrap_or_else(LeaseId::generate);
         let opts = AcquireOptions { lease_id: Some(lease_id.clone()), ..opts };
+        let shard = queue_shard(key);
         for _ in 0..8 {
             // Free and without waiters: the plain acquire (one request).
             match self.acquire(key, holder, Some(duration), opts.clone()).await {
-                Ok(lease) => {
-                    return match deliver.success(task_token, &lease).await {
-                        Ok(()) => Ok(Enqueued::Granted(lease)),
-                        Err(e) => {
-                            // Nobody will use it: free the key (and serve any waiter behind).
-                            let _ = self.release(key, &lease_id).await;
-                            Err(Error::invalid(format!("the lease could not be delivered: {e:?}")))
-                        }
-                    };
-                }
+                Ok(lease) => return self.deliver_free_grant(key, lease, task_token, &deliver).await,
                 Err(Error::LeaseHeld { .. }) => {}
                 Err(e) => return Err(e),
             }
-            // Held, or free with waiters: join the queue.
+            // Held, or free with waiters: join the queue. Idempotent per lease_id: a retry
+            // whose earlier try landed (or a retried invocation) finds the last slot is its own.
             let deadline = Instant::now() + self.config().retry_budget;
             let start = self.now_us();
             let (w, _, now) = self
                 .write(key, deadline, |now| {
-                    Ok((Condition::Queueable { now_ms: now }, Mutation::Enqueue { now_ms: now, start }))
+                    Ok((
+                        Condition::Queueable { now_ms: now, lease_id: lease_id.clone() },
+                        Mutation::Enqueue { now_ms: now, start, lease_id: lease_id.clone(), shard },
+                    ))
                 })
                 .await
                 .map_err(|f| f.into_error(key))?;
-            let r = match w {
-                Write::Applied(r) => r,
+            let (r, enqueued_at) = match w {
+                Write::Applied(r) => (r, now),
+                Write::Rejected(Some(r)) if r.queue_tail_lease_id.as_ref() == Some(&lease_id) && r.queue_len() > 0 => {
+                    let at = r.queue_tail_at_ms.unwrap_or(now);
+                    (r, at)
+                }
                 // Freed in between: take it.
                 Write::Rejected(_) => continue,
             };
@@ -216,34 +247,19 @@ impl Coordinator {
                 metadata: opts.metadata.clone(),
                 keepalive: opts.keepalive.clone(),
                 task_token: task_token.to_string(),
-                enqueued_at_ms: now,
+                enqueued_at_ms: enqueued_at,
                 timeout_at_ms,
             };
+            // Kept as long as the waiter may wait (its own timeout, else a year) and then hold.
             let max_wait = self.config().limits.max_wait.as_millis() as u64;
-            let item = Record {
-                key: waiter_key(key, seq),
-                fence: 0,
-                holder: holder.to_string(),
-                lease_id: lease_id.clone(),
-                acquired_at_ms: now,
-                expires_at_ms: Some(0),
-                duration_ms: None,
-                min_hold_until_ms: 0,
-                released_at_ms: None,
-                metadata: None,
-                keepalive: None,
-                ttl: Some(self.ttl_after(now + max_wait + self.max_duration_ms())),
-                renewed_at_ms: None,
-                poll_ms: None,
-                queue_head: None,
-                queue_tail: None,
-                queue_tail_at_ms: None,
-                pending_token: None,
-                waiter: Some(waiter),
-                state: None,
-                state_since_ms: None,
-                attempts: None,
-            };
+            let waits_until = timeout_at_ms.unwrap_or(now.saturating_add(LONGEST_WAIT_MS)).max(now + max_wait);
+            let mut item = Record::key_only(waiter_key(key, seq));
+            item.holder = holder.to_string();
+            item.lease_id = lease_id.clone();
+            item.acquired_at_ms = enqueued_at;
+            item.expires_at_ms = Some(0);
+            item.ttl = Some(self.ttl_after(waits_until.saturating_add(self.max_duration_ms())));
+            item.waiter = Some(waiter);
             let wk = waiter_key(key, seq);
             self.write(&wk, deadline, |_| Ok((Condition::NotLease, Mutation::PutWaiter(Box::new(item.clone())))))
                 .await
@@ -259,6 +275,42 @@ impl Coordinator {
         Err(Error::StoreUnavailable(format!("{key:?} kept changing hands while joining its queue")))
     }
 
+    /// A queued acquire took the free key: delivers the lease. Only a first attempt answered
+    /// `Gone` proves the task never had it: then the lease is released. Any other failure may
+    /// follow a delivery that landed (its answer lost), so the grant is kept, marked
+    /// undelivered, and the sweep delivers it again.
+    async fn deliver_free_grant(
+        &self,
+        key: &str,
+        lease: Lease,
+        token: &str,
+        deliver: &Arc<dyn Deliver>,
+    ) -> Result<Enqueued> {
+        match self.deliver_with_retries(deliver, token, &lease).await {
+            Ok(()) => Ok(Enqueued::Granted(lease)),
+            Err(DeliveryError::Gone(why)) => {
+                // Nobody will use it: free the key (and serve any waiter behind).
+                let _ = self.release(key, &lease.lease_id).await;
+                Err(Error::invalid(format!("the lease could not be delivered, the task is gone: {why}")))
+            }
+            Err(DeliveryError::Transient(why)) => {
+                tracing::warn!(key, why, "delivery of a queued acquire's grant failed; the sweep delivers it");
+                let deadline = Instant::now() + self.config().retry_budget;
+                let mark = Mutation::MarkUndelivered { token: token.to_string(), shard: queue_shard(key) };
+                if let Err(f) = self.write(key, deadline, |_| Ok((Condition::FenceIs(lease.fence), mark.clone()))).await
+                {
+                    let e = f.into_error(key);
+                    tracing::warn!(
+                        key,
+                        error = e.name(),
+                        "could not mark a grant undelivered; it ends with its duration"
+                    );
+                }
+                Ok(Enqueued::Granted(lease))
+            }
+        }
+    }
+
     /// Serves `key`'s queue: when the key is free and waiters are queued, grants it to the head
     /// waiter in one conditional write and delivers the lease; a waiter that is gone is passed
     /// over (its grant revoked) and the next one served. Also delivers again a grant left
@@ -267,6 +319,8 @@ impl Coordinator {
     pub async fn serve_queue(&self, key: &str) -> Result<Served> {
         let mut served = Served::default();
         let Some(deliver) = self.deliver.clone() else { return Ok(served) };
+        // It judges expiry and writes one: not with a clock the store's disagrees with.
+        self.check_clock(key).await?;
         // Bounded: each pass either serves one waiter or stops; races re-read.
         for _ in 0..64 {
             let Some(r) = self.store().get(key).await? else { return Ok(served) };
@@ -278,6 +332,14 @@ impl Coordinator {
                     }
                 }
                 return Ok(served);
+            }
+            if let Some(token) = r.pending_token.clone() {
+                // A grant still marked undelivered whose lease has ended: released by its
+                // holder (so it was delivered), or expired before any delivery was known to land.
+                if !self.end_undelivered(key, &r, &token, &deliver, &mut served).await? {
+                    return Ok(served);
+                }
+                continue;
             }
             if r.queue_len() == 0 {
                 return Ok(served);
@@ -297,8 +359,8 @@ impl Coordinator {
                     continue;
                 }
                 None => {
-                    if now.saturating_sub(r.queue_tail_at_ms.unwrap_or(0)) < ENQUEUE_GRACE_MS {
-                        // Its enqueuer is between its two writes; it serves the queue itself
+                    if now.saturating_sub(self.slot_taken_by(key, &r, seq).await?) < ENQUEUE_GRACE_MS {
+                        // Its enqueuer may be between its two writes; it serves the queue itself
                         // right after the second (or the sweep does).
                         return Ok(served);
                     }
@@ -309,7 +371,8 @@ impl Coordinator {
                 }
             };
             // Grant: the waiter's lease, a fence above every earlier one, the head moved on.
-            let lease = self.waiter_lease(key, &r, &waiter, now)?;
+            let mut lease = self.waiter_lease(key, &r, &waiter, now)?;
+            lease.released = r.released_at_ms.map(|_| (r.lease_id.clone(), r.fence));
             let sent = Instant::now();
             let cond = Condition::HandOver { fence: r.fence, now_ms: now, head };
             let grant = Mutation::Grant { lease, seq, token: waiter.task_token.clone() };
@@ -322,6 +385,52 @@ impl Coordinator {
             }
         }
         Ok(served)
+    }
+
+    /// When slot `seq` (missing its waiter item) was taken, at the latest: the enqueue time of
+    /// the first waiter item after it (its slot was taken later), else when the tail last moved.
+    async fn slot_taken_by(&self, key: &str, r: &Record, seq: u64) -> Result<u64> {
+        let tail = r.queue_tail.unwrap_or(seq);
+        for next in seq + 1..=tail.min(seq + 4) {
+            if let Some(w) = self.store().get(&waiter_key(key, next)).await?.and_then(|w| w.waiter) {
+                return Ok(w.enqueued_at_ms);
+            }
+        }
+        Ok(r.queue_tail_at_ms.unwrap_or(0))
+    }
+
+    /// A free key whose last grant is still marked undelivered: a released grant was delivered
+    /// (its holder had the lease_id), so only the mark goes; an expired one may never have
+    /// reached its waiter, which would then wait until its own timeout: it is told
+    /// (`SendTaskFailure`, `LeaseExpired`) and the mark goes. `false`: the failure could not be
+    /// sent (transient), the mark stays and the queue waits for the next sweep.
+    async fn end_undelivered(
+        &self,
+        key: &str,
+        r: &Record,
+        token: &str,
+        deliver: &Arc<dyn Deliver>,
+        served: &mut Served,
+    ) -> Result<bool> {
+        if r.released_at_ms.is_none() {
+            let cause = format!(
+                "the lease granted on {key:?} (fence {}) expired before its delivery was confirmed; acquire again",
+                r.fence
+            );
+            match deliver.failure(token, "LeaseExpired", &cause).await {
+                Ok(()) | Err(DeliveryError::Gone(_)) => served.skipped += 1,
+                Err(DeliveryError::Transient(why)) => {
+                    tracing::warn!(key, why, "could not tell the waiter of an expired grant; the sweep tries again");
+                    served.undelivered += 1;
+                    return Ok(false);
+                }
+            }
+        }
+        self.store().update(key, &Condition::Undelivered { fence: r.fence }, &Mutation::Delivered).await?;
+        if let Some(seq) = r.queue_head {
+            let _ = self.store().delete(&waiter_key(key, seq), &Condition::NotLease).await;
+        }
+        Ok(true)
     }
 
     /// The lease a grant gives `waiter` on the item `r` read at `now`: the waiter's own
@@ -340,6 +449,7 @@ impl Coordinator {
             fence: self.next_fence(key, Some(r.fence))?,
             poll_ms: None,
             visit: None,
+            released: None,
         })
     }
 
@@ -371,7 +481,8 @@ impl Coordinator {
                 // Never delivered (the first answer said so): nobody holds it. Free the key and
                 // serve the next waiter.
                 tracing::info!(key, seq, why, "queued waiter is gone; its grant is revoked");
-                let ttl = self.ttl_after(now + self.max_duration_ms());
+                // A key in a work state is kept until it is taken: no TTL.
+                let ttl = granted.state.is_none().then(|| self.ttl_after(now + self.max_duration_ms()));
                 let m = Mutation::Revoke { now_ms: self.now_ms(), ttl };
                 self.store().update(key, &Condition::Undelivered { fence }, &m).await?;
                 let _ = self.store().delete(&wk, &Condition::NotLease).await;
@@ -398,6 +509,7 @@ impl Coordinator {
         r: &Record,
     ) -> Result<Option<Released>> {
         let (Some(deliver), Some(head)) = (self.deliver.clone(), r.queue_head) else { return Ok(None) };
+        self.check_clock(key).await?;
         let now = self.now_ms();
         if r.min_hold_until_ms > now {
             return Ok(None);
@@ -405,11 +517,47 @@ impl Coordinator {
         let seq = head + 1;
         let waiter = self.store().get(&waiter_key(key, seq)).await?.and_then(|w| w.waiter).filter(|w| w.seq == seq);
         let Some(waiter) = waiter.filter(|w| w.timeout_at_ms.is_none_or(|t| t > now)) else { return Ok(None) };
-        let lease = self.waiter_lease(key, r, &waiter, now)?;
-        let sent = Instant::now();
-        let cond = Condition::ReleaseHandOver { lease_id: lease_id.clone(), fence: r.fence, now_ms: now, head };
-        let grant = Mutation::Grant { lease, seq, token: waiter.task_token.clone() };
-        let Write::Applied(granted) = self.store().update(key, &cond, &grant).await? else { return Ok(None) };
+        // Through the retrying write: the grant keeps the releasing lease's id, so a retry whose
+        // earlier try landed recognises it (as does a retried release), and a write that may
+        // have landed answers `OutcomeUnknown`.
+        let deadline = Instant::now() + self.config().retry_budget;
+        let released_id = (lease_id.clone(), r.fence);
+        let mut tries = 0;
+        let (w, sent, now) = self
+            .write(key, deadline, |now| {
+                tries += 1;
+                let mut lease = self.waiter_lease(key, r, &waiter, now)?;
+                lease.released = Some(released_id.clone());
+                Ok((
+                    Condition::ReleaseHandOver { lease_id: lease_id.clone(), fence: r.fence, now_ms: now, head },
+                    Mutation::Grant { lease, seq, token: waiter.task_token.clone() },
+                ))
+            })
+            .await
+            .map_err(|f| f.into_error(key))?;
+        let granted = match w {
+            Write::Applied(g) => g,
+            // The grant is there: an earlier try of this write landed (its answer lost), or a
+            // concurrent release of the same lease (a retry) made it. This one cannot tell
+            // which, so it does not deliver: a delivery of another's grant could reach the task
+            // first, and that release revokes a grant its first delivery finds gone. The grant
+            // stays marked; the sweep delivers it after the grace, and never revokes.
+            Write::Rejected(Some(g))
+                if g.released_lease_id.as_ref() == Some(lease_id)
+                    && g.lease_id == waiter.lease_id
+                    && g.queue_head == Some(seq) =>
+            {
+                return Ok(Some(Released {
+                    key: key.to_string(),
+                    fence: r.fence,
+                    released_at_ms: g.acquired_at_ms,
+                    free_at_ms: g.acquired_at_ms,
+                    already_released: tries == 1,
+                    state: r.state.clone(),
+                }));
+            }
+            Write::Rejected(_) => return Ok(None),
+        };
         let released = Released {
             key: key.to_string(),
             fence: r.fence,
@@ -494,65 +642,84 @@ impl Coordinator {
         Ok(matches!(self.store().update(key, &cond, &Mutation::Skip { seq }).await?, Write::Applied(_)))
     }
 
-    /// The scheduled sweep of every queue: serves each key with waiters (an expired holder is
-    /// replaced, an undelivered grant delivered) and deletes waiter items left behind. Stops
-    /// starting keys at `deadline`.
+    /// The scheduled sweep of every queue: reads the queue index (one entry per key with
+    /// waiters or an undelivered grant) and serves each key as its page arrives (an expired
+    /// holder is replaced, an undelivered grant delivered, a missing slot skipped after its
+    /// grace); a key left with neither leaves the index. Shards are read one page of each in
+    /// turn from a start that rotates from run to run (as the keep-alive sweep's), so a run cut
+    /// short by `deadline` shares it among the shards. Stops starting keys at `deadline`.
     pub async fn sweep_queues(&self, deadline: Instant) -> Result<QueueSweep> {
-        let mut report = QueueSweep::default();
-        for shard in 0..QUEUE_SHARDS {
-            let mut start: Option<String> = None;
-            let mut keys: Vec<String> = Vec::new();
-            let mut dead: Vec<(String, String)> = Vec::new();
-            loop {
+        let mut report = QueueSweep { complete: true, ..Default::default() };
+        self.check_clock("leasehold/queue-sweep").await?;
+        let _ = NEXT_START.compare_exchange(
+            u32::MAX,
+            (self.now_ms() / 1000) as u32 % QUEUE_SHARDS,
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        );
+        let first = NEXT_START.fetch_add(1, Ordering::Relaxed) % QUEUE_SHARDS;
+        // Per shard: where to continue, or None once the shard is done.
+        let mut cursors: Vec<(u32, Option<Option<String>>)> =
+            (0..QUEUE_SHARDS).map(|i| ((first + i) % QUEUE_SHARDS, Some(None))).collect();
+        while cursors.iter().any(|(_, c)| c.is_some()) {
+            for (shard, cursor) in cursors.iter_mut() {
+                let Some(start) = cursor.clone() else { continue };
                 if Instant::now() >= deadline {
+                    report.complete = false;
                     return Ok(report);
                 }
-                let kind = ScanKind::Keepalive { shard: QUEUE_SHARD_BASE + shard, after_ms: 0 };
-                let page = self.store().scan(&kind, start.as_deref(), 100).await?;
-                for item in &page.items {
-                    if let Some((key, _)) = split_waiter_key(&item.key) {
-                        if keys.last().map(String::as_str) != Some(key) && !keys.iter().any(|k| k == key) {
-                            keys.push(key.to_string());
-                        }
-                        dead.push((key.to_string(), item.key.clone()));
-                    }
-                }
-                match page.next {
-                    Some(n) => start = Some(n),
-                    None => break,
-                }
-            }
-            for key in keys {
-                if Instant::now() >= deadline {
-                    return Ok(report);
-                }
-                report.keys += 1;
-                match self.serve_queue(&key).await {
-                    Ok(s) => {
-                        report.served.delivered += s.delivered;
-                        report.served.undelivered += s.undelivered;
-                        report.served.skipped += s.skipped;
-                    }
+                let kind = ScanKind::Queue { shard: QUEUE_SHARD_BASE + *shard };
+                let page = match self.store().scan(&kind, start.as_deref(), SWEEP_PAGE).await {
+                    Ok(p) => p,
                     Err(e) => {
-                        tracing::warn!(key, error = e.name(), "queue sweep: serving failed");
+                        tracing::warn!(shard = *shard, error = e.name(), "queue sweep: index read failed");
                         report.errors += 1;
+                        report.complete = false;
+                        *cursor = None;
                         continue;
                     }
-                }
-                // Waiter items at or below the head are served: delete them (an undelivered
-                // grant keeps its waiter item until it is delivered).
-                let Ok(Some(r)) = self.store().get(&key).await else { continue };
-                let head = r.queue_head.unwrap_or(0);
-                for (_, wk) in dead.iter().filter(|(k, _)| k == &key) {
-                    let seq = split_waiter_key(wk).map_or(0, |(_, s)| s);
-                    let pending = r.pending_token.is_some() && seq == head;
-                    if seq <= head && !pending {
-                        let _ = self.store().delete(wk, &Condition::NotLease).await;
+                };
+                for item in &page.items {
+                    if Instant::now() >= deadline {
+                        report.complete = false;
+                        return Ok(report);
                     }
+                    self.sweep_key(&item.key, &mut report).await;
                 }
+                *cursor = page.next.map(Some);
             }
         }
         Ok(report)
+    }
+
+    /// One key of the queue sweep: serve it, then take it out of the index if it is idle.
+    async fn sweep_key(&self, key: &str, report: &mut QueueSweep) {
+        report.keys += 1;
+        match self.serve_queue(key).await {
+            Ok(s) => {
+                report.served.delivered += s.delivered;
+                report.served.undelivered += s.undelivered;
+                report.served.skipped += s.skipped;
+            }
+            Err(e) => {
+                tracing::warn!(key, error = e.name(), "queue sweep: serving failed");
+                report.errors += 1;
+                return;
+            }
+        }
+        match self.store().get(key).await {
+            Ok(Some(r)) if r.queue_len() == 0 && r.pending_token.is_none() => {
+                if let Ok(Write::Applied(_)) = self.store().update(key, &Condition::QueueIdle, &Mutation::Unindex).await
+                {
+                    report.unindexed += 1;
+                }
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(key, error = e.name(), "queue sweep: read failed");
+                report.errors += 1;
+            }
+        }
     }
 
     /// The position of the waiter `lease_id` in `key`'s queue (1: next), `None` when it is not

@@ -31,8 +31,29 @@ pub fn tools_dir() -> PathBuf {
     std::env::var_os("LEASEHOLD_TOOLS").map(PathBuf::from).unwrap_or_else(|| repo_root().join(".tools"))
 }
 
+/// A port for a server a test is about to start. Chosen below the kernel's ephemeral range
+/// (32768 and up on Linux), so that no outgoing connection can be given it between this
+/// choice and the server's bind, and never the same port twice in one process (two servers
+/// started side by side once got the same port and one answered the other's requests).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+    const LOW: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    static HANDED: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+    let mut handed = HANDED.lock().unwrap_or_else(|e| e.into_inner());
+    // A different start in each process, so test processes running at once rarely collide.
+    let seed = std::process::id().wrapping_mul(2_654_435_761)
+        ^ std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    for i in 0..SPAN {
+        let port = (LOW + (seed.wrapping_add(i.wrapping_mul(7_919))) % SPAN) as u16;
+        if handed.contains(&port) {
+            continue;
+        }
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            handed.push(port);
+            return port;
+        }
+    }
+    panic!("no free port in {LOW}..{}", LOW + SPAN)
 }
 
 /// A server process owned by this test process. It runs in its own process group under a

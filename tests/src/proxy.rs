@@ -71,6 +71,16 @@ struct State {
     late_forwarded: u64,
     record: bool,
     events: Vec<ProxyEvent>,
+    /// More random faults, each with its own operations and rate (see [`Proxy::add_random_faults`]).
+    rules: Vec<Rule>,
+}
+
+/// Random faults on some operations: each matching request draws one with this probability.
+struct Rule {
+    /// `X-Amz-Target` operation names; empty: every operation.
+    targets: Vec<String>,
+    per_mille: u32,
+    faults: Vec<ProxyFault>,
 }
 
 impl State {
@@ -94,6 +104,19 @@ impl State {
             let r = self.next_random();
             if (r % 1000) < self.random_per_mille as u64 {
                 let f = self.random_faults[(r / 1000) as usize % self.random_faults.len()];
+                self.injected += 1;
+                return Some(f);
+            }
+        }
+        for i in 0..self.rules.len() {
+            let rule = &self.rules[i];
+            if !rule.targets.is_empty() && !rule.targets.iter().any(|t| t == target) {
+                continue;
+            }
+            let (per_mille, n) = (rule.per_mille as u64, rule.faults.len());
+            let r = self.next_random();
+            if n > 0 && (r % 1000) < per_mille {
+                let f = self.rules[i].faults[(r / 1000) as usize % n];
                 self.injected += 1;
                 return Some(f);
             }
@@ -169,6 +192,15 @@ impl Proxy {
         self.state.lock().unwrap().random_target = Some(target.to_string());
     }
 
+    /// Adds a rule of random faults: from now on each request for one of `targets` (operation
+    /// names such as "Query"; none: every operation) that drew no other fault gets one of
+    /// `faults` with probability `per_mille`/1000. Rules are drawn in the order they were added.
+    pub fn add_random_faults(&self, targets: &[&str], per_mille: u32, faults: &[ProxyFault]) {
+        let mut s = self.state.lock().unwrap();
+        let targets = targets.iter().map(|t| t.to_string()).collect();
+        s.rules.push(Rule { targets, per_mille, faults: faults.to_vec() });
+    }
+
     /// How many delayed duplicates have reached the upstream so far (after their client was
     /// cut off).
     pub fn late_forwarded(&self) -> u64 {
@@ -179,6 +211,7 @@ impl Proxy {
         let mut s = self.state.lock().unwrap();
         s.queue.clear();
         s.random_per_mille = 0;
+        s.rules.clear();
     }
 
     pub fn injected(&self) -> u64 {

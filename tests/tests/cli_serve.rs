@@ -313,3 +313,46 @@ fn operator_routes_list_force_release_and_the_page() {
     let (s, h, _) = http(a, "POST", "/", &[], b"");
     assert_eq!((s, header(&h, "allow")), (405, Some("GET")));
 }
+
+/// A release that handed the key to a waiting acquire in its own write, retried (its answer
+/// lost), answers `already_released` with the released lease's fence, not 409
+/// `wrong_lease_id`: over HTTP on `leasehold serve`, both stores. (A waiter caught between two
+/// polls when the release comes takes the key by its own acquire instead, after which a stale
+/// release is `wrong_lease_id` as documented: such a round is run again, on a new key.)
+#[test]
+fn a_retried_release_after_a_hand_over_is_already_released() {
+    for target in [Target::embedded(), Target::dynamo()] {
+        let server = Server::start(&target.args, &target.env);
+        let mut handed_over = false;
+        for round in 0..4 {
+            let (acquire, release) =
+                (format!("/leases/acquire/handover/{round}"), format!("/leases/release/handover/{round}"));
+            let (s, _, b) = http(&server.addr, "POST", &acquire, &[], br#"{"holder":"a","duration_ms":30000}"#);
+            assert_eq!(s, 200, "{b}");
+            let (id, fence) = (json(&b)["lease_id"].as_str().unwrap().to_string(), json(&b)["fence"].as_u64().unwrap());
+            let (addr, path) = (server.addr.clone(), acquire.clone());
+            let waiter = std::thread::spawn(move || {
+                http(&addr, "POST", &path, &[], br#"{"holder":"b","duration_ms":30000,"wait_ms":25000}"#)
+            });
+            // The waiter has tried once and sleeps in the server's line, offering its lease.
+            std::thread::sleep(Duration::from_secs(2));
+            let body = format!(r#"{{"lease_id":"{id}"}}"#);
+            let (s, _, b) = http(&server.addr, "POST", &release, &[], body.as_bytes());
+            assert_eq!(s, 200, "{b}");
+            let released_at = json(&b)["released_at_ms"].as_u64();
+            let (s, _, b) = waiter.join().unwrap();
+            assert_eq!((s, json(&b)["holder"].as_str()), (200, Some("b")), "{b}");
+            if json(&b)["acquired_at_ms"].as_u64() != released_at {
+                continue;
+            }
+            handed_over = true;
+            let (s, _, b) = http(&server.addr, "POST", &release, &[], body.as_bytes());
+            assert_eq!(s, 200, "a retried release after the hand-over ({:?}): {b}", target.args);
+            assert_eq!((json(&b)["already_released"].as_bool(), json(&b)["fence"].as_u64()), (Some(true), Some(fence)));
+            let (s, _, b) = http(&server.addr, "GET", &format!("/leases/handover/{round}"), &[], b"");
+            assert_eq!((s, json(&b)["holder"].as_str(), json(&b)["held"].as_bool()), (200, Some("b"), Some(true)));
+            break;
+        }
+        assert!(handed_over, "no round handed the key over in the release's write ({:?})", target.args);
+    }
+}

@@ -312,7 +312,8 @@ async fn lease_live_commit_is_refused_after_expiry_release_and_takeover() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn held_lease_offers_both() {
     let e = env().await;
-    let held = e.coord.hold("k-held", "h", Duration::from_millis(600), AcquireOptions::default()).await.unwrap();
+    // 2 s: renewed every third of it, which a loaded machine keeps up with.
+    let held = e.coord.hold("k-held", "h", Duration::from_secs(2), AcquireOptions::default()).await.unwrap();
     let guard = held.fence_guard();
     assert_eq!(guard.fence(), held.fence());
     // Fenced items inside a lease-live commit: both checks in one transaction.
@@ -320,7 +321,7 @@ async fn held_lease_offers_both() {
     held.commit_while_live(&e.leases, e.client.transact_write_items().transact_items(item)).await.expect("commit");
     assert_eq!(num(&get(&e, "h1").await.unwrap(), DEFAULT_ATTRIBUTE), held.fence());
     // Renewed in the background: still live after twice its duration.
-    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    tokio::time::sleep(Duration::from_millis(4_200)).await;
     let tx = e.client.transact_write_items().transact_items(put_item(&e.table, "h2", "renewed", None));
     held.commit_while_live(&e.leases, tx).await.expect("commit after renewals");
     // A stale fence inside the commit is reported as Fenced with its index.

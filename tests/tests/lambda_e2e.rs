@@ -142,6 +142,34 @@ async fn direct_invoke_flow_acquire_held_heartbeat_release_reacquire() {
     lab.assert_no_respawn();
 }
 
+/// A release that handed the key to the head of its queue (a queued acquire, over direct
+/// invoke; its delivery fails here, which leaves the grant marked for the sweep) answers a
+/// retry (a lost answer, a Lambda retry) with `already_released` and the released lease's
+/// fence, not `wrong_lease_id`, and changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_invoke_retried_release_after_a_hand_over_is_already_released() {
+    let lab = Lab::start(&[], &[]).await;
+    let key = "flows/direct/hand-over-retry";
+    let a = lab.invoke("acquire", &json!({"key": key, "holder": "worker-a", "duration_ms": 30000})).await;
+    assert!(a.error_type.is_none(), "{}", a.body);
+    let (lease_a, fence) = (a.body["lease_id"].as_str().unwrap().to_string(), a.body["fence"].as_u64().unwrap());
+    let q = lab
+        .invoke("acquire", &json!({"key": key, "holder": "queued-b", "duration_ms": 30000, "task_token": "token-b"}))
+        .await;
+    assert!(q.error_type.is_none(), "{}", q.body);
+    assert_eq!(q.body["queued"], true, "{}", q.body);
+    let rel = lab.invoke("release", &json!({"key": key, "lease_id": lease_a})).await;
+    assert!(rel.error_type.is_none(), "{}", rel.body);
+    assert_eq!(rel.body["fence"].as_u64(), Some(fence));
+    let state = lab.state(key).await;
+    assert!(state.held && state.holder == "queued-b", "handed over: {state:?}");
+    let again = lab.invoke("release", &json!({"key": key, "lease_id": lease_a})).await;
+    assert!(again.error_type.is_none(), "a retried release after the hand-over: {}", again.body);
+    assert_eq!(again.body["already_released"], true, "{}", again.body);
+    assert_eq!(again.body["fence"].as_u64(), Some(fence));
+    assert_eq!(lab.state(key).await.holder, "queued-b", "the retry changed nothing");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http_api_flow_statuses_headers_and_bodies() {
     let lab = Lab::start(&[], &[]).await;

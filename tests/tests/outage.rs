@@ -140,9 +140,11 @@ async fn a_grant_answered_after_its_safe_time_is_not_handed_out() {
     let patient = Coordinator::new(c.store().clone(), cfg);
     // The acquire's request is held 1.5 s, longer than the 1 s lease it asks for: when the
     // answer arrives, that lease is already past its safe time (the safety run found this).
-    // A coordinator's first request is a read for its clock check: made here, so that the
-    // stall below hits the acquire's write.
-    let _ = patient.get("late").await;
+    // A coordinator's first requests are reads for its clock check (until 3 answers agree):
+    // made here, so that the stall below hits the acquire's write.
+    for _ in 0..3 {
+        let _ = patient.get("late").await;
+    }
     proxy.reset_counts();
     proxy.inject(&[ProxyFault::Stall(Duration::from_millis(1500))]);
     let l = patient.acquire("late", "h", Some(Duration::from_secs(1)), AcquireOptions::default()).await.unwrap();

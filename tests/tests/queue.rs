@@ -28,14 +28,30 @@ both_backends!(
     queued_acquire_refuses_bad_input,
     work_items_keep_their_state_through_the_queue,
     release_grants_the_head_waiter_in_its_own_write,
+    free_key_grant_whose_delivery_answer_is_lost_is_kept,
+    waiters_outlive_the_ttl_of_a_day,
+    a_retried_enqueue_takes_one_slot,
+    a_missing_slot_is_skipped_after_its_own_grace,
+    retried_release_after_a_hand_over_is_already_released,
+    an_ambiguous_hand_over_is_recognised_by_its_retry,
+    an_expired_undelivered_grant_is_ended_and_the_next_served,
+    min_hold_end_serves_the_queue,
+    revoke_keeps_a_work_state_without_ttl,
+    heartbeat_answers_without_waiting_for_the_ttl_removal,
+    sweep_reads_one_entry_per_key_and_rotates,
 );
 
-/// Records deliveries; tokens in `gone` answer `Gone`; the next `transient` attempts fail.
+/// Records deliveries; tokens in `gone` answer `Gone`; the next `transient` attempts fail;
+/// the next `landed_but_lost` attempts are delivered but answered `Transient` (a
+/// `SendTaskSuccess` that landed and whose answer timed out), and a task that has its output
+/// answers `Gone` (`TaskTimedOut`) to any later attempt.
 #[derive(Default)]
 struct Recorder {
     delivered: Mutex<Vec<(String, Lease)>>,
+    failed: Mutex<Vec<(String, String)>>,
     gone: Mutex<HashSet<String>>,
     transient: AtomicUsize,
+    landed_but_lost: AtomicUsize,
     attempts: AtomicUsize,
 }
 
@@ -50,10 +66,18 @@ impl Deliver for Recorder {
             self.transient.fetch_sub(1, Ordering::SeqCst);
             return Err(DeliveryError::Transient("ThrottlingException".into()));
         }
+        if self.delivered.lock().unwrap().iter().any(|(t, _)| t == token) {
+            return Err(DeliveryError::Gone("TaskTimedOut".into()));
+        }
         self.delivered.lock().unwrap().push((token.to_string(), lease.clone()));
+        if self.landed_but_lost.load(Ordering::SeqCst) > 0 {
+            self.landed_but_lost.fetch_sub(1, Ordering::SeqCst);
+            return Err(DeliveryError::Transient("timeout: the answer never came".into()));
+        }
         Ok(())
     }
-    async fn failure(&self, _: &str, _: &str, _: &str) -> Result<(), DeliveryError> {
+    async fn failure(&self, token: &str, error: &str, _: &str) -> Result<(), DeliveryError> {
+        self.failed.lock().unwrap().push((token.to_string(), error.to_string()));
         Ok(())
     }
 }
@@ -485,4 +509,458 @@ async fn release_grants_the_head_waiter_in_its_own_write(b: Backend) {
     let freed = c.release(&k, &last.lease_id).await.unwrap();
     assert!(!freed.already_released);
     assert!(!c.get(&k).await.unwrap().held);
+}
+
+/// Two executions must never hold one key: a queued acquire that took a free key and whose
+/// `SendTaskSuccess` landed but answered with a timeout keeps the lease (marked undelivered),
+/// so nobody else takes the key while the task works; the sweep delivers it again after the
+/// grace (answered `Gone`: the task has it) and clears the mark. A first attempt answered
+/// `Gone` still frees the key.
+async fn free_key_grant_whose_delivery_answer_is_lost_is_kept(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let c = coord(&b, &rec);
+    let k = key("lost-answer");
+    rec.landed_but_lost.store(1, Ordering::SeqCst);
+    let out = enqueue(&c, &k, "t0", Duration::from_secs(60)).await;
+    let Enqueued::Granted(lease) = out else { panic!("the key was free: {out:?}") };
+    assert_eq!(rec.tokens(), ["t0"], "the task has its lease");
+    let other = c.acquire(&k, "other", Some(Duration::from_secs(5)), AcquireOptions::default()).await;
+    assert!(matches!(other, Err(leasehold::Error::LeaseHeld { .. })), "one holder at a time: {other:?}");
+    let item = b.store().get(&k).await.unwrap().unwrap();
+    assert_eq!(item.lease_id, lease.lease_id);
+    assert_eq!(item.pending_token.as_deref(), Some("t0"), "marked for the sweep");
+    tokio::time::sleep(Duration::from_millis(DELIVERY_GRACE_MS + 100)).await;
+    let report = c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    assert!(report.keys >= 1, "{report:?}");
+    let item = b.store().get(&k).await.unwrap().unwrap();
+    assert!(item.pending_token.is_none() && item.lease_id == lease.lease_id, "{item:?}");
+    assert!(c.heartbeat(&k, &lease.lease_id, None).await.is_ok(), "still the task's lease");
+    // A first attempt answered Gone: never delivered, the key is freed.
+    let k2 = key("gone-at-once");
+    rec.gone.lock().unwrap().insert("t-gone".into());
+    let out = c.acquire_or_enqueue(&k2, "g", Duration::from_secs(60), AcquireOptions::default(), "t-gone", None).await;
+    assert!(out.is_err(), "{out:?}");
+    assert!(!c.get(&k2).await.unwrap().held);
+}
+
+/// The real store as DynamoDB's TTL leaves it at a later time: `purge(at_s)` deletes every item
+/// whose `ttl` (epoch s) is before `at_s`, as the TTL sweeper would have by then.
+struct TtlDeleting {
+    inner: Arc<dyn Store>,
+}
+
+impl TtlDeleting {
+    async fn purge(&self, at_s: u64) -> usize {
+        let (mut n, mut start) = (0, None::<String>);
+        loop {
+            let page = self.inner.scan(&ScanKind::All, start.as_deref(), 100).await.unwrap();
+            for r in page.items.iter().filter(|r| r.ttl.is_some_and(|t| t < at_s)) {
+                let cond = if r.fence == 0 { Condition::NotLease } else { Condition::FenceIs(r.fence) };
+                if let Write::Applied(_) = self.inner.delete(&r.key, &cond).await.unwrap() {
+                    n += 1;
+                }
+            }
+            match page.next {
+                Some(next) => start = Some(next),
+                None => return n,
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Store for TtlDeleting {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    async fn get(&self, key: &str) -> leasehold::Result<Option<Record>> {
+        self.inner.get(key).await
+    }
+    async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
+        self.inner.update(key, c, m).await
+    }
+    async fn delete(&self, key: &str, c: &Condition) -> leasehold::Result<Write> {
+        self.inner.delete(key, c).await
+    }
+    async fn scan(&self, k: &ScanKind, s: Option<&str>, l: u32) -> leasehold::Result<Page> {
+        self.inner.scan(k, s, l).await
+    }
+}
+
+/// A waiter's item outlives the default TTL horizon (about 36 h): it is kept until its own
+/// timeout, or a year without one. Played with the TTL deletions 20 days on, behind a
+/// fail-closed holder (no TTL of its own).
+async fn waiters_outlive_the_ttl_of_a_day(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let store = Arc::new(TtlDeleting { inner: b.store() });
+    let c = Coordinator::new(store.clone(), test_config()).with_deliver(rec.clone() as Arc<dyn Deliver>);
+    let k = key("long-wait");
+    let id = LeaseId::generate();
+    let opts = AcquireOptions { lease_id: Some(id.clone()), ..Default::default() };
+    c.acquire(&k, "holder", None, opts).await.unwrap();
+    let day = 24 * 3600 * 1000;
+    c.acquire_or_enqueue(&k, "w1", Duration::from_secs(30), AcquireOptions::default(), "w1", None).await.unwrap();
+    let timeout = Some(c.now_ms() + 30 * day);
+    c.acquire_or_enqueue(&k, "w2", Duration::from_secs(30), AcquireOptions::default(), "w2", timeout).await.unwrap();
+    let purged = store.purge((c.now_ms() + 20 * day) / 1000).await;
+    assert_eq!(c.get(&k).await.unwrap().queue_length, 2);
+    c.release(&k, &id).await.unwrap();
+    assert_eq!(rec.tokens(), ["w1"], "the waiter without a timeout is still queued ({purged} items purged)");
+    c.release(&k, &rec.last().lease_id).await.unwrap();
+    assert_eq!(rec.tokens(), ["w1", "w2"], "the waiter with a 30-day timeout is still queued");
+}
+
+/// What [`Faults`] does to a write it matches.
+#[derive(Clone, Copy)]
+enum Act {
+    /// Make the write, then lose its answer (ambiguous failure).
+    LoseAnswer,
+    /// Fail without writing.
+    Fail,
+    /// Make the write after this long.
+    Delay(Duration),
+}
+
+type Rule = Box<dyn Fn(&str, &Mutation) -> Option<Act> + Send + Sync>;
+
+/// The real store with a fault on the writes a rule matches (each rule fires once, but a
+/// `Fail` on every matching write).
+struct Faults {
+    inner: Arc<dyn Store>,
+    rules: Mutex<Vec<Rule>>,
+}
+
+impl Faults {
+    fn new(inner: Arc<dyn Store>) -> Arc<Faults> {
+        Arc::new(Faults { inner, rules: Mutex::new(Vec::new()) })
+    }
+    fn once(&self, rule: impl Fn(&str, &Mutation) -> Option<Act> + Send + Sync + 'static) {
+        self.rules.lock().unwrap().push(Box::new(rule));
+    }
+}
+
+#[async_trait]
+impl Store for Faults {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    async fn get(&self, key: &str) -> leasehold::Result<Option<Record>> {
+        self.inner.get(key).await
+    }
+    async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
+        let act = {
+            let mut rules = self.rules.lock().unwrap();
+            let hit = rules.iter().position(|r| r(key, m).is_some());
+            hit.map(|i| match rules[i](key, m).unwrap() {
+                // A failing write fails every try.
+                Act::Fail => Act::Fail,
+                _ => rules.remove(i)(key, m).unwrap(),
+            })
+        };
+        match act {
+            None => self.inner.update(key, c, m).await,
+            Some(Act::LoseAnswer) => {
+                self.inner.update(key, c, m).await?;
+                Err(leasehold::Error::StoreUnavailable("injected: the answer was lost".into()))
+            }
+            Some(Act::Fail) => Err(leasehold::Error::StoreUnavailable("injected: failed".into())),
+            Some(Act::Delay(d)) => {
+                tokio::time::sleep(d).await;
+                self.inner.update(key, c, m).await
+            }
+        }
+    }
+    async fn delete(&self, key: &str, c: &Condition) -> leasehold::Result<Write> {
+        self.inner.delete(key, c).await
+    }
+    async fn scan(&self, k: &ScanKind, s: Option<&str>, l: u32) -> leasehold::Result<Page> {
+        self.inner.scan(k, s, l).await
+    }
+}
+
+fn is_enqueue(m: &Mutation) -> bool {
+    matches!(m, Mutation::Enqueue { .. })
+}
+
+fn puts_waiter(m: &Mutation, token: &str) -> bool {
+    matches!(m, Mutation::PutWaiter(r) if r.waiter.as_ref().is_some_and(|w| w.task_token == token))
+}
+
+/// An enqueue whose answer is lost is retried with the same lease_id and finds its own slot
+/// (one slot, not two); a retried invocation (same lease_id, a new task token) too, and the
+/// lease goes to the newer token. A release then serves the waiter at once.
+async fn a_retried_enqueue_takes_one_slot(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let faults = Faults::new(b.store());
+    let c = Coordinator::new(faults.clone(), test_config()).with_deliver(rec.clone() as Arc<dyn Deliver>);
+    let k = key("idempotent");
+    let Enqueued::Granted(held) = enqueue(&c, &k, "t0", Duration::from_secs(30)).await else { panic!() };
+    faults.once(|_, m| is_enqueue(m).then_some(Act::LoseAnswer));
+    let id = LeaseId::generate();
+    let opts = AcquireOptions { lease_id: Some(id.clone()), ..Default::default() };
+    let out = c.acquire_or_enqueue(&k, "w", Duration::from_secs(30), opts.clone(), "w-first", None).await.unwrap();
+    assert!(matches!(out, Enqueued::Queued { position: 1, .. }), "{out:?}");
+    assert_eq!(c.get(&k).await.unwrap().queue_length, 1, "a lost answer's retry takes no second slot");
+    let again = c.acquire_or_enqueue(&k, "w", Duration::from_secs(30), opts, "w-retry", None).await.unwrap();
+    assert!(matches!(again, Enqueued::Queued { position: 1, .. }), "{again:?}");
+    assert_eq!(c.get(&k).await.unwrap().queue_length, 1, "a retried invocation takes no second slot");
+    c.release(&k, &held.lease_id).await.unwrap();
+    assert_eq!(rec.tokens(), ["t0", "w-retry"], "served at once, to the newer task");
+    assert_eq!(rec.last().lease_id, id);
+}
+
+/// A slot whose waiter item never came (its put failed) is skipped once ITS grace has passed,
+/// however recently others joined after it; and a key whose only slot is missing is found by
+/// the sweep (no waiter item exists to find it by) and freed for plain acquires.
+async fn a_missing_slot_is_skipped_after_its_own_grace(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let faults = Faults::new(b.store());
+    let c = Coordinator::new(faults.clone(), test_config()).with_deliver(rec.clone() as Arc<dyn Deliver>);
+    let (k, lonely) = (key("missing"), key("lonely"));
+    let Enqueued::Granted(held) = enqueue(&c, &k, "t0", Duration::from_secs(60)).await else { panic!() };
+    let short = Duration::from_millis(4000);
+    let Enqueued::Granted(_) = enqueue(&c, &lonely, "l0", short).await else { panic!() };
+    // Each failing put is retried for the retry budget (3 s) before its enqueue gives up.
+    for (key, token) in [(&lonely, "l-dead"), (&k, "dead")] {
+        faults.once(move |_, m| puts_waiter(m, token).then_some(Act::Fail));
+        let out =
+            c.acquire_or_enqueue(key, token, Duration::from_secs(30), AcquireOptions::default(), token, None).await;
+        assert!(out.is_err(), "its put failed: {out:?}");
+    }
+    enqueue(&c, &k, "w2", Duration::from_secs(30)).await;
+    let started = Instant::now();
+    tokio::time::sleep(Duration::from_millis(leasehold::queue::ENQUEUE_GRACE_MS * 6 / 10)).await;
+    // Another waiter joins late: the grace of the missing slot does not start again.
+    enqueue(&c, &k, "w3", Duration::from_secs(30)).await;
+    let left = Duration::from_millis(leasehold::queue::ENQUEUE_GRACE_MS + 200).saturating_sub(started.elapsed());
+    tokio::time::sleep(left).await;
+    c.release(&k, &held.lease_id).await.unwrap();
+    assert!(rec.tokens().contains(&"w2".to_string()), "the missing slot was skipped: {:?}", rec.tokens());
+    let plain = b.coordinator(test_config());
+    let refused = plain.acquire(&lonely, "p", Some(Duration::from_secs(5)), AcquireOptions::default()).await;
+    assert!(refused.is_err(), "a free key with a slot is the slot's");
+    c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    let st = c.get(&lonely).await.unwrap();
+    assert!(!st.held && st.queue_length == 0, "the sweep skipped the missing slot: {st:?}");
+    plain.acquire(&lonely, "p", Some(Duration::from_secs(5)), AcquireOptions::default()).await.unwrap();
+}
+
+/// A release that handed the key over (to a queued waiter, or to an in-process waiter in the
+/// release's own write) and is retried (a lost answer) answers `already_released` with the
+/// released lease's fence, not `wrong_lease_id`.
+async fn retried_release_after_a_hand_over_is_already_released(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let c = coord(&b, &rec);
+    let k = key("retry-queued");
+    let Enqueued::Granted(held) = enqueue(&c, &k, "t0", Duration::from_secs(30)).await else { panic!() };
+    enqueue(&c, &k, "t1", Duration::from_secs(30)).await;
+    let first = c.release(&k, &held.lease_id).await.unwrap();
+    assert_eq!(rec.tokens(), ["t0", "t1"]);
+    let retry = c.release(&k, &held.lease_id).await.unwrap();
+    assert!(retry.already_released, "{retry:?}");
+    assert_eq!((retry.fence, first.fence), (held.fence, held.fence));
+    assert!(c.get(&k).await.unwrap().held, "the retry changed nothing");
+    // The in-process hand-over (a coordinator without delivery, a waiting acquire).
+    let mut config = test_config();
+    config.poll_max = Duration::from_secs(20);
+    let plain = b.coordinator(config);
+    let k = key("retry-inproc");
+    let held = plain.acquire(&k, "h0", Some(Duration::from_secs(30)), AcquireOptions::default()).await.unwrap();
+    let (p, k2) = (plain.clone(), k.clone());
+    let waiter = tokio::spawn(async move {
+        let opts = AcquireOptions { wait: Some(Duration::from_secs(15)), ..Default::default() };
+        p.acquire(&k2, "h1", Some(Duration::from_secs(30)), opts).await.unwrap()
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !plain.head_waiter_offers(&k) {
+        assert!(Instant::now() < deadline, "the waiter never settled");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    plain.release(&k, &held.lease_id).await.unwrap();
+    let next = waiter.await.unwrap();
+    let retry = plain.release(&k, &held.lease_id).await.unwrap();
+    assert!(retry.already_released && retry.fence == held.fence, "{retry:?}");
+    assert!(plain.heartbeat(&k, &next.lease_id, None).await.is_ok(), "the next holder keeps the key");
+}
+
+/// The release-and-grant write's answer is lost: the release's own retry recognises the grant
+/// (it carries the releasing lease's id) and answers the release; the grant, marked
+/// undelivered, is delivered by the sweep after the grace; nothing is granted twice.
+async fn an_ambiguous_hand_over_is_recognised_by_its_retry(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let faults = Faults::new(b.store());
+    let c = Coordinator::new(faults.clone(), test_config()).with_deliver(rec.clone() as Arc<dyn Deliver>);
+    let k = key("ambiguous-grant");
+    let Enqueued::Granted(held) = enqueue(&c, &k, "t0", Duration::from_secs(30)).await else { panic!() };
+    enqueue(&c, &k, "t1", Duration::from_secs(30)).await;
+    enqueue(&c, &k, "t2", Duration::from_secs(30)).await;
+    faults.once(|_, m| matches!(m, Mutation::Grant { .. }).then_some(Act::LoseAnswer));
+    let released = c.release(&k, &held.lease_id).await.expect("the retry finds the grant");
+    assert!(!released.already_released);
+    assert_eq!(released.fence, held.fence);
+    let st = c.get(&k).await.unwrap();
+    assert!(st.held && st.holder == "t1" && st.queue_length == 1, "granted once: {st:?}");
+    tokio::time::sleep(Duration::from_millis(DELIVERY_GRACE_MS + 100)).await;
+    c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    assert_eq!(rec.tokens(), ["t0", "t1"], "delivered once");
+    let retry = c.release(&k, &held.lease_id).await.unwrap();
+    assert!(retry.already_released && retry.fence == held.fence, "{retry:?}");
+}
+
+/// A hand-over grant whose every delivery failed and whose lease expired before the sweep
+/// came: its waiter is told (`SendTaskFailure`, `LeaseExpired`) instead of waiting until its
+/// own timeout, and the next waiter is served.
+async fn an_expired_undelivered_grant_is_ended_and_the_next_served(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let c = coord(&b, &rec);
+    let k = key("expired-undelivered");
+    let Enqueued::Granted(held) = enqueue(&c, &k, "t0", Duration::from_secs(30)).await else { panic!() };
+    enqueue(&c, &k, "t1", Duration::from_millis(500)).await;
+    enqueue(&c, &k, "t2", Duration::from_secs(30)).await;
+    rec.transient.store(100, Ordering::SeqCst);
+    c.release(&k, &held.lease_id).await.unwrap();
+    rec.transient.store(0, Ordering::SeqCst);
+    assert_eq!(rec.tokens(), ["t0"], "t1's grant was not delivered");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    assert_eq!(*rec.failed.lock().unwrap(), [("t1".to_string(), "LeaseExpired".to_string())]);
+    assert_eq!(rec.tokens(), ["t0", "t2"]);
+    let st = c.get(&k).await.unwrap();
+    assert!(st.held && st.holder == "t2", "{st:?}");
+    // A queued acquire's grant of a free key, never delivered, expired: no plain acquire takes
+    // the key over the mark (its waiter would never be told); the sweep tells it, then the key
+    // is free for anyone.
+    let k = key("expired-free-grant");
+    rec.transient.store(100, Ordering::SeqCst);
+    let out = enqueue(&c, &k, "f0", Duration::from_millis(500)).await;
+    rec.transient.store(0, Ordering::SeqCst);
+    assert!(matches!(out, Enqueued::Granted(_)), "{out:?}");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let plain = b.coordinator(test_config());
+    let taken = plain.acquire(&k, "p", Some(Duration::from_secs(5)), AcquireOptions::default()).await;
+    assert!(matches!(taken, Err(leasehold::Error::LeaseHeld { .. })), "{taken:?}");
+    c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    assert!(rec.failed.lock().unwrap().iter().any(|(t, e)| t == "f0" && e == "LeaseExpired"));
+    plain.acquire(&k, "p", Some(Duration::from_secs(5)), AcquireOptions::default()).await.unwrap();
+}
+
+/// A release whose min_hold is still running leaves the key blocked until it ends: the release
+/// (a short min_hold) waits for it and hands the key to the queued waiter, without the sweep.
+async fn min_hold_end_serves_the_queue(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let c = coord(&b, &rec);
+    let k = key("min-hold");
+    let opts = AcquireOptions { min_hold: Some(Duration::from_millis(1500)), ..Default::default() };
+    let held = c.acquire(&k, "h", Some(Duration::from_secs(30)), opts).await.unwrap();
+    enqueue(&c, &k, "t1", Duration::from_secs(30)).await;
+    c.release(&k, &held.lease_id).await.unwrap();
+    assert_eq!(rec.tokens(), ["t1"], "served when the min_hold ended");
+    let st = c.get(&k).await.unwrap();
+    assert!(st.held && st.holder == "t1" && st.acquired_at_ms >= held.min_hold_until_ms, "{st:?}");
+}
+
+/// A revoked grant (its waiter is gone) on a key in a work state writes no TTL: a key in a
+/// state is kept until it is taken.
+async fn revoke_keeps_a_work_state_without_ttl(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let c = coord(&b, &rec);
+    let k = key("revoke-state");
+    c.put(&k, "PENDING", "producer").await.unwrap();
+    let Enqueued::Granted(held) = enqueue(&c, &k, "t0", Duration::from_secs(30)).await else { panic!() };
+    enqueue(&c, &k, "gone", Duration::from_secs(30)).await;
+    rec.gone.lock().unwrap().insert("gone".into());
+    c.release(&k, &held.lease_id).await.unwrap();
+    let item = b.store().get(&k).await.unwrap().unwrap();
+    assert!(item.released_at_ms.is_some() && item.pending_token.is_none(), "revoked: {item:?}");
+    assert_eq!(item.state.as_deref(), Some("PENDING"));
+    assert_eq!(item.ttl, None, "no TTL on a key in a state: {item:?}");
+}
+
+/// The TTL removal that follows a heartbeat on a key in a work state is not on the renewal's
+/// answer path: a slow one does not hold the renewal back (which could make a landed renewal
+/// come back after the holder's safe time).
+async fn heartbeat_answers_without_waiting_for_the_ttl_removal(b: Backend) {
+    let faults = Faults::new(b.store());
+    let c = Coordinator::new(faults.clone(), test_config());
+    let k = key("hb-state");
+    c.put(&k, "PENDING", "producer").await.unwrap();
+    let lease = c.acquire(&k, "h", Some(Duration::from_secs(30)), AcquireOptions::default()).await.unwrap();
+    faults.once(|_, m| matches!(m, Mutation::ClearTtl).then_some(Act::Delay(Duration::from_secs(20))));
+    let sent = Instant::now();
+    let renewed = c.heartbeat(&k, &lease.lease_id, None).await.unwrap();
+    assert!(sent.elapsed() < Duration::from_secs(15), "the renewal waited for the TTL removal: {:?}", sent.elapsed());
+    assert!(renewed.expires_at_ms > lease.expires_at_ms);
+}
+
+/// Records which queue shards a sweep reads, in order, and how many entries come back.
+struct ScanLog {
+    inner: Arc<dyn Store>,
+    shards: Mutex<Vec<u32>>,
+    entries: AtomicUsize,
+}
+
+#[async_trait]
+impl Store for ScanLog {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    async fn get(&self, key: &str) -> leasehold::Result<Option<Record>> {
+        self.inner.get(key).await
+    }
+    async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
+        self.inner.update(key, c, m).await
+    }
+    async fn delete(&self, key: &str, c: &Condition) -> leasehold::Result<Write> {
+        self.inner.delete(key, c).await
+    }
+    async fn scan(&self, k: &ScanKind, s: Option<&str>, l: u32) -> leasehold::Result<Page> {
+        let page = self.inner.scan(k, s, l).await?;
+        if let ScanKind::Queue { shard } | ScanKind::Keepalive { shard, .. } = k {
+            self.shards.lock().unwrap().push(*shard);
+            self.entries.fetch_add(page.items.len(), Ordering::SeqCst);
+        }
+        Ok(page)
+    }
+}
+
+/// The queue sweep reads one index entry per key with waiters, however many waiters it has
+/// (200 here), one page per shard, from a start shard that moves on from run to run; a key
+/// whose queue emptied leaves the index.
+async fn sweep_reads_one_entry_per_key_and_rotates(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let log = Arc::new(ScanLog { inner: b.store(), shards: Mutex::new(Vec::new()), entries: AtomicUsize::new(0) });
+    let c = Coordinator::new(log.clone(), test_config()).with_deliver(rec.clone() as Arc<dyn Deliver>);
+    let k = key("sweep-index");
+    let Enqueued::Granted(held) = enqueue(&c, &k, "t0", Duration::from_secs(60)).await else { panic!() };
+    for i in 0..200 {
+        enqueue(&c, &k, &format!("w{i}"), Duration::from_secs(60)).await;
+    }
+    log.shards.lock().unwrap().clear();
+    log.entries.store(0, Ordering::SeqCst);
+    let first = c.sweep_queues(Instant::now() + Duration::from_secs(30)).await.unwrap();
+    assert!(first.complete, "{first:?}");
+    let shards = log.shards.lock().unwrap().clone();
+    assert_eq!(shards.len(), 8, "one page per shard: {shards:?}");
+    let entries = log.entries.load(Ordering::SeqCst);
+    assert_eq!(entries, 1, "one entry per key, not per waiter");
+    // Consecutive runs start at consecutive shards (other tests' sweeps in this process move
+    // the start too, so three runs may not all start at the same one).
+    let mut starts = vec![shards[0]];
+    for _ in 0..2 {
+        log.shards.lock().unwrap().clear();
+        c.sweep_queues(Instant::now() + Duration::from_secs(30)).await.unwrap();
+        starts.push(log.shards.lock().unwrap()[0]);
+    }
+    assert!(starts.iter().any(|s| *s != starts[0]), "the start shard rotates: {starts:?}");
+    // Drain the queue: the key leaves the index.
+    let mut id = held.lease_id;
+    for _ in 0..200 {
+        c.release(&k, &id).await.unwrap();
+        id = rec.last().lease_id;
+    }
+    c.release(&k, &id).await.unwrap();
+    c.sweep_queues(Instant::now() + Duration::from_secs(30)).await.unwrap();
+    let shard = leasehold::queue::queue_shard(&k);
+    let page = b.store().scan(&ScanKind::Queue { shard }, None, 1000).await.unwrap();
+    assert!(page.items.iter().all(|r| r.key != k), "an idle key leaves the queue index");
 }

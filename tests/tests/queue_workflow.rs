@@ -14,6 +14,10 @@
 //!   `SendTaskSuccess` to every region at once (the credential scope rewritten) and answers
 //!   with the region that knows the token. `InvalidToken` answers from the other regions are
 //!   never shown to the functions.
+//!
+//! The adapter can also play a `SendTaskSuccess` that lands and whose answer never comes in
+//! time: the first one for a task whose lease is on a key containing `slow-answer` is answered
+//! 4 s late (after the functions' 3 s timeout), once moto has taken it.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
@@ -101,6 +105,9 @@ async fn adapt(
             }
         }
         let r = last.expect("a region answered");
+        if slow_answer(&target, &body) {
+            tokio::time::sleep(Duration::from_secs(4)).await;
+        }
         let mut b = hyper::Response::builder().status(r.status);
         for (k, v) in &r.headers {
             if !matches!(k.as_str(), "content-length" | "transfer-encoding" | "connection") {
@@ -111,6 +118,27 @@ async fn adapt(
     }
     // moto's Lambda invoke: the emulator's function error becomes Lambda's answer.
     forward_invoke(emulator_port, &method, &path, &body).await
+}
+
+/// Is this the first `SendTaskSuccess` to a task whose lease is on a `slow-answer` key? (Its
+/// answer is then held back past the caller's timeout.)
+fn slow_answer(target: &str, body: &[u8]) -> bool {
+    static SEEN: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    if target != "AWSStepFunctions.SendTaskSuccess" {
+        return false;
+    }
+    let v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    let output: Value = v["output"].as_str().and_then(|o| serde_json::from_str(o).ok()).unwrap_or(Value::Null);
+    let token = v["taskToken"].as_str().unwrap_or("").to_string();
+    if !output["key"].as_str().is_some_and(|k| k.contains("slow-answer")) {
+        return false;
+    }
+    let mut seen = SEEN.lock().unwrap();
+    if seen.contains(&token) {
+        return false;
+    }
+    seen.push(token);
+    true
 }
 
 fn start_adapter(port: u16, emulator_port: u16, moto_port: u16) {
@@ -384,4 +412,30 @@ async fn a_grant_nobody_waits_for_is_released() {
     assert!(out.is_err(), "{out:?}");
     let st = state(&key).await.expect("the grant was written, then released");
     assert!(!st.held, "{st:?}");
+}
+
+/// Two executions never hold one key: a queued acquire that finds the key free grants it and
+/// delivers it with `SendTaskSuccess`; when that call lands but its answer comes after the
+/// functions' timeout, the execution works with the lease, so the grant is kept (marked for
+/// the sweep) and the next execution queues behind it instead of taking the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_delivery_that_landed_but_timed_out_keeps_the_key() {
+    stack();
+    let key = unique("slow-answer");
+    let first =
+        start(json!({"key": key, "duration_ms": 60000, "work_seconds": 10, "queue_timeout_seconds": 120})).await;
+    wait_for(&key, "the first execution's lease", |s| s.held && s.holder == first.name).await;
+    // The acquire function gives up on its delivery after its 3 s timeout and retries.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let st = state(&key).await.expect("the key");
+    assert!(st.held && st.holder == first.name, "the working execution keeps its lease: {st:?}");
+    let second =
+        start(json!({"key": key, "duration_ms": 60000, "work_seconds": 1, "queue_timeout_seconds": 120})).await;
+    let (a, b) = (wait_end(&first, Duration::from_secs(120)).await, wait_end(&second, Duration::from_secs(120)).await);
+    assert_eq!(a.status, ExecutionStatus::Succeeded, "{a:?}");
+    assert_eq!(b.status, ExecutionStatus::Succeeded, "{b:?}");
+    let released = a.output["released_at_ms"].as_u64().unwrap();
+    let acquired = b.output["acquired_at_ms"].as_u64().unwrap();
+    assert!(acquired >= released, "one at a time: the second acquired at {acquired}, the first released at {released}");
+    assert!(b.output["fence"].as_u64().unwrap() > a.output["fence"].as_u64().unwrap());
 }

@@ -138,13 +138,14 @@ fn lease_table_matches_the_store() {
         (attr::KA_UNTIL, "N"),
         (attr::STATE_SHARD, "S"),
         (attr::EXPIRES_AT, "N"),
+        (attr::Q_SHARD, "N"),
     ]
     .iter()
     .map(|(a, b)| (a.to_string(), b.to_string()))
     .collect();
     assert_eq!(defs, want);
     let gsis = p["GlobalSecondaryIndexes"].as_array().expect("GSIs");
-    assert_eq!(gsis.len(), 2);
+    assert_eq!(gsis.len(), 3);
     assert_eq!(gsis[0]["IndexName"], KEEPALIVE_INDEX);
     assert_eq!(
         gsis[0]["KeySchema"],
@@ -158,6 +159,10 @@ fn lease_table_matches_the_store() {
         json!([{"AttributeName": attr::STATE_SHARD, "KeyType": "HASH"}, {"AttributeName": attr::EXPIRES_AT, "KeyType": "RANGE"}])
     );
     assert_eq!(gsis[1]["Projection"], json!({"ProjectionType": "ALL"}));
+    // The queue index, as `DynamoStore::create_table` makes it.
+    assert_eq!(gsis[2]["IndexName"], leasehold::store::dynamo::QUEUE_INDEX);
+    assert_eq!(gsis[2]["KeySchema"], json!([{"AttributeName": attr::Q_SHARD, "KeyType": "HASH"}]));
+    assert_eq!(gsis[2]["Projection"], json!({"ProjectionType": "KEYS_ONLY"}));
     assert_eq!(p["TimeToLiveSpecification"], json!({"AttributeName": attr::TTL, "Enabled": true}));
     assert_eq!(p["PointInTimeRecoverySpecification"]["PointInTimeRecoveryEnabled"], true);
     assert_eq!(p["SSESpecification"]["SSEEnabled"], true);
@@ -291,7 +296,11 @@ fn allowed_resource(action: &str, resource: &Value, own_log_group: &str) -> bool
     let executions = |machine: &str| json!({"Fn::Sub": format!("arn:${{AWS::Partition}}:states:${{AWS::Region}}:${{AWS::AccountId}}:execution:${{{machine}.Name}}:*")});
     let log_group = json!({"Fn::GetAtt": [own_log_group, "Arn"]});
     match action {
-        "dynamodb:Query" => *resource == index || *resource == json!({"Fn::Sub": "${LeaseTable.Arn}/index/state"}),
+        "dynamodb:Query" => {
+            *resource == index
+                || *resource == json!({"Fn::Sub": "${LeaseTable.Arn}/index/state"})
+                || *resource == json!({"Fn::Sub": "${LeaseTable.Arn}/index/queue"})
+        }
         a if a.starts_with("dynamodb:") => *resource == table,
         "states:DescribeExecution" => {
             MACHINES.iter().any(|m| *resource == executions(m))
@@ -301,7 +310,7 @@ fn allowed_resource(action: &str, resource: &Value, own_log_group: &str) -> bool
         "logs:CreateLogStream" | "logs:PutLogEvents" => *resource == log_group,
         // The waiter queue's delivery: a service-integration task token belongs to no resource
         // IAM can name (DESIGN.md, "The waiter queue").
-        "states:SendTaskSuccess" => resource.as_str() == Some("*"),
+        "states:SendTaskSuccess" | "states:SendTaskFailure" => resource.as_str() == Some("*"),
         _ => false,
     }
 }
@@ -319,6 +328,7 @@ fn function_roles_are_least_privilege() {
                 "dynamodb:DeleteItem",
                 "dynamodb:Query",
                 "states:SendTaskSuccess",
+                "states:SendTaskFailure",
                 "logs:CreateLogStream",
                 "logs:PutLogEvents",
             ],
@@ -332,6 +342,7 @@ fn function_roles_are_least_privilege() {
                 "dynamodb:Query",
                 "states:DescribeExecution",
                 "states:SendTaskSuccess",
+                "states:SendTaskFailure",
                 "logs:CreateLogStream",
                 "logs:PutLogEvents",
             ],
@@ -343,6 +354,7 @@ fn function_roles_are_least_privilege() {
                 "dynamodb:GetItem",
                 "dynamodb:DeleteItem",
                 "states:SendTaskSuccess",
+                "states:SendTaskFailure",
                 "logs:CreateLogStream",
                 "logs:PutLogEvents",
             ],
@@ -379,7 +391,10 @@ fn function_roles_are_least_privilege() {
                     let a = a.as_str().expect("plain action");
                     assert!(!a.contains('*'), "{role_name}: wildcard action {a}");
                     for r in &resources {
-                        assert!(r.as_str() != Some("*") || a == "states:SendTaskSuccess", "{role_name}: {a} on *");
+                        assert!(
+                            r.as_str() != Some("*") || a == "states:SendTaskSuccess" || a == "states:SendTaskFailure",
+                            "{role_name}: {a} on *"
+                        );
                         assert!(allowed_resource(a, r, own_log_group), "{role_name}: {a} on {r}");
                     }
                     granted.insert(a.to_string());
@@ -1069,6 +1084,7 @@ fn alarms_watch_the_sweep_and_throttles_and_notify_the_optional_topic() {
         "Invocations:LessThanThreshold",
         "Throttled:GreaterThanOrEqualToThreshold",
         "SweepReleased:GreaterThanOrEqualToThreshold",
+        "ClockSkew:GreaterThanOrEqualToThreshold",
     ]
     .into_iter()
     .map(String::from)
@@ -1141,4 +1157,39 @@ fn batch_processor_continues_as_itself_and_retries_lambda_errors() {
     }
     assert_eq!(iteration["Renew"]["Parameters"]["FunctionName"], "${HeartbeatFunctionArn}");
     assert_eq!(all["ProcessBatch"]["ItemProcessor"]["StartAt"], "Renew");
+}
+
+/// `ClockSkew` lasts until a clock is fixed: a workflow that retries it does so in an entry of
+/// its own, no sooner than the `Retry-After` the API gives it (issue 22: a hot retry loop on
+/// `ClockSkew` sent 227,755 requests in 60 s).
+#[test]
+fn workflows_back_off_on_clock_skew() {
+    fn walk(v: &Value, file: &str, seen: &mut u32) {
+        match v {
+            Value::Object(o) => {
+                if let Some(Value::Array(retries)) = o.get("Retry") {
+                    for r in retries {
+                        let errors = r["ErrorEquals"].as_array().unwrap();
+                        if errors.iter().any(|e| e == "ClockSkew") {
+                            *seen += 1;
+                            assert_eq!(errors.len(), 1, "{file}: ClockSkew shares a Retry entry: {r}");
+                            let after = leasehold::CLOCK_SKEW_RETRY_AFTER.as_secs();
+                            assert!(r["IntervalSeconds"].as_u64().unwrap_or(1) >= after, "{file}: {r}");
+                        }
+                    }
+                }
+                o.values().for_each(|v| walk(v, file, seen));
+            }
+            Value::Array(a) => a.iter().for_each(|v| walk(v, file, seen)),
+            _ => {}
+        }
+    }
+    let mut seen = 0;
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../statemachines");
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        walk(&serde_json::from_str(&text).unwrap(), &path.display().to_string(), &mut seen);
+    }
+    assert!(seen > 0, "some workflow retries ClockSkew");
 }

@@ -115,6 +115,7 @@ pub async fn run(
                 metadata: r.metadata,
                 keepalive: r.keepalive,
                 lease_id: None,
+                deadline: super::invoke_deadline(received, remaining),
             };
             let duration = Some(r.duration_ms.map(Duration::from_millis).unwrap_or(coord.config().default_duration));
             // Fewer keys than asked when `limit` leases of this size could make an answer that a

@@ -54,6 +54,12 @@ pub mod attr {
     pub(crate) const QUEUE_TAIL_AT: &str = "queue_tail_at_ms";
     pub(crate) const PENDING_TOKEN: &str = "pending_token";
     pub(crate) const WAITER: &str = "waiter";
+    pub(crate) const QUEUE_TAIL_LEASE_ID: &str = "queue_tail_lease_id";
+    pub(crate) const RELEASED_LEASE_ID: &str = "released_lease_id";
+    pub(crate) const RELEASED_FENCE: &str = "released_fence";
+    /// Present only on lease items with queued waiters or an undelivered grant: the sparse
+    /// `queue` index (one entry per such key).
+    pub const Q_SHARD: &str = "q_shard";
     /// `STATE#n`: the work state and the index partition (present only on keys in a state).
     pub const STATE_SHARD: &str = "state_shard";
     pub(crate) const STATE_SINCE: &str = "state_since_ms";
@@ -81,6 +87,10 @@ pub mod attr {
         QUEUE_TAIL_AT,
         PENDING_TOKEN,
         WAITER,
+        QUEUE_TAIL_LEASE_ID,
+        RELEASED_LEASE_ID,
+        RELEASED_FENCE,
+        Q_SHARD,
         STATE_SHARD,
         STATE_SINCE,
         ATTEMPTS,
@@ -98,6 +108,10 @@ pub const KEEPALIVE_INDEX: &str = "keepalive";
 
 /// Name of the sparse work-state index (partition `state_shard`, sort `expires_at_ms`).
 pub const STATE_INDEX: &str = "state";
+
+/// Name of the sparse queue index (partition `q_shard`, keys only): one entry per key with
+/// queued waiters or an undelivered grant.
+pub const QUEUE_INDEX: &str = "queue";
 
 #[derive(Clone, Debug)]
 pub struct DynamoStore {
@@ -223,6 +237,11 @@ impl DynamoStore {
             .key_schema(built(ks(attr::EXPIRES_AT, KeyType::Range))?)
             .projection(Projection::builder().projection_type(ProjectionType::All).build())
             .build();
+        let queue_gsi = GlobalSecondaryIndex::builder()
+            .index_name(QUEUE_INDEX)
+            .key_schema(built(ks(attr::Q_SHARD, KeyType::Hash))?)
+            .projection(Projection::builder().projection_type(ProjectionType::KeysOnly).build())
+            .build();
         let mut req = self
             .client
             .create_table()
@@ -236,8 +255,10 @@ impl DynamoStore {
                 .attribute_definitions(built(n(attr::KA_UNTIL))?)
                 .attribute_definitions(built(s(attr::STATE_SHARD))?)
                 .attribute_definitions(built(n(attr::EXPIRES_AT))?)
+                .attribute_definitions(built(n(attr::Q_SHARD))?)
                 .global_secondary_indexes(built(gsi)?)
-                .global_secondary_indexes(built(state_gsi)?);
+                .global_secondary_indexes(built(state_gsi)?)
+                .global_secondary_indexes(built(queue_gsi)?);
         }
         let res = req.send().await;
         match res {
@@ -393,6 +414,9 @@ pub(crate) fn record_from_item(item: &HashMap<String, AttributeValue>) -> Result
         queue_tail: get_n(item, attr::QUEUE_TAIL)?,
         queue_tail_at_ms: get_n(item, attr::QUEUE_TAIL_AT)?,
         pending_token: get_s(item, attr::PENDING_TOKEN)?,
+        queue_tail_lease_id: get_s(item, attr::QUEUE_TAIL_LEASE_ID)?.map(LeaseId::from_string),
+        released_lease_id: get_s(item, attr::RELEASED_LEASE_ID)?.map(LeaseId::from_string),
+        released_fence: get_n(item, attr::RELEASED_FENCE)?,
         waiter,
         state: get_s(item, attr::STATE_SHARD)?.map(|s| s.rsplit_once('#').map_or(s.as_str(), |(st, _)| st).to_string()),
         state_since_ms: get_n(item, attr::STATE_SINCE)?,
@@ -480,10 +504,11 @@ impl Expr {
                 let fv = self.v("fence", num(*fence));
                 let lid = self.v("lease_id", str_(lease_id.expose()));
                 let (qt, qh) = (self.n(attr::QUEUE_TAIL), self.n(attr::QUEUE_HEAD));
-                let ss = self.n(attr::STATE_SHARD);
+                let (ss, p) = (self.n(attr::STATE_SHARD), self.n(attr::PENDING_TOKEN));
                 format!(
                     "attribute_not_exists({f}) OR ({e} <= {now} AND {f} < {fv} AND {l} <> {lid} \
-                     AND (attribute_not_exists({qt}) OR {qt} <= {qh}) AND attribute_not_exists({ss}))"
+                     AND (attribute_not_exists({qt}) OR {qt} <= {qh}) AND attribute_not_exists({ss}) \
+                     AND attribute_not_exists({p}))"
                 )
             }
             Condition::Renew { lease_id, now_ms, expires_at_ms } => {
@@ -528,11 +553,20 @@ impl Expr {
                     None => format!("{a} = {v} AND attribute_not_exists({e})"),
                 }
             }
-            Condition::Queueable { now_ms } => {
+            Condition::Queueable { now_ms, lease_id } => {
                 let (f, e) = (self.n(attr::FENCE), self.n(attr::EXPIRES_AT));
-                let (qt, qh) = (self.n(attr::QUEUE_TAIL), self.n(attr::QUEUE_HEAD));
+                let (qt, qh, ql) =
+                    (self.n(attr::QUEUE_TAIL), self.n(attr::QUEUE_HEAD), self.n(attr::QUEUE_TAIL_LEASE_ID));
                 let now = self.v("now", num(*now_ms));
-                format!("attribute_exists({f}) AND (attribute_not_exists({e}) OR {e} > {now} OR {qt} > {qh})")
+                let lid = self.v("lease_id", str_(lease_id.expose()));
+                format!(
+                    "attribute_exists({f}) AND (attribute_not_exists({e}) OR {e} > {now} OR {qt} > {qh}) \
+                     AND (attribute_not_exists({ql}) OR {ql} <> {lid} OR {qt} <= {qh})"
+                )
+            }
+            Condition::QueueIdle => {
+                let (qt, qh, p) = (self.n(attr::QUEUE_TAIL), self.n(attr::QUEUE_HEAD), self.n(attr::PENDING_TOKEN));
+                format!("(attribute_not_exists({qt}) OR {qt} <= {qh}) AND attribute_not_exists({p})")
             }
             Condition::HandOver { fence, now_ms, head } => {
                 let (f, e, qh) = (self.n(attr::FENCE), self.n(attr::EXPIRES_AT), self.n(attr::QUEUE_HEAD));
@@ -574,10 +608,10 @@ impl Expr {
                 let ssv = self.v("state_shard", str_(&visit.shard));
                 let siv = self.v("state_since_ms", num(visit.since_ms));
                 let atv = self.v("attempts", num(visit.attempts as u64));
-                let (qt, qh) = (self.n(attr::QUEUE_TAIL), self.n(attr::QUEUE_HEAD));
+                let (qt, qh, p) = (self.n(attr::QUEUE_TAIL), self.n(attr::QUEUE_HEAD), self.n(attr::PENDING_TOKEN));
                 format!(
                     "{e} <= {now} AND {f} < {fv} AND {l} <> {lid} AND (attribute_not_exists({qt}) OR {qt} <= {qh}) \
-                     AND {ss} = {ssv} AND {si} = {siv} AND {at} = {atv}"
+                     AND {ss} = {ssv} AND {si} = {siv} AND {at} = {atv} AND attribute_not_exists({p})"
                 )
             }
             Condition::Enterable { now_ms, shard, .. } => {
@@ -647,13 +681,17 @@ impl Expr {
                 self.remove_keepalive();
             }
             Mutation::ClearKeepalive => self.remove_keepalive(),
-            Mutation::Enqueue { now_ms, start } => {
+            Mutation::Enqueue { now_ms, start, lease_id, shard } => {
                 let (qh, qt) = (self.n(attr::QUEUE_HEAD), self.n(attr::QUEUE_TAIL));
                 let st = self.v("queue_start", num(*start));
                 let one = self.v("one", num(1));
                 self.set(attr::QUEUE_HEAD, format!("if_not_exists({qh}, {st})"));
                 self.set(attr::QUEUE_TAIL, format!("if_not_exists({qt}, {st}) + {one}"));
                 self.set_value(attr::QUEUE_TAIL_AT, num(*now_ms));
+                // The condition's `:lease_id` is the same value.
+                let lid = self.v("lease_id", str_(lease_id.expose()));
+                self.set(attr::QUEUE_TAIL_LEASE_ID, lid);
+                self.set_value(attr::Q_SHARD, num(*shard as u64));
             }
             Mutation::Grant { lease: n, seq, token } => {
                 self.set_value(attr::FENCE, num(n.fence));
@@ -678,17 +716,24 @@ impl Expr {
                     }
                     None => self.remove_keepalive(),
                 }
+                self.set_or_remove(attr::RELEASED_LEASE_ID, n.released.as_ref().map(|r| str_(r.0.expose())));
+                self.set_or_remove(attr::RELEASED_FENCE, n.released.as_ref().map(|r| num(r.1)));
                 self.remove(attr::RELEASED_AT);
                 self.remove(attr::POLL);
             }
             Mutation::Delivered => self.remove(attr::PENDING_TOKEN),
+            Mutation::MarkUndelivered { token, shard } => {
+                self.set_value(attr::PENDING_TOKEN, str_(token));
+                self.set_value(attr::Q_SHARD, num(*shard as u64));
+            }
             Mutation::Revoke { now_ms, ttl } => {
                 self.set_value(attr::EXPIRES_AT, num(0));
                 self.set_value(attr::RELEASED_AT, num(*now_ms));
-                self.set_value(attr::TTL, num(*ttl));
+                self.set_or_remove(attr::TTL, ttl.map(num));
                 self.remove(attr::PENDING_TOKEN);
                 self.remove_keepalive();
             }
+            Mutation::Unindex => self.remove(attr::Q_SHARD),
             Mutation::Skip { seq } => self.set_value(attr::QUEUE_HEAD, num(*seq)),
             Mutation::PutWaiter(_) => unreachable!("a waiter item is a PutItem"),
             Mutation::Enter { now_ms, holder, shard, .. } => {
@@ -776,11 +821,15 @@ fn lease_item(key: &str, n: &NewLease) -> HashMap<String, AttributeValue> {
         put(attr::STATE_SINCE, num(v.since_ms));
         put(attr::ATTEMPTS, num(v.attempts as u64));
     }
+    if let Some((id, fence)) = &n.released {
+        put(attr::RELEASED_LEASE_ID, str_(id.expose()));
+        put(attr::RELEASED_FENCE, num(*fence));
+    }
     item
 }
 
-/// A waiter item (DESIGN.md, "The waiter queue"): the waiter as one JSON attribute, and the
-/// index attributes that place it in its key's queue shard.
+/// A waiter item (DESIGN.md, "The waiter queue"): the waiter as one JSON attribute. It is in no
+/// index: the sweep finds keys with waiters through the lease items (`q_shard`).
 fn waiter_item(r: &Record) -> Result<HashMap<String, AttributeValue>> {
     let w = r.waiter.as_ref().ok_or_else(|| Error::invalid("a waiter item needs a waiter"))?;
     let mut item = HashMap::with_capacity(10);
@@ -798,8 +847,6 @@ fn waiter_item(r: &Record) -> Result<HashMap<String, AttributeValue>> {
         put(attr::TTL, num(t));
     }
     put(attr::WAITER, AttributeValue::S(serde_json::to_string(w).expect("waiter serialises")));
-    put(attr::KA_SHARD, num(crate::queue::queue_shard(&r.key) as u64));
-    put(attr::KA_UNTIL, num(r.acquired_at_ms));
     Ok(item)
 }
 
@@ -1010,6 +1057,28 @@ impl Store for DynamoStore {
                     .map_err(map_err)?;
                 (out.items().to_vec(), out.last_evaluated_key().cloned())
             }
+            ScanKind::Queue { shard } => {
+                let out = self
+                    .client
+                    .query()
+                    .table_name(&self.table)
+                    .index_name(QUEUE_INDEX)
+                    .key_condition_expression("#s = :s")
+                    .expression_attribute_names("#s", attr::Q_SHARD)
+                    .expression_attribute_values(":s", num(*shard as u64))
+                    .limit(limit.max(1) as i32)
+                    .set_exclusive_start_key(start_key)
+                    .send()
+                    .await
+                    .map_err(map_err)?;
+                // Keys only: the reader gets each item it serves.
+                let items = out
+                    .items()
+                    .iter()
+                    .map(|i| Ok(Record::key_only(need(get_s(i, attr::KEY)?, attr::KEY)?)))
+                    .collect::<Result<_>>()?;
+                return Ok(Page { items, next: out.last_evaluated_key().map(encode_token) });
+            }
             ScanKind::State { shard, free_at_ms, .. } => {
                 let mut q = self.state_query(shard, *free_at_ms);
                 if free_at_ms.is_some() {
@@ -1120,7 +1189,10 @@ mod tests {
             (Condition::FenceIs(3), Some(Mutation::ClearKeepalive)),
             (Condition::FenceAndExpiry { fence: 3, expires_at_ms: Some(4) }, Some(Mutation::ClearKeepalive)),
             (Condition::FenceAndExpiry { fence: 3, expires_at_ms: None }, Some(Mutation::ClearKeepalive)),
-            (Condition::Queueable { now_ms: now }, Some(Mutation::Enqueue { now_ms: now, start: 5 })),
+            (
+                Condition::Queueable { now_ms: now, lease_id: id.clone() },
+                Some(Mutation::Enqueue { now_ms: now, start: 5, lease_id: id.clone(), shard: 1003 }),
+            ),
             (
                 Condition::HandOver { fence: 3, now_ms: now, head: 5 },
                 Some(Mutation::Grant {
@@ -1136,6 +1208,7 @@ mod tests {
                         fence: 4,
                         poll_ms: None,
                         visit: None,
+                        released: Some((id.clone(), 2)),
                     },
                     seq: 6,
                     token: "t".into(),
@@ -1143,7 +1216,10 @@ mod tests {
             ),
             (Condition::HandOver { fence: 3, now_ms: now, head: 5 }, Some(Mutation::Skip { seq: 6 })),
             (Condition::Undelivered { fence: 3 }, Some(Mutation::Delivered)),
-            (Condition::Undelivered { fence: 3 }, Some(Mutation::Revoke { now_ms: now, ttl: 2 })),
+            (Condition::Undelivered { fence: 3 }, Some(Mutation::Revoke { now_ms: now, ttl: Some(2) })),
+            (Condition::Undelivered { fence: 3 }, Some(Mutation::Revoke { now_ms: now, ttl: None })),
+            (Condition::FenceIs(3), Some(Mutation::MarkUndelivered { token: "t".into(), shard: 1003 })),
+            (Condition::QueueIdle, Some(Mutation::Unindex)),
             (Condition::NotLease, None),
             (Condition::HandTo { lease_id: id.clone(), fence: 3, now_ms: now }, None),
             (

@@ -27,11 +27,13 @@ pub enum Condition {
     /// The key can be taken with fence `fence` by `lease_id`: no item, or an item whose expiry
     /// is present and `<= now_ms`, whose last fence is below `fence`, whose last lease is not
     /// `lease_id` (a lease_id is single-use: once its lease ended it is never granted again),
-    /// without queued waiters (a free key with waiters belongs to the head waiter), and which is
+    /// without queued waiters (a free key with waiters belongs to the head waiter), without a
+    /// grant still marked undelivered (its waiter is told before the key moves on), and which is
     /// in no work state (a key in a state is taken with [`Condition::FreeIn`], which keeps its
     /// state). DynamoDB: `attribute_not_exists(fence) OR (expires_at_ms <= :now AND fence <
     /// :fence AND lease_id <> :lease_id AND (attribute_not_exists(queue_tail) OR queue_tail <=
-    /// queue_head) AND attribute_not_exists(state_shard))` (every item has a fence)
+    /// queue_head) AND attribute_not_exists(state_shard) AND attribute_not_exists(pending_token))`
+    /// (every item has a fence)
     Free { now_ms: u64, fence: u64, lease_id: LeaseId },
     /// `lease_id` holds the key and this renewal is newer than the last one: same lease_id, not
     /// released, no expiry or expiry `> now_ms`, and no renewal at or after `now_ms` (a delayed
@@ -60,10 +62,13 @@ pub enum Condition {
     /// `attribute_not_exists(expires_at_ms)`
     FenceAndExpiry { fence: u64, expires_at_ms: Option<u64> },
     /// A waiter may join the key's queue: the item exists and is held, or its queue is not
-    /// empty (a free key with waiters belongs to the head waiter). DynamoDB:
+    /// empty (a free key with waiters belongs to the head waiter), and the queue's last slot is
+    /// not already `lease_id`'s (a retried enqueue whose first try landed finds its slot in the
+    /// refused answer instead of taking a second one). DynamoDB:
     /// `attribute_exists(fence) AND (attribute_not_exists(expires_at_ms) OR expires_at_ms > :now
-    /// OR queue_tail > queue_head)`
-    Queueable { now_ms: u64 },
+    /// OR queue_tail > queue_head) AND (attribute_not_exists(queue_tail_lease_id) OR
+    /// queue_tail_lease_id <> :lease_id OR queue_tail <= queue_head)`
+    Queueable { now_ms: u64, lease_id: LeaseId },
     /// The key is free, still carries the lease read (`fence`), and its queue head is still
     /// `head`: the head waiter may be granted it, or skipped. DynamoDB:
     /// `fence = :expected_fence AND expires_at_ms <= :now AND queue_head = :queue_head`
@@ -86,7 +91,8 @@ pub enum Condition {
     /// copies the state into the new item, so it must be the item's current one. DynamoDB:
     /// `expires_at_ms <= :now AND fence < :fence AND lease_id <> :lease_id AND
     /// (attribute_not_exists(queue_tail) OR queue_tail <= queue_head) AND state_shard =
-    /// :state_shard AND state_since_ms = :state_since_ms AND attempts = :attempts`
+    /// :state_shard AND state_since_ms = :state_since_ms AND attempts = :attempts AND
+    /// attribute_not_exists(pending_token)`
     FreeIn { now_ms: u64, fence: u64, lease_id: LeaseId, visit: Visit },
     /// A key may be put into `state`: no item, or a free item not already in `state`.
     /// DynamoDB: `attribute_not_exists(fence) OR (expires_at_ms <= :now AND
@@ -109,6 +115,10 @@ pub enum Condition {
     /// :releasing_lease_id AND attribute_not_exists(released_at_ms) AND min_hold_until_ms <= :now
     /// AND queue_head = :expected_head`
     ReleaseHandOver { lease_id: LeaseId, fence: u64, now_ms: u64, head: u64 },
+    /// The key has no queued waiter and no undelivered grant: it may leave the queue index.
+    /// DynamoDB: `(attribute_not_exists(queue_tail) OR queue_tail <= queue_head) AND
+    /// attribute_not_exists(pending_token)`
+    QueueIdle,
 }
 
 impl Condition {
@@ -122,6 +132,7 @@ impl Condition {
                     && &r.lease_id != lease_id
                     && r.queue_len() == 0
                     && r.state.is_none()
+                    && r.pending_token.is_none()
             }
             (Condition::Renew { lease_id, now_ms, expires_at_ms }, Some(r)) => {
                 r.is_live_for(lease_id, *now_ms)
@@ -137,7 +148,10 @@ impl Condition {
             (Condition::FenceAndExpiry { fence, expires_at_ms }, Some(r)) => {
                 r.fence == *fence && r.expires_at_ms == *expires_at_ms
             }
-            (Condition::Queueable { now_ms }, Some(r)) => r.is_held(*now_ms) || r.queue_len() > 0,
+            (Condition::Queueable { now_ms, lease_id }, Some(r)) => {
+                (r.is_held(*now_ms) || r.queue_len() > 0)
+                    && (r.queue_tail_lease_id.as_ref() != Some(lease_id) || r.queue_len() == 0)
+            }
             (Condition::HandOver { fence, now_ms, head }, Some(r)) => {
                 r.fence == *fence && matches!(r.expires_at_ms, Some(e) if e <= *now_ms) && r.queue_head == Some(*head)
             }
@@ -160,6 +174,7 @@ impl Condition {
                     && r.state.as_deref() == Some(visit.state.as_str())
                     && r.state_since_ms == Some(visit.since_ms)
                     && r.attempts.unwrap_or(0) == visit.attempts
+                    && r.pending_token.is_none()
             }
             (Condition::Live { lease_id, now_ms }, Some(r)) => r.is_live_for(lease_id, *now_ms),
             (Condition::Unqueued { lease_id }, Some(r)) => {
@@ -172,6 +187,7 @@ impl Condition {
                     && r.min_hold_until_ms <= *now_ms
                     && r.queue_head == Some(*head)
             }
+            (Condition::QueueIdle, Some(r)) => r.queue_len() == 0 && r.pending_token.is_none(),
             (Condition::Enterable { .. }, None) => true,
             (Condition::Enterable { now_ms, state, .. }, Some(r)) => {
                 matches!(r.expires_at_ms, Some(e) if e <= *now_ms) && r.state.as_deref() != Some(state.as_str())
@@ -200,6 +216,9 @@ pub struct NewLease {
     pub poll_ms: Option<u64>,
     /// The work state the key stays in, with `attempts` counting this grant.
     pub visit: Option<Visit>,
+    /// A hand-over: the released lease this grant replaces (its lease_id and fence), kept on the
+    /// item so that a retried release of it answers `already_released`.
+    pub released: Option<(LeaseId, u64)>,
 }
 
 /// One stay of a key in a work state: the state, its index partition (`state_shard`), when the
@@ -234,6 +253,9 @@ impl NewLease {
             queue_tail: None,
             queue_tail_at_ms: None,
             pending_token: None,
+            queue_tail_lease_id: None,
+            released_lease_id: self.released.as_ref().map(|r| r.0.clone()),
+            released_fence: self.released.as_ref().map(|r| r.1),
             waiter: None,
             state: self.visit.as_ref().map(|v| v.state.clone()),
             state_since_ms: self.visit.as_ref().map(|v| v.since_ms),
@@ -259,17 +281,25 @@ pub enum Mutation {
     /// Stop renewing on the holder's behalf (keep-alive deadline passed or execution gone).
     ClearKeepalive,
     /// Join the queue: `queue_tail + 1` (a new queue starts both counters at `start`, the
-    /// clock in µs), `queue_tail_at_ms = now`. The new tail is the waiter's sequence number.
-    Enqueue { now_ms: u64, start: u64 },
+    /// clock in µs), `queue_tail_at_ms = now`, `queue_tail_lease_id = lease_id`, and the key
+    /// enters the queue index (`shard`). The new tail is the waiter's sequence number.
+    Enqueue { now_ms: u64, start: u64, lease_id: LeaseId, shard: u32 },
     /// Hand the free key to the head waiter: the lease of `lease` (fence included), the queue
     /// head moved to `seq`, and the grant marked undelivered with the waiter's task token.
     /// Queue tail and `queue_tail_at_ms` stay.
     Grant { lease: NewLease, seq: u64, token: String },
     /// The grant was delivered: the undelivered mark goes.
     Delivered,
+    /// A grant whose delivery failed is marked undelivered with the waiter's task token (a
+    /// queued acquire that found the key free), and the key enters the queue index (`shard`),
+    /// where the sweep finds it to deliver it again.
+    MarkUndelivered { token: String, shard: u32 },
     /// The grant's waiter is gone: the key is freed at once (expires_at = 0), released_at = now,
-    /// the undelivered mark and keep-alive removed.
-    Revoke { now_ms: u64, ttl: u64 },
+    /// the undelivered mark and keep-alive removed; the TTL set, or removed (`None`: a key in a
+    /// work state is kept until it is taken).
+    Revoke { now_ms: u64, ttl: Option<u64> },
+    /// The key leaves the queue index: its queue is empty and no grant is undelivered.
+    Unindex,
     /// Pass over the head waiter (gone, timed out, or never written): `queue_head = seq`.
     Skip { seq: u64 },
     /// Write a whole waiter item (DynamoDB: a PutItem).
@@ -321,11 +351,12 @@ impl Mutation {
                 r.keepalive = None;
                 r
             }
-            Mutation::Enqueue { now_ms, start } => {
+            Mutation::Enqueue { now_ms, start, lease_id, .. } => {
                 let mut r = old.expect("enqueue applies to an existing item").clone();
                 r.queue_head = Some(r.queue_head.unwrap_or(*start));
                 r.queue_tail = Some(r.queue_tail.unwrap_or(*start) + 1);
                 r.queue_tail_at_ms = Some(*now_ms);
+                r.queue_tail_lease_id = Some(lease_id.clone());
                 r
             }
             Mutation::Grant { lease, seq, token } => {
@@ -334,6 +365,7 @@ impl Mutation {
                 r.queue_head = Some(*seq);
                 r.queue_tail = o.queue_tail;
                 r.queue_tail_at_ms = o.queue_tail_at_ms;
+                r.queue_tail_lease_id = o.queue_tail_lease_id.clone();
                 r.pending_token = Some(token.clone());
                 // An UpdateItem: a key in a work state stays in it.
                 r.state = o.state.clone();
@@ -346,15 +378,22 @@ impl Mutation {
                 r.pending_token = None;
                 r
             }
+            Mutation::MarkUndelivered { token, .. } => {
+                let mut r = old.expect("mark-undelivered applies to an existing item").clone();
+                r.pending_token = Some(token.clone());
+                r
+            }
             Mutation::Revoke { now_ms, ttl } => {
                 let mut r = old.expect("revoke applies to an existing item").clone();
                 r.expires_at_ms = Some(0);
                 r.released_at_ms = Some(*now_ms);
                 r.pending_token = None;
                 r.keepalive = None;
-                r.ttl = Some(*ttl);
+                r.ttl = *ttl;
                 r
             }
+            // The embedded store derives its queue index column from the record.
+            Mutation::Unindex => old.expect("unindex applies to an existing item").clone(),
             Mutation::Skip { seq } => {
                 let mut r = old.expect("skip applies to an existing item").clone();
                 r.queue_head = Some(*seq);
@@ -381,6 +420,9 @@ impl Mutation {
                     queue_tail: None,
                     queue_tail_at_ms: None,
                     pending_token: None,
+                    queue_tail_lease_id: None,
+                    released_lease_id: None,
+                    released_fence: None,
                     waiter: None,
                     state: None,
                     state_since_ms: None,
@@ -437,6 +479,11 @@ pub enum ScanKind {
     /// and taken by: key, fence, holder, lease_id, times, state, attempts. Other fields of
     /// those records are absent.)
     State { state: String, shard: String, free_at_ms: Option<u64> },
+    /// Lease items of one queue shard (`queue::QUEUE_SHARD_BASE` + n) that have queued waiters
+    /// or an undelivered grant (DynamoDB: a Query on the sparse `queue` index, keys only: the
+    /// records carry the key alone, and the reader gets each item it serves). One entry per key,
+    /// however many waiters it has.
+    Queue { shard: u32 },
 }
 
 /// One page of a scan; pass `next` back as `start` to continue.

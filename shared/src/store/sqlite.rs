@@ -65,6 +65,7 @@ impl SqliteStore {
         )
         .map_err(store_err)?;
         migrate_states(&conn)?;
+        migrate_queues(&conn)?;
         Ok(SqliteStore { conn: Arc::new(Mutex::new(conn)), path })
     }
 
@@ -138,6 +139,41 @@ fn migrate_states(conn: &Connection) -> Result<()> {
         .map_err(store_err)
 }
 
+/// The queue index column (`q_shard`: the queue shard of a lease item with queued waiters or an
+/// undelivered grant, NULL otherwise) and its index, added to files created before them; rows
+/// of keys with a queue get their shard, and waiter items leave the keep-alive index (they are
+/// in no index now).
+fn migrate_queues(conn: &Connection) -> Result<()> {
+    let has: bool = conn
+        .query_row("SELECT COUNT(*) FROM pragma_table_info('leases') WHERE name = 'q_shard'", [], |r| {
+            r.get::<_, i64>(0)
+        })
+        .map_err(store_err)?
+        > 0;
+    if !has {
+        if let Err(e) = conn.execute_batch("ALTER TABLE leases ADD COLUMN q_shard INTEGER;") {
+            if !e.to_string().contains("duplicate column") {
+                return Err(store_err(e));
+            }
+        }
+        let rows: Vec<(String, String)> = conn
+            .prepare("SELECT key, record FROM leases WHERE record LIKE '%\"queue_tail\"%' OR record LIKE '%\"pending_token\"%' OR record LIKE '%\"waiter\"%'")
+            .and_then(|mut st| st.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?.collect())
+            .map_err(store_err)?;
+        for (_, json) in rows {
+            write(conn, &decode(&json)?)?;
+        }
+    }
+    conn.execute_batch("CREATE INDEX IF NOT EXISTS leases_queue ON leases(q_shard, key) WHERE q_shard IS NOT NULL;")
+        .map_err(store_err)
+}
+
+/// The queue index entry of a record: lease items with queued waiters or an undelivered grant.
+fn queue_index(r: &Record) -> Option<i64> {
+    (r.waiter.is_none() && (r.queue_len() > 0 || r.pending_token.is_some()))
+        .then(|| crate::queue::queue_shard(&r.key) as i64)
+}
+
 fn read(c: &Connection, key: &str) -> Result<Option<Record>> {
     let json: Option<String> = c
         .prepare_cached("SELECT record FROM leases WHERE key = ?1")
@@ -149,22 +185,21 @@ fn read(c: &Connection, key: &str) -> Result<Option<Record>> {
 fn write(c: &Connection, r: &Record) -> Result<()> {
     let json = serde_json::to_string(r).expect("record serialises");
     let (shard, until) = match (&r.keepalive, &r.waiter) {
-        // A waiter item sits in its key's queue shard of the same index (see `queue`).
-        (_, Some(_)) => (Some(crate::queue::queue_shard(&r.key) as i64), Some(r.acquired_at_ms as i64)),
         (Some(k), None) => (Some(keepalive_shard(&r.key, KEEPALIVE_SHARDS) as i64), Some(k.until_ms as i64)),
-        (None, None) => (None, None),
+        _ => (None, None),
     };
+    let q_shard = queue_index(r);
     let due = r.state.as_ref().and(r.expires_at_ms).map(|e| e.min(i64::MAX as u64) as i64);
     // Statements are prepared once per connection (the write path is the hot path).
     c.prepare_cached(
-        "INSERT INTO leases (key, record, fence, ka_shard, ka_until_ms, ttl, state, due_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
+        "INSERT INTO leases (key, record, fence, ka_shard, ka_until_ms, ttl, state, due_ms, q_shard)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)
          ON CONFLICT(key) DO UPDATE SET record = excluded.record, fence = excluded.fence,
            ka_shard = excluded.ka_shard, ka_until_ms = excluded.ka_until_ms, ttl = excluded.ttl,
-           state = excluded.state, due_ms = excluded.due_ms",
+           state = excluded.state, due_ms = excluded.due_ms, q_shard = excluded.q_shard",
     )
     .and_then(|mut st| {
-        st.execute(params![r.key, json, r.fence as i64, shard, until, r.ttl.map(|t| t as i64), r.state, due])
+        st.execute(params![r.key, json, r.fence as i64, shard, until, r.ttl.map(|t| t as i64), r.state, due, q_shard])
     })
     .map_err(store_err)?;
     Ok(())
@@ -251,6 +286,17 @@ impl Store for SqliteStore {
                         .map_err(store_err)?;
                     let it = st
                         .query_map(params![shard as i64, after_ms as i64, start, limit], |r| Ok((r.get(0)?, r.get(1)?)))
+                        .map_err(store_err)?;
+                    it.collect::<rusqlite::Result<_>>().map_err(store_err)?
+                }
+                ScanKind::Queue { shard } => {
+                    let mut st = c
+                        .prepare_cached(
+                            "SELECT key, record FROM leases WHERE q_shard = ?1 AND key > ?2 ORDER BY key LIMIT ?3",
+                        )
+                        .map_err(store_err)?;
+                    let it = st
+                        .query_map(params![shard as i64, start, limit], |r| Ok((r.get(0)?, r.get(1)?)))
                         .map_err(store_err)?;
                     it.collect::<rusqlite::Result<_>>().map_err(store_err)?
                 }
