@@ -219,7 +219,7 @@ mod tests {
         let taken = answer["leases"].as_array().unwrap().len();
         let size = answer.to_string().len();
         assert!(size <= MAX_NEXT_ANSWER_BYTES, "{size} bytes for {taken} leases");
-        assert!(taken >= 10 && taken < 100, "{taken}");
+        assert!((10..100).contains(&taken), "{taken}");
         // The bound is not far above what the answer needed (it counts the longest keys).
         assert!(size * 10 > MAX_NEXT_ANSWER_BYTES * 8, "{size}");
         assert_eq!(c.count_in_state("BIG").await.unwrap(), 100, "every key stays in its state");
