@@ -310,8 +310,10 @@ async fn two_batch_processors_drain_a_state_exactly_once() {
         assert_eq!((state.state.as_deref(), state.held), (Some(end), false), "{key}");
     }
     assert_eq!(c.count_in_state("PENDING").await.unwrap(), 0);
-    assert_eq!(c.count_in_state("DONE").await.unwrap(), (good + flaky) as u64);
-    assert_eq!(c.count_in_state("FAILED").await.unwrap(), poison as u64);
+    // The other tests of this file (one stack) also end keys in DONE and FAILED: each key of
+    // this one was checked above.
+    assert!(c.count_in_state("DONE").await.unwrap() >= (good + flaky) as u64);
+    assert!(c.count_in_state("FAILED").await.unwrap() >= poison as u64);
     // Both executions took part.
     let holders: HashSet<String> = {
         let mut h = HashSet::new();
