@@ -545,6 +545,17 @@ impl Expr {
                 let v = self.v("expected_fence", num(*f));
                 format!("{a} = {v}")
             }
+            Condition::FenceAndExpiry { fence, expires_at_ms } => {
+                let (a, e) = (self.n(attr::FENCE), self.n(attr::EXPIRES_AT));
+                let v = self.v("expected_fence", num(*fence));
+                match expires_at_ms {
+                    Some(exp) => {
+                        let ev = self.v("expected_expiry", num(*exp));
+                        format!("{a} = {v} AND {e} = {ev}")
+                    }
+                    None => format!("{a} = {v} AND attribute_not_exists({e})"),
+                }
+            }
             Condition::Queueable { now_ms, lease_id } => {
                 let (f, e) = (self.n(attr::FENCE), self.n(attr::EXPIRES_AT));
                 let (qt, qh, ql) =
@@ -1183,6 +1194,8 @@ mod tests {
             (Condition::Unreleased { lease_id: id.clone() }, Some(Mutation::Release { now_ms: now, ttl: 2 })),
             (Condition::Exists, Some(Mutation::ForceRelease { now_ms: now, ttl: 2 })),
             (Condition::FenceIs(3), Some(Mutation::ClearKeepalive)),
+            (Condition::FenceAndExpiry { fence: 3, expires_at_ms: Some(4) }, Some(Mutation::ClearKeepalive)),
+            (Condition::FenceAndExpiry { fence: 3, expires_at_ms: None }, Some(Mutation::ClearKeepalive)),
             (
                 Condition::Queueable { now_ms: now, lease_id: id.clone() },
                 Some(Mutation::Enqueue { now_ms: now, start: 5, lease_id: id.clone(), shard: 1003 }),

@@ -57,6 +57,12 @@ pub enum Condition {
     /// The item's last fence is `fence`: the same lease as when it was read (every grant and
     /// force-release changes the fence). DynamoDB: `fence = :expected_fence`
     FenceIs(u64),
+    /// The item is still the lease the keep-alive sweep read from its (eventually consistent)
+    /// index: same fence and same expiry (`None`: no expiry). A renewal the index has not seen
+    /// yet moved the expiry, so a live lease is never taken out of the sweep on a stale entry.
+    /// DynamoDB: `fence = :expected_fence AND expires_at_ms = :expected_expiry` |
+    /// `attribute_not_exists(expires_at_ms)`
+    FenceAndExpiry { fence: u64, expires_at_ms: Option<u64> },
     /// A waiter may join the key's queue: the item exists and is held, or its queue is not
     /// empty (a free key with waiters belongs to the head waiter), and the queue's last slot is
     /// not already `lease_id`'s (a retried enqueue whose first try landed finds its slot in the
@@ -141,6 +147,9 @@ impl Condition {
             (Condition::Unreleased { lease_id }, Some(r)) => &r.lease_id == lease_id && r.released_at_ms.is_none(),
             (Condition::Exists, Some(_)) => true,
             (Condition::FenceIs(f), Some(r)) => r.fence == *f,
+            (Condition::FenceAndExpiry { fence, expires_at_ms }, Some(r)) => {
+                r.fence == *fence && r.expires_at_ms == *expires_at_ms
+            }
             (Condition::Queueable { now_ms, lease_id }, Some(r)) => {
                 (r.is_held(*now_ms) || r.queue_len() > 0)
                     && (r.queue_tail_lease_id.as_ref() != Some(lease_id) || r.queue_len() == 0)
