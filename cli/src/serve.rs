@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -208,11 +208,8 @@ pub struct Ops {
     pub store: Arc<dyn Store>,
 }
 
-async fn handle(
-    coord: Coordinator,
-    ops: Arc<Ops>,
-    req: Request<Incoming>,
-) -> Result<Response<Full<Bytes>>, Infallible> {
+async fn handle(coord: Coordinator, ops: Arc<Ops>, req: Request<Incoming>) -> Result<Response<Answer>, Infallible> {
+    let acquire = req.method() == hyper::Method::POST && req.uri().path().starts_with("/leases/acquire/");
     let method = req.method().as_str().to_string();
     let path = req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or_else(|| "/".into());
     let declared = req
@@ -256,6 +253,8 @@ async fn handle(
                             .is_some_and(|w| w > 0);
                     }
                     let query = path.split_once('?').map(|(_, q)| q).unwrap_or("");
+                    // Dropped here when the client disconnects: the coordinator then gives back
+                    // whatever the acquire was granted (DESIGN.md, "Cancellation").
                     match api::handle_operator(&coord, &req, query).await {
                         Some(resp) => resp,
                         None => api::handle_http(&coord, req, None).await,
@@ -276,7 +275,80 @@ async fn handle(
         0
     };
     ops.metrics.answered(op, resp.error.map(|e| e.as_str()), started.elapsed(), waited, leases);
-    Ok(to_hyper(resp))
+    let unsent = if acquire && resp.status == 200 { Unsent::of(&coord, &resp.body) } else { None };
+    Ok(to_hyper(resp, unsent))
+}
+
+/// A granted lease whose answer was not yet handed to the connection for writing. If the
+/// connection drops the answer unwritten (the client left), the lease is released at once:
+/// nobody else has its lease_id.
+struct Unsent {
+    coord: Coordinator,
+    key: String,
+    lease_id: leasehold::LeaseId,
+}
+
+impl Unsent {
+    fn of(coord: &Coordinator, body: &str) -> Option<Unsent> {
+        let v: serde_json::Value = serde_json::from_str(body).ok()?;
+        Some(Unsent {
+            coord: coord.clone(),
+            key: v.get("key")?.as_str()?.to_string(),
+            lease_id: leasehold::LeaseId::from_string(v.get("lease_id")?.as_str()?),
+        })
+    }
+}
+
+impl Unsent {
+    fn release(self) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        let Unsent { coord, key, lease_id: id } = self;
+        rt.spawn(async move {
+            match coord.release(&key, &id).await {
+                Ok(_) => tracing::debug!(key, "released a lease whose answer could not be written"),
+                Err(e) => tracing::warn!(key, error = e.name(), "could not release a lease whose answer was lost"),
+            }
+        });
+    }
+}
+
+/// A response body that releases its lease ([`Unsent`]) when the connection drops it before
+/// taking it for writing.
+struct Answer {
+    body: Bytes,
+    unsent: Option<Unsent>,
+}
+
+impl hyper::body::Body for Answer {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Infallible>>> {
+        let this = self.get_mut();
+        // Taken for writing: from here on it is lost only as any answer in transit is.
+        this.unsent = None;
+        let body = std::mem::take(&mut this.body);
+        std::task::Poll::Ready((!body.is_empty()).then(|| Ok(hyper::body::Frame::data(body))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_empty()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        hyper::body::SizeHint::with_exact(self.body.len() as u64)
+    }
+}
+
+impl Drop for Answer {
+    fn drop(&mut self) {
+        if let Some(u) = self.unsent.take() {
+            u.release();
+        }
+    }
 }
 
 /// `GET /summary`: keys per work state (and how many of them are held) and queued waiters, for
@@ -383,8 +455,8 @@ fn page(method: &str) -> HttpResponse {
     }
 }
 
-fn to_hyper(r: HttpResponse) -> Response<Full<Bytes>> {
-    let mut resp = Response::new(Full::new(Bytes::from(r.body)));
+fn to_hyper(r: HttpResponse, unsent: Option<Unsent>) -> Response<Answer> {
+    let mut resp = Response::new(Answer { body: Bytes::from(r.body), unsent });
     *resp.status_mut() = StatusCode::from_u16(r.status).unwrap_or(StatusCode::BAD_REQUEST);
     let headers = resp.headers_mut();
     for (name, value) in r.headers {

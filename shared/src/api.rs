@@ -179,6 +179,8 @@ pub async fn run(
     }
     match op {
         Operation::Acquire => {
+            let mut payload = payload;
+            fill_keepalive_until(&mut payload, coord.now_ms());
             let r: AcquireRequest = parse(payload)?;
             let key = pick_key(path_key, r.key.clone())?;
             let duration = match (r.fail_closed, r.duration_ms) {
@@ -239,6 +241,44 @@ pub async fn run(
         }
         Operation::Next | Operation::Put | Operation::Count => unreachable!("handled above"),
     }
+}
+
+/// How long a keep-alive lease bound to an execution is kept alive when the request names no
+/// `keepalive.until_ms`: 365 days, the longest a standard Step Functions execution runs. The
+/// sweep renews it while the execution runs and releases it once the execution has ended.
+pub const KEEPALIVE_RUN_HORIZON_MS: u64 = 365 * 24 * 3600 * 1000;
+
+/// A `keepalive` naming an `execution_arn` but no `until_ms` lasts as long as the execution:
+/// `until_ms` becomes now + [`KEEPALIVE_RUN_HORIZON_MS`] (a state machine cannot compute an
+/// epoch time). Anything else is left for the parser to judge.
+fn fill_keepalive_until(payload: &mut Value, now_ms: u64) {
+    if let Some(ka) = payload.get_mut("keepalive").and_then(Value::as_object_mut) {
+        if ka.get("execution_arn").is_some_and(Value::is_string) && !ka.contains_key("until_ms") {
+            ka.insert("until_ms".into(), json!(now_ms.saturating_add(KEEPALIVE_RUN_HORIZON_MS)));
+        }
+    }
+}
+
+/// Fields only a direct invoke may send (DESIGN.md, "Interfaces over the protocol"): a
+/// `task_token` makes the function complete a Step Functions task with the function's own
+/// permission (SendTaskSuccess on any task), and a `keepalive.execution_arn` binds a lease to
+/// an execution the function's role describes. Over HTTP, any caller allowed to call the API
+/// could use them to complete or hold on behalf of executions it does not own: refused.
+pub(crate) fn refuse_invoke_only_fields(op: Operation, payload: &Value) -> Result<()> {
+    if !matches!(op, Operation::Acquire | Operation::Next) {
+        return Ok(());
+    }
+    if payload.get("task_token").is_some() {
+        return Err(Error::invalid(
+            "task_token is accepted on direct invoke only (a Step Functions task invokes the acquire function), not over HTTP",
+        ));
+    }
+    if payload.get("keepalive").and_then(|k| k.get("execution_arn")).is_some() {
+        return Err(Error::invalid(
+            "keepalive.execution_arn is accepted on direct invoke only (a Step Functions task invokes the acquire function), not over HTTP",
+        ));
+    }
+    Ok(())
 }
 
 /// A queued acquire: granted and delivered now, or queued. Either way the lease reaches the
@@ -586,6 +626,9 @@ pub(crate) async fn handle_route(
             }
         }
     };
+    if let Err(e) = refuse_invoke_only_fields(op, &payload) {
+        return HttpResponse::error(&e, coord.now_ms());
+    }
     match run(coord, op, Some(&key), payload, remaining).await {
         Ok(v) => HttpResponse::json(200, &v),
         Err(e) => HttpResponse::error(&e, coord.now_ms()),
@@ -642,6 +685,27 @@ mod tests {
             assert_eq!((r.status, r.header("allow")), (405, Some(allow)), "{method} {path}");
         }
         assert_eq!(route("GET", "/nothing").unwrap_err().status, 404);
+    }
+
+    #[test]
+    fn invoke_only_fields_are_refused_over_http_and_keepalive_binds_to_the_execution() {
+        let ka = json!({"holder": "h", "keepalive": {"execution_arn": "arn:aws:states:r:1:execution:m:e"}});
+        for op in [Operation::Acquire, Operation::Next] {
+            assert!(refuse_invoke_only_fields(op, &json!({"holder": "h", "task_token": "t"})).is_err());
+            assert!(refuse_invoke_only_fields(op, &ka).is_err());
+            assert!(refuse_invoke_only_fields(op, &json!({"holder": "h", "keepalive": {"until_ms": 5}})).is_ok());
+        }
+        assert!(refuse_invoke_only_fields(Operation::Release, &json!({"task_token": "t"})).is_ok());
+        let mut p = ka.clone();
+        fill_keepalive_until(&mut p, 1_000);
+        assert_eq!(p["keepalive"]["until_ms"], json!(1_000 + KEEPALIVE_RUN_HORIZON_MS));
+        // A given until_ms is kept; without an execution nothing is filled in.
+        let mut p = json!({"keepalive": {"execution_arn": "arn:x", "until_ms": 7}});
+        fill_keepalive_until(&mut p, 1_000);
+        assert_eq!(p["keepalive"]["until_ms"], 7);
+        let mut p = json!({"keepalive": {}});
+        fill_keepalive_until(&mut p, 1_000);
+        assert!(p["keepalive"].get("until_ms").is_none());
     }
 
     #[test]

@@ -263,6 +263,7 @@ mod tests {
             poll_ms: None,
             visit: None,
             released: None,
+            handed_in: None,
         }
     }
 

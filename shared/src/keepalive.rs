@@ -42,6 +42,12 @@ pub struct SweepReport {
     /// Changed under the sweep (released or taken over in between): left alone.
     pub raced: u32,
     pub errors: u32,
+    /// Leases renewed without knowing whether their execution still runs: DescribeExecution
+    /// failed (throttled past its retries, AccessDenied for a state machine the role may not
+    /// describe, ...). Renewing errs on the side of the holder, but a lease whose execution has
+    /// ended stays held until this is fixed: counted, published and alarmed on
+    /// (`SweepDescribeFailures`, the SweepFailing alarm).
+    pub describe_failures: u32,
     /// False when the lease budget or the time ran out before every shard was read.
     pub complete: bool,
 }
@@ -135,11 +141,13 @@ impl Coordinator {
                         set.spawn(async move {
                             tokio::time::timeout_at(deadline.into(), c.keep_one(rec, ex))
                                 .await
-                                .unwrap_or(Outcome::Error)
+                                .unwrap_or((Outcome::Error, false))
                         });
                     }
                     while let Some(r) = set.join_next().await {
-                        match r.unwrap_or(Outcome::Error) {
+                        let (outcome, undescribed) = r.unwrap_or((Outcome::Error, false));
+                        report.describe_failures += u32::from(undescribed);
+                        match outcome {
                             Outcome::Renewed => report.renewed += 1,
                             Outcome::Released => report.released += 1,
                             Outcome::Skipped { cleared } => {
@@ -160,17 +168,23 @@ impl Coordinator {
         report
     }
 
-    async fn keep_one(&self, rec: Record, executions: Option<Arc<dyn Executions>>) -> Outcome {
+    /// One lease: its outcome, and whether its execution could not be described.
+    async fn keep_one(&self, rec: Record, executions: Option<Arc<dyn Executions>>) -> (Outcome, bool) {
         let now = self.now_ms();
-        let Some(ka) = rec.keepalive.clone() else { return Outcome::Skipped { cleared: false } };
+        let Some(ka) = rec.keepalive.clone() else { return (Outcome::Skipped { cleared: false }, false) };
         if !rec.is_live_for(&rec.lease_id, now) || ka.until_ms <= now || rec.duration_ms.is_none() {
-            return Outcome::Skipped { cleared: self.clear_keepalive(&rec).await };
+            return (Outcome::Skipped { cleared: self.clear_keepalive(&rec).await }, false);
         }
         let state = match (&ka.execution_arn, &executions) {
             (Some(arn), Some(ex)) => ex.state(arn).await,
             (Some(_), None) => ExecutionState::Unknown,
             (None, _) => ExecutionState::Running,
         };
+        let undescribed = state == ExecutionState::Unknown;
+        (self.keep_or_release(rec, state).await, undescribed)
+    }
+
+    async fn keep_or_release(&self, rec: Record, state: ExecutionState) -> Outcome {
         let now = self.now_ms();
         let (cond, m, ok) = if state == ExecutionState::Ended {
             let ttl = self.ttl_after(now + self.max_duration_ms());
@@ -203,11 +217,13 @@ impl Coordinator {
     }
 
     /// Takes a lease that can no longer be kept alive (expired, released, past its keep-alive
-    /// deadline, or without a duration) out of the index. The condition is the grant's fence:
-    /// a grant that stopped being live never becomes live again, and a newer grant on the key
-    /// has a higher fence, so its keep-alive is never touched.
+    /// deadline, or without a duration) out of the index. It was judged from the index, which
+    /// is eventually consistent: the condition is the grant's fence and the expiry read. A newer
+    /// grant on the key has a higher fence, and a renewal the index has not seen yet moved the
+    /// expiry, so a lease that is still live keeps its keep-alive.
     async fn clear_keepalive(&self, rec: &Record) -> bool {
-        match self.store().update(&rec.key, &Condition::FenceIs(rec.fence), &Mutation::ClearKeepalive).await {
+        let cond = Condition::FenceAndExpiry { fence: rec.fence, expires_at_ms: rec.expires_at_ms };
+        match self.store().update(&rec.key, &cond, &Mutation::ClearKeepalive).await {
             Ok(Write::Applied(_)) => true,
             Ok(Write::Rejected(_)) => false,
             Err(e) => {

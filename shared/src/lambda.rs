@@ -193,9 +193,11 @@ pub const OUTCOME_METRICS: [&str; 2] = ["Latency", "Invocations"];
 /// for good: HTTP 410) for heartbeats and releases; `Throttled` for every function; and the
 /// keep-alive sweep's report: `SweepScanned`, `SweepRenewed`, `SweepReleased` (leases of
 /// executions that ended without releasing: crashed or stopped), `SweepErrors`,
-/// `SweepIncomplete` (1 when the budget or the time ran out before every shard was read);
-/// `ClockSkew` (answered `ClockSkew`: this function's clock is refused, see DESIGN.md, "Clocks").
-pub const COUNT_METRICS: [&str; 11] = [
+/// `SweepDescribeFailures` (leases renewed because DescribeExecution failed for their
+/// execution), `SweepIncomplete` (1 when the budget or the time ran out before every shard
+/// was read); `ClockSkew` (answered `ClockSkew`: this function's clock is refused, see
+/// DESIGN.md, "Clocks").
+pub const COUNT_METRICS: [&str; 12] = [
     "ClockSkew",
     "Acquired",
     "Contended",
@@ -206,6 +208,7 @@ pub const COUNT_METRICS: [&str; 11] = [
     "SweepRenewed",
     "SweepReleased",
     "SweepErrors",
+    "SweepDescribeFailures",
     "SweepIncomplete",
 ];
 
@@ -232,6 +235,7 @@ fn sweep_counts(r: &SweepReport, clock_skew: bool) -> Vec<(&'static str, u64)> {
         ("SweepRenewed", r.renewed.into()),
         ("SweepReleased", r.released.into()),
         ("SweepErrors", r.errors.into()),
+        ("SweepDescribeFailures", r.describe_failures.into()),
         ("SweepIncomplete", u64::from(!r.complete)),
     ]
 }
@@ -443,6 +447,7 @@ impl Handler {
             skipped = report.skipped,
             raced = report.raced,
             errors = report.errors,
+            describe_failures = report.describe_failures,
             complete = report.complete,
             "keep-alive sweep"
         );
@@ -521,8 +526,17 @@ pub(crate) async fn handler_from_env(function: Function) -> Result<Handler, Erro
     // hand-over; heartbeat: the sweep), and the heartbeat function describes executions.
     let conf = crate::store::dynamo::load_sdk_config(Duration::from_secs(3)).await;
     let sfn = Arc::new(StepFunctions(aws_sdk_sfn::Client::new(&conf)));
-    let executions: Option<Arc<dyn Executions>> =
-        if function == Function::Heartbeat { Some(sfn.clone()) } else { None };
+    // DescribeExecution with adaptive retries (client-side rate limiting when throttled):
+    // one sweep may describe hundreds of executions, and a failure counts against the sweep.
+    // Delivery keeps its own client (no SDK retries: the queue decides what a failure means).
+    let executions: Option<Arc<dyn Executions>> = if function == Function::Heartbeat {
+        let conf = aws_sdk_sfn::config::Builder::from(&conf)
+            .retry_config(aws_smithy_types::retry::RetryConfig::adaptive().with_max_attempts(4))
+            .build();
+        Some(Arc::new(StepFunctions(aws_sdk_sfn::Client::from_conf(conf))))
+    } else {
+        None
+    };
     let sweep_max_items = std::env::var("LEASEHOLD_SWEEP_MAX_ITEMS").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
     let coord = Coordinator::new(store, config).with_deliver(sfn);
     Ok(Handler { function, coord, executions, sweep_max_items })
@@ -557,8 +571,15 @@ mod tests {
 
     #[test]
     fn metric_lines_declare_what_they_carry() {
-        let sweep =
-            SweepReport { scanned: 9, renewed: 5, released: 2, errors: 1, complete: false, ..Default::default() };
+        let sweep = SweepReport {
+            scanned: 9,
+            renewed: 5,
+            released: 2,
+            errors: 1,
+            describe_failures: 3,
+            complete: false,
+            ..Default::default()
+        };
         let cases = [
             ("acquire", "ok", counts(Function::Acquire, "ok", true, false)),
             ("acquire", "LeaseHeld", counts(Function::Acquire, "LeaseHeld", false, false)),
@@ -595,8 +616,16 @@ mod tests {
         assert_eq!((get(2, "Lost"), get(2, "Acquired")), (Some(1), None));
         assert_eq!((get(3, "Throttled"), get(3, "Lost")), (Some(1), Some(0)));
         assert_eq!(
-            ["SweepScanned", "SweepRenewed", "SweepReleased", "SweepErrors", "SweepIncomplete"].map(|n| get(4, n)),
-            [Some(9), Some(5), Some(2), Some(1), Some(1)]
+            [
+                "SweepScanned",
+                "SweepRenewed",
+                "SweepReleased",
+                "SweepErrors",
+                "SweepDescribeFailures",
+                "SweepIncomplete"
+            ]
+            .map(|n| get(4, n)),
+            [Some(9), Some(5), Some(2), Some(1), Some(3), Some(1)]
         );
         assert_eq!((get(4, "ClockSkew"), get(5, "ClockSkew")), (Some(0), Some(1)));
         let line = with_clock_offset(

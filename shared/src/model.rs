@@ -81,6 +81,12 @@ pub struct Record {
     /// (DESIGN.md, "Contention"). `None` until the key has been contended.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub poll_ms: Option<u64>,
+    /// Set by an in-process hand-over (DESIGN.md, "In-process waiters"): the id of the
+    /// coordinator whose line this lease came from. A waiter of another coordinator that missed
+    /// a turn to it writes its own coordinator's id here, and the releaser then leaves the key
+    /// free for it instead of handing it over again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handed_in: Option<String>,
     /// Lease items with a queue (DESIGN.md, "The waiter queue"): the sequence number of the
     /// last waiter served (granted or skipped) ...
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -137,6 +143,7 @@ impl Record {
             ttl: None,
             renewed_at_ms: None,
             poll_ms: None,
+            handed_in: None,
             queue_head: None,
             queue_tail: None,
             queue_tail_at_ms: None,

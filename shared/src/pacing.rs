@@ -111,6 +111,9 @@ pub(crate) struct Waiting<'a> {
     pause: Duration,
     /// The fence of the lease that held the key at the last rejection.
     held_by: Option<u64>,
+    /// The last rejection showed another lease than the one before: the key changed hands
+    /// while this acquire waited (it missed a turn).
+    missed: bool,
 }
 
 impl<'a> Waiting<'a> {
@@ -127,6 +130,7 @@ impl<'a> Waiting<'a> {
             period: pace.period,
             pause: pace.period,
             held_by: None,
+            missed: false,
         }
     }
 
@@ -142,6 +146,11 @@ impl<'a> Waiting<'a> {
     /// The period this attempt writes with its lease (`poll_ms`), when it contended.
     pub(crate) fn advertise(&self) -> Option<u64> {
         self.contended.then(|| next_period(self.period, self.attempts, self.poll_max).as_millis() as u64)
+    }
+
+    /// Did the last rejection show that the key changed hands while this acquire waited?
+    pub(crate) fn missed_turn(&self) -> bool {
+        self.missed
     }
 
     /// Granted by an item advertising `poll_ms`: remembered for this coordinator's next call.
@@ -176,6 +185,7 @@ impl<'a> Waiting<'a> {
         } else {
             aged(self.period, self.start.elapsed())
         };
+        self.missed = self.held_by.is_some_and(|f| f != fence);
         self.held_by = Some(fence);
         let mut sleep = uniform(self.pause / 2, self.pause + self.pause / 2);
         if let Some(u) = until_expiry {

@@ -101,6 +101,8 @@ pub struct Coordinator {
     pub(crate) deliver: Option<Arc<dyn crate::queue::Deliver>>,
     /// This coordinator's waiting acquires, woken by the releases it handles.
     pub(crate) wakeups: Arc<crate::wakeup::Wakeups>,
+    /// Names this coordinator on the items its in-process hand-overs grant (`handed_in`).
+    id: Arc<str>,
 }
 
 impl std::fmt::Debug for Coordinator {
@@ -111,7 +113,14 @@ impl std::fmt::Debug for Coordinator {
 
 impl Coordinator {
     pub fn new(store: Arc<dyn Store>, config: Config) -> Self {
-        Coordinator { store, config: Arc::new(config), pacer: Arc::default(), deliver: None, wakeups: Arc::default() }
+        Coordinator {
+            store,
+            config: Arc::new(config),
+            pacer: Arc::default(),
+            deliver: None,
+            wakeups: Arc::default(),
+            id: LeaseId::generate().expose()[..16].into(),
+        }
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {
@@ -238,15 +247,20 @@ impl Coordinator {
         deadline: Instant,
         attempt: impl FnMut(u64) -> Result<(Condition, Mutation)>,
     ) -> std::result::Result<(Write, Instant, u64), Failed> {
-        self.write_noting(key, deadline, attempt, &mut false).await
+        self.write_noting(key, deadline, None, attempt, &mut false).await
     }
 
     /// [`Coordinator::write`], also setting `landed` when an attempt may have landed although
-    /// a later one answered (an acquire carries that across its attempts).
+    /// a later one answered (an acquire carries that across its attempts). With `grants` (the
+    /// lease_id the write may grant), each request runs in a task of its own, so that if the
+    /// caller's future is dropped while it is in flight (a timeout, a disconnected HTTP client)
+    /// the request still gets its answer, and a grant that lands for the departed caller is
+    /// released at once (DESIGN.md, "Cancellation").
     pub(crate) async fn write_noting(
         &self,
         key: &str,
         deadline: Instant,
+        grants: Option<&LeaseId>,
         mut attempt: impl FnMut(u64) -> Result<(Condition, Mutation)>,
         landed: &mut bool,
     ) -> std::result::Result<(Write, Instant, u64), Failed> {
@@ -256,7 +270,11 @@ impl Coordinator {
             let sent = Instant::now();
             let now = self.now_ms();
             let (cond, m) = attempt(now).map_err(|error| Failed { error, maybe_landed })?;
-            match self.store.update(key, &cond, &m).await {
+            let answer = match grants {
+                None => self.store.update(key, &cond, &m).await,
+                Some(id) => self.update_detached(key, cond, m, id.clone()).await,
+            };
+            match answer {
                 Ok(w) => return Ok((w, sent, now)),
                 Err(e) if e.is_transient() => {
                     maybe_landed |= e.may_have_landed();
@@ -275,6 +293,66 @@ impl Coordinator {
                 }
                 Err(error) => return Err(Failed { error, maybe_landed }),
             }
+        }
+    }
+
+    /// One store write in a task of its own, answered through a channel. When nobody is left to
+    /// take the answer (the caller's future was dropped) and the write granted, or may have
+    /// granted, the lease `lease_id`, that lease is released at once.
+    async fn update_detached(&self, key: &str, cond: Condition, m: Mutation, lease_id: LeaseId) -> Result<Write> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (coord, key) = (self.clone(), key.to_string());
+        tokio::spawn(async move {
+            let answer = coord.store.update(&key, &cond, &m).await;
+            if let Err(answer) = tx.send(answer) {
+                let granted = match answer {
+                    Ok(Write::Applied(r) | Write::Rejected(Some(r))) => r.lease_id == lease_id,
+                    Ok(Write::Rejected(None)) => false,
+                    // It may have landed: look.
+                    Err(e) => e.may_have_landed(),
+                };
+                if granted {
+                    coord.release_departed(&key, &lease_id).await;
+                }
+            }
+        });
+        rx.await.unwrap_or_else(|_| Err(Error::StoreUnavailable("the store request ended without an answer".into())))
+    }
+
+    /// Releases the lease `lease_id` granted to an acquire that left before it could be told
+    /// (its future was dropped). Nothing to do when it did not land or already ended.
+    fn release_departed<'a>(
+        &'a self,
+        key: &'a str,
+        lease_id: &'a LeaseId,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + 'a>> {
+        Box::pin(self.release_departed_now(key, lease_id))
+    }
+
+    async fn release_departed_now(&self, key: &str, lease_id: &LeaseId) {
+        // The ordinary release, without a hand-over of its own (that would make this recursive):
+        // the next waiter is woken and tries.
+        let deadline = Instant::now() + self.config.retry_budget;
+        let max = self.max_duration_ms();
+        let w = self
+            .write(key, deadline, |now| {
+                let cond = Condition::Unreleased { lease_id: lease_id.clone() };
+                Ok((cond, Mutation::Release { now_ms: now, ttl: self.ttl_after(now + max) }))
+            })
+            .await;
+        match w {
+            Ok((Write::Applied(r), _, _)) => {
+                tracing::debug!(key, "released a grant whose acquire had left");
+                self.keep_queued(key, &r).await;
+                self.freed(key, &r);
+                self.hand_over_after_free(key, &r).await;
+            }
+            Ok(_) => {}
+            Err(f) => tracing::warn!(
+                key,
+                error = f.into_error(key).name(),
+                "could not release a grant whose acquire had left; it expires on its own"
+            ),
         }
     }
 
@@ -414,7 +492,8 @@ impl Coordinator {
         let mut wait = Waiting::new(&self.pacer, key, self.config.poll_max, start);
         // Waiting acquires of this coordinator line up per key: only the head tries, and a
         // release handled here wakes it at once (DESIGN.md, "In-process waiters").
-        let mut ticket = (!opts.wait.unwrap_or_default().is_zero()).then(|| self.wakeups.enter(key));
+        let mut ticket = (!opts.wait.unwrap_or_default().is_zero())
+            .then(|| InLine { ticket: self.wakeups.enter(key), coord: self.clone() });
         if ticket.as_ref().is_some_and(|t| t.is_head()) {
             wait.courtesy(wait_deadline).await;
         }
@@ -440,6 +519,11 @@ impl Coordinator {
                     }
                 }
             }
+            // The key was left free for a waiter of another process: this coordinator's waiters
+            // let it have it (DESIGN.md, "In-process waiters": fairness across processes).
+            if let Some(until) = ticket.as_ref().and(self.wakeups.held_back(key)) {
+                tokio::time::sleep_until(until.min(wait_deadline).into()).await;
+            }
             // Every attempt judges expiry with this clock: it must agree with the store's.
             self.check_clock(key).await?;
             wait.attempts += 1;
@@ -456,6 +540,7 @@ impl Coordinator {
                 fence,
                 poll_ms: wait.advertise(),
                 visit: visit.as_ref().map(|v| Visit { attempts: v.attempts.saturating_add(1), ..v.clone() }),
+                handed_in: None,
                 released: None,
             };
             let mut fence = 0;
@@ -463,6 +548,7 @@ impl Coordinator {
                 .write_noting(
                     key,
                     deadline,
+                    Some(&lease_id),
                     |now| {
                         fence = self.next_fence(key, seen_fence)?;
                         let cond = match &visit {
@@ -546,7 +632,14 @@ impl Coordinator {
                         .expires_at_ms
                         .filter(|_| !queued)
                         .map(|e| Duration::from_millis(e.saturating_sub(self.now_ms()) + 1));
-                    match wait.held(r.fence, r.poll_ms, until_expiry, wait_deadline) {
+                    let pause = wait.held(r.fence, r.poll_ms, until_expiry, wait_deadline);
+                    // The key went to another coordinator's in-process line while this acquire
+                    // waited: it says so on the item, and that coordinator's next release leaves
+                    // the key free for it instead of handing it over again.
+                    if pause.is_some() && wait.missed_turn() && self.turn_elsewhere(&r) {
+                        self.waits_in(key, r.fence).await;
+                    }
+                    match pause {
                         Some(pause) => match ticket.as_mut() {
                             Some(t) => {
                                 // Asleep, this waiter offers its lease to this coordinator's
@@ -595,6 +688,7 @@ impl Coordinator {
                 fence: 0,
                 poll_ms,
                 visit: None,
+                handed_in: None,
                 released: None,
             },
         }
@@ -705,9 +799,14 @@ impl Coordinator {
         }
         // A head waiter of this coordinator sleeping on the key: hand it over in this write
         // (not when the key moves to a work state: the hand-over writes a lease in none).
+        // A hand-over whose write failed ambiguously stays claimed (its waiter keeps waiting)
+        // until the ordinary release below settles whether it landed.
+        let mut unsettled = None;
         if let Some(claim) = state.is_none().then(|| self.wakeups.claim(key)).flatten() {
-            if let Some(released) = self.release_to_waiter(key, lease_id, claim).await {
-                return Ok(released);
+            match self.release_to_waiter(key, lease_id, claim).await {
+                ToWaiter::Done(released) => return Ok(released),
+                ToWaiter::NotDone => {}
+                ToWaiter::Unsettled(u) => unsettled = Some(u),
             }
         }
         // A coordinator that serves queues releases in this write only a key without queued
@@ -741,9 +840,21 @@ impl Coordinator {
                 state: r.state.clone(),
             };
             match w {
+                // The ambiguous hand-over did land: the key is the waiter's, and this release
+                // is done.
+                Write::Rejected(Some(r))
+                    if unsettled.as_ref().is_some_and(|u| u.claim.offer().lease.lease_id == r.lease_id) =>
+                {
+                    let u = unsettled.take().expect("unsettled");
+                    self.settle_grant(key, u.claim, r, u.sent, u.now).await;
+                    return Ok(u.released);
+                }
                 Write::Applied(r) => {
+                    // This release landed, so the ambiguous hand-over never can (its condition
+                    // needs the lease unreleased): its waiter tries by itself.
+                    drop(unsettled.take());
                     self.keep_queued(key, &r).await;
-                    self.wakeups.wake(key);
+                    self.freed(key, &r);
                     self.hand_over_after_free(key, &r).await;
                     return Ok(released(&r, false));
                 }
@@ -777,20 +888,72 @@ impl Coordinator {
         }
     }
 
+    /// How long this coordinator's waiters hold back after leaving a key free for a waiter of
+    /// another process: well over that waiter's longest pause between polls (`poll_max`, up
+    /// to 1.5 times with jitter; coordinators of one table are assumed to share `poll_max`), so
+    /// that a loaded machine's late poll still finds the key free.
+    fn yield_for(&self) -> Duration {
+        self.config.poll_max * 3
+    }
+
+    /// The key is free after this coordinator's release of item `r`: the head of its line tries
+    /// at once, unless a waiter of another process marked the item (it missed a turn to this
+    /// coordinator's line) and this coordinator has waiters that would win the race: they hold
+    /// back while it polls.
+    fn freed(&self, key: &str, r: &Record) {
+        if r.handed_in.as_deref().is_some_and(|c| c != &*self.id) && self.wakeups.waiting(key) > 0 {
+            self.wakeups.hold_back(key, self.yield_for());
+        } else {
+            self.wakeups.wake(key);
+        }
+    }
+
+    /// Did the lease on item `r` come from the in-process line of another coordinator (and
+    /// nobody marked it yet)?
+    fn turn_elsewhere(&self, r: &Record) -> bool {
+        r.handed_in.as_deref().is_some_and(|c| c != &*self.id) && r.is_held(self.now_ms())
+    }
+
+    /// Marks the lease of fence `fence` on `key`: a waiter of this coordinator missed a turn to
+    /// another coordinator's line. Best effort (one write; a lost mark is written again at the
+    /// next missed turn).
+    async fn waits_in(&self, key: &str, fence: u64) {
+        let m = Mutation::WaitsIn { coordinator: self.id.to_string() };
+        if let Err(e) = self.store.update(key, &Condition::FenceIs(fence), &m).await {
+            tracing::debug!(key, error = e.name(), "could not mark the key as awaited elsewhere");
+        }
+    }
+
     /// The release of `lease_id` as one write that grants the key to the claimed in-process
     /// waiter (DESIGN.md, "In-process waiters"). `None`: not done (the claim is dropped and the
     /// waiter tries by itself); the ordinary release follows.
-    async fn release_to_waiter(&self, key: &str, lease_id: &LeaseId, claim: crate::wakeup::Claim) -> Option<Released> {
-        self.check_clock(key).await.ok()?;
-        let r = self.store.get(key).await.ok()??;
+    async fn release_to_waiter(&self, key: &str, lease_id: &LeaseId, claim: crate::wakeup::Claim) -> ToWaiter {
+        use ToWaiter::NotDone;
+        if self.check_clock(key).await.is_err() {
+            return NotDone;
+        }
+        let Ok(Some(r)) = self.store.get(key).await else { return NotDone };
         let sent = Instant::now();
         let now = self.now_ms();
         if &r.lease_id != lease_id || r.released_at_ms.is_some() || r.min_hold_until_ms > now || r.queue_len() > 0 {
-            return None;
+            return NotDone;
+        }
+        // A lease_id is single-use: a waiter offering the very lease_id being released (two
+        // acquires with one caller id) must not be granted it again.
+        if &claim.offer().lease.lease_id == lease_id {
+            return NotDone;
+        }
+        // A waiter of another process missed a turn to this coordinator's line: the key goes
+        // free for it, and this coordinator's waiters hold back while it polls.
+        if r.handed_in.as_deref().is_some_and(|c| c != &*self.id) {
+            self.wakeups.hold_back(key, self.yield_for());
+            return NotDone;
         }
         let mut lease = claim.offer().lease.clone();
         lease.now_ms = now;
-        lease.fence = self.next_fence(key, Some(r.fence)).ok()?;
+        lease.handed_in = Some(self.id.to_string());
+        let Ok(fence) = self.next_fence(key, Some(r.fence)) else { return NotDone };
+        lease.fence = fence;
         lease.ttl = lease.duration_ms.map(|d| self.ttl_after(now + d));
         // A retried release of the releasing lease answers `already_released` (not
         // `wrong_lease_id`): the grant keeps its id and fence.
@@ -807,19 +970,28 @@ impl Coordinator {
         let waiter = lease.lease_id.clone();
         match self.store.update(key, &cond, &Mutation::Acquire(lease)).await {
             Ok(Write::Applied(g)) => {
-                claim.granted(g, sent, now);
-                Some(released)
+                self.settle_grant(key, claim, g, sent, now).await;
+                ToWaiter::Done(released)
             }
-            // The grant may have landed: if it did, it is the waiter's (its own attempt would
-            // find it too), and this release is done.
+            // The grant may have landed, or may still land (a request stuck in the network): if
+            // the read shows it, it is the waiter's and this release is done; otherwise the claim
+            // stays (its waiter keeps waiting) until the ordinary release settles it.
             Err(e) if e.may_have_landed() => match self.store.get(key).await {
                 Ok(Some(g)) if g.lease_id == waiter && g.is_live_for(&waiter, self.now_ms()) => {
-                    claim.granted(g, sent, now);
-                    Some(released)
+                    self.settle_grant(key, claim, g, sent, now).await;
+                    ToWaiter::Done(released)
                 }
-                _ => None,
+                _ => ToWaiter::Unsettled(Box::new(Unsettled { claim, sent, now, released })),
             },
-            _ => None,
+            _ => NotDone,
+        }
+    }
+
+    /// Hands a grant that landed to its claimed waiter; if the waiter left while the grant was
+    /// being written, the grant is nobody's and is released at once.
+    async fn settle_grant(&self, key: &str, claim: crate::wakeup::Claim, g: Record, sent: Instant, now: u64) {
+        if let Err(lease_id) = claim.granted(g, sent, now) {
+            self.release_departed(key, &lease_id).await;
         }
     }
 
@@ -879,6 +1051,59 @@ impl Coordinator {
                 Some(n) => start = Some(n),
                 None => return Ok(out),
             }
+        }
+    }
+}
+
+/// What became of a release's hand-over to its in-process waiter.
+enum ToWaiter {
+    /// The waiter has the key; the release is done.
+    Done(Released),
+    /// Nothing was granted: the claim is dropped (the waiter tries by itself).
+    NotDone,
+    /// The grant's write failed ambiguously: it may land yet. The claim is kept until the
+    /// ordinary release's answer says whether it did.
+    Unsettled(Box<Unsettled>),
+}
+
+struct Unsettled {
+    claim: crate::wakeup::Claim,
+    sent: Instant,
+    now: u64,
+    released: Released,
+}
+
+/// A waiting acquire's place in its coordinator's line. When the acquire's future is dropped
+/// (a timeout, a disconnected HTTP client, a deadline), the waiter departs: a release writing
+/// its grant right now gives the grant back, and a grant that landed but was never read is
+/// released here (DESIGN.md, "Cancellation").
+struct InLine {
+    ticket: crate::wakeup::Ticket,
+    coord: Coordinator,
+}
+
+impl std::ops::Deref for InLine {
+    type Target = crate::wakeup::Ticket;
+    fn deref(&self) -> &Self::Target {
+        &self.ticket
+    }
+}
+
+impl std::ops::DerefMut for InLine {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.ticket
+    }
+}
+
+impl Drop for InLine {
+    fn drop(&mut self) {
+        let Some((r, _, _)) = self.ticket.depart() else { return };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                let coord = self.coord.clone();
+                rt.spawn(async move { coord.release_departed(&r.key, &r.lease_id).await });
+            }
+            Err(_) => tracing::warn!(key = %r.key, "a grant left unread by a departed acquire expires on its own"),
         }
     }
 }

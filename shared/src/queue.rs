@@ -449,6 +449,7 @@ impl Coordinator {
             fence: self.next_fence(key, Some(r.fence))?,
             poll_ms: None,
             visit: None,
+            handed_in: None,
             released: None,
         })
     }

@@ -32,6 +32,9 @@ enum Hand {
     Claimed,
     /// The releaser's write granted it: the item as written, when the releaser sent it.
     Granted(Box<Record>, std::time::Instant, u64),
+    /// The waiter left (its acquire answered, or its future was dropped): nothing may be
+    /// granted to it any more, and a releaser that was writing its grant gives it back.
+    Gone,
 }
 
 /// A waiter's wake-up and hand-over slot.
@@ -49,7 +52,13 @@ type Lines = HashMap<String, VecDeque<(u64, Arc<Slot>)>>;
 pub struct Wakeups {
     keys: Mutex<Lines>,
     next: AtomicU64,
+    /// Keys this coordinator left free for a waiter of another process, and until when its
+    /// own waiters hold back (DESIGN.md, "In-process waiters": fairness across processes).
+    held_back: Mutex<HashMap<String, std::time::Instant>>,
 }
+
+/// Keys remembered as held back at most; expired entries are dropped when it is reached.
+const MAX_HELD_BACK: usize = 1024;
 
 /// One waiting acquire's place in its key's line. Leaving (drop) passes the turn on when this
 /// waiter gave up without the key.
@@ -102,6 +111,31 @@ impl Wakeups {
         Some(Claim { slot, offer: Some(offer) })
     }
 
+    /// This coordinator's waiters of `key` make no attempt for `for_`: the key was left free for
+    /// a waiter of another process, which polls.
+    pub fn hold_back(&self, key: &str, for_: Duration) {
+        let until = std::time::Instant::now() + for_;
+        let mut held = self.held_back.lock().unwrap_or_else(|e| e.into_inner());
+        if held.len() >= MAX_HELD_BACK {
+            let now = std::time::Instant::now();
+            held.retain(|_, u| *u > now);
+        }
+        held.insert(key.to_string(), until);
+    }
+
+    /// Until when this coordinator's waiters of `key` hold back, if they do.
+    pub fn held_back(&self, key: &str) -> Option<std::time::Instant> {
+        let mut held = self.held_back.lock().unwrap_or_else(|e| e.into_inner());
+        match held.get(key) {
+            Some(u) if *u > std::time::Instant::now() => Some(*u),
+            Some(_) => {
+                held.remove(key);
+                None
+            }
+            None => None,
+        }
+    }
+
     /// How many acquires of this coordinator wait for `key`.
     pub fn waiting(&self, key: &str) -> usize {
         self.lock().get(key).map_or(0, VecDeque::len)
@@ -124,20 +158,33 @@ impl Claim {
         self.offer.as_ref().expect("claimed offer")
     }
 
-    /// The release's write granted the waiter: hand it the item as written.
-    pub fn granted(mut self, r: Record, sent: std::time::Instant, now_ms: u64) {
-        *self.slot.hand.lock().unwrap_or_else(|e| e.into_inner()) = Hand::Granted(Box::new(r), sent, now_ms);
+    /// The release's write granted the waiter: hand it the item as written. `Err` with the
+    /// granted lease_id when the waiter left while the grant was being written (its acquire was
+    /// dropped): the grant is nobody's, and the releaser must release it at once.
+    pub fn granted(mut self, r: Record, sent: std::time::Instant, now_ms: u64) -> Result<(), crate::model::LeaseId> {
         self.offer = None;
+        let mut hand = self.slot.hand.lock().unwrap_or_else(|e| e.into_inner());
+        if matches!(*hand, Hand::Gone) {
+            return Err(r.lease_id);
+        }
+        *hand = Hand::Granted(Box::new(r), sent, now_ms);
+        drop(hand);
         self.slot.notify.notify_one();
+        Ok(())
     }
 }
 
 impl Drop for Claim {
-    /// Not granted: the offer goes back and the waiter is woken to try by itself.
+    /// Not granted: the offer goes back and the waiter is woken to try by itself (unless it
+    /// left meanwhile).
     fn drop(&mut self) {
         if let Some(offer) = self.offer.take() {
-            *self.slot.hand.lock().unwrap_or_else(|e| e.into_inner()) = Hand::Open(Some(offer));
-            self.slot.notify.notify_one();
+            let mut hand = self.slot.hand.lock().unwrap_or_else(|e| e.into_inner());
+            if !matches!(*hand, Hand::Gone) {
+                *hand = Hand::Open(Some(offer));
+                drop(hand);
+                self.slot.notify.notify_one();
+            }
         }
     }
 }
@@ -160,6 +207,10 @@ impl Ticket {
                 match std::mem::replace(&mut *hand, Hand::Open(None)) {
                     Hand::Granted(r, sent, now) => return Some((*r, sent, now)),
                     Hand::Open(_) => return None,
+                    Hand::Gone => {
+                        *hand = Hand::Gone;
+                        return None;
+                    }
                     Hand::Claimed => *hand = Hand::Claimed,
                 }
             }
@@ -171,10 +222,25 @@ impl Ticket {
     fn hand(&self) -> std::sync::MutexGuard<'_, Hand> {
         self.slot.hand.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    /// This waiter leaves: from now on no release grants it anything (a release writing its
+    /// grant right now is told so when its write lands, and gives the grant back). Returns a
+    /// grant that landed and was never read (the acquire was dropped between the grant and its
+    /// reading): the caller must release it.
+    pub fn depart(&mut self) -> Option<(Record, std::time::Instant, u64)> {
+        match std::mem::replace(&mut *self.hand(), Hand::Gone) {
+            Hand::Granted(r, sent, now) => Some((*r, sent, now)),
+            _ => None,
+        }
+    }
 }
 
 impl Drop for Ticket {
     fn drop(&mut self) {
+        if let Some((r, _, _)) = self.depart() {
+            // Without a guard that releases it (see `protocol`), the grant expires on its own.
+            tracing::warn!(key = %r.key, "a hand-over grant was left unread by a departed waiter");
+        }
         let mut keys = self.wakeups.lock();
         let Some(q) = keys.get_mut(&self.key) else { return };
         let was_head = q.front().is_some_and(|(id, _)| *id == self.id);

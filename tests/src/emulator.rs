@@ -127,7 +127,7 @@ impl Moto {
 /// Regions for Step Functions executions on moto: moto 5.2 cannot start a second execution in
 /// a region that already ran one (it deep-copies the backend, locks included), so every
 /// execution of a test process gets a region of its own.
-pub const MOTO_REGIONS: [&str; 20] = [
+pub const MOTO_REGIONS: [&str; 22] = [
     "us-east-1",
     "eu-west-1",
     "eu-west-2",
@@ -145,9 +145,11 @@ pub const MOTO_REGIONS: [&str; 20] = [
     "us-east-2",
     "us-west-1",
     "us-west-2",
+    "af-south-1",
     "ap-east-1",
     "eu-south-1",
     "me-south-1",
+    "ap-southeast-3",
 ];
 
 /// The next unused region of [`MOTO_REGIONS`] in this process, never `skip` (the functions'

@@ -18,6 +18,7 @@ pub mod emulator;
 pub mod http;
 pub mod lambda_lab;
 pub mod proxy;
+pub mod sfn_quotas;
 pub mod statemachines;
 
 /// The repository root.

@@ -11,7 +11,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use aws_sdk_sfn::config::Region;
@@ -20,8 +20,8 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use leasehold::store::DynamoStore;
 use leasehold::{Config, Coordinator};
-use leasehold_tests::emulator::{forward_invoke, request_id, serve_forever, Emulator, Moto};
-use leasehold_tests::{dynamo_local, free_port, repo_root, sdk_config_for, set_local_credentials};
+use leasehold_tests::emulator::{next_execution_region, request_id, serve_forever, Emulator, Moto};
+use leasehold_tests::{dynamo_local, free_port, repo_root, sdk_config_for, set_local_credentials, sfn_quotas};
 use serde_json::{json, Value};
 
 /// One call of the work function.
@@ -37,7 +37,11 @@ struct Call {
 /// first attempt, and checks that no key is worked on twice at once.
 #[derive(Default)]
 struct Work {
+    /// The lease table, for the keys whose work inspects or steals their lease.
+    coord: OnceLock<Coordinator>,
     calls: Mutex<Vec<Call>>,
+    /// `slow/...` keys whose lease had less than half its duration left when the work began.
+    short_leases: Mutex<Vec<String>>,
     highest: Mutex<HashMap<String, u64>>,
     in_flight: Mutex<HashSet<String>>,
     overlaps: AtomicUsize,
@@ -49,7 +53,7 @@ impl Work {
         let key = payload["key"].as_str().ok_or("no key")?.to_string();
         let fence = payload["fence"].as_u64().ok_or("no fence")?;
         let attempts = payload["attempts"].as_u64().ok_or("no attempts")?;
-        if payload["state"] != "PENDING" || !payload["metadata"].is_object() {
+        if !payload["state"].is_string() || !payload["metadata"].is_object() {
             return Err(format!("unexpected payload {payload}"));
         }
         if !self.in_flight.lock().unwrap().insert(key.clone()) {
@@ -64,6 +68,24 @@ impl Work {
             *last = fence.max(*last);
         }
         self.calls.lock().unwrap().push(Call { key: key.clone(), fence, attempts });
+        if let Some(c) = self.coord.get() {
+            if key.starts_with("slow/") {
+                // The lease was sized to when this iteration runs: well over half is left.
+                let st = c.get(&key).await.map_err(|e| e.to_string())?;
+                let left = st.expires_at_ms.unwrap_or(0).saturating_sub(c.now_ms());
+                if !st.held || st.fence != fence || left < SLOW_DURATION_MS / 2 {
+                    self.short_leases.lock().unwrap().push(format!("{key}: {left} ms left, {st:?}"));
+                }
+                tokio::time::sleep(Duration::from_millis(SLOW_WORK_MS)).await;
+            }
+            if key.starts_with("stolen/") {
+                // Another holder takes the key during the work: this lease's release is refused.
+                c.force_release(&key).await.map_err(|e| e.to_string())?;
+                c.acquire(&key, "thief", Some(Duration::from_secs(60)), Default::default())
+                    .await
+                    .map_err(|e| e.to_string())?;
+            }
+        }
         tokio::time::sleep(Duration::from_millis(5)).await;
         self.in_flight.lock().unwrap().remove(&key);
         if key.starts_with("poison/") || (key.starts_with("flaky/") && attempts == 1) {
@@ -72,6 +94,10 @@ impl Work {
         Ok(json!({ "done": key }))
     }
 }
+
+/// The lease duration and the work time of the `slow/...` keys' test.
+const SLOW_DURATION_MS: u64 = 4000;
+const SLOW_WORK_MS: u64 = 1500;
 
 struct Stack {
     moto: Moto,
@@ -82,23 +108,36 @@ struct Stack {
 }
 
 /// Serves Lambda's Invoke API on `port`: the work function here, the others forwarded to the
-/// emulator, function errors answered as Lambda answers them.
-fn start_invoke_adapter(port: u16, emulator_port: u16, work: Arc<Work>) {
+/// emulator, function errors answered as Lambda answers them, Step Functions' payload quota
+/// enforced; and a state machine's StartExecution (its continue-as-new), started on moto at
+/// `moto_port` (leasehold_tests::sfn_quotas).
+fn start_invoke_adapter(port: u16, emulator_port: u16, moto_port: u16, work: Arc<Work>) {
     serve_forever(port, move |req: hyper::Request<hyper::body::Incoming>| {
         let work = work.clone();
         async move {
             let method = req.method().as_str().to_string();
             let path = req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or_default();
+            let target = req.headers().get("x-amz-target").and_then(|t| t.to_str().ok()).map(str::to_string);
             let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+            if sfn_quotas::is_sfn_call(target.as_deref()) {
+                let moto = format!("http://127.0.0.1:{moto_port}");
+                return sfn_quotas::start_execution_elsewhere(&moto, target.as_deref().unwrap_or(""), &body).await;
+            }
             if !path.contains("/functions/work/") {
-                return forward_invoke(emulator_port, &method, &path, &body).await;
+                return sfn_quotas::forward_invoke_within_quotas(emulator_port, &method, &path, &body).await;
             }
             let builder = hyper::Response::builder()
                 .header("x-amzn-requestid", request_id())
                 .header("content-type", "application/json");
             let payload: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
             let resp = match work.handle(&payload).await {
-                Ok(v) => builder.status(200).body(Full::new(Bytes::from(v.to_string()))),
+                Ok(v) => {
+                    let v = v.to_string();
+                    if v.len() > sfn_quotas::MAX_PAYLOAD_BYTES {
+                        return sfn_quotas::oversized_result(&path, v.len()).await;
+                    }
+                    builder.status(200).body(Full::new(Bytes::from(v)))
+                }
                 Err(m) => builder
                     .status(200)
                     .header("x-amz-function-error", "Unhandled")
@@ -109,7 +148,13 @@ fn start_invoke_adapter(port: u16, emulator_port: u16, work: Arc<Work>) {
     });
 }
 
-fn stack() -> Stack {
+/// One stack for every test of this file (each test uses work states and keys of its own).
+fn stack() -> &'static Stack {
+    static STACK: OnceLock<Stack> = OnceLock::new();
+    STACK.get_or_init(start_stack)
+}
+
+fn start_stack() -> Stack {
     std::thread::spawn(|| {
         set_local_credentials();
         let local = dynamo_local();
@@ -130,12 +175,13 @@ fn stack() -> Stack {
         let emulator = Emulator::start_with(free_port(), &env, &["--concurrency", "4"]);
         let work = Arc::new(Work::default());
         let adapter_port = free_port();
-        start_invoke_adapter(adapter_port, emulator.port, work.clone());
-        let moto = Moto::start(free_port(), adapter_port);
+        let moto_port = free_port();
+        start_invoke_adapter(adapter_port, emulator.port, moto_port, work.clone());
+        let moto = Moto::start(moto_port, adapter_port);
         rt.block_on(async {
             moto.enable_execution().await;
             // The emulator compiles each function on its first invoke: do that now.
-            for f in ["acquire", "release"] {
+            for f in ["acquire", "heartbeat", "release"] {
                 let inv = emulator.invoke(f, &json!({})).await;
                 assert_eq!(inv.error_type.as_deref(), Some("InvalidRequest"), "{f} warm-up: {:?}", inv.body);
             }
@@ -158,6 +204,7 @@ fn definition() -> String {
     let mut text = std::fs::read_to_string(repo_root().join("statemachines/batch_processor.asl.json")).unwrap();
     for (name, value) in [
         ("AcquireFunctionArn", "acquire"),
+        ("HeartbeatFunctionArn", "heartbeat"),
         ("ReleaseFunctionArn", "release"),
         ("WorkFunctionArn", "work"),
         ("Partition", "aws"),
@@ -183,7 +230,8 @@ async fn sfn(s: &Stack, region: &str) -> aws_sdk_sfn::Client {
 }
 
 /// Creates the state machine in `region` and starts one execution named `name`.
-async fn start(s: &Stack, region: &str, name: &str, input: Value) -> (aws_sdk_sfn::Client, String) {
+async fn start(s: &Stack, region: &str, name: impl Into<String>, input: Value) -> (aws_sdk_sfn::Client, String) {
+    let name: String = name.into();
     let client = sfn(s, region).await;
     let sm = client
         .create_state_machine()
@@ -196,7 +244,7 @@ async fn start(s: &Stack, region: &str, name: &str, input: Value) -> (aws_sdk_sf
     let out = client
         .start_execution()
         .state_machine_arn(sm.state_machine_arn())
-        .name(name)
+        .name(&name)
         .input(input.to_string())
         .send()
         .await
@@ -223,8 +271,7 @@ async fn wait_end(client: &aws_sdk_sfn::Client, arn: &str, timeout: Duration) ->
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_batch_processors_drain_a_state_exactly_once() {
     let s = tokio::task::spawn_blocking(stack).await.unwrap();
-    let client = aws_sdk_dynamodb::Client::new(&sdk_config_for(&s.dynamo_endpoint).await);
-    let c = Coordinator::new(Arc::new(DynamoStore::new(client, s.table.clone())), Config::default());
+    let c = coordinator(s).await;
     let (good, flaky, poison) = (180, 10, 10);
     let mut keys = Vec::new();
     for (prefix, n) in [("good", good), ("flaky", flaky), ("poison", poison)] {
@@ -236,8 +283,8 @@ async fn two_batch_processors_drain_a_state_exactly_once() {
     }
     let input = json!({"limit": 10, "max_attempts": 2, "duration_ms": 120000});
     let (a, b) = tokio::join!(
-        start(&s, "eu-west-1", "drain-a", input.clone()),
-        start(&s, "eu-west-2", "drain-b", input.clone())
+        start(s, next_execution_region(""), "drain-a", input.clone()),
+        start(s, next_execution_region(""), "drain-b", input.clone())
     );
     let (ea, eb) =
         tokio::join!(wait_end(&a.0, &a.1, Duration::from_secs(600)), wait_end(&b.0, &b.1, Duration::from_secs(600)));
@@ -263,8 +310,10 @@ async fn two_batch_processors_drain_a_state_exactly_once() {
         assert_eq!((state.state.as_deref(), state.held), (Some(end), false), "{key}");
     }
     assert_eq!(c.count_in_state("PENDING").await.unwrap(), 0);
-    assert_eq!(c.count_in_state("DONE").await.unwrap(), (good + flaky) as u64);
-    assert_eq!(c.count_in_state("FAILED").await.unwrap(), poison as u64);
+    // The other tests of this file (one stack) also end keys in DONE and FAILED: each key of
+    // this one was checked above.
+    assert!(c.count_in_state("DONE").await.unwrap() >= (good + flaky) as u64);
+    assert!(c.count_in_state("FAILED").await.unwrap() >= poison as u64);
     // Both executions took part.
     let holders: HashSet<String> = {
         let mut h = HashSet::new();
@@ -274,4 +323,185 @@ async fn two_batch_processors_drain_a_state_exactly_once() {
         h
     };
     assert!(holders.contains("drain-a") && holders.contains("drain-b"), "{holders:?}");
+}
+
+async fn coordinator(s: &Stack) -> Coordinator {
+    let client = aws_sdk_dynamodb::Client::new(&sdk_config_for(&s.dynamo_endpoint).await);
+    let c = Coordinator::new(Arc::new(DynamoStore::new(client, s.table.clone())), Config::default());
+    let _ = s.work.coord.set(c.clone());
+    c
+}
+
+/// An execution's end: its status, output, error, and the number of its history events
+/// (checked against Step Functions' 25,000 by the quota adapter).
+struct End {
+    status: ExecutionStatus,
+    output: Value,
+    error: Option<String>,
+    cause: Option<String>,
+    events: usize,
+}
+
+async fn end_of(client: &aws_sdk_sfn::Client, arn: &str, timeout: Duration) -> End {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let d = client.describe_execution().execution_arn(arn).send().await.unwrap_or_else(|e| panic!("{e:?}"));
+        if *d.status() != ExecutionStatus::Running {
+            let events = sfn_quotas::check_history(client, arn).await;
+            return End {
+                status: d.status().clone(),
+                output: d.output().and_then(|o| serde_json::from_str(o).ok()).unwrap_or(Value::Null),
+                error: d.error().map(str::to_string),
+                cause: d.cause().map(str::to_string),
+                events,
+            };
+        }
+        // Stopped (and recorded) if it passes the history quota while it runs.
+        assert!(Instant::now() < deadline, "{arn} still running after {timeout:?}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// Follows an execution and the executions it continued as: each one's end, in order.
+async fn follow(s: &Stack, client: aws_sdk_sfn::Client, arn: String) -> Vec<End> {
+    let (mut client, mut arn) = (client, arn);
+    let mut ends = Vec::new();
+    loop {
+        let end = end_of(&client, &arn, Duration::from_secs(900)).await;
+        assert_eq!(end.status, ExecutionStatus::Succeeded, "{arn}: {:?} {:?} {}", end.error, end.cause, end.output);
+        let next = end.output["continued_as"].as_str().map(str::to_string);
+        ends.push(end);
+        match next {
+            Some(n) => {
+                client = sfn_quotas::client_for(&s.moto.endpoint(), &n).await;
+                arn = n;
+            }
+            None => return ends,
+        }
+    }
+}
+
+async fn put_keys(c: &Coordinator, state: &str, keys: &[String]) {
+    let mut set = tokio::task::JoinSet::new();
+    for chunk in keys.chunks(keys.len().div_ceil(8).max(1)) {
+        let (c, state, chunk) = (c.clone(), state.to_string(), chunk.to_vec());
+        set.spawn(async move {
+            for k in chunk {
+                c.put(&k, &state, "producer").await.unwrap();
+            }
+        });
+    }
+    while let Some(r) = set.join_next().await {
+        r.unwrap();
+    }
+}
+
+/// The production thresholds (the definition's defaults, continue_after_keys and
+/// continue_after_batches) measured against the history events one execution spends: per
+/// batch, per key that succeeds, per key whose work fails, each bounded with Retry attempts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_processor_event_counts_justify_the_continue_thresholds() {
+    let s = tokio::task::spawn_blocking(stack).await.unwrap();
+    let c = coordinator(s).await;
+    // (state, keys, limit, max_attempts): an empty drain; 20 keys in 2 and in 4 batches; 10
+    // keys whose work fails (straight to FAILED).
+    let runs = [
+        ("EVEMPTY", 0, 10, 3, "good"),
+        ("EV10", 20, 10, 3, "good"),
+        ("EV5", 20, 5, 3, "good"),
+        ("EVFAIL", 10, 10, 1, "poison"),
+    ];
+    let mut execs = Vec::new();
+    for (state, n, limit, max_attempts, kind) in runs {
+        let keys: Vec<String> = (0..n).map(|i| format!("{kind}/{state}-{i:03}")).collect();
+        put_keys(&c, state, &keys).await;
+        let input = json!({"state": state, "limit": limit, "max_attempts": max_attempts});
+        execs.push(start(s, next_execution_region(""), format!("events-{state}"), input));
+    }
+    let mut events = Vec::new();
+    for e in in_order(execs).await {
+        let (client, arn) = e;
+        let ends = follow(s, client, arn).await;
+        assert_eq!(ends.len(), 1);
+        events.push(ends[0].events as i64);
+    }
+    let (empty, ten, five, fail) = (events[0], events[1], events[2], events[3]);
+    // ten = empty + 2 batches + 20 keys; five = empty + 4 batches + 20 keys.
+    let per_batch = (five - ten) / 2;
+    let per_key = (ten - empty - 2 * per_batch) / 20;
+    let per_failing_key = (fail - empty - per_batch) / 10;
+    println!(
+        "events: empty drain {empty}, per batch {per_batch}, per key {per_key}, per failing key {per_failing_key}"
+    );
+    assert!(per_batch > 0 && per_key > 0 && per_failing_key >= per_key, "{events:?}");
+    // Each Retry attempt adds 3 events (scheduled, started, failed); allow two per task of an
+    // iteration (renew, work, release) on every key.
+    let worst_key = per_failing_key + 3 * 2 * 3;
+    let def = statemachine_defaults();
+    let (keys, batches) =
+        (def["continue_after_keys"].as_i64().unwrap(), def["continue_after_batches"].as_i64().unwrap());
+    // The most one execution can spend before it continues: `keys` keys in as many batches as
+    // it may take (one key each, up to `batches`), plus the batch that crosses the line.
+    let worst = empty + (keys + 100) * worst_key + (batches.min(keys) + 1) * per_batch;
+    println!("worst case of one execution at the defaults ({keys} keys, {batches} batches): {worst} events");
+    assert!(worst <= sfn_quotas::MAX_HISTORY_EVENTS as i64, "{worst}");
+    // And a batch of the most keys cannot make a normal drain's execution much shorter.
+    assert!(keys * per_key >= 5_000, "the thresholds leave most of the quota unused: {keys} x {per_key}");
+}
+
+async fn in_order<F: std::future::Future<Output = T>, T>(fs: Vec<F>) -> Vec<T> {
+    let mut out = Vec::new();
+    for f in fs {
+        out.push(f.await);
+    }
+    out
+}
+
+fn statemachine_defaults() -> Value {
+    let d: Value = serde_json::from_str(&definition()).unwrap();
+    d["States"]["Defaults"]["Parameters"]["defaults"].clone()
+}
+
+/// `metadata: null` is refused before anything is leased (the iterations need an object:
+/// after the lease it would fail the execution with States.Runtime, holding the batch).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_processor_refuses_null_metadata_before_leasing() {
+    let s = tokio::task::spawn_blocking(stack).await.unwrap();
+    let c = coordinator(s).await;
+    let keys: Vec<String> = (0..3).map(|i| format!("meta/{i}")).collect();
+    put_keys(&c, "NULLMETA", &keys).await;
+    let input = json!({"state": "NULLMETA", "metadata": null});
+    let (client, arn) = start(s, next_execution_region(""), "null-metadata", input).await;
+    let end = end_of(&client, &arn, Duration::from_secs(300)).await;
+    assert_eq!(end.status, ExecutionStatus::Failed);
+    assert_eq!(end.error.as_deref(), Some("InvalidInput"));
+    for k in &keys {
+        let st = c.get(k).await.unwrap();
+        assert!(!st.held && st.state.as_deref() == Some("NULLMETA"), "{st:?}");
+    }
+}
+
+/// One batch larger than MaxConcurrency, each key's work longer than a quarter of the lease:
+/// every iteration renews its lease when it starts, so each works under a lease sized from
+/// then; and a key whose lease is taken during its work (the release answers NotHolder) ends
+/// its own iteration, not the execution.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_processor_sizes_each_lease_to_its_iteration_and_survives_a_lost_one() {
+    let s = tokio::task::spawn_blocking(stack).await.unwrap();
+    let c = coordinator(s).await;
+    let mut keys: Vec<String> = (0..12).map(|i| format!("slow/{i:02}")).collect();
+    keys.push("stolen/0".to_string());
+    put_keys(&c, "SLOW", &keys).await;
+    let input = json!({"state": "SLOW", "limit": 13, "max_attempts": 1, "duration_ms": SLOW_DURATION_MS});
+    let (client, arn) = start(s, next_execution_region(""), "slow", input).await;
+    let end = end_of(&client, &arn, Duration::from_secs(300)).await;
+    assert_eq!(end.status, ExecutionStatus::Succeeded, "{:?} {}", end.error, end.output);
+    let short = s.work.short_leases.lock().unwrap().clone();
+    assert!(short.is_empty(), "iterations worked under leases sized from the batch's take: {short:#?}");
+    for k in &keys[..12] {
+        let st = c.get(k).await.unwrap();
+        assert_eq!((st.state.as_deref(), st.held), (Some("DONE"), false), "{k}: {st:?}");
+    }
+    let stolen = c.get("stolen/0").await.unwrap();
+    assert!(stolen.held && stolen.holder == "thief", "the thief's lease is untouched: {stolen:?}");
 }

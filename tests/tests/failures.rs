@@ -215,6 +215,7 @@ async fn put(store: &Arc<dyn Store>, key: &str, fence: u64, now: u64) {
         fence,
         poll_ms: None,
         visit: None,
+        handed_in: None,
         released: None,
     };
     let w = store.update(key, &Condition::Exists, &Mutation::Acquire(n.clone())).await.unwrap();

@@ -867,6 +867,7 @@ fn lease_id_never_formats() {
         keepalive: None,
         ttl: None,
         poll_ms: None,
+        handed_in: None,
         renewed_at_ms: None,
         queue_head: None,
         queue_tail: None,

@@ -105,6 +105,7 @@ fn a_table_without_the_state_index_is_named() {
             .attribute_definitions(ad("key", ScalarAttributeType::S))
             .attribute_definitions(ad("ka_shard", ScalarAttributeType::N))
             .attribute_definitions(ad("ka_until_ms", ScalarAttributeType::N))
+            .attribute_definitions(ad("q_shard", ScalarAttributeType::N))
             .key_schema(ks("key", KeyType::Hash))
             .global_secondary_indexes(
                 GlobalSecondaryIndex::builder()
@@ -112,6 +113,14 @@ fn a_table_without_the_state_index_is_named() {
                     .key_schema(ks("ka_shard", KeyType::Hash))
                     .key_schema(ks("ka_until_ms", KeyType::Range))
                     .projection(Projection::builder().projection_type(ProjectionType::All).build())
+                    .build()
+                    .unwrap(),
+            )
+            .global_secondary_indexes(
+                GlobalSecondaryIndex::builder()
+                    .index_name("queue")
+                    .key_schema(ks("q_shard", KeyType::Hash))
+                    .projection(Projection::builder().projection_type(ProjectionType::KeysOnly).build())
                     .build()
                     .unwrap(),
             )
@@ -132,7 +141,7 @@ fn a_table_without_the_state_index_is_named() {
     let c = table_cmd(ep, &["--table", &table, "table", "check"]).code(1);
     assert!(c.stderr.contains("index `state` is missing"), "{c:?}");
     assert!(c.stderr.contains("`next`") && c.stderr.contains("`count`"), "names what fails: {c:?}");
-    assert!(!c.stderr.contains("`keepalive`"), "the keepalive index is there: {c:?}");
+    assert!(!c.stderr.contains("`keepalive`") && !c.stderr.contains("`queue`"), "the other indexes are there: {c:?}");
     let j = table_cmd(ep, &["--table", &table, "table", "check", "--json"]).code(1).json();
     assert_eq!(j["error"], "StoreUnavailable");
     assert_eq!(j["problems"].as_array().map(Vec::len), Some(1), "{j}");

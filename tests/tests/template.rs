@@ -853,12 +853,21 @@ fn waiting_acquires_cannot_exhaust_the_account_concurrency() {
         t["Conditions"]["ReserveAcquireConcurrency"],
         json!({"Fn::Not": [{"Fn::Equals": [{"Ref": "AcquireReservedConcurrency"}, 0]}]})
     );
+    // Nothing reserved by default: Lambda refuses a reservation that leaves the account under
+    // 100 unreserved executions, so a default deploy in a new account would fail.
     let reserved = t["Parameters"]["AcquireReservedConcurrency"]["Default"].as_u64().expect("a numeric default");
-    assert!(reserved > 0, "reserved by default");
-    // Sized with the API throttle: a burst of acquires cannot take more than the reservation.
-    assert!(reserved <= t["Parameters"]["ApiThrottlingBurstLimit"]["Default"].as_u64().unwrap());
+    assert_eq!(reserved, 0, "no reservation by default");
     let out = &transformed()["Resources"]["AcquireFunction"]["Properties"];
-    assert!(out.get("ReservedConcurrentExecutions").is_some(), "the reservation reaches CloudFormation");
+    assert!(out.get("ReservedConcurrentExecutions").is_some(), "a reservation, when set, reaches CloudFormation");
+    // The trade-off is documented where the parameter is set, and throttles are alarmed on.
+    let doc = t["Parameters"]["AcquireReservedConcurrency"]["Description"].as_str().unwrap();
+    for needle in ["100 unreserved", "QueuedSingleFlight", "hot", "SingleFlight"] {
+        assert!(doc.contains(needle), "the description says {needle:?}: {doc}");
+    }
+    let alarm = &t["Resources"]["AcquireThrottledAlarm"]["Properties"];
+    assert_eq!((alarm["Namespace"].as_str(), alarm["MetricName"].as_str()), (Some("AWS/Lambda"), Some("Throttles")));
+    assert_eq!(alarm["Dimensions"], json!([{"Name": "FunctionName", "Value": {"Ref": "AcquireFunction"}}]));
+    assert_eq!(alarm["TreatMissingData"], "notBreaching");
 }
 
 #[test]
@@ -871,10 +880,19 @@ fn state_machines_survive_what_states_all_cannot_catch() {
         let text = statemachines::text(definition_name(machine));
         assert!(!text.contains("arn:aws:"), "{machine}: a hard-coded partition");
         let all = states(definition(machine));
-        // The work's result is dropped: a huge result (States.DataLimitExceeded) or an odd
-        // one (a ResultSelector path that is missing: States.Runtime) is not caught by
-        // States.ALL and would skip the release.
+        // The work's result is dropped (ResultPath null), so an odd one (a ResultSelector path
+        // that is missing: States.Runtime) cannot skip the release. A result over 256 KiB
+        // still fails the task before ResultPath applies (States.DataLimitExceeded, which no
+        // Catch catches): the definition says so, and the lease is a keep-alive lease bound to
+        // the execution by default, which the sweep frees however the execution ended.
         let work = &all["Work"];
+        assert!(work["Comment"].as_str().is_some_and(|c| c.contains("256 KiB")), "{machine}: the cap is documented");
+        assert!(!statemachines::text(definition_name(machine)).contains("however large"), "{machine}");
+        let bound = all
+            .values()
+            .filter(|s| s["Type"] == "Pass")
+            .any(|s| s["Parameters"]["keepalive"]["execution_arn.$"] == "$$.Execution.Id");
+        assert!(bound, "{machine}: a keep-alive lease bound to the execution");
         assert_eq!(work["ResultPath"], Value::Null, "{machine}: Work has ResultPath null");
         assert!(work.as_object().unwrap().contains_key("ResultPath"), "{machine}: ResultPath: null, not absent");
         assert!(work.get("ResultSelector").is_none(), "{machine}");
@@ -1081,13 +1099,43 @@ fn alarms_watch_the_sweep_and_throttles_and_notify_the_optional_topic() {
     let mut watched = BTreeSet::new();
     for (name, a) in &alarms {
         let p = &a["Properties"];
-        assert_eq!(p["Namespace"], leasehold::lambda::METRIC_NAMESPACE, "{name}");
-        let metric = p["MetricName"].as_str().unwrap();
+        if p["Namespace"] == "AWS/Lambda" {
+            // Lambda's own metric (AcquireThrottled, checked with the reservation).
+            continue;
+        }
+        // A metric-math alarm: each of its metrics is one the functions emit.
+        let metric_math = p["Metrics"].as_array().map(|ms| {
+            ms.iter()
+                .filter_map(|m| m.get("MetricStat"))
+                .map(|st| {
+                    let m = &st["Metric"];
+                    assert_eq!(m["Namespace"], leasehold::lambda::METRIC_NAMESPACE, "{name}");
+                    let dims: Vec<(&str, &str)> = as_list(&m["Dimensions"])
+                        .iter()
+                        .map(|d| (d["Name"].as_str().unwrap(), d["Value"].as_str().unwrap()))
+                        .collect();
+                    let metric = m["MetricName"].as_str().unwrap();
+                    assert!(emitted_with(metric, &dims), "{name}: the functions never emit {metric} with {dims:?}");
+                    metric.to_string()
+                })
+                .collect::<Vec<_>>()
+        });
+        let metric = match &metric_math {
+            Some(metrics) => metrics.join("+"),
+            None => {
+                assert_eq!(p["Namespace"], leasehold::lambda::METRIC_NAMESPACE, "{name}");
+                p["MetricName"].as_str().unwrap().to_string()
+            }
+        };
+        let metric = metric.as_str();
         let dims: Vec<(&str, &str)> = as_list(&p["Dimensions"])
             .iter()
             .map(|d| (d["Name"].as_str().unwrap(), d["Value"].as_str().unwrap()))
             .collect();
-        assert!(emitted_with(metric, &dims), "{name}: the functions never emit {metric} with {dims:?}");
+        assert!(
+            metric_math.is_some() || emitted_with(metric, &dims),
+            "{name}: the functions never emit {metric} with {dims:?}"
+        );
         assert_eq!(
             p["AlarmActions"],
             json!({"Fn::If": ["HasAlarmTopic", [{"Ref": "AlarmTopicArn"}], {"Ref": "AWS::NoValue"}]}),
@@ -1100,12 +1148,15 @@ fn alarms_watch_the_sweep_and_throttles_and_notify_the_optional_topic() {
             assert_eq!(dims, [("Function", "heartbeat"), ("Outcome", "sweep")]);
             assert_eq!(p["TreatMissingData"], "breaching", "{name}");
             assert_eq!(p["Period"]["Fn::FindInMap"][1], json!({"Ref": "KeepaliveSweepPeriodMinutes"}));
+            // M of N: one late EMF datapoint does not flap it.
+            let (m, n) = (p["DatapointsToAlarm"].as_u64().unwrap_or(0), p["EvaluationPeriods"].as_u64().unwrap());
+            assert!(m >= 2 && n > m, "{name}: {m} of {n}");
         } else {
             assert_eq!(p["TreatMissingData"], "notBreaching", "{name}");
         }
     }
     let want: BTreeSet<String> = [
-        "SweepErrors:GreaterThanOrEqualToThreshold",
+        "SweepErrors+SweepDescribeFailures:GreaterThanOrEqualToThreshold",
         "SweepIncomplete:GreaterThanOrEqualToThreshold",
         "Invocations:LessThanThreshold",
         "Throttled:GreaterThanOrEqualToThreshold",
@@ -1128,6 +1179,61 @@ fn alarms_watch_the_sweep_and_throttles_and_notify_the_optional_topic() {
         let s = t["Mappings"]["SweepAlarm"][minutes]["MissingPeriodS"].as_u64();
         assert_eq!(s, m["Ms"].as_u64().map(|ms| ms * 3 / 1000), "sweep period {minutes}");
     }
+}
+
+/// The BatchProcessor can continue as a new execution of itself: it is named so that its
+/// policy can grant states:StartExecution on exactly that state machine (no dependency cycle),
+/// its ContinueAsNew task starts `$$.StateMachine.Id`, it may invoke the heartbeat function (each
+/// iteration renews its lease), and every Lambda task retries Lambda's transient errors.
+#[test]
+fn batch_processor_continues_as_itself_and_retries_lambda_errors() {
+    let t = raw();
+    let p = &t["Resources"]["BatchProcessorStateMachine"]["Properties"];
+    assert_eq!(p["Name"], json!({"Fn::Sub": "${AWS::StackName}-batch-processor"}));
+    let policies = p["Policies"].to_string();
+    assert!(policies.contains("states:StartExecution"), "{policies}");
+    assert!(
+        policies.contains("stateMachine:${AWS::StackName}-batch-processor\""),
+        "StartExecution on itself only: {policies}"
+    );
+    assert!(policies.contains("\"HeartbeatFunction\""), "{policies}");
+    let subs = &p["DefinitionSubstitutions"];
+    assert_eq!(
+        subs["HeartbeatFunctionArn"].to_string(),
+        subs["AcquireFunctionArn"].to_string().replace("Acquire", "Heartbeat")
+    );
+    let def = statemachines::parsed("batch_processor");
+    let all = def["States"].as_object().unwrap();
+    let cont = &all["ContinueAsNew"];
+    assert_eq!(cont["Resource"], "arn:${Partition}:states:::states:startExecution");
+    assert_eq!(cont["Parameters"]["StateMachineArn.$"], "$$.StateMachine.Id");
+    // Everything the configuration holds is carried over.
+    let carried: BTreeSet<&str> = cont["Parameters"]["Input"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(|k| k.trim_end_matches(".$"))
+        .filter(|k| !k.starts_with("AWS_"))
+        .collect();
+    let defaults: BTreeSet<&str> =
+        all["Defaults"]["Parameters"]["defaults"].as_object().unwrap().keys().map(|k| k.as_str()).collect();
+    assert_eq!(carried, defaults);
+    let iteration = all["ProcessBatch"]["ItemProcessor"]["States"].as_object().unwrap();
+    for (name, s) in all.iter().chain(iteration.iter()) {
+        if s["Type"] != "Task" || s["Resource"] != "arn:${Partition}:states:::lambda:invoke" {
+            continue;
+        }
+        let retried: String = s["Retry"].to_string();
+        for e in ["Lambda.ServiceException", "Lambda.AWSLambdaException", "Lambda.SdkClientException"] {
+            assert!(retried.contains(e), "{name} retries {e}: {retried}");
+        }
+        if iteration.contains_key(name) {
+            // Every task of an iteration is caught: one key cannot fail the execution.
+            assert!(s["Catch"].to_string().contains("States.ALL"), "{name} is caught");
+        }
+    }
+    assert_eq!(iteration["Renew"]["Parameters"]["FunctionName"], "${HeartbeatFunctionArn}");
+    assert_eq!(all["ProcessBatch"]["ItemProcessor"]["StartAt"], "Renew");
 }
 
 /// `ClockSkew` lasts until a clock is fixed: a workflow that retries it does so in an entry of

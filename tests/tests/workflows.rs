@@ -28,8 +28,10 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use leasehold::store::DynamoStore;
 use leasehold::{Config, Coordinator, LeaseState};
-use leasehold_tests::emulator::{forward_invoke, next_execution_region, serve_forever, Emulator, Moto, MOTO_REGIONS};
-use leasehold_tests::{dynamo_local, free_port, http, sdk_config_for, set_local_credentials, statemachines};
+use leasehold_tests::emulator::{next_execution_region, serve_forever, Emulator, Moto, MOTO_REGIONS};
+use leasehold_tests::{
+    dynamo_local, free_port, http, sdk_config_for, set_local_credentials, sfn_quotas, statemachines,
+};
 use serde_json::{json, Value};
 
 // ---- the local stack ------------------------------------------------------------------------
@@ -57,7 +59,7 @@ fn next_region() -> &'static str {
 /// Serves Lambda's Invoke API on `port` by forwarding to the emulator, turning its HTTP 500
 /// function errors into Lambda's answer: 200, `X-Amz-Function-Error: Unhandled`, the
 /// `{errorType, errorMessage}` body. Runs on its own thread for the life of the process.
-fn start_invoke_adapter(port: u16, emulator_port: u16, dynamo_port: u16, dynamo_region: String) {
+fn start_invoke_adapter(port: u16, emulator_port: u16, dynamo_port: u16, dynamo_region: String, moto_port: u16) {
     serve_forever(port, move |req: hyper::Request<hyper::body::Incoming>| {
         let dynamo_region = dynamo_region.clone();
         async move {
@@ -69,12 +71,67 @@ fn start_invoke_adapter(port: u16, emulator_port: u16, dynamo_port: u16, dynamo_
             if is_dynamodb {
                 return forward_to_dynamodb(req, dynamo_port, &dynamo_region).await;
             }
+            let target = req.headers().get("x-amz-target").and_then(|t| t.to_str().ok()).map(str::to_string);
+            if sfn_quotas::is_sfn_call(target.as_deref()) {
+                return forward_to_moto(req, moto_port).await;
+            }
             let method = req.method().as_str().to_string();
             let path = req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or_default();
             let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
-            forward_invoke(emulator_port, &method, &path, &body).await
+            if path.contains("/functions/huge/") {
+                // A work function whose answer exceeds Step Functions' 256 KiB result quota.
+                return sfn_quotas::oversized_result(&path, 300 * 1024).await;
+            }
+            sfn_quotas::forward_invoke_within_quotas(emulator_port, &method, &path, &body).await
         }
     });
+}
+
+/// Sends a Step Functions call to moto, in the region of the execution it names: the
+/// heartbeat function's DescribeExecution (signed for the functions' region) reaches the
+/// execution in the region it runs in (see the module comment). A state machine's
+/// StartExecution lands in an unused region (leasehold_tests::sfn_quotas).
+async fn forward_to_moto(req: hyper::Request<hyper::body::Incoming>, moto_port: u16) -> hyper::Response<Full<Bytes>> {
+    let target = req.headers().get("x-amz-target").and_then(|t| t.to_str().ok()).unwrap_or("").to_string();
+    let mut headers = Vec::new();
+    for (k, v) in req.headers() {
+        let k = k.as_str().to_string();
+        if k != "host" && k != "content-length" {
+            headers.push((k, v.to_str().unwrap_or_default().to_string()));
+        }
+    }
+    let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    let moto = format!("http://127.0.0.1:{moto_port}");
+    if target == "AWSStepFunctions.StartExecution" {
+        return sfn_quotas::start_execution_elsewhere(&moto, &target, &body).await;
+    }
+    let named = serde_json::from_slice::<Value>(&body)
+        .ok()
+        .and_then(|v| v["executionArn"].as_str().map(|a| sfn_quotas::region_of(a).to_string()));
+    if let Some(region) = named {
+        for (k, v) in headers.iter_mut() {
+            if k == "authorization" {
+                // Credential=KEY/DATE/<region>/states/aws4_request
+                let mut parts: Vec<String> = v.split('/').map(str::to_string).collect();
+                if parts.len() > 3 && parts[3] == "states" {
+                    parts[2] = region.clone();
+                    *v = parts.join("/");
+                }
+            }
+        }
+    }
+    match http::request_with_headers("POST", &format!("{moto}/"), &headers, &body).await {
+        Ok(r) => {
+            let mut b = hyper::Response::builder().status(r.status);
+            for (k, v) in &r.headers {
+                if k != "content-length" && k != "transfer-encoding" && k != "connection" {
+                    b = b.header(k.as_str(), v.as_str());
+                }
+            }
+            b.body(Full::new(Bytes::from(r.body))).expect("response")
+        }
+        Err(e) => hyper::Response::builder().status(502).body(Full::new(Bytes::from(format!("moto: {e}")))).unwrap(),
+    }
 }
 
 /// Sends a DynamoDB request of a state machine's service integration to DynamoDB Local, in
@@ -136,7 +193,8 @@ fn stack() -> &'static Stack {
             let env: Vec<(String, String)> = [
                 ("LEASEHOLD_TABLE", store.table().to_string()),
                 ("AWS_ENDPOINT_URL_DYNAMODB", local.endpoint.clone()),
-                ("AWS_ENDPOINT_URL_SFN", format!("http://127.0.0.1:{moto_port}")),
+                // Through the adapter: DescribeExecution reaches each execution's region.
+                ("AWS_ENDPOINT_URL_SFN", format!("http://127.0.0.1:{adapter_port}")),
                 ("AWS_ACCESS_KEY_ID", key_id),
                 ("AWS_SECRET_ACCESS_KEY", secret),
                 ("AWS_REGION", region.clone()),
@@ -150,7 +208,7 @@ fn stack() -> &'static Stack {
             // Several instances per function: executions of concurrent tests do not queue
             // behind each other's waiting acquires.
             let emulator = Emulator::start_with(free_port(), &env, &["--concurrency", "4"]);
-            start_invoke_adapter(adapter_port, emulator.port, local.port, region.clone());
+            start_invoke_adapter(adapter_port, emulator.port, local.port, region.clone(), moto_port);
             rt.block_on(create_fenced_target(&local.endpoint, &region));
             let moto = Moto::start(moto_port, adapter_port);
             rt.block_on(async {
@@ -413,6 +471,8 @@ async fn wait_end(run: &Run, timeout: Duration) -> Ended {
             .unwrap_or_else(|e| panic!("describe: {}", aws_smithy_types_display(&e)));
         if *d.status() != ExecutionStatus::Running {
             let output = d.output().and_then(|o| serde_json::from_str(o).ok()).unwrap_or(Value::Null);
+            let events = sfn_quotas::check_history(&run.client, &run.arn).await;
+            assert!(events <= sfn_quotas::MAX_HISTORY_EVENTS, "{}: {events} history events", run.arn);
             return Ended {
                 status: d.status().clone(),
                 output,
@@ -444,6 +504,15 @@ async fn wait_acquired(run: &Run, timeout: Duration) -> Value {
         assert!(Instant::now() < deadline, "{} did not acquire within {timeout:?}: {h:#?}", run.arn);
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// EventBridge's Scheduled Event: the heartbeat function runs the keep-alive sweep.
+fn scheduled_event() -> Value {
+    json!({
+        "version": "0", "id": "6a7e8feb-b491-4cf7-a9f1-bf3703467718", "detail-type": "Scheduled Event",
+        "source": "aws.events", "account": "123456789012", "time": "2026-01-01T00:00:00Z",
+        "region": function_region(), "resources": ["arn:aws:events:us-east-1:123456789012:rule/keepalive"], "detail": {}
+    })
 }
 
 fn tail(s: &str) -> String {
@@ -556,7 +625,7 @@ async fn single_flight_failing_work_still_releases() {
     let key = unique("single-flight-fail");
     // The work step invokes `acquire` with the work payload ({key, fence, holder, input}),
     // which it rejects with InvalidRequest: a work function that fails.
-    let run = start(SINGLE_FLIGHT, "acquire", json!({"key": key})).await;
+    let run = start(SINGLE_FLIGHT, "acquire", json!({"key": key, "duration_ms": 60000})).await;
     let end = wait_end(&run, LONG).await;
     assert_eq!(end.status, ExecutionStatus::Failed, "{}", end.describe());
     assert_eq!(end.error.as_deref(), Some("WorkflowFailed"));
@@ -572,7 +641,7 @@ async fn single_flight_failing_work_still_releases() {
     assert_eq!(state.fence, fence);
 
     // The next execution takes the key at once, with a higher fence.
-    let next = start(SINGLE_FLIGHT, "", json!({"key": key, "work_seconds": 0})).await;
+    let next = start(SINGLE_FLIGHT, "", json!({"key": key, "work_seconds": 0, "duration_ms": 60000})).await;
     let next_end = wait_end(&next, LONG).await;
     assert_eq!(next_end.status, ExecutionStatus::Succeeded, "{}", next_end.describe());
     assert!(next_end.task_errors("Acquire").is_empty());
@@ -595,11 +664,7 @@ async fn single_flight_keepalive_outlives_the_lease_duration() {
     assert_eq!(lease["keepalive"]["until_ms"].as_u64(), Some(until), "{lease}");
     assert_eq!(lease["keepalive"]["execution_arn"], run.arn.as_str());
     let first_expiry = lease["expires_at_ms"].as_u64().unwrap();
-    let scheduled = json!({
-        "version": "0", "id": "6a7e8feb-b491-4cf7-a9f1-bf3703467718", "detail-type": "Scheduled Event",
-        "source": "aws.events", "account": "123456789012", "time": "2026-01-01T00:00:00Z",
-        "region": function_region(), "resources": ["arn:aws:events:us-east-1:123456789012:rule/keepalive"], "detail": {}
-    });
+    let scheduled = scheduled_event();
     let mut renewed = 0;
     let mut held_past_first_expiry = false;
     let end = loop {
@@ -634,7 +699,9 @@ async fn single_flight_lease_taken_over_during_work_fails_the_execution() {
     // instead of reporting success.
     let coord = coordinator().await;
     let key = unique("lost");
-    let run = start(SINGLE_FLIGHT, "", json!({"key": key, "duration_ms": 2000, "work_seconds": 6})).await;
+    // A plain lease ("keepalive": false): nothing renews it.
+    let run =
+        start(SINGLE_FLIGHT, "", json!({"key": key, "duration_ms": 2000, "work_seconds": 6, "keepalive": false})).await;
     let lease = wait_acquired(&run, LONG).await;
     let expiry = lease["expires_at_ms"].as_u64().unwrap();
     let wait = expiry.saturating_sub(coord.now_ms()) + 300;
@@ -691,7 +758,7 @@ async fn scheduled_job_takes_its_key_base64_encoded_from_the_schedule() {
     // The schedule's input as the template builds it (Fn::Base64 of ScheduledJobKey): a key
     // with a quote and a backslash stays valid JSON and arrives intact.
     let key = format!("{}/\"quoted\"\\back\\slash", unique("scheduled-b64"));
-    let input = json!({"key_base64": aws_smithy_types::base64::encode(&key)});
+    let input = json!({"key_base64": aws_smithy_types::base64::encode(&key), "duration_ms": 60000});
     let run = start(SCHEDULED, "", input).await;
     let end = wait_end(&run, LONG).await;
     assert_eq!(end.status, ExecutionStatus::Succeeded, "{}", end.describe());
@@ -705,7 +772,7 @@ async fn scheduled_job_takes_its_key_base64_encoded_from_the_schedule() {
 async fn scheduled_job_runs_once_and_the_overlapping_run_skips() {
     tokio::task::spawn_blocking(stack).await.unwrap();
     let key = unique("scheduled");
-    let input = json!({"key": key, "work_seconds": 3});
+    let input = json!({"key": key, "work_seconds": 3, "duration_ms": 60000});
     let (a, b) = tokio::join!(start(SCHEDULED, "", input.clone()), start(SCHEDULED, "", input.clone()));
     let (a_end, b_end) = tokio::join!(wait_end(&a, LONG), wait_end(&b, LONG));
     let mut ran = vec![];
@@ -732,7 +799,7 @@ async fn scheduled_job_runs_once_and_the_overlapping_run_skips() {
     assert_eq!(state.fence, fence);
 
     // The next scheduled run finds the key free and works with a higher fence.
-    let next = start(SCHEDULED, "", json!({"key": key, "work_seconds": 0})).await;
+    let next = start(SCHEDULED, "", json!({"key": key, "work_seconds": 0, "duration_ms": 60000})).await;
     let next_end = wait_end(&next, LONG).await;
     assert_eq!(next_end.status, ExecutionStatus::Succeeded, "{}", next_end.describe());
     assert_eq!(next_end.output["skipped"], false);
@@ -743,7 +810,7 @@ async fn scheduled_job_runs_once_and_the_overlapping_run_skips() {
 async fn scheduled_job_failing_work_still_releases() {
     tokio::task::spawn_blocking(stack).await.unwrap();
     let key = unique("scheduled-fail");
-    let run = start(SCHEDULED, "acquire", json!({"key": key})).await;
+    let run = start(SCHEDULED, "acquire", json!({"key": key, "duration_ms": 60000})).await;
     let end = wait_end(&run, LONG).await;
     assert_eq!(end.status, ExecutionStatus::Failed, "{}", end.describe());
     assert_eq!(end.error.as_deref(), Some("WorkflowFailed"));
@@ -753,7 +820,7 @@ async fn scheduled_job_failing_work_still_releases() {
     let state = lease_state(&key).await;
     assert!(!state.held, "{state:?}");
 
-    let next = start(SCHEDULED, "", json!({"key": key, "work_seconds": 0})).await;
+    let next = start(SCHEDULED, "", json!({"key": key, "work_seconds": 0, "duration_ms": 60000})).await;
     let next_end = wait_end(&next, LONG).await;
     assert_eq!(next_end.status, ExecutionStatus::Succeeded, "{}", next_end.describe());
     assert_eq!(next_end.output["skipped"], false, "the failed run left the key free");
@@ -767,4 +834,93 @@ fn regions_are_distinct() {
     assert_eq!(set.len(), MOTO_REGIONS.len());
     // Executions started by the tests (at most 13 here) fit, with the functions' region left out.
     assert!(MOTO_REGIONS.len() > 14);
+}
+
+// ---- what States.ALL cannot catch ---------------------------------------------------------------
+
+/// A work result over Step Functions' 256 KiB (the adapter enforces the quota) fails the task
+/// with an error no Catch catches: the execution ends without its Release. The lease is a
+/// keep-alive lease bound to the execution (the workflow's default), so the next sweep finds
+/// the execution ended and frees the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_flight_oversized_work_result_leaves_the_key_to_the_sweep() {
+    tokio::task::spawn_blocking(stack).await.unwrap();
+    let key = unique("huge-result");
+    let run = start(SINGLE_FLIGHT, "huge", json!({"key": key, "duration_ms": 60000})).await;
+    sfn_quotas::fail_on_violation(&run.client, &run.arn, "/functions/huge/", LONG).await;
+    let end = wait_end(&run, LONG).await;
+    assert!(matches!(end.status, ExecutionStatus::Aborted | ExecutionStatus::Failed), "{}", end.describe());
+    assert!(!end.entered("Release"), "nothing caught it: {}", end.describe());
+    let seen = sfn_quotas::Quotas::global().violations();
+    assert!(seen.iter().any(|v| v.contains("/functions/huge/")), "the adapter enforced the quota: {seen:?}");
+    let state = lease_state(&key).await;
+    assert!(state.held, "{state:?}");
+    let ka = state.keepalive.clone().expect("a keep-alive lease by default");
+    assert_eq!(ka.execution_arn.as_deref(), Some(run.arn.as_str()), "{state:?}");
+    let coord = coordinator().await;
+    assert!(ka.until_ms > coord.now_ms() + 300 * 24 * 3600 * 1000, "kept alive for the execution's life: {ka:?}");
+    // The sweep describes the execution (FAILED) and releases its lease.
+    let inv = stack().emulator.invoke("heartbeat", &scheduled_event()).await;
+    assert!(inv.error_type.is_none(), "sweep: {:?}", inv.body);
+    assert!(inv.body["released"].as_u64().unwrap_or(0) >= 1, "{}", inv.body);
+    let state = lease_state(&key).await;
+    assert!(!state.held, "the sweep freed the key: {state:?}");
+    sfn_quotas::assert_within_quotas_except(&["/functions/huge/"]);
+}
+
+/// FencedUpdate without item_id: refused before the acquire (after it, the missing path would
+/// fail the execution with States.Runtime, holding the lease).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fenced_update_without_item_id_leases_nothing() {
+    tokio::task::spawn_blocking(stack).await.unwrap();
+    let key = unique("fenced-no-item");
+    let run = start(FENCED, "", json!({"key": key, "value": "A"})).await;
+    let end = wait_end(&run, LONG).await;
+    assert_eq!(end.status, ExecutionStatus::Failed, "{}", end.describe());
+    assert_eq!(end.error.as_deref(), Some("InvalidInput"), "{}", end.describe());
+    assert!(!end.entered("Acquire"), "{}", end.describe());
+    assert!(coordinator().await.get(&key).await.is_err(), "nothing was written for {key}");
+}
+
+/// Over HTTP (an API Gateway event), `task_token` and `keepalive.execution_arn` are refused
+/// with InvalidRequest and nothing is written; a direct invoke still takes them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_refuses_invoke_only_fields() {
+    tokio::task::spawn_blocking(stack).await.unwrap();
+    let routes = leasehold_tests::apigw::routes(raw_template());
+    let coord = coordinator().await;
+    let key = unique("invoke-only");
+    let arn = "arn:aws:states:us-east-1:123456789012:execution:other:run-1";
+    let bodies = [
+        (json!({"holder": "h", "duration_ms": 60000, "task_token": "AAAAtoken"}), "task_token"),
+        (
+            json!({"holder": "h", "duration_ms": 60000, "keepalive": {"until_ms": coord.now_ms() + 600_000, "execution_arn": arn}}),
+            "keepalive.execution_arn",
+        ),
+    ];
+    for (body, field) in &bodies {
+        let (function, event) = leasehold_tests::apigw::request(
+            &routes,
+            "POST",
+            &format!("/leases/acquire/{key}"),
+            Some(&body.to_string()),
+            coord.now_ms(),
+        )
+        .expect("routed");
+        assert_eq!(function, "acquire");
+        let inv = stack().emulator.invoke("acquire", &event).await;
+        assert!(inv.error_type.is_none(), "HTTP answers are never function errors: {:?}", inv.body);
+        assert_eq!(inv.body["statusCode"], 400, "{}", inv.body);
+        let answer: Value = serde_json::from_str(inv.body["body"].as_str().unwrap()).unwrap();
+        assert_eq!(answer["error"], "InvalidRequest", "{answer}");
+        assert!(answer["message"].as_str().unwrap().contains(field), "names {field}: {answer}");
+        assert!(coord.get(&key).await.is_err(), "nothing written");
+    }
+    // The same keep-alive by direct invoke (a state machine's task) is taken.
+    let mut direct = bodies[1].0.clone();
+    direct["key"] = json!(key);
+    let inv = stack().emulator.invoke("acquire", &direct).await;
+    assert!(inv.error_type.is_none(), "{:?}", inv.body);
+    assert_eq!(inv.body["keepalive"]["execution_arn"], arn);
+    coord.release(&key, &leasehold::LeaseId::from_string(inv.body["lease_id"].as_str().unwrap())).await.unwrap();
 }

@@ -48,6 +48,7 @@ pub mod attr {
     pub(crate) const KA_EXECUTION_ARN: &str = "ka_execution_arn";
     pub const TTL: &str = "ttl";
     pub(crate) const POLL: &str = "poll_ms";
+    pub(crate) const HANDED_IN: &str = "handed_in";
     pub(crate) const RENEWED_AT: &str = "renewed_at_ms";
     pub(crate) const QUEUE_HEAD: &str = "queue_head";
     pub(crate) const QUEUE_TAIL: &str = "queue_tail";
@@ -82,6 +83,7 @@ pub mod attr {
         KA_EXECUTION_ARN,
         TTL,
         POLL,
+        HANDED_IN,
         QUEUE_HEAD,
         QUEUE_TAIL,
         QUEUE_TAIL_AT,
@@ -409,6 +411,7 @@ pub(crate) fn record_from_item(item: &HashMap<String, AttributeValue>) -> Result
         keepalive,
         ttl: get_n(item, attr::TTL)?,
         poll_ms: get_n(item, attr::POLL)?,
+        handed_in: get_s(item, attr::HANDED_IN)?,
         renewed_at_ms: get_n(item, attr::RENEWED_AT)?,
         queue_head: get_n(item, attr::QUEUE_HEAD)?,
         queue_tail: get_n(item, attr::QUEUE_TAIL)?,
@@ -542,6 +545,17 @@ impl Expr {
                 let v = self.v("expected_fence", num(*f));
                 format!("{a} = {v}")
             }
+            Condition::FenceAndExpiry { fence, expires_at_ms } => {
+                let (a, e) = (self.n(attr::FENCE), self.n(attr::EXPIRES_AT));
+                let v = self.v("expected_fence", num(*fence));
+                match expires_at_ms {
+                    Some(exp) => {
+                        let ev = self.v("expected_expiry", num(*exp));
+                        format!("{a} = {v} AND {e} = {ev}")
+                    }
+                    None => format!("{a} = {v} AND attribute_not_exists({e})"),
+                }
+            }
             Condition::Queueable { now_ms, lease_id } => {
                 let (f, e) = (self.n(attr::FENCE), self.n(attr::EXPIRES_AT));
                 let (qt, qh, ql) =
@@ -670,6 +684,7 @@ impl Expr {
                 self.remove_keepalive();
             }
             Mutation::ClearKeepalive => self.remove_keepalive(),
+            Mutation::WaitsIn { coordinator } => self.set_value(attr::HANDED_IN, str_(coordinator)),
             Mutation::Enqueue { now_ms, start, lease_id, shard } => {
                 let (qh, qt) = (self.n(attr::QUEUE_HEAD), self.n(attr::QUEUE_TAIL));
                 let st = self.v("queue_start", num(*start));
@@ -804,6 +819,9 @@ fn lease_item(key: &str, n: &NewLease) -> HashMap<String, AttributeValue> {
     }
     if let Some(p) = n.poll_ms {
         put(attr::POLL, num(p));
+    }
+    if let Some(c) = &n.handed_in {
+        put(attr::HANDED_IN, str_(c));
     }
     if let Some(v) = &n.visit {
         put(attr::STATE_SHARD, str_(&v.shard));
@@ -1176,6 +1194,8 @@ mod tests {
             (Condition::Unreleased { lease_id: id.clone() }, Some(Mutation::Release { now_ms: now, ttl: 2 })),
             (Condition::Exists, Some(Mutation::ForceRelease { now_ms: now, ttl: 2 })),
             (Condition::FenceIs(3), Some(Mutation::ClearKeepalive)),
+            (Condition::FenceAndExpiry { fence: 3, expires_at_ms: Some(4) }, Some(Mutation::ClearKeepalive)),
+            (Condition::FenceAndExpiry { fence: 3, expires_at_ms: None }, Some(Mutation::ClearKeepalive)),
             (
                 Condition::Queueable { now_ms: now, lease_id: id.clone() },
                 Some(Mutation::Enqueue { now_ms: now, start: 5, lease_id: id.clone(), shard: 1003 }),
@@ -1195,6 +1215,7 @@ mod tests {
                         fence: 4,
                         poll_ms: None,
                         visit: None,
+                        handed_in: None,
                         released: Some((id.clone(), 2)),
                     },
                     seq: 6,
@@ -1227,6 +1248,7 @@ mod tests {
                 Some(Mutation::ReleaseTo { now_ms: now, state: "S".into(), shard: "S#0".into() }),
             ),
             (Condition::FenceIs(3), Some(Mutation::ClearTtl)),
+            (Condition::FenceIs(3), Some(Mutation::WaitsIn { coordinator: "c".into() })),
             (Condition::Unqueued { lease_id: id.clone() }, Some(Mutation::Release { now_ms: now, ttl: 2 })),
             (Condition::ReleaseHandOver { lease_id: id.clone(), fence: 3, now_ms: now, head: 5 }, None),
         ];

@@ -57,6 +57,12 @@ pub enum Condition {
     /// The item's last fence is `fence`: the same lease as when it was read (every grant and
     /// force-release changes the fence). DynamoDB: `fence = :expected_fence`
     FenceIs(u64),
+    /// The item is still the lease the keep-alive sweep read from its (eventually consistent)
+    /// index: same fence and same expiry (`None`: no expiry). A renewal the index has not seen
+    /// yet moved the expiry, so a live lease is never taken out of the sweep on a stale entry.
+    /// DynamoDB: `fence = :expected_fence AND expires_at_ms = :expected_expiry` |
+    /// `attribute_not_exists(expires_at_ms)`
+    FenceAndExpiry { fence: u64, expires_at_ms: Option<u64> },
     /// A waiter may join the key's queue: the item exists and is held, or its queue is not
     /// empty (a free key with waiters belongs to the head waiter), and the queue's last slot is
     /// not already `lease_id`'s (a retried enqueue whose first try landed finds its slot in the
@@ -141,6 +147,9 @@ impl Condition {
             (Condition::Unreleased { lease_id }, Some(r)) => &r.lease_id == lease_id && r.released_at_ms.is_none(),
             (Condition::Exists, Some(_)) => true,
             (Condition::FenceIs(f), Some(r)) => r.fence == *f,
+            (Condition::FenceAndExpiry { fence, expires_at_ms }, Some(r)) => {
+                r.fence == *fence && r.expires_at_ms == *expires_at_ms
+            }
             (Condition::Queueable { now_ms, lease_id }, Some(r)) => {
                 (r.is_held(*now_ms) || r.queue_len() > 0)
                     && (r.queue_tail_lease_id.as_ref() != Some(lease_id) || r.queue_len() == 0)
@@ -209,6 +218,8 @@ pub struct NewLease {
     pub poll_ms: Option<u64>,
     /// The work state the key stays in, with `attempts` counting this grant.
     pub visit: Option<Visit>,
+    /// An in-process hand-over's grant: the releasing coordinator's id (see [`Record::handed_in`]).
+    pub handed_in: Option<String>,
     /// A hand-over: the released lease this grant replaces (its lease_id and fence), kept on the
     /// item so that a retried release of it answers `already_released`.
     pub released: Option<(LeaseId, u64)>,
@@ -242,6 +253,7 @@ impl NewLease {
             ttl: self.ttl,
             renewed_at_ms: Some(self.now_ms),
             poll_ms: self.poll_ms,
+            handed_in: self.handed_in.clone(),
             queue_head: None,
             queue_tail: None,
             queue_tail_at_ms: None,
@@ -306,6 +318,9 @@ pub enum Mutation {
     ReleaseTo { now_ms: u64, state: String, shard: String },
     /// Remove the TTL: a key in a work state is kept until it is taken.
     ClearTtl,
+    /// A waiter of coordinator `coordinator` missed a turn to an in-process hand-over: it takes
+    /// the mark (`handed_in = coordinator`), so the releaser leaves the key free for it.
+    WaitsIn { coordinator: String },
 }
 
 impl Mutation {
@@ -409,6 +424,7 @@ impl Mutation {
                     ttl: None,
                     renewed_at_ms: None,
                     poll_ms: None,
+                    handed_in: None,
                     queue_head: None,
                     queue_tail: None,
                     queue_tail_at_ms: None,
@@ -442,6 +458,11 @@ impl Mutation {
             Mutation::ClearTtl => {
                 let mut r = old.expect("clear-ttl applies to an existing item").clone();
                 r.ttl = None;
+                r
+            }
+            Mutation::WaitsIn { coordinator } => {
+                let mut r = old.expect("waits-in applies to an existing item").clone();
+                r.handed_in = Some(coordinator.clone());
                 r
             }
         }

@@ -1,0 +1,235 @@
+//! The in-process hand-over under cancellation (DESIGN.md, "In-process waiters" and
+//! "Cancellation"): an acquire dropped at any await point (a caller's timeout, a disconnected
+//! HTTP client, a deadline) leaves no lease behind, and a hand-over never grants a lease_id
+//! twice nor lands for a waiter that answered. Every case runs on both stores.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use leasehold::store::{Condition, Mutation, Page, ScanKind, Store, Write};
+use leasehold::Record;
+use leasehold::{AcquireOptions, Coordinator, Error, LeaseId, NotHolderReason};
+use leasehold_tests::{both_backends, test_config, Backend, Fault, Faulty};
+
+both_backends!(
+    a_waiter_dropped_while_its_grant_is_written_leaves_the_key_free,
+    a_grant_never_read_by_a_dropped_waiter_is_released,
+    acquires_cut_at_any_point_strand_no_lease,
+    a_hand_over_never_grants_a_lease_id_twice,
+    an_ambiguous_hand_over_that_lands_late_is_settled_by_the_release,
+);
+
+const LONG: Option<Duration> = Some(Duration::from_secs(30));
+
+fn waiting(wait: Duration) -> AcquireOptions {
+    AcquireOptions { wait: Some(wait), ..Default::default() }
+}
+
+/// A coordinator whose waiters never poll during the test: every hand-over is a wake-up.
+fn quiet(store: Arc<dyn Store>) -> Coordinator {
+    let mut config = test_config();
+    config.poll_max = Duration::from_secs(20);
+    Coordinator::new(store, config)
+}
+
+async fn until(limit: Duration, what: &str, mut f: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !f().await {
+        assert!(Instant::now() < deadline, "{what}: not within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+async fn head_offers(c: &Coordinator, k: &str) {
+    until(Duration::from_secs(10), "the head waiter settles, offering its lease", async || c.head_waiter_offers(k))
+        .await;
+}
+
+/// The key is free (nobody's lease on it), soon: nothing was stranded.
+async fn free_soon(c: &Coordinator, k: &str, what: &str) {
+    until(Duration::from_secs(10), what, async || match c.get(k).await {
+        Ok(s) => !s.held,
+        Err(Error::NotFound { .. }) => true,
+        Err(e) => panic!("{e}"),
+    })
+    .await;
+}
+
+/// The waiter's acquire is dropped while a release writes its grant (`Claimed`): the release
+/// gives the grant back before it answers, and the key is free for anybody at once.
+async fn a_waiter_dropped_while_its_grant_is_written_leaves_the_key_free(b: Backend) {
+    let faulty = Faulty::new(b.store());
+    let c = quiet(faulty.clone());
+    let k = "claimed";
+    let h = c.acquire(k, "h", LONG, AcquireOptions::default()).await.unwrap();
+    let c2 = c.clone();
+    let waiter = tokio::spawn(async move { c2.acquire(k, "w", LONG, waiting(Duration::from_secs(20))).await });
+    head_offers(&c, k).await;
+    // The hand-over's write lands at once but answers 1.5 s later: the waiter is claimed
+    // throughout, and leaves (its task aborted) in the middle.
+    faulty.inject(&[Fault::SlowAnswer(Duration::from_millis(1500))]);
+    let c3 = c.clone();
+    let id = h.lease_id.clone();
+    let release = tokio::spawn(async move { c3.release(k, &id).await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    waiter.abort();
+    assert!(waiter.await.unwrap_err().is_cancelled());
+    let released = release.await.unwrap().unwrap();
+    assert!(!released.already_released);
+    assert_eq!(faulty.injected.load(Ordering::SeqCst), 1, "the hand-over was written");
+    let s = c.get(k).await.unwrap();
+    assert!(!s.held, "the grant of a waiter that left is given back by the release: {s:?}");
+    c.acquire(k, "next", LONG, AcquireOptions::default()).await.expect("free for anybody at once");
+}
+
+/// The release's write granted the sleeping waiter, and the waiter's acquire is dropped before
+/// it is polled again (`Granted`, never read): the grant is released.
+async fn a_grant_never_read_by_a_dropped_waiter_is_released(b: Backend) {
+    let c = quiet(b.store());
+    let k = "unread";
+    let h = c.acquire(k, "h", LONG, AcquireOptions::default()).await.unwrap();
+    // Driven by this task only: once it sleeps offering, it is not polled again.
+    let mut waiter = Box::pin(c.acquire(k, "w", LONG, waiting(Duration::from_secs(20))));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !c.head_waiter_offers(k) {
+        assert!(Instant::now() < deadline, "the waiter never settled");
+        tokio::select! {
+            biased;
+            r = &mut waiter => panic!("the waiter answered while the key was held: {r:?}"),
+            _ = tokio::time::sleep(Duration::from_millis(10)) => {}
+        }
+    }
+    c.release(k, &h.lease_id).await.unwrap();
+    assert_eq!(c.get(k).await.unwrap().holder, "w", "the release granted the waiter in its own write");
+    drop(waiter);
+    free_soon(&c, k, "the unread grant of a dropped waiter is released").await;
+    c.acquire(k, "next", LONG, AcquireOptions::default()).await.expect("free for anybody");
+}
+
+/// Acquires dropped after many different delays (inside their first write, while they wait,
+/// while a release hands them the key, just after): whatever they got is released, and no
+/// lease is left on the key.
+async fn acquires_cut_at_any_point_strand_no_lease(b: Backend) {
+    let c = quiet(b.store());
+    // A free key, acquires cut within their first request.
+    for (i, cut_us) in (0..3000).step_by(150).enumerate() {
+        let k = format!("free{i}");
+        let got =
+            tokio::time::timeout(Duration::from_micros(cut_us), c.acquire(&k, "cut", LONG, AcquireOptions::default()))
+                .await;
+        if let Ok(lease) = got {
+            c.release(&k, &lease.unwrap().lease_id).await.unwrap();
+        }
+        free_soon(&c, &k, &format!("an acquire cut after {cut_us} µs")).await;
+    }
+    // A held key, released 40 ms into the wait: waiters cut before, around and after it.
+    for cut_ms in [1u64, 5, 15, 30, 38, 40, 41, 42, 44, 47, 50, 60, 80, 120] {
+        let k = format!("held{cut_ms}");
+        let h = c.acquire(&k, "h", LONG, AcquireOptions::default()).await.unwrap();
+        let (c2, k2) = (c.clone(), k.clone());
+        let release = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(40)).await;
+            c2.release(&k2, &h.lease_id).await.unwrap();
+        });
+        let got = tokio::time::timeout(
+            Duration::from_millis(cut_ms),
+            c.acquire(&k, "w", LONG, waiting(Duration::from_secs(20))),
+        )
+        .await;
+        release.await.unwrap();
+        if let Ok(lease) = got {
+            c.release(&k, &lease.unwrap().lease_id).await.unwrap();
+        }
+        free_soon(&c, &k, &format!("a waiter cut after {cut_ms} ms")).await;
+    }
+}
+
+/// Two waiters of one coordinator with one caller lease_id: the first gets the key; its
+/// release must not hand the same lease_id to the second (a lease_id is single-use).
+async fn a_hand_over_never_grants_a_lease_id_twice(b: Backend) {
+    let c = quiet(b.store());
+    let k = "twice";
+    let h = c.acquire(k, "h", LONG, AcquireOptions::default()).await.unwrap();
+    let id = LeaseId::generate();
+    let opts = AcquireOptions { wait: Some(Duration::from_secs(15)), lease_id: Some(id.clone()), ..Default::default() };
+    let (c1, o1) = (c.clone(), opts.clone());
+    let first = tokio::spawn(async move {
+        let l = c1.acquire(k, "w1", LONG, o1).await.unwrap();
+        c1.release(k, &l.lease_id).await.unwrap();
+        l
+    });
+    until(Duration::from_secs(10), "the first waiter lines up", async || c.waiting(k) == 1).await;
+    let c2 = c.clone();
+    let second = tokio::spawn(async move { c2.acquire(k, "w2", LONG, opts).await });
+    until(Duration::from_secs(10), "the second waiter lines up", async || c.waiting(k) == 2).await;
+    head_offers(&c, k).await;
+    c.release(k, &h.lease_id).await.unwrap();
+    let l = first.await.unwrap();
+    assert_eq!(l.lease_id, id);
+    match second.await.unwrap() {
+        Err(Error::NotHolder { reason: NotHolderReason::Released, .. }) => {}
+        other => panic!("the released lease_id was granted again or refused wrongly: {other:?}"),
+    }
+    let s = c.get(k).await.unwrap();
+    assert!(!s.held && s.holder == "w1", "{s:?}");
+}
+
+/// A store that holds back the in-process hand-over's write (`HandTo`), answers it with an
+/// ambiguous error, and lets it land just before the next write (a request stuck in the
+/// network that arrives late).
+struct LateHandTo {
+    inner: Arc<dyn Store>,
+    armed: AtomicBool,
+    held: Mutex<Option<(String, Condition, Mutation)>>,
+}
+
+#[async_trait]
+impl Store for LateHandTo {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    async fn get(&self, key: &str) -> leasehold::Result<Option<Record>> {
+        self.inner.get(key).await
+    }
+    async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
+        if matches!(c, Condition::HandTo { .. }) && self.armed.swap(false, Ordering::SeqCst) {
+            *self.held.lock().unwrap() = Some((key.to_string(), c.clone(), m.clone()));
+            return Err(Error::StoreUnavailable("injected: the hand-over is stuck in the network".into()));
+        }
+        let late = self.held.lock().unwrap().take();
+        if let Some((k, c, m)) = late {
+            self.inner.update(&k, &c, &m).await?;
+        }
+        self.inner.update(key, c, m).await
+    }
+    async fn delete(&self, key: &str, c: &Condition) -> leasehold::Result<Write> {
+        self.inner.delete(key, c).await
+    }
+    async fn scan(&self, k: &ScanKind, s: Option<&str>, l: u32) -> leasehold::Result<Page> {
+        self.inner.scan(k, s, l).await
+    }
+}
+
+/// The hand-over's write fails ambiguously and lands later, before the ordinary release that
+/// follows it: the release answers as done (not `wrong_lease_id`), and the waiter, which
+/// waited for the outcome, holds the key.
+async fn an_ambiguous_hand_over_that_lands_late_is_settled_by_the_release(b: Backend) {
+    let store = Arc::new(LateHandTo { inner: b.store(), armed: AtomicBool::new(false), held: Mutex::new(None) });
+    let c = quiet(store.clone());
+    let k = "late";
+    let h = c.acquire(k, "h", LONG, AcquireOptions::default()).await.unwrap();
+    let c2 = c.clone();
+    let waiter = tokio::spawn(async move { c2.acquire(k, "w", LONG, waiting(Duration::from_secs(20))).await });
+    head_offers(&c, k).await;
+    store.armed.store(true, Ordering::SeqCst);
+    let released = c.release(k, &h.lease_id).await.expect("the release is done, whichever write landed");
+    assert!(!released.already_released);
+    assert!(!store.armed.load(Ordering::SeqCst), "the hand-over was held back");
+    let w = waiter.await.unwrap().expect("the waiter holds the key");
+    let s = c.get(k).await.unwrap();
+    assert!(s.held && s.holder == "w" && s.fence == w.fence, "{s:?} / {w:?}");
+    c.release(k, &w.lease_id).await.unwrap();
+    free_soon(&c, k, "released by its holder").await;
+}
