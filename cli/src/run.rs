@@ -78,7 +78,10 @@ Exit codes:
 With --next STATE instead of KEY, run leases the longest-waiting free key of a work state (see
 `leasehold next`), exports it as LEASEHOLD_KEY, and when the command exits 0 moves the key into
 --done (default DONE); otherwise the key stays in its state, its attempt counted. Exit 75 when
-no key of the state is free within --wait (or at once with --skip-if-held).
+no key of the state is free within --wait (or at once with --skip-if-held). When the command
+exits 0 but the key cannot be moved into --done, the key stays in its state and will be worked
+on again (work items are at least once): run exits 76 if the lease was no longer its own
+(expired and taken, force-released), 77 if the store could not be reached.
 
 Examples:
   leasehold run jobs/nightly -- ./nightly.sh --full
@@ -235,9 +238,14 @@ async fn run(g: &Global, mut args: RunArgs) -> i32 {
     };
     // With --next, a command that succeeded moves the key on; otherwise it stays in its state.
     let done = args.next.as_ref().filter(|_| code == 0 && !outcome.stopped).map(|_| args.done.as_str());
-    release_to(held, &args.key, outcome.stopped, done).await;
+    let moved = release_to(held, &args.key, outcome.stopped, done).await;
     if outcome.stopped {
         exit::LOST
+    } else if let (Some(state), Err((status, why))) = (done, moved) {
+        // The work succeeded but the key did not move on: it stays in its state and will be
+        // leased (and worked on) again. Work items are at least once; say so in the exit code.
+        eprintln!("leasehold: error: the command succeeded but {:?} was not moved into {state}: {why}", args.key);
+        status
     } else {
         code
     }
@@ -246,15 +254,29 @@ async fn run(g: &Global, mut args: RunArgs) -> i32 {
 /// Releases the lease; after a loss the release only frees what a late renewal may still
 /// hold (it is conditional on the lease_id), so its refusal is expected and not reported.
 async fn release(held: HeldLease, key: &str, lost: bool) {
-    release_to(held, key, lost, None).await
+    // Without a state every failure is reported as a warning inside: nothing to return.
+    let _ = release_to(held, key, lost, None).await;
 }
 
-/// [`release`], moving the key into work state `state`.
-async fn release_to(held: HeldLease, key: &str, lost: bool, state: Option<&str>) {
+/// [`release`], moving the key into work state `state`. A failed move into a state is the
+/// caller's to report, with the exit code it calls for (76: the lease was no longer this
+/// run's, e.g. force-released; 77: the store); any other failure is a warning.
+async fn release_to(held: HeldLease, key: &str, lost: bool, state: Option<&str>) -> Result<(), (i32, String)> {
     match held.release_to(state).await {
-        Ok(_) => {}
-        Err(Error::NotHolder { .. }) if lost => {}
-        Err(e) => eprintln!("leasehold: warning: release of {key:?} failed: {e}"),
+        // A lease released by someone else (force-release) answers `already_released` and
+        // leaves the key where it was: not moved.
+        Ok(r) if state.is_some() && r.state.as_deref() != state => {
+            Err((exit::LOST, "the lease had already been released by someone else".into()))
+        }
+        Ok(_) => Ok(()),
+        Err(Error::NotHolder { .. }) if lost => Ok(()),
+        Err(e) if state.is_some() => {
+            Err((if matches!(e, Error::NotHolder { .. }) { exit::LOST } else { exit::STORE }, e.to_string()))
+        }
+        Err(e) => {
+            eprintln!("leasehold: warning: release of {key:?} failed: {e}");
+            Ok(())
+        }
     }
 }
 

@@ -107,6 +107,18 @@ fn run_next(t: &Target) {
     assert!(none.stdout.is_empty() && none.stderr.contains("no key of state TODO is free"), "{none:?}");
     // A key and --next together: a usage error.
     t.run(&["run", "jobs/a", "--next", "TODO", "--", "true"]).code(2);
+    // The command succeeds but its lease is taken from it (here: it force-releases its own
+    // key): the key cannot move into --done, stays in its state, and run says so (exit 76),
+    // never 0 for work that will be done again.
+    t.run(&["put", "jobs/c", "--state", "TODO"]).ok();
+    let bin = cli_support::bin().display().to_string();
+    let mut argv = vec!["run", "--next", "TODO", "--skip-if-held", "--", "sh", "-c"];
+    argv.extend([r#"bin="$1"; shift; "$bin" "$@" force-release "$LEASEHOLD_KEY" >/dev/null"#, "sh", bin.as_str()]);
+    argv.extend(t.args.iter().map(String::as_str));
+    let lost = t.run(&argv).code(76);
+    assert!(lost.stderr.contains("was not moved into DONE"), "{lost:?}");
+    let g = t.run(&["get", "jobs/c", "--json"]).ok().json();
+    assert_eq!((g["state"].as_str(), g["held"].as_bool()), (Some("TODO"), Some(false)), "{g}");
 }
 
 #[test]
