@@ -860,10 +860,13 @@ async fn single_flight_oversized_work_result_leaves_the_key_to_the_sweep() {
     assert_eq!(ka.execution_arn.as_deref(), Some(run.arn.as_str()), "{state:?}");
     let coord = coordinator().await;
     assert!(ka.until_ms > coord.now_ms() + 300 * 24 * 3600 * 1000, "kept alive for the execution's life: {ka:?}");
-    // The sweep describes the execution (FAILED) and releases its lease.
+    // The sweep describes the execution (FAILED) and releases its lease. Other tests run their
+    // own sweeps at the same time, and one of those may release this lease first: this sweep
+    // then counts it as raced. Either way a sweep freed the key, and no sweep renewed it.
     let inv = stack().emulator.invoke("heartbeat", &scheduled_event()).await;
     assert!(inv.error_type.is_none(), "sweep: {:?}", inv.body);
-    assert!(inv.body["released"].as_u64().unwrap_or(0) >= 1, "{}", inv.body);
+    let count = |name: &str| inv.body[name].as_u64().unwrap_or(0);
+    assert!(count("released") + count("raced") >= 1, "{}", inv.body);
     let state = lease_state(&key).await;
     assert!(!state.held, "the sweep freed the key: {state:?}");
     sfn_quotas::assert_within_quotas_except(&["/functions/huge/"]);
