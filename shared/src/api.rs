@@ -173,7 +173,7 @@ pub async fn run(
     remaining: Option<Duration>,
 ) -> Result<Value> {
     // Remote callers count `safe_for_ms` from their own send time, which is before this.
-    let received = std::time::Instant::now();
+    let received = coord.monotonic();
     if matches!(op, Operation::Next | Operation::Put | Operation::Count) {
         return batch::run(coord, op, path_key, payload, remaining, received).await;
     }

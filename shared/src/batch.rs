@@ -62,17 +62,17 @@ const MAX_CANDIDATES: usize = 1000;
 /// A contended taker takes at most 1/TAIL_SHARE of the free keys it sees.
 const TAIL_SHARE: usize = 16;
 
-fn contended(state: &str) -> bool {
+fn contended(state: &str, now: Instant) -> bool {
     let c = contention().lock().unwrap_or_else(|p| p.into_inner());
-    c.get(state).is_some_and(|t| t.elapsed() < CONTENDED_FOR)
+    c.get(state).is_some_and(|t| now.saturating_duration_since(*t) < CONTENDED_FOR)
 }
 
-fn collided(state: &str) {
+fn collided(state: &str, now: Instant) {
     let mut c = contention().lock().unwrap_or_else(|p| p.into_inner());
     if c.len() > 4096 {
-        c.retain(|_, t| t.elapsed() < CONTENDED_FOR);
+        c.retain(|_, t| now.saturating_duration_since(*t) < CONTENDED_FOR);
     }
-    c.insert(state.to_string(), Instant::now());
+    c.insert(state.to_string(), now);
 }
 
 fn random_below(n: usize) -> usize {
@@ -121,7 +121,7 @@ impl Coordinator {
         if r.state.is_none() || r.ttl.is_none() {
             return;
         }
-        let deadline = Instant::now() + self.config().retry_budget;
+        let deadline = self.monotonic() + self.config().retry_budget;
         if let Err(f) = self.write(key, deadline, |_| Ok((Condition::FenceIs(r.fence), Mutation::ClearTtl))).await {
             let e = f.into_error(key);
             tracing::warn!(key, error = e.name(), "could not remove the TTL of a key in a work state");
@@ -137,7 +137,7 @@ impl Coordinator {
         limits.holder(holder)?;
         check_state(state)?;
         self.check_clock(key).await?;
-        let deadline = Instant::now() + self.config().retry_budget;
+        let deadline = self.monotonic() + self.config().retry_budget;
         let shard = self.state_shard(key, state);
         let (w, _, now) = self
             .write(key, deadline, |now| {
@@ -176,7 +176,7 @@ impl Coordinator {
         duration: Option<Duration>,
         opts: AcquireOptions,
     ) -> Result<Vec<Lease>> {
-        let start = Instant::now();
+        let start = self.monotonic();
         check_state(state)?;
         if !(1..=MAX_BATCH).contains(&limit) {
             return Err(Error::invalid(format!("limit must be 1 to {MAX_BATCH}")));
@@ -226,7 +226,7 @@ impl Coordinator {
                     leases: round.unknown,
                 });
             }
-            let now = Instant::now();
+            let now = self.monotonic();
             if now >= wait_deadline.min(deadline) {
                 return Ok(Vec::new());
             }
@@ -263,13 +263,13 @@ impl Coordinator {
             let shard = format!("{state}#{}", (first + i) % shards);
             // Contention is remembered per store handle and state.
             let memo = format!("{:p}/{state}", std::sync::Arc::as_ptr(self.store()));
-            let spread = contended(&memo);
+            let spread = contended(&memo, self.monotonic());
             let page = if spread { (want * SPREAD).min(MAX_CANDIDATES) } else { 2 * want };
             let now = self.now_ms();
             let kind = ScanKind::State { state: state.to_string(), shard: shard.clone(), free_at_ms: Some(now) };
             // A read is retried within the budget of a request: one lost answer must not fail
             // the batch.
-            let mut deadline = Instant::now() + self.config().retry_budget;
+            let mut deadline = self.monotonic() + self.config().retry_budget;
             if let Some(d) = opts.deadline {
                 deadline = deadline.min(d);
             }
@@ -303,7 +303,7 @@ impl Coordinator {
                 match self.take_one(state, &shard, probe, holder, duration, opts).await {
                     Ok(Some(l)) => round.leases.push(l),
                     Ok(None) => {
-                        collided(&memo);
+                        collided(&memo, self.monotonic());
                         continue;
                     }
                     // The store is in trouble: no more writes this round.
@@ -327,7 +327,7 @@ impl Coordinator {
                 self.collect(&mut round, got);
             }
             if hit {
-                collided(&memo);
+                collided(&memo, self.monotonic());
             }
             i += 1;
         }
@@ -377,7 +377,7 @@ impl Coordinator {
         let mut n = 0;
         for i in 0..self.config().state_shards.max(1) {
             let kind = ScanKind::State { state: state.to_string(), shard: format!("{state}#{i}"), free_at_ms: None };
-            let deadline = Instant::now() + self.config().retry_budget;
+            let deadline = self.monotonic() + self.config().retry_budget;
             n += self.read(deadline, || self.store().count(&kind)).await?;
         }
         Ok(n)
@@ -392,7 +392,7 @@ impl Coordinator {
             let kind = ScanKind::State { state: state.to_string(), shard: format!("{state}#{i}"), free_at_ms: None };
             let mut start: Option<String> = None;
             loop {
-                let deadline = Instant::now() + self.config().retry_budget;
+                let deadline = self.monotonic() + self.config().retry_budget;
                 let page = self.read(deadline, || self.store().scan(&kind, start.as_deref(), 100)).await?;
                 let now = self.now_ms();
                 out.extend(page.items.iter().map(|r| r.state(now)));

@@ -105,7 +105,7 @@ async fn renew_loop(
     let mut pause = interval;
     loop {
         let Some(safe_until) = lease.safe_until else { return };
-        let next = (Instant::now() + pause).min(safe_until);
+        let next = (coord.monotonic() + pause).min(safe_until);
         pause = interval;
         tokio::time::sleep_until(next.into()).await;
         if tx.is_closed() {
@@ -127,7 +127,7 @@ async fn renew_loop(
                 let _ = tx.send(HoldState::Lost(Lost::NotHolder(reason)));
                 return;
             }
-            Some(Err(e)) if e.is_transient() || Instant::now() >= safe_until => {
+            Some(Err(e)) if e.is_transient() || coord.monotonic() >= safe_until => {
                 tracing::warn!(key = %lease.key, fence = lease.fence, error = e.name(), "renewals failed until safe time");
                 let _ = tx.send(HoldState::Lost(Lost::SafeTimeExpired));
                 release_after_loss(&coord, &lease).await;

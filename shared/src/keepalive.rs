@@ -109,7 +109,7 @@ impl Coordinator {
         while cursors.iter().any(|(_, c)| c.is_some()) {
             for (shard, cursor) in cursors.iter_mut() {
                 let Some(start) = cursor.clone() else { continue };
-                let began = Instant::now();
+                let began = self.monotonic();
                 if handled >= max_items || began + longest_page >= deadline {
                     report.complete = false;
                     return report;
@@ -161,7 +161,7 @@ impl Coordinator {
                         handled += 1;
                     }
                 }
-                longest_page = longest_page.max(began.elapsed());
+                longest_page = longest_page.max(self.monotonic().saturating_duration_since(began));
                 *cursor = page.next.map(Some);
             }
         }

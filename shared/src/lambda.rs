@@ -8,7 +8,9 @@
 //!   `LeaseHeld` and `Catch` the rest.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
+
+use crate::clock::Clock;
 
 use async_trait::async_trait;
 use aws_lambda_events::apigw::{ApiGatewayV2httpRequest, ApiGatewayV2httpResponse};
@@ -243,7 +245,8 @@ fn sweep_counts(r: &SweepReport, clock_skew: bool) -> Vec<(&'static str, u64)> {
 /// One CloudWatch Embedded Metric Format line: Latency and Invocations by Function and
 /// Outcome, and the counts by Function and in total.
 pub(crate) fn metric_line(function: &str, outcome: &str, latency_ms: f64, counts: &[(&'static str, u64)]) -> Value {
-    let ts = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+    // A log line's own time stamp: the machine's clock, whatever the coordinator's is.
+    let ts = crate::clock::SystemClock.wall_ms().max(0) as u64;
     let mut line = json!({
         "_aws": {
             "Timestamp": ts,
@@ -311,7 +314,8 @@ pub(crate) fn http_api_remaining(time_epoch_ms: i64, now_ms: u64) -> Option<Dura
 }
 
 /// An HTTP API event as a request, and the time API Gateway still waits for its answer.
-fn http_request(event: Value) -> Result<(HttpRequest, Option<Duration>), Error> {
+/// `now_ms`: the function's wall clock.
+fn http_request(event: Value, now_ms: u64) -> Result<(HttpRequest, Option<Duration>), Error> {
     let req: ApiGatewayV2httpRequest =
         serde_json::from_value(event).map_err(|e| Error::invalid(format!("malformed HTTP API event: {e}")))?;
     let body = match req.body {
@@ -320,7 +324,6 @@ fn http_request(event: Value) -> Result<(HttpRequest, Option<Duration>), Error> 
             .map_err(|_| Error::invalid("the body is marked base64 but does not decode"))?,
         Some(b) => b.into_bytes(),
     };
-    let now_ms = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
     let remaining = http_api_remaining(req.request_context.time_epoch, now_ms);
     // API Gateway decoded the path once before it matched the route: `rawPath` and
     // `pathParameters` are used as they are, never decoded again.
@@ -356,16 +359,27 @@ struct Handled {
 }
 
 impl Handler {
+    /// The function's wall clock in epoch ms (the coordinator's clock, without its test offset):
+    /// what Lambda's and API Gateway's deadlines are compared with.
+    fn wall_ms(&self) -> u64 {
+        self.coord.config().clock.wall_ms().max(0) as u64
+    }
+
     /// Handles one event. `remaining`: time left in the invocation. The event's shape picks
     /// the path, each its own function; every path emits one metric line.
     pub async fn handle(&self, event: Value, remaining: Duration) -> Result<Value, Error> {
-        let started = Instant::now();
+        let started = self.coord.monotonic();
         let h = match classify(&event) {
             EventKind::Http => self.http(event, remaining).await,
             EventKind::Schedule => self.schedule(remaining).await,
             EventKind::Direct => self.direct(event, remaining, started).await,
         };
-        let line = metric_line(self.function.name(), &h.outcome, started.elapsed().as_secs_f64() * 1000.0, &h.counts);
+        let line = metric_line(
+            self.function.name(),
+            &h.outcome,
+            self.coord.monotonic().saturating_duration_since(started).as_secs_f64() * 1000.0,
+            &h.counts,
+        );
         // CloudWatch Embedded Metric Format: one JSON line on stdout per invocation.
         println!("{}", with_clock_offset(line, self.coord.clock_offset()));
         h.result
@@ -374,7 +388,7 @@ impl Handler {
     /// An API Gateway HTTP API event: routed once, always answered with an HTTP response.
     async fn http(&self, event: Value, remaining: Duration) -> Handled {
         let mut waited = false;
-        let resp = match http_request(event) {
+        let resp = match http_request(event, self.wall_ms()) {
             Err(e) => api::HttpResponse::error(&e, self.coord.now_ms()),
             Ok((req, api_remaining)) => {
                 // An acquire waits no longer than API Gateway does for the answer.
@@ -415,7 +429,7 @@ impl Handler {
                 outcome,
             };
         }
-        let deadline = Instant::now() + remaining.saturating_sub(api::INVOKE_SAFETY_MARGIN);
+        let deadline = self.coord.monotonic() + remaining.saturating_sub(api::INVOKE_SAFETY_MARGIN);
         // Both sweeps judge and write expiries: a function whose clock is refused runs neither
         // (the queue sweep would hand a live key to the head waiter).
         if let Err(e) = self.coord.check_clock("leasehold/keepalive-sweep").await {
@@ -484,7 +498,7 @@ impl Handler {
         let fence = result.as_ref().ok().and_then(|v| v.get("fence")).and_then(Value::as_u64);
         tracing::info!(
             key = key.as_deref().unwrap_or(""), holder = holder.as_deref().unwrap_or(""),
-            fence, outcome = %outcome, latency_ms = started.elapsed().as_secs_f64() * 1000.0,
+            fence, outcome = %outcome, latency_ms = self.coord.monotonic().saturating_duration_since(started).as_secs_f64() * 1000.0,
             "direct invoke"
         );
         let mut counts = counts(self.function, &outcome, waited, lost);
@@ -550,7 +564,7 @@ pub async fn run(function: Function) -> Result<(), lambda_runtime::Error> {
     lambda_runtime::run(service_fn(move |ev: LambdaEvent<Payload>| {
         let handler = handler.clone();
         async move {
-            let remaining = ev.context.deadline().duration_since(SystemTime::now()).unwrap_or(Duration::ZERO);
+            let remaining = Duration::from_millis(ev.context.deadline.saturating_sub(handler.wall_ms()));
             // No usable deadline (local emulators send a constant such as 600000, i.e. 1970):
             // assume Lambda's default 3 s timeout.
             let remaining = if remaining.is_zero() { Duration::from_secs(3) } else { remaining };

@@ -14,7 +14,7 @@
 pub mod api;
 mod backoff;
 mod batch;
-mod clock;
+pub mod clock;
 pub mod env;
 mod error;
 pub mod fenced;
@@ -29,7 +29,7 @@ pub mod store;
 pub mod validate;
 mod wakeup;
 
-pub use clock::ClockSamples;
+pub use clock::{Clock, ClockSamples, SystemClock};
 pub use error::{Error, ErrorName, NotHolderReason, Result, CLOCK_SKEW_RETRY_AFTER};
 pub use fenced::{FenceGuard, FencedError};
 pub use holder::{HeldLease, HoldState, Lost};

@@ -20,10 +20,11 @@
 //!   on equal terms rather than winning every time.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::backoff::uniform;
+use crate::clock::{Clock, SystemClock};
 
 /// Attempts an acquisition should cost under contention, counting the one that succeeds.
 /// With one request per release, a contended key then costs about 2.4 requests per
@@ -54,9 +55,16 @@ struct KeyPace {
 }
 
 /// What one coordinator remembers of the keys it found contended.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Pacer {
     keys: Mutex<HashMap<String, KeyPace>>,
+    clock: Arc<dyn Clock>,
+}
+
+impl Default for Pacer {
+    fn default() -> Self {
+        Pacer::new(Arc::new(SystemClock))
+    }
 }
 
 /// The pacing of one acquire call.
@@ -139,7 +147,7 @@ impl<'a> Waiting<'a> {
     pub(crate) async fn courtesy(&mut self, deadline: Instant) {
         if let Some(c) = self.courtesy.take() {
             self.contended = true;
-            tokio::time::sleep(c.min(deadline.saturating_duration_since(Instant::now()))).await;
+            tokio::time::sleep(c.min(deadline.saturating_duration_since(self.pacer.clock.now()))).await;
         }
     }
 
@@ -176,14 +184,14 @@ impl<'a> Waiting<'a> {
         self.contended = true;
         self.period = period_of(poll_ms, self.poll_max);
         self.pacer.contended(self.key, self.period);
-        let now = Instant::now();
+        let now = self.pacer.clock.now();
         if now >= deadline {
             return None;
         }
         self.pause = if self.held_by == Some(fence) {
             (self.pause * 2).min(self.poll_max.max(self.period))
         } else {
-            aged(self.period, self.start.elapsed())
+            aged(self.period, now.saturating_duration_since(self.start))
         };
         self.missed = self.held_by.is_some_and(|f| f != fence);
         self.held_by = Some(fence);
@@ -196,9 +204,13 @@ impl<'a> Waiting<'a> {
 }
 
 impl Pacer {
+    pub(crate) fn new(clock: Arc<dyn Clock>) -> Self {
+        Pacer { keys: Mutex::default(), clock }
+    }
+
     /// The pacing for a new acquire of `key`.
     pub(crate) fn begin(&self, key: &str) -> Pace {
-        let now = Instant::now();
+        let now = self.clock.now();
         let keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
         match keys.get(key) {
             Some(p) => Pace {
@@ -212,7 +224,7 @@ impl Pacer {
 
     /// An attempt found `key` held, by an item advertising `period`.
     pub(crate) fn contended(&self, key: &str, period: Duration) {
-        let now = Instant::now();
+        let now = self.clock.now();
         let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
         if keys.len() >= MAX_KEYS && !keys.contains_key(key) {
             let mut ages: Vec<Instant> = keys.values().map(|p| p.contended_at).collect();

@@ -1,11 +1,12 @@
 //! The lease protocol, written once over the [`Store`] trait. DESIGN.md is its specification.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value};
 
 use crate::backoff::{jitter, Backoff};
+use crate::clock::{Clock, SystemClock};
 use crate::error::NotHolderReason as Reason;
 use crate::error::{Error, Result};
 use crate::model::{Keepalive, Lease, LeaseId, LeaseState, Record, Released};
@@ -50,6 +51,9 @@ pub struct Config {
     /// Allowance for a store `Date` header stamped before the answer left the server (DESIGN.md,
     /// "Clocks"): how late a stamp may be without being taken for a wrong clock here.
     pub date_lag: Duration,
+    /// Where every reading of time comes from (the machine's clock by default; a virtual one
+    /// in simulations and users' tests).
+    pub clock: Arc<dyn Clock>,
 }
 
 impl Default for Config {
@@ -67,6 +71,7 @@ impl Default for Config {
             fence_lead: Duration::from_secs(60),
             state_shards: 1,
             date_lag: Duration::from_millis(crate::clock::DATE_LAG_MS as u64),
+            clock: Arc::new(SystemClock),
         }
     }
 }
@@ -115,10 +120,10 @@ impl Coordinator {
     pub fn new(store: Arc<dyn Store>, config: Config) -> Self {
         Coordinator {
             store,
+            pacer: Arc::new(Pacer::new(config.clock.clone())),
+            wakeups: Arc::new(crate::wakeup::Wakeups::new(config.clock.clone())),
             config: Arc::new(config),
-            pacer: Arc::default(),
             deliver: None,
-            wakeups: Arc::default(),
             id: LeaseId::generate().expose()[..16].into(),
         }
     }
@@ -133,14 +138,17 @@ impl Coordinator {
 
     /// The coordinator's clock: epoch milliseconds.
     pub fn now_ms(&self) -> u64 {
-        let wall = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0);
-        (wall + self.config.clock_offset_ms).max(0) as u64
+        (self.config.clock.wall_ms() + self.config.clock_offset_ms).max(0) as u64
     }
 
     /// The coordinator's clock in epoch microseconds: where fences come from.
     pub fn now_us(&self) -> u64 {
-        let wall = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as i64).unwrap_or(0);
-        (wall + self.config.clock_offset_ms * 1000).max(0) as u64
+        (self.config.clock.wall_us() + self.config.clock_offset_ms * 1000).max(0) as u64
+    }
+
+    /// The coordinator's monotonic clock: what deadlines and `safe_until` are measured in.
+    pub fn monotonic(&self) -> Instant {
+        self.config.clock.now()
     }
 
     pub(crate) fn skew_ms(&self) -> u64 {
@@ -162,7 +170,7 @@ impl Coordinator {
 
     /// The coordinator's clock (epoch ms) at the monotonic instant `at`.
     fn clock_at(&self, at: Instant) -> i64 {
-        self.now_ms() as i64 - Instant::now().saturating_duration_since(at).as_millis() as i64
+        self.now_ms() as i64 - self.monotonic().saturating_duration_since(at).as_millis() as i64
     }
 
     /// The measured offset `store clock - this clock` in ms (`lo`, `hi`), from the recent
@@ -170,13 +178,13 @@ impl Coordinator {
     /// store shares the machine's clock).
     pub fn clock_offset(&self) -> Option<(i64, i64)> {
         let samples = self.store.clock()?;
-        let o = samples.offset(|at| self.clock_at(at), self.config.date_lag.as_millis() as i64)?;
+        let o = samples.offset(self.monotonic(), |at| self.clock_at(at), self.config.date_lag.as_millis() as i64)?;
         Some((o.lo, o.hi))
     }
 
     /// Refuses to judge or write expiries with a clock that is certainly further from the
     /// store's than the skew margin (DESIGN.md, "Clocks"). The evidence is the `Date` of the
-    /// store's answers of the last [`MAX_AGE`](crate::clock::MAX_AGE): with fewer recent
+    /// store's answers of the last [`MAX_AGE`](crate::clock::skew::MAX_AGE): with fewer recent
     /// answers than [`AGREEMENT`](crate::clock::AGREEMENT) (a new process, or one idle for
     /// minutes: when a thawed clock is most likely wrong), it reads `key` until it has them.
     /// It refuses only when that many answers agree that the clock is beyond the margin (when
@@ -185,15 +193,15 @@ impl Coordinator {
     pub(crate) async fn check_clock(&self, key: &str) -> Result<()> {
         let Some(samples) = self.store.clock() else { return Ok(()) };
         let need = crate::clock::AGREEMENT;
-        let deadline = Instant::now() + self.config.retry_budget;
+        let deadline = self.monotonic() + self.config.retry_budget;
         // Bounded: answers may come without a usable `Date`.
         let mut reads = 0;
-        while samples.recent() < need && reads < 2 * need && Instant::now() < deadline {
+        while samples.recent(self.monotonic()) < need && reads < 2 * need && self.monotonic() < deadline {
             reads += 1;
             let _ = self.read(deadline, || self.store.get(key)).await;
         }
         let lag = self.config.date_lag.as_millis() as i64;
-        let Some(e) = samples.evidence(|at| self.clock_at(at), lag) else {
+        let Some(e) = samples.evidence(self.monotonic(), |at| self.clock_at(at), lag) else {
             return Err(Error::not_sent(
                 "no answer of the store in the last 5 minutes to check this coordinator's clock against; \
                  expiries are not judged without one",
@@ -225,7 +233,7 @@ impl Coordinator {
             match read().await {
                 Err(e) if e.is_transient() => {
                     let pause = backoff.next_pause();
-                    if Instant::now() + pause >= deadline {
+                    if self.monotonic() + pause >= deadline {
                         return Err(e);
                     }
                     tracing::debug!(error = e.name(), pause_ms = pause.as_millis() as u64, "retrying store read");
@@ -267,7 +275,7 @@ impl Coordinator {
         let mut backoff = Backoff::new(self.config.retry_base, self.config.retry_max);
         let mut maybe_landed = false;
         loop {
-            let sent = Instant::now();
+            let sent = self.monotonic();
             let now = self.now_ms();
             let (cond, m) = attempt(now).map_err(|error| Failed { error, maybe_landed })?;
             let answer = match grants {
@@ -280,7 +288,7 @@ impl Coordinator {
                     maybe_landed |= e.may_have_landed();
                     *landed |= maybe_landed;
                     let pause = backoff.next_pause();
-                    if Instant::now() + pause >= deadline {
+                    if self.monotonic() + pause >= deadline {
                         return Err(Failed { error: e, maybe_landed });
                     }
                     tracing::debug!(
@@ -332,7 +340,7 @@ impl Coordinator {
     async fn release_departed_now(&self, key: &str, lease_id: &LeaseId) {
         // The ordinary release, without a hand-over of its own (that would make this recursive):
         // the next waiter is woken and tries.
-        let deadline = Instant::now() + self.config.retry_budget;
+        let deadline = self.monotonic() + self.config.retry_budget;
         let max = self.max_duration_ms();
         let w = self
             .write(key, deadline, |now| {
@@ -479,7 +487,7 @@ impl Coordinator {
         lease_id: &mut LeaseId,
         landed: &mut bool,
     ) -> Result<Lease> {
-        let start = Instant::now();
+        let start = self.monotonic();
         self.check_acquire(key, holder, duration, &opts)?;
         // The work-state visit the key is believed to be in: the write keeps it (and is
         // refused if the key has moved on since).
@@ -504,7 +512,7 @@ impl Coordinator {
             // the deadline); the head polls as a fallback, since another process may free it.
             if let Some(t) = ticket.as_mut() {
                 loop {
-                    let now = Instant::now();
+                    let now = self.monotonic();
                     if t.is_head() || now >= wait_deadline {
                         break;
                     }
@@ -571,7 +579,7 @@ impl Coordinator {
                     check_fence(&r)?;
                     let advertised = r.poll_ms;
                     let lease = r.lease(sent, now, self.skew_ms());
-                    if lease.safe_until.is_none_or(|t| t > Instant::now()) {
+                    if lease.safe_until.is_none_or(|t| t > self.monotonic()) {
                         wait.granted(advertised);
                         if let Some(t) = ticket.as_mut() {
                             t.granted = true;
@@ -582,7 +590,7 @@ impl Coordinator {
                     // request): useless to the holder. Free the key again, and take it anew
                     // with a new lease_id (a lease_id is single-use) if ours was generated.
                     self.drop_late_grant(key, &lease_id).await;
-                    if opts.lease_id.is_some() || Instant::now() >= deadline {
+                    if opts.lease_id.is_some() || self.monotonic() >= deadline {
                         return Err(Error::StoreUnavailable(
                             "the store answered after the granted lease's safe time had passed; the late grant was \
                              released"
@@ -591,7 +599,7 @@ impl Coordinator {
                     }
                     *lease_id = LeaseId::generate();
                     *landed = false;
-                    tokio::time::sleep(jitter(self.config.retry_base).min(deadline - Instant::now())).await;
+                    tokio::time::sleep(jitter(self.config.retry_base).min(deadline - self.monotonic())).await;
                 }
                 // Free, but its last fence is not below ours (a coordinator whose clock runs
                 // ahead, a force-release, or µs collisions): go again just above it, paced
@@ -602,7 +610,7 @@ impl Coordinator {
                     }
                     seen_fence = Some(r.fence);
                     visit = self.revisit(key, &r, want.as_ref())?;
-                    if Instant::now() >= deadline {
+                    if self.monotonic() >= deadline {
                         return Err(Error::StoreUnavailable(format!("{key:?} kept changing hands until the deadline")));
                     }
                 }
@@ -610,7 +618,7 @@ impl Coordinator {
                 // a state, or one that moved on): go again keeping the visit it is in.
                 AcquireAnswer::Moved(r) => {
                     visit = self.revisit(key, &r, want.as_ref())?;
-                    if Instant::now() >= deadline {
+                    if self.monotonic() >= deadline {
                         return Err(Error::StoreUnavailable(format!("{key:?} kept changing state until the deadline")));
                     }
                 }
@@ -618,7 +626,7 @@ impl Coordinator {
                 // generated one (our own earlier attempt, expired before we heard of it) is
                 // replaced; a caller's is refused.
                 AcquireAnswer::Ended(reason) => {
-                    if opts.lease_id.is_some() || Instant::now() >= deadline {
+                    if opts.lease_id.is_some() || self.monotonic() >= deadline {
                         return Err(Error::NotHolder { key: key.to_string(), reason });
                     }
                     *lease_id = LeaseId::generate();
@@ -701,7 +709,7 @@ impl Coordinator {
         let Some((g, sent, now)) = grant else { return Ok(None) };
         check_fence(&g)?;
         let lease = g.lease(sent, now, self.skew_ms());
-        Ok(lease.safe_until.is_none_or(|s| s > Instant::now()).then_some((lease, g.poll_ms)))
+        Ok(lease.safe_until.is_none_or(|s| s > self.monotonic()).then_some((lease, g.poll_ms)))
     }
 
     /// Releases a grant that arrived too late to be used, so the key does not stay blocked for
@@ -714,7 +722,7 @@ impl Coordinator {
 
     /// Extends a live lease by `duration` (default: the lease's own duration) from now.
     pub async fn heartbeat(&self, key: &str, lease_id: &LeaseId, duration: Option<Duration>) -> Result<Lease> {
-        let deadline = Instant::now() + self.config.retry_budget;
+        let deadline = self.monotonic() + self.config.retry_budget;
         self.heartbeat_until(key, lease_id, duration, deadline).await
     }
 
@@ -755,7 +763,7 @@ impl Coordinator {
                 // answer, and any retries run after it, so a slow store cannot hold a landed
                 // renewal back past the holder's safe time.
                 if r.state.is_some() && r.ttl.is_some() {
-                    let bound = deadline.min(Instant::now() + Duration::from_secs(1));
+                    let bound = deadline.min(self.monotonic() + Duration::from_secs(1));
                     let cond = Condition::FenceIs(r.fence);
                     let once = self.store.update(key, &cond, &Mutation::ClearTtl);
                     if !matches!(tokio::time::timeout_at(bound.into(), once).await, Ok(Ok(_))) {
@@ -815,7 +823,7 @@ impl Coordinator {
         let mut hand_over = state.is_none() && self.deliver.is_some();
         let max = self.max_duration_ms();
         loop {
-            let deadline = Instant::now() + self.config.retry_budget;
+            let deadline = self.monotonic() + self.config.retry_budget;
             let (w, _, now) = self
                 .write(key, deadline, |now| {
                     let ttl = self.ttl_after(now + max);
@@ -933,7 +941,7 @@ impl Coordinator {
             return NotDone;
         }
         let Ok(Some(r)) = self.store.get(key).await else { return NotDone };
-        let sent = Instant::now();
+        let sent = self.monotonic();
         let now = self.now_ms();
         if &r.lease_id != lease_id || r.released_at_ms.is_some() || r.min_hold_until_ms > now || r.queue_len() > 0 {
             return NotDone;
@@ -999,7 +1007,7 @@ impl Coordinator {
     /// advances the fence, so the evicted holder's fence is below any later one.
     pub async fn force_release(&self, key: &str) -> Result<LeaseState> {
         self.config.limits.key(key)?;
-        let deadline = Instant::now() + self.config.retry_budget;
+        let deadline = self.monotonic() + self.config.retry_budget;
         let max = self.max_duration_ms();
         let (w, _, now) = self
             .write(key, deadline, |now| {
@@ -1021,7 +1029,7 @@ impl Coordinator {
     /// The public state of `key` (never the lease_id).
     pub async fn get(&self, key: &str) -> Result<LeaseState> {
         self.config.limits.key(key)?;
-        let deadline = Instant::now() + self.config.retry_budget;
+        let deadline = self.monotonic() + self.config.retry_budget;
         match self.read(deadline, || self.store.get(key)).await? {
             Some(r) => Ok(r.state(self.now_ms())),
             None => Err(Error::NotFound { key: key.to_string() }),
@@ -1039,7 +1047,7 @@ impl Coordinator {
         let mut out = Vec::new();
         let mut start: Option<String> = None;
         loop {
-            let deadline = Instant::now() + self.config.retry_budget;
+            let deadline = self.monotonic() + self.config.retry_budget;
             let page = self.read(deadline, || self.store.scan(&ScanKind::All, start.as_deref(), 100)).await?;
             let now = self.now_ms();
             out.extend(page.items.iter().filter(|r| r.is_held(now) && r.key.starts_with(prefix)).map(|r| r.state(now)));

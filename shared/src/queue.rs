@@ -218,7 +218,7 @@ impl Coordinator {
             }
             // Held, or free with waiters: join the queue. Idempotent per lease_id: a retry
             // whose earlier try landed (or a retried invocation) finds the last slot is its own.
-            let deadline = Instant::now() + self.config().retry_budget;
+            let deadline = self.monotonic() + self.config().retry_budget;
             let start = self.now_us();
             let (w, _, now) = self
                 .write(key, deadline, |now| {
@@ -295,7 +295,7 @@ impl Coordinator {
             }
             Err(DeliveryError::Transient(why)) => {
                 tracing::warn!(key, why, "delivery of a queued acquire's grant failed; the sweep delivers it");
-                let deadline = Instant::now() + self.config().retry_budget;
+                let deadline = self.monotonic() + self.config().retry_budget;
                 let mark = Mutation::MarkUndelivered { token: token.to_string(), shard: queue_shard(key) };
                 if let Err(f) = self.write(key, deadline, |_| Ok((Condition::FenceIs(lease.fence), mark.clone()))).await
                 {
@@ -373,7 +373,7 @@ impl Coordinator {
             // Grant: the waiter's lease, a fence above every earlier one, the head moved on.
             let mut lease = self.waiter_lease(key, &r, &waiter, now)?;
             lease.released = r.released_at_ms.map(|_| (r.lease_id.clone(), r.fence));
-            let sent = Instant::now();
+            let sent = self.monotonic();
             let cond = Condition::HandOver { fence: r.fence, now_ms: now, head };
             let grant = Mutation::Grant { lease, seq, token: waiter.task_token.clone() };
             let granted = match self.store().update(key, &cond, &grant).await? {
@@ -521,7 +521,7 @@ impl Coordinator {
         // Through the retrying write: the grant keeps the releasing lease's id, so a retry whose
         // earlier try landed recognises it (as does a retried release), and a write that may
         // have landed answers `OutcomeUnknown`.
-        let deadline = Instant::now() + self.config().retry_budget;
+        let deadline = self.monotonic() + self.config().retry_budget;
         let released_id = (lease_id.clone(), r.fence);
         let mut tries = 0;
         let (w, sent, now) = self
@@ -618,7 +618,7 @@ impl Coordinator {
         served: &mut Served,
     ) -> Result<()> {
         let now = self.now_ms();
-        let lease = r.lease(Instant::now(), now, self.skew_ms()).with_safe_for(Instant::now());
+        let lease = r.lease(self.monotonic(), now, self.skew_ms()).with_safe_for(self.monotonic());
         match deliver.success(token, &lease).await {
             Ok(()) => served.delivered += 1,
             Err(DeliveryError::Gone(why)) => {
@@ -665,7 +665,7 @@ impl Coordinator {
         while cursors.iter().any(|(_, c)| c.is_some()) {
             for (shard, cursor) in cursors.iter_mut() {
                 let Some(start) = cursor.clone() else { continue };
-                if Instant::now() >= deadline {
+                if self.monotonic() >= deadline {
                     report.complete = false;
                     return Ok(report);
                 }
@@ -681,7 +681,7 @@ impl Coordinator {
                     }
                 };
                 for item in &page.items {
-                    if Instant::now() >= deadline {
+                    if self.monotonic() >= deadline {
                         report.complete = false;
                         return Ok(report);
                     }

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
+use crate::clock::{Clock, SystemClock};
 use crate::model::Record;
 use crate::store::NewLease;
 
@@ -48,13 +49,20 @@ struct Slot {
 type Lines = HashMap<String, VecDeque<(u64, Arc<Slot>)>>;
 
 /// The per-key lines of waiting acquires of one coordinator.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Wakeups {
     keys: Mutex<Lines>,
     next: AtomicU64,
     /// Keys this coordinator left free for a waiter of another process, and until when its
     /// own waiters hold back (DESIGN.md, "In-process waiters": fairness across processes).
     held_back: Mutex<HashMap<String, std::time::Instant>>,
+    clock: Arc<dyn Clock>,
+}
+
+impl Default for Wakeups {
+    fn default() -> Self {
+        Wakeups::new(Arc::new(SystemClock))
+    }
 }
 
 /// Keys remembered as held back at most; expired entries are dropped when it is reached.
@@ -73,6 +81,10 @@ pub struct Ticket {
 }
 
 impl Wakeups {
+    pub(crate) fn new(clock: Arc<dyn Clock>) -> Self {
+        Wakeups { keys: Mutex::default(), next: AtomicU64::new(0), held_back: Mutex::default(), clock }
+    }
+
     /// Joins the end of `key`'s line.
     pub fn enter(self: &Arc<Self>, key: &str) -> Ticket {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
@@ -114,10 +126,10 @@ impl Wakeups {
     /// This coordinator's waiters of `key` make no attempt for `for_`: the key was left free for
     /// a waiter of another process, which polls.
     pub fn hold_back(&self, key: &str, for_: Duration) {
-        let until = std::time::Instant::now() + for_;
+        let until = self.clock.now() + for_;
         let mut held = self.held_back.lock().unwrap_or_else(|e| e.into_inner());
         if held.len() >= MAX_HELD_BACK {
-            let now = std::time::Instant::now();
+            let now = self.clock.now();
             held.retain(|_, u| *u > now);
         }
         held.insert(key.to_string(), until);
@@ -127,7 +139,7 @@ impl Wakeups {
     pub fn held_back(&self, key: &str) -> Option<std::time::Instant> {
         let mut held = self.held_back.lock().unwrap_or_else(|e| e.into_inner());
         match held.get(key) {
-            Some(u) if *u > std::time::Instant::now() => Some(*u),
+            Some(u) if *u > self.clock.now() => Some(*u),
             Some(_) => {
                 held.remove(key);
                 None

@@ -215,7 +215,7 @@ mod tests {
         }
         let metadata = json!({"blob": "m".repeat(4000)});
         let body = json!({"holder": "h", "limit": 100, "duration_ms": 60000, "metadata": metadata});
-        let answer = run(&c, Operation::Next, Some("BIG"), body, None, Instant::now()).await.unwrap();
+        let answer = run(&c, Operation::Next, Some("BIG"), body, None, c.monotonic()).await.unwrap();
         let taken = answer["leases"].as_array().unwrap().len();
         let size = answer.to_string().len();
         assert!(size <= MAX_NEXT_ANSWER_BYTES, "{size} bytes for {taken} leases");
@@ -233,7 +233,7 @@ mod tests {
             c.put(&format!("small/{i}"), "SMALL", "producer").await.unwrap();
         }
         let body = json!({"holder": "h", "limit": 100, "duration_ms": 60000});
-        let answer = run(&c, Operation::Next, Some("SMALL"), body, None, Instant::now()).await.unwrap();
+        let answer = run(&c, Operation::Next, Some("SMALL"), body, None, c.monotonic()).await.unwrap();
         let small = answer["leases"].as_array().unwrap().len();
         assert!(small >= 90, "{small}: only the longest possible keys are counted against the bound");
     }
@@ -243,9 +243,9 @@ mod tests {
     async fn count_answers_within_the_callers_deadline() {
         let c = coordinator("count");
         c.put("k", "S", "producer").await.unwrap();
-        let ok = run(&c, Operation::Count, Some("S"), json!({}), Some(Duration::from_secs(10)), Instant::now());
+        let ok = run(&c, Operation::Count, Some("S"), json!({}), Some(Duration::from_secs(10)), c.monotonic());
         assert_eq!(ok.await.unwrap()["count"], 1);
-        let late = run(&c, Operation::Count, Some("S"), json!({}), Some(INVOKE_SAFETY_MARGIN), Instant::now()).await;
+        let late = run(&c, Operation::Count, Some("S"), json!({}), Some(INVOKE_SAFETY_MARGIN), c.monotonic()).await;
         assert!(matches!(late, Err(Error::StoreUnavailable(ref m)) if m.contains("deadline")), "{late:?}");
     }
 }

@@ -27,7 +27,7 @@ use aws_smithy_types::config_bag::{ConfigBag, Storable, StoreReplace};
 use aws_smithy_types::date_time::{DateTime, Format as DateFormat};
 
 use super::{keepalive_shard, Condition, Mutation, NewLease, Page, ScanKind, Store, Write, KEEPALIVE_SHARDS};
-use crate::clock::{ClockSamples, Sample};
+use crate::clock::{Clock, ClockSamples, Sample, SystemClock};
 use crate::error::{Error, Result};
 use crate::model::{Keepalive, LeaseId, Record};
 
@@ -145,7 +145,7 @@ impl Intercept for DateSampler {
         _: &RuntimeComponents,
         cfg: &mut ConfigBag,
     ) -> std::result::Result<(), BoxError> {
-        cfg.interceptor_state().store_put(SentAt(Instant::now()));
+        cfg.interceptor_state().store_put(SentAt(SystemClock.now()));
         Ok(())
     }
 
@@ -155,7 +155,7 @@ impl Intercept for DateSampler {
         _: &RuntimeComponents,
         cfg: &mut ConfigBag,
     ) -> std::result::Result<(), BoxError> {
-        let received = Instant::now();
+        let received = SystemClock.now();
         let date = ctx.response().headers().get("date").and_then(|d| DateTime::from_str(d, DateFormat::HttpDate).ok());
         if let (Some(SentAt(sent)), Some(date)) = (cfg.load::<SentAt>().copied(), date) {
             if date.secs() > 0 {

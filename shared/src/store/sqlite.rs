@@ -21,6 +21,7 @@ use async_trait::async_trait;
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 
 use super::{keepalive_shard, Condition, Mutation, Page, ScanKind, Store, Write, KEEPALIVE_SHARDS};
+use crate::clock::{Clock, SystemClock};
 use crate::error::{Error, Result};
 use crate::model::Record;
 
@@ -191,7 +192,7 @@ const SCHEMA_VERSION: i64 = 2;
 fn connect(path: &Path, sync: Synchronous) -> Result<Connection> {
     let conn = Connection::open(path).map_err(store_err)?;
     conn.busy_timeout(BUSY_TIMEOUT).map_err(store_err)?;
-    let deadline = Instant::now() + OPEN_TIMEOUT;
+    let deadline = SystemClock.now() + OPEN_TIMEOUT;
     retry_busy(deadline, || {
         let mode: String = conn.pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))?;
         if mode.eq_ignore_ascii_case("wal") {
@@ -221,7 +222,7 @@ fn retry_busy<T>(deadline: Instant, mut step: impl FnMut() -> rusqlite::Result<T
         match step() {
             Err(rusqlite::Error::SqliteFailure(e, _))
                 if matches!(e.code, rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked)
-                    && Instant::now() < deadline =>
+                    && SystemClock.now() < deadline =>
             {
                 std::thread::sleep(crate::backoff::jitter(Duration::from_millis(20)));
             }

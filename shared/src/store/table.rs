@@ -6,7 +6,7 @@
 //! `DescribeTable` / `DescribeTimeToLive` answers, so it is tested without a server; [`create`]
 //! and [`check`] are the two requests around it.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use aws_sdk_dynamodb::error::ProvideErrorMetadata;
 use aws_sdk_dynamodb::types::{
@@ -17,6 +17,7 @@ use aws_sdk_dynamodb::types::{
 use aws_sdk_dynamodb::Client;
 
 use super::dynamo::{attr, KEEPALIVE_INDEX, QUEUE_INDEX, STATE_INDEX};
+use crate::clock::{Clock, SystemClock};
 use crate::error::{Error, Result};
 
 /// A global secondary index the code queries.
@@ -160,7 +161,7 @@ pub async fn create(client: &Client, table: &str, wait: Duration) -> Result<bool
         Err(e) if e.code() == Some("ResourceInUseException") => false,
         Err(e) => return Err(sdk_err("create table", table, &e)),
     };
-    let deadline = Instant::now() + wait;
+    let deadline = SystemClock.now() + wait;
     loop {
         let d = client.describe_table().table_name(table).send().await.map_err(|e| sdk_err("describe", table, &e))?;
         let t = d.table().cloned().unwrap_or_else(|| TableDescription::builder().build());
@@ -169,7 +170,7 @@ pub async fn create(client: &Client, table: &str, wait: Duration) -> Result<bool
         if active {
             break;
         }
-        if Instant::now() >= deadline {
+        if SystemClock.now() >= deadline {
             return Err(Error::StoreUnavailable(format!("table {table} did not become active within {wait:?}")));
         }
         tokio::time::sleep(Duration::from_millis(500)).await;

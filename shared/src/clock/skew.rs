@@ -96,9 +96,8 @@ impl ClockSamples {
     }
 
     /// How many samples are younger than [`MAX_AGE`].
-    pub(crate) fn recent(&self) -> usize {
+    pub(crate) fn recent(&self, now: Instant) -> usize {
         let q = self.samples.lock().unwrap_or_else(|p| p.into_inner());
-        let now = Instant::now();
         q.iter().rev().take_while(|s| now.saturating_duration_since(s.received) < MAX_AGE).count()
     }
 
@@ -106,14 +105,13 @@ impl ClockSamples {
     /// as the intersection of the recent samples' intervals; when they disagree (a clock was
     /// stepped), the newest sample alone. `None` without a recent sample. `lag_ms`: the
     /// allowance for a late `Date`.
-    pub(crate) fn offset(&self, clock_at: impl Fn(Instant) -> i64, lag_ms: i64) -> Option<Offset> {
-        self.evidence(clock_at, lag_ms).map(|e| e.offset)
+    pub(crate) fn offset(&self, now: Instant, clock_at: impl Fn(Instant) -> i64, lag_ms: i64) -> Option<Offset> {
+        self.evidence(now, clock_at, lag_ms).map(|e| e.offset)
     }
 
     /// The offset and how far the recent samples agree on it (see [`Evidence`]).
-    pub(crate) fn evidence(&self, clock_at: impl Fn(Instant) -> i64, lag_ms: i64) -> Option<Evidence> {
+    pub(crate) fn evidence(&self, now: Instant, clock_at: impl Fn(Instant) -> i64, lag_ms: i64) -> Option<Evidence> {
         let q = self.samples.lock().unwrap_or_else(|p| p.into_inner());
-        let now = Instant::now();
         let interval = |s: &Sample| {
             let date = s.date_s as i64 * 1000;
             Offset { lo: date - clock_at(s.received), hi: date + 999 + lag_ms - clock_at(s.sent) }
@@ -149,7 +147,7 @@ mod tests {
         // Our clock reads 10_000.000 s at `base`; the server stamps 10_000 s at +300 ms.
         let clock = |i: Instant| 10_000_000 + i.saturating_duration_since(base).as_millis() as i64;
         c.record(Sample { sent: at(base, 290), received: at(base, 310), date_s: 10_000 });
-        let o = c.offset(clock, DATE_LAG_MS).unwrap();
+        let o = c.offset(at(base, 1000), clock, DATE_LAG_MS).unwrap();
         assert_eq!((o.lo, o.hi), (-310, 999 + DATE_LAG_MS - 290));
         assert!(!o.beyond(200));
     }
@@ -164,7 +162,7 @@ mod tests {
             let server_ms = 10_000_000 + phase;
             c.record(Sample { sent: at(base, phase - 5), received: at(base, phase + 5), date_s: server_ms / 1000 });
         }
-        let o = c.offset(clock, DATE_LAG_MS).unwrap();
+        let o = c.offset(at(base, 1000), clock, DATE_LAG_MS).unwrap();
         assert!(o.lo >= -5_000 - 1000 && o.hi <= -5_000 + 1_000, "{o:?}");
         assert!(o.beyond(200), "{o:?}");
     }
@@ -176,7 +174,7 @@ mod tests {
         c.record(Sample { sent: at(base, 0), received: at(base, 10), date_s: 10_000 });
         c.record(Sample { sent: at(base, 20), received: at(base, 30), date_s: 20_000 });
         let clock = |i: Instant| 10_000_000 + i.saturating_duration_since(base).as_millis() as i64;
-        let o = c.offset(clock, DATE_LAG_MS).unwrap();
+        let o = c.offset(at(base, 1000), clock, DATE_LAG_MS).unwrap();
         assert!(o.lo > 9_000_000, "{o:?}");
     }
 
@@ -191,14 +189,14 @@ mod tests {
         }
         // One answer stamped 2 s late (a cached `Date`): alone it says our clock is ahead.
         c.record(Sample { sent: at(base, 800), received: at(base, 810), date_s: 9_998 });
-        let e = c.evidence(clock, DATE_LAG_MS).unwrap();
+        let e = c.evidence(at(base, 1000), clock, DATE_LAG_MS).unwrap();
         assert!(e.offset.beyond(200), "one sample alone would refuse: {e:?}");
         assert!(!e.agreed.beyond(200), "{e:?}");
         // Two more late answers: three agree, and the clock is refused.
         c.record(Sample { sent: at(base, 820), received: at(base, 830), date_s: 9_998 });
-        assert!(!c.evidence(clock, DATE_LAG_MS).unwrap().agreed.beyond(200));
+        assert!(!c.evidence(at(base, 1000), clock, DATE_LAG_MS).unwrap().agreed.beyond(200));
         c.record(Sample { sent: at(base, 840), received: at(base, 850), date_s: 9_998 });
-        assert!(c.evidence(clock, DATE_LAG_MS).unwrap().agreed.beyond(200));
+        assert!(c.evidence(at(base, 1000), clock, DATE_LAG_MS).unwrap().agreed.beyond(200));
     }
 
     #[test]
@@ -207,10 +205,10 @@ mod tests {
         let base = Instant::now();
         let clock = |i: Instant| 10_000_000 + i.saturating_duration_since(base).as_millis() as i64;
         c.record(Sample { sent: at(base, 0), received: at(base, 10), date_s: 9_990 });
-        let e = c.evidence(clock, DATE_LAG_MS).unwrap();
+        let e = c.evidence(at(base, 1000), clock, DATE_LAG_MS).unwrap();
         assert!(e.agreed.beyond(200) && e.samples == 1, "{e:?}");
         c.record(Sample { sent: at(base, 20), received: at(base, 30), date_s: 10_000 });
-        assert!(!c.evidence(clock, DATE_LAG_MS).unwrap().agreed.beyond(200));
+        assert!(!c.evidence(at(base, 1000), clock, DATE_LAG_MS).unwrap().agreed.beyond(200));
     }
 
     #[test]
@@ -222,7 +220,7 @@ mod tests {
         for phase in [10u64, 20, 30] {
             c.record(Sample { sent: at(base, phase - 5), received: at(base, phase + 5), date_s: 10_000 });
         }
-        assert!(c.evidence(clock, 250).unwrap().agreed.beyond(200));
-        assert!(!c.evidence(clock, 2_000).unwrap().agreed.beyond(200));
+        assert!(c.evidence(at(base, 1000), clock, 250).unwrap().agreed.beyond(200));
+        assert!(!c.evidence(at(base, 1000), clock, 2_000).unwrap().agreed.beyond(200));
     }
 }
