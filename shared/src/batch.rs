@@ -53,6 +53,29 @@ fn random_below(n: usize) -> usize {
     uniform(Duration::ZERO, Duration::from_nanos(n as u64 - 1)).as_nanos() as usize
 }
 
+/// A contended state: a random choice among the oldest free keys (`candidates`, oldest
+/// first), so that takers that read the index at the same moment mostly try different keys.
+/// Near the end of a backlog, when the free keys are few, a taker takes only its share of them
+/// (other takers are reading the same few). Leaves the chosen ones, oldest first.
+fn spread_pick(candidates: &mut Vec<Record>, want: usize) {
+    let take = want.min((candidates.len() / TAIL_SHARE).max(1)).min(candidates.len());
+    for j in 0..take {
+        let k = j + random_below(candidates.len() - j);
+        candidates.swap(j, k);
+    }
+    candidates.truncate(take);
+    candidates.sort_by_key(|r| r.expires_at_ms);
+}
+
+/// One batch's request, as its takers share it.
+struct Batch<'a> {
+    state: &'a str,
+    shard: &'a str,
+    holder: &'a str,
+    duration: Duration,
+    opts: &'a AcquireOptions,
+}
+
 /// What one batch round got.
 struct Round {
     leases: Vec<Lease>,
@@ -184,6 +207,25 @@ impl Coordinator {
     /// One batch: a Query of one index partition (the next ones only while the batch is short),
     /// then the candidates' acquires in parallel. Candidates another taker got first, or that
     /// moved on, are skipped (DESIGN.md, "Concurrent takers").
+    /// Takes `candidates` concurrently, each its own single-key acquire, collecting the
+    /// outcomes in `round`. Whether another taker got one of them first (a collision).
+    async fn take_all(&self, b: &Batch<'_>, candidates: Vec<Record>, round: &mut Round) -> bool {
+        let mut tasks = tokio::task::JoinSet::new();
+        for r in candidates {
+            let (c, state, shard, holder, opts) =
+                (self.clone(), b.state.to_string(), b.shard.to_string(), b.holder.to_string(), b.opts.clone());
+            let duration = b.duration;
+            tasks.spawn(async move { c.take_one(&state, &shard, r, &holder, duration, &opts).await });
+        }
+        let mut hit = false;
+        while let Some(res) = tasks.join_next().await {
+            let got = res.unwrap_or_else(|e| Err(Error::StoreUnavailable(format!("batch task failed: {e}"))));
+            hit |= matches!(got, Ok(None));
+            self.collect(round, got);
+        }
+        hit
+    }
+
     async fn take(&self, state: &str, limit: u32, holder: &str, duration: Duration, opts: &AcquireOptions) -> Round {
         let shards = self.config().state_shards.max(1);
         let first = random_below(shards as usize) as u32;
@@ -218,17 +260,7 @@ impl Coordinator {
             let mut candidates: Vec<Record> =
                 items.into_iter().filter(|r| !r.is_held(now) && r.state.as_deref() == Some(state)).collect();
             if spread {
-                // A contended state: a random choice among the oldest free keys, so that takers
-                // that read the index at the same moment mostly try different keys.
-                // Near the end of a backlog, when the free keys are few, a taker takes only
-                // its share of them (other takers are reading the same few).
-                let take = want.min((candidates.len() / TAIL_SHARE).max(1)).min(candidates.len());
-                for j in 0..take {
-                    let k = j + random_below(candidates.len() - j);
-                    candidates.swap(j, k);
-                }
-                candidates.truncate(take);
-                candidates.sort_by_key(|r| r.expires_at_ms);
+                spread_pick(&mut candidates, want);
             } else if want > 1 && candidates.len() > 1 {
                 // Uncontended so far: the oldest first, alone. If another taker got it, the
                 // state is contended and this batch starts again spread out (one collision
@@ -248,19 +280,8 @@ impl Coordinator {
                 }
             }
             candidates.truncate(limit as usize - round.leases.len());
-            let mut tasks = tokio::task::JoinSet::new();
-            for r in candidates {
-                let (c, state, shard, holder, opts) =
-                    (self.clone(), state.to_string(), shard.clone(), holder.to_string(), opts.clone());
-                tasks.spawn(async move { c.take_one(&state, &shard, r, &holder, duration, &opts).await });
-            }
-            let mut hit = false;
-            while let Some(res) = tasks.join_next().await {
-                let got = res.unwrap_or_else(|e| Err(Error::StoreUnavailable(format!("batch task failed: {e}"))));
-                hit |= matches!(got, Ok(None));
-                self.collect(&mut round, got);
-            }
-            if hit {
+            let batch = Batch { state, shard: &shard, holder, duration, opts };
+            if self.take_all(&batch, candidates, &mut round).await {
                 collided(&memo, self.monotonic());
             }
             i += 1;

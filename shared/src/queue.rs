@@ -188,6 +188,25 @@ impl Coordinator {
         self.deliver().ok_or_else(|| Error::invalid("a queued acquire needs Step Functions delivery"))
     }
 
+    /// Writes the waiter item of `waiter` (slot `waiter.seq` of `key`'s queue, joined at `now`).
+    async fn put_waiter(&self, key: &str, waiter: Waiter, now: u64, deadline: Instant) -> Result<()> {
+        // Kept as long as the waiter may wait (its own timeout, else a year) and then hold.
+        let max_wait = self.config().limits.max_wait.as_millis() as u64;
+        let waits_until = waiter.timeout_at_ms.unwrap_or(now.saturating_add(LONGEST_WAIT_MS)).max(now + max_wait);
+        let wk = waiter_key(key, waiter.seq);
+        let mut item = Record::key_only(wk.clone());
+        item.holder = waiter.holder.clone();
+        item.lease_id = waiter.lease_id.clone();
+        item.acquired_at_ms = waiter.enqueued_at_ms;
+        item.expires_at_ms = Some(0);
+        item.ttl = Some(self.ttl_after(waits_until.saturating_add(self.max_duration_ms())));
+        item.waiter = Some(waiter);
+        self.write(&wk, deadline, |_| Ok((Condition::NotLease, Mutation::PutWaiter(Box::new(item.clone())))))
+            .await
+            .map_err(|f| f.into_error(key))?;
+        Ok(())
+    }
+
     /// A queued acquire: takes the key if it is free (and delivers the lease at once), else
     /// joins its queue and returns. The lease is delivered to `task_token` when the waiter's
     /// turn comes. `duration` is required (a waiter's grant must end by itself if it is never
@@ -253,20 +272,7 @@ impl Coordinator {
                 enqueued_at_ms: enqueued_at,
                 timeout_at_ms,
             };
-            // Kept as long as the waiter may wait (its own timeout, else a year) and then hold.
-            let max_wait = self.config().limits.max_wait.as_millis() as u64;
-            let waits_until = timeout_at_ms.unwrap_or(now.saturating_add(LONGEST_WAIT_MS)).max(now + max_wait);
-            let mut item = Record::key_only(waiter_key(key, seq));
-            item.holder = holder.to_string();
-            item.lease_id = lease_id.clone();
-            item.acquired_at_ms = enqueued_at;
-            item.expires_at_ms = Some(0);
-            item.ttl = Some(self.ttl_after(waits_until.saturating_add(self.max_duration_ms())));
-            item.waiter = Some(waiter);
-            let wk = waiter_key(key, seq);
-            self.write(&wk, deadline, |_| Ok((Condition::NotLease, Mutation::PutWaiter(Box::new(item.clone())))))
-                .await
-                .map_err(|f| f.into_error(key))?;
+            self.put_waiter(key, waiter, now, deadline).await?;
             // The key may have been freed between the two writes, with nobody to serve this
             // waiter: serve it now (one read when the key is still held).
             if let Err(e) = self.serve_queue(key).await {
