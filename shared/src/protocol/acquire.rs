@@ -70,6 +70,8 @@ impl Attempts<'_> {
 }
 
 /// After one answer: the call is done, or it goes round again.
+// One per attempt, moved at once: boxing the lease would only add an allocation.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Next {
     Done(Lease),
     Again,
