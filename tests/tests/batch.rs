@@ -14,7 +14,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use aws_sdk_sfn::config::Region;
 use aws_sdk_sfn::types::ExecutionStatus;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
