@@ -227,7 +227,7 @@ async fn run(g: &Global, mut args: RunArgs) -> i32 {
     let outcome =
         supervise(&mut child, &group, &held, &args, plan, [&mut sigint, &mut sigterm, &mut sighup, &mut sigquit]).await;
     // Nothing of the command may outlive it while `run` still holds the lease, nor after.
-    group.kill_rest(Instant::now() + Duration::from_secs(2)).await;
+    group.kill_rest().await;
     drop(group);
     let code = match &outcome.status {
         Ok(st) => st.code().unwrap_or_else(|| 128 + st.signal().unwrap_or(0)),
@@ -299,6 +299,9 @@ async fn supervise(
     let [sigint, sigterm, sighup, sigquit] = signals;
     let mut state = held.watch();
     let mut safe_until = held.safe_until();
+    // The suspended time already behind the safe time last learned (see `Suspend`).
+    let suspend = Suspend::new();
+    let mut learned = suspend.gap();
     let mut renewals_open = true;
     // Set once the command was told to stop: when, and the latest time for SIGKILL.
     let mut termed: Option<Instant> = None;
@@ -306,7 +309,9 @@ async fn supervise(
     let far = || Instant::now() + Duration::from_secs(86_400 * 365);
     loop {
         let kill_at = {
-            let by_safe = safe_until.map(|s| s.checked_sub(plan.lead).unwrap_or(s));
+            // Time the machine spent suspended since the safe time was learned counts against it.
+            let safe = safe_until.map(|s| suspend.shorten(s, learned));
+            let by_safe = safe.map(|s| s.checked_sub(plan.lead).unwrap_or(s));
             let by_term = termed.map(|t| t + plan.grace);
             match (by_safe, by_term) {
                 (Some(a), Some(b)) => a.min(b),
@@ -328,7 +333,10 @@ async fn supervise(
                 }
                 let now_state = state.borrow_and_update().clone();
                 match now_state {
-                    HoldState::Held(l) => safe_until = l.safe_until,
+                    HoldState::Held(l) => {
+                        safe_until = l.safe_until;
+                        learned = suspend.gap();
+                    }
                     HoldState::Lost(l) => {
                         eprintln!(
                             "leasehold: {l} on {:?}; stopping the command (SIGTERM, then SIGKILL after {})",
@@ -350,6 +358,9 @@ async fn supervise(
                 group.signal(libc::SIGTERM);
                 termed = Some(Instant::now());
             }
+            // The monotonic clock stops while the machine is suspended: look again every second,
+            // so that a resumed `run` acts on the time that really passed.
+            _ = tokio::time::sleep(SUSPEND_CHECK), if suspend.detects() => {}
             _ = tokio::time::sleep_until(kill_at.into()), if termed.is_some() && !killed => {
                 eprintln!("leasehold: the command did not stop in time; sending SIGKILL to its process group");
                 group.signal(libc::SIGKILL);
@@ -357,6 +368,82 @@ async fn supervise(
             }
         }
     }
+}
+
+/// After this long, leftovers that survive SIGKILL are reported (and signalled again).
+const LEFTOVER_WARNING: Duration = Duration::from_secs(2);
+
+/// How often a supervising `run` looks for time the machine spent suspended.
+const SUSPEND_CHECK: Duration = Duration::from_secs(1);
+
+/// The processes of group `pgid` that are not zombies, from /proc.
+#[cfg(target_os = "linux")]
+fn live_in_group(pgid: libc::pid_t) -> usize {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return 0 };
+    dir.filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().bytes().all(|b| b.is_ascii_digit()))
+        .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
+        .filter(|stat| {
+            // pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses.
+            let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else { return false };
+            let mut fields = rest.split_whitespace();
+            let state = fields.next();
+            let pgrp = fields.nth(1).and_then(|p| p.parse::<libc::pid_t>().ok());
+            pgrp == Some(pgid) && state != Some("Z") && state != Some("X")
+        })
+        .count()
+}
+
+/// The time the machine spent suspended since `run` started: `CLOCK_BOOTTIME` counts it,
+/// the monotonic clock (what deadlines and `safe_until` are measured in) does not. Linux only;
+/// elsewhere no suspend is seen.
+struct Suspend {
+    boot: Option<Duration>,
+    mono: Instant,
+}
+
+impl Suspend {
+    fn new() -> Suspend {
+        Suspend { boot: boottime(), mono: Instant::now() }
+    }
+
+    /// Whether suspends can be seen here.
+    fn detects(&self) -> bool {
+        self.boot.is_some()
+    }
+
+    /// Suspended time since `new`.
+    fn gap(&self) -> Duration {
+        match (self.boot, boottime()) {
+            (Some(b0), Some(b1)) => b1.saturating_sub(b0).saturating_sub(self.mono.elapsed()),
+            _ => Duration::ZERO,
+        }
+    }
+
+    /// `safe_until`, learned when the gap was `learned`, less the suspended time since.
+    fn shorten(&self, safe_until: Instant, learned: Duration) -> Instant {
+        shorten(safe_until, learned, self.gap())
+    }
+}
+
+/// `safe_until`, learned when the suspended time was `learned`, now that it is `now`: the
+/// monotonic clock did not count the difference, the lease's expiry did.
+fn shorten(safe_until: Instant, learned: Duration, now: Duration) -> Instant {
+    let lost = now.saturating_sub(learned);
+    safe_until.checked_sub(lost).unwrap_or(safe_until)
+}
+
+#[cfg(target_os = "linux")]
+fn boottime() -> Option<Duration> {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes the timespec it is given.
+    (unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) } == 0)
+        .then(|| Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32))
+}
+
+#[cfg(not(target_os = "linux"))]
+fn boottime() -> Option<Duration> {
+    None
 }
 
 /// The command's process group. Dropped, it kills whatever is left of the group and gives the
@@ -393,14 +480,45 @@ impl Group {
         unsafe { libc::kill(-self.pgid, 0) == 0 }
     }
 
-    /// SIGKILL to whatever is left of the group; waits (at most until `until`) for it to go.
-    async fn kill_rest(&self, until: Instant) {
-        if !self.exists() {
+    /// Processes of the group that can still act: every member but zombies. Linux reads
+    /// /proc; elsewhere every member counts (zombies included).
+    fn live(&self) -> usize {
+        #[cfg(target_os = "linux")]
+        {
+            live_in_group(self.pgid)
+        }
+        #[cfg(not(target_os = "linux"))]
+        {
+            usize::from(self.exists())
+        }
+    }
+
+    /// SIGKILL to whatever is left of the group, and waits until none of it can act. A process
+    /// that survives SIGKILL for a while (in uninterruptible sleep on a hung disk or network
+    /// mount) could still complete a write it had started: the lease is kept (and renewed)
+    /// until it is gone, so that nobody else works on the key beside it. Zombies cannot act
+    /// and are not waited for.
+    async fn kill_rest(&self) {
+        if self.live() == 0 {
             return;
         }
         self.signal(libc::SIGKILL);
-        while self.exists() && Instant::now() < until {
+        let started = Instant::now();
+        let mut warned = false;
+        while self.live() > 0 {
+            if !warned && started.elapsed() >= LEFTOVER_WARNING {
+                eprintln!(
+                    "leasehold: {} process(es) of the command survived SIGKILL (uninterruptible sleep?); the lease is \
+                     kept until they are gone",
+                    self.live()
+                );
+                warned = true;
+            }
             tokio::time::sleep(Duration::from_millis(5)).await;
+            if started.elapsed() >= LEFTOVER_WARNING {
+                self.signal(libc::SIGKILL);
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
         }
     }
 }
@@ -581,5 +699,52 @@ impl StatusLine {
             let _ = err.flush();
             self.drawn = false;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn suspended_time_since_a_safe_time_was_learned_shortens_it() {
+        let now = Instant::now();
+        let safe = now + Duration::from_secs(30);
+        // No suspend since it was learned: unchanged.
+        assert_eq!(shorten(safe, Duration::from_secs(5), Duration::from_secs(5)), safe);
+        // 20 s suspended since: 20 s less of it.
+        assert_eq!(shorten(safe, Duration::from_secs(5), Duration::from_secs(25)), safe - Duration::from_secs(20));
+        // A suspend longer than what was left: already past.
+        assert!(shorten(safe, Duration::ZERO, Duration::from_secs(40)) < now);
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn the_boot_clock_runs_with_the_monotonic_one_while_awake() {
+        let s = Suspend::new();
+        assert!(s.detects());
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(s.gap() < Duration::from_millis(20), "{:?}", s.gap());
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn zombies_of_the_group_do_not_count_as_live() {
+        use std::os::unix::process::CommandExt;
+        // A process in a group of its own, killed and not reaped: a zombie, which kill(2) with
+        // signal 0 still finds.
+        let mut child = std::process::Command::new("sleep").arg("30").process_group(0).spawn().unwrap();
+        let pgid = child.id() as libc::pid_t;
+        let group = Group { pgid, foreground: false };
+        assert_eq!(live_in_group(pgid), 1);
+        group.signal(libc::SIGKILL);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while live_in_group(pgid) > 0 {
+            assert!(Instant::now() < deadline, "the killed process still counts as live");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(group.exists(), "unreaped, it is a zombie of the group");
+        std::mem::forget(group);
+        child.wait().unwrap();
     }
 }
