@@ -15,6 +15,7 @@ use crate::error::Result;
 use crate::model::{Keepalive, LeaseId, Record};
 
 pub mod dynamo;
+pub mod events;
 pub mod sqlite;
 pub mod sqlite_history;
 pub mod table;
@@ -493,7 +494,7 @@ pub enum ScanKind {
     /// and taken by: key, fence, holder, lease_id, times, state, attempts. Other fields of
     /// those records are absent.)
     State { state: String, shard: String, free_at_ms: Option<u64> },
-    /// Lease items of one queue shard (`queue::QUEUE_SHARD_BASE` + n) that have queued waiters
+    /// Lease items of one queue shard ([`QUEUE_SHARD_BASE`] + n) that have queued waiters
     /// or an undelivered grant (DynamoDB: a Query on the sparse `queue` index, keys only: the
     /// records carry the key alone, and the reader gets each item it serves). One entry per key,
     /// however many waiters it has.
@@ -566,4 +567,32 @@ pub fn keepalive_shard(key: &str, shards: u32) -> u32 {
         h = h.wrapping_mul(0x01000193);
     }
     h % shards.max(1)
+}
+
+/// Separates a lease key from its waiter suffix. Validated keys contain no control character,
+/// so no waiter key is ever a lease key, nor a prefix of one.
+pub const SEPARATOR: char = '\u{1f}';
+
+/// First shard number of the queue index's partitions (`q_shard`: 1000..1008; numbered apart
+/// from the keep-alive shards 0..8, which waiter items of earlier versions shared).
+pub const QUEUE_SHARD_BASE: u32 = 1000;
+
+/// Number of queue shards.
+pub const QUEUE_SHARDS: u32 = 8;
+
+/// The key of waiter `seq` of `key` (DESIGN.md, "The waiter queue").
+pub fn waiter_key(key: &str, seq: u64) -> String {
+    format!("{key}{SEPARATOR}q{seq}")
+}
+
+/// The lease key and sequence number of a waiter key.
+pub fn split_waiter_key(k: &str) -> Option<(&str, u64)> {
+    let (key, rest) = k.split_once(SEPARATOR)?;
+    Some((key, rest.strip_prefix('q')?.parse().ok()?))
+}
+
+/// The queue index partition of a key (of the lease key, for a waiter key).
+pub fn queue_shard(k: &str) -> u32 {
+    let key = split_waiter_key(k).map_or(k, |(key, _)| key);
+    QUEUE_SHARD_BASE + keepalive_shard(key, QUEUE_SHARDS)
 }
