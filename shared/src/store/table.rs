@@ -44,7 +44,8 @@ pub struct TableSpec {
     pub ttl: &'static str,
     /// "PAY_PER_REQUEST" (on-demand).
     pub billing: &'static str,
-    /// The stream the history function reads: "NEW_AND_OLD_IMAGES" (DESIGN.md, "Lease history").
+    /// The stream the history function reads: "NEW_AND_OLD_IMAGES" (DESIGN.md, "Lease history");
+    /// empty: none ([`create_as`] of a table for DynamoDB Local).
     pub stream: &'static str,
 }
 
@@ -124,23 +125,30 @@ fn sdk_err<E: ProvideErrorMetadata + std::error::Error + 'static>(what: &str, ta
     }
 }
 
-/// Creates `table` as [`LEASE_TABLE`] says (on-demand, key schema, both indexes, the stream),
+/// Creates `table` as [`LEASE_TABLE`] says (on-demand, key schema, the indexes, the stream),
 /// waits until it and its indexes are active (at most `wait`), and enables TTL. Idempotent: an
 /// existing table is left as it is (check it with [`check`]). Returns whether it created it.
 pub async fn create(client: &Client, table: &str, wait: Duration) -> Result<bool> {
-    let spec = &LEASE_TABLE;
+    create_as(client, table, &LEASE_TABLE, wait).await
+}
+
+/// [`create`] of `spec` (`DynamoStore::create_table` leaves the stream, or also the indexes,
+/// out of the tables it makes on DynamoDB Local). An empty `spec.stream`: no stream.
+pub async fn create_as(client: &Client, table: &str, spec: &TableSpec, wait: Duration) -> Result<bool> {
     let ks = |n: &str, t: KeyType| KeySchemaElement::builder().attribute_name(n).key_type(t).build();
     let mut req = client
         .create_table()
         .table_name(table)
         .billing_mode(BillingMode::from(spec.billing))
-        .key_schema(built(ks(spec.key, KeyType::Hash))?)
-        .stream_specification(built(
+        .key_schema(built(ks(spec.key, KeyType::Hash))?);
+    if !spec.stream.is_empty() {
+        req = req.stream_specification(built(
             StreamSpecification::builder()
                 .stream_enabled(true)
                 .stream_view_type(StreamViewType::from(spec.stream))
                 .build(),
         )?);
+    }
     for (name, ty) in spec.attributes() {
         req = req.attribute_definitions(built(
             AttributeDefinition::builder().attribute_name(name).attribute_type(scalar(ty)).build(),
