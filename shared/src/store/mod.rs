@@ -329,144 +329,147 @@ impl Mutation {
     pub fn apply(&self, key: &str, old: Option<&Record>) -> Record {
         match self {
             Mutation::Acquire(n) => n.record(key),
+            Mutation::PutWaiter(w) => (**w).clone(),
+            Mutation::Enter { now_ms, holder, .. } => {
+                let mut r = old.cloned().unwrap_or_else(|| unleased(key, holder, *now_ms));
+                self.update(key, &mut r);
+                r
+            }
+            _ => {
+                let mut r = old.expect("an update applies to an existing item").clone();
+                self.update(key, &mut r);
+                r
+            }
+        }
+    }
+
+    /// An update of the existing item `r`, by the part of the protocol it belongs to (as
+    /// `dynamo::render` renders them).
+    fn update(&self, key: &str, r: &mut Record) {
+        use Mutation::*;
+        match self {
+            Acquire(_) | PutWaiter(_) => unreachable!("a whole item is written, not updated"),
+            Extend { .. } | Release { .. } | ForceRelease { .. } | ClearKeepalive | Revoke { .. } => {
+                self.update_lease(r)
+            }
+            Enqueue { .. } | Delivered | MarkUndelivered { .. } | Unindex | Skip { .. } | WaitsIn { .. } => {
+                self.update_queue(r)
+            }
+            Grant { lease, seq, token } => *r = granted(key, lease, *seq, token, r),
+            Enter { .. } | ReleaseTo { .. } | ClearTtl => self.update_state(r),
+        }
+    }
+
+    /// Heartbeat, release, force-release, keep-alive end, revocation of an undelivered grant.
+    fn update_lease(&self, r: &mut Record) {
+        match self {
             Mutation::Extend { now_ms, duration_ms, ttl } => {
-                let mut r = old.expect("extend applies to an existing item").clone();
                 let d = duration_ms.or(r.duration_ms).expect("extend needs a duration");
                 r.expires_at_ms = Some(now_ms.saturating_add(d));
                 r.duration_ms = Some(d);
                 r.renewed_at_ms = Some(*now_ms);
                 r.ttl = *ttl;
-                r
             }
             Mutation::Release { now_ms, ttl } => {
-                let mut r = old.expect("release applies to an existing item").clone();
-                r.expires_at_ms = Some(r.min_hold_until_ms);
-                r.released_at_ms = Some(*now_ms);
-                r.keepalive = None;
+                release(r, *now_ms);
                 r.ttl = Some(*ttl);
-                r
             }
             Mutation::ForceRelease { now_ms, ttl } => {
-                let mut r = old.expect("force-release applies to an existing item").clone();
                 r.fence = r.fence.saturating_add(1);
                 r.expires_at_ms = Some(0);
                 r.released_at_ms = Some(*now_ms);
                 r.keepalive = None;
                 r.ttl = Some(*ttl);
-                r
             }
-            Mutation::ClearKeepalive => {
-                let mut r = old.expect("clear-keepalive applies to an existing item").clone();
-                r.keepalive = None;
-                r
-            }
-            Mutation::Enqueue { now_ms, start, lease_id, .. } => {
-                let mut r = old.expect("enqueue applies to an existing item").clone();
-                r.queue_head = Some(r.queue_head.unwrap_or(*start));
-                r.queue_tail = Some(r.queue_tail.unwrap_or(*start) + 1);
-                r.queue_tail_at_ms = Some(*now_ms);
-                r.queue_tail_lease_id = Some(lease_id.clone());
-                r
-            }
-            Mutation::Grant { lease, seq, token } => {
-                let o = old.expect("grant applies to an existing item");
-                let mut r = lease.record(key);
-                r.queue_head = Some(*seq);
-                r.queue_tail = o.queue_tail;
-                r.queue_tail_at_ms = o.queue_tail_at_ms;
-                r.queue_tail_lease_id = o.queue_tail_lease_id.clone();
-                r.pending_token = Some(token.clone());
-                // An UpdateItem: a key in a work state stays in it.
-                r.state = o.state.clone();
-                r.state_since_ms = o.state_since_ms;
-                r.attempts = o.attempts;
-                r
-            }
-            Mutation::Delivered => {
-                let mut r = old.expect("delivered applies to an existing item").clone();
-                r.pending_token = None;
-                r
-            }
-            Mutation::MarkUndelivered { token, .. } => {
-                let mut r = old.expect("mark-undelivered applies to an existing item").clone();
-                r.pending_token = Some(token.clone());
-                r
-            }
+            Mutation::ClearKeepalive => r.keepalive = None,
             Mutation::Revoke { now_ms, ttl } => {
-                let mut r = old.expect("revoke applies to an existing item").clone();
                 r.expires_at_ms = Some(0);
                 r.released_at_ms = Some(*now_ms);
                 r.pending_token = None;
                 r.keepalive = None;
                 r.ttl = *ttl;
-                r
             }
+            _ => unreachable!("not a lease update: {self:?}"),
+        }
+    }
+
+    /// The waiter queue's counters and marks, and an in-process waiter's mark (the grant aside).
+    fn update_queue(&self, r: &mut Record) {
+        match self {
+            Mutation::Enqueue { now_ms, start, lease_id, .. } => {
+                r.queue_head = Some(r.queue_head.unwrap_or(*start));
+                r.queue_tail = Some(r.queue_tail.unwrap_or(*start) + 1);
+                r.queue_tail_at_ms = Some(*now_ms);
+                r.queue_tail_lease_id = Some(lease_id.clone());
+            }
+            Mutation::Delivered => r.pending_token = None,
+            Mutation::MarkUndelivered { token, .. } => r.pending_token = Some(token.clone()),
             // The embedded store derives its queue index column from the record.
-            Mutation::Unindex => old.expect("unindex applies to an existing item").clone(),
-            Mutation::Skip { seq } => {
-                let mut r = old.expect("skip applies to an existing item").clone();
-                r.queue_head = Some(*seq);
-                r
-            }
-            Mutation::PutWaiter(w) => (**w).clone(),
-            Mutation::Enter { now_ms, holder, state, .. } => {
-                let mut r = old.cloned().unwrap_or_else(|| Record {
-                    key: key.to_string(),
-                    fence: 0,
-                    holder: holder.clone(),
-                    lease_id: LeaseId::from_string(NO_LEASE),
-                    acquired_at_ms: *now_ms,
-                    expires_at_ms: None,
-                    duration_ms: None,
-                    min_hold_until_ms: *now_ms,
-                    released_at_ms: None,
-                    metadata: None,
-                    keepalive: None,
-                    ttl: None,
-                    renewed_at_ms: None,
-                    poll_ms: None,
-                    handed_in: None,
-                    queue_head: None,
-                    queue_tail: None,
-                    queue_tail_at_ms: None,
-                    pending_token: None,
-                    queue_tail_lease_id: None,
-                    released_lease_id: None,
-                    released_fence: None,
-                    waiter: None,
-                    state: None,
-                    state_since_ms: None,
-                    attempts: None,
-                });
+            Mutation::Unindex => {}
+            Mutation::Skip { seq } => r.queue_head = Some(*seq),
+            Mutation::WaitsIn { coordinator } => r.handed_in = Some(coordinator.clone()),
+            _ => unreachable!("not a queue update: {self:?}"),
+        }
+    }
+
+    /// Work states: entered (from now, no grants yet), and kept until taken (no TTL).
+    fn update_state(&self, r: &mut Record) {
+        match self {
+            Mutation::Enter { now_ms, state, .. } => {
                 r.expires_at_ms = Some(*now_ms);
-                r.state = Some(state.clone());
-                r.state_since_ms = Some(*now_ms);
-                r.attempts = Some(0);
-                r.ttl = None;
-                r
+                enter(r, state, *now_ms);
             }
             Mutation::ReleaseTo { now_ms, state, .. } => {
-                let mut r = old.expect("release applies to an existing item").clone();
-                r.expires_at_ms = Some(r.min_hold_until_ms);
-                r.released_at_ms = Some(*now_ms);
-                r.keepalive = None;
-                r.state = Some(state.clone());
-                r.state_since_ms = Some(*now_ms);
-                r.attempts = Some(0);
-                r.ttl = None;
-                r
+                release(r, *now_ms);
+                enter(r, state, *now_ms);
             }
-            Mutation::ClearTtl => {
-                let mut r = old.expect("clear-ttl applies to an existing item").clone();
-                r.ttl = None;
-                r
-            }
-            Mutation::WaitsIn { coordinator } => {
-                let mut r = old.expect("waits-in applies to an existing item").clone();
-                r.handed_in = Some(coordinator.clone());
-                r
-            }
+            Mutation::ClearTtl => r.ttl = None,
+            _ => unreachable!("not a work-state update: {self:?}"),
         }
+    }
+}
+
+/// A release: free at min_hold_until, released now, keep-alive removed; fence, holder and
+/// lease_id stay.
+fn release(r: &mut Record, now_ms: u64) {
+    r.expires_at_ms = Some(r.min_hold_until_ms);
+    r.released_at_ms = Some(now_ms);
+    r.keepalive = None;
+}
+
+/// Into work state `state` at `now_ms`, no grants yet, no TTL.
+fn enter(r: &mut Record, state: &str, now_ms: u64) {
+    r.state = Some(state.to_string());
+    r.state_since_ms = Some(now_ms);
+    r.attempts = Some(0);
+    r.ttl = None;
+}
+
+/// The item of a key put into a state that had none: fence 0, `holder`, and no lease_id a
+/// caller can send ([`NO_LEASE`]).
+fn unleased(key: &str, holder: &str, now_ms: u64) -> Record {
+    Record {
+        holder: holder.to_string(),
+        lease_id: LeaseId::from_string(NO_LEASE),
+        acquired_at_ms: now_ms,
+        min_hold_until_ms: now_ms,
+        ..Record::key_only(key.to_string())
+    }
+}
+
+/// The head waiter's grant over `old`: the new lease, its queue head moved to `seq` and marked
+/// undelivered; the queue tail and, as in an UpdateItem, a work state stay.
+fn granted(key: &str, lease: &NewLease, seq: u64, token: &str, old: &Record) -> Record {
+    Record {
+        queue_head: Some(seq),
+        queue_tail: old.queue_tail,
+        queue_tail_at_ms: old.queue_tail_at_ms,
+        queue_tail_lease_id: old.queue_tail_lease_id.clone(),
+        pending_token: Some(token.to_string()),
+        state: old.state.clone(),
+        state_since_ms: old.state_since_ms,
+        attempts: old.attempts,
+        ..lease.record(key)
     }
 }
 
