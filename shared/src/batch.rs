@@ -12,37 +12,8 @@ use crate::backoff::{jitter, uniform};
 use crate::error::{Error, Result};
 use crate::model::{Lease, LeaseState, Record};
 use crate::protocol::{AcquireOptions, Coordinator};
-use crate::store::{keepalive_shard, Condition, Mutation, ScanKind, Visit, Write};
-
-/// Most leases one `acquire_next` takes.
-pub const MAX_BATCH: u32 = 100;
-
-/// Longest state name, in bytes.
-pub const MAX_STATE_BYTES: usize = 64;
-
-/// A state name: 1..=64 of `[A-Za-z0-9_-]` (it is part of the index partition key
-/// `STATE#n`, so no `#`).
-pub fn check_state(state: &str) -> Result<()> {
-    if state.is_empty() || state.len() > MAX_STATE_BYTES {
-        return Err(Error::invalid(format!("state must be 1 to {MAX_STATE_BYTES} bytes long")));
-    }
-    if let Some(c) = state.chars().find(|c| !(c.is_ascii_alphanumeric() || *c == '_' || *c == '-')) {
-        return Err(Error::invalid(format!("state contains {c:?}; a state is made of A-Z, a-z, 0-9, '_' and '-'")));
-    }
-    Ok(())
-}
-
-/// Is `r` in the work-state visit `visit` (`None`: in no state)?
-pub(crate) fn in_visit(r: &Record, visit: Option<&Visit>) -> bool {
-    match visit {
-        None => r.state.is_none(),
-        Some(v) => {
-            r.state.as_deref() == Some(v.state.as_str())
-                && r.state_since_ms == Some(v.since_ms)
-                && r.attempts.unwrap_or(0) == v.attempts
-        }
-    }
-}
+use crate::store::{Condition, Mutation, ScanKind, Visit, Write};
+use crate::validate::{check_state, MAX_BATCH};
 
 /// When each state last saw a collision, in this process: takers of a contended state spread
 /// over more of its oldest free keys (see `take`).
@@ -82,6 +53,29 @@ fn random_below(n: usize) -> usize {
     uniform(Duration::ZERO, Duration::from_nanos(n as u64 - 1)).as_nanos() as usize
 }
 
+/// A contended state: a random choice among the oldest free keys (`candidates`, oldest
+/// first), so that takers that read the index at the same moment mostly try different keys.
+/// Near the end of a backlog, when the free keys are few, a taker takes only its share of them
+/// (other takers are reading the same few). Leaves the chosen ones, oldest first.
+fn spread_pick(candidates: &mut Vec<Record>, want: usize) {
+    let take = want.min((candidates.len() / TAIL_SHARE).max(1)).min(candidates.len());
+    for j in 0..take {
+        let k = j + random_below(candidates.len() - j);
+        candidates.swap(j, k);
+    }
+    candidates.truncate(take);
+    candidates.sort_by_key(|r| r.expires_at_ms);
+}
+
+/// One batch's request, as its takers share it.
+struct Batch<'a> {
+    state: &'a str,
+    shard: &'a str,
+    holder: &'a str,
+    duration: Duration,
+    opts: &'a AcquireOptions,
+}
+
 /// What one batch round got.
 struct Round {
     leases: Vec<Lease>,
@@ -91,43 +85,6 @@ struct Round {
 }
 
 impl Coordinator {
-    /// The index partition of `key` in `state`: `STATE#n`, n = FNV-1a(key) mod `state_shards`.
-    pub(crate) fn state_shard(&self, key: &str, state: &str) -> String {
-        format!("{state}#{}", keepalive_shard(key, self.config().state_shards.max(1)))
-    }
-
-    /// The visit `r` is in, for an acquire that found it free: `NotFound` when a batch lease
-    /// (`want`) finds the key in another state than the one it was taken from.
-    pub(crate) fn revisit(&self, key: &str, r: &Record, want: Option<&Visit>) -> Result<Option<Visit>> {
-        let visit = r.state.as_ref().map(|s| Visit {
-            state: s.clone(),
-            shard: self.state_shard(key, s),
-            since_ms: r.state_since_ms.unwrap_or(0),
-            attempts: r.attempts.unwrap_or(0),
-        });
-        match want {
-            Some(w) if visit.as_ref().map(|v| v.state.as_str()) != Some(w.state.as_str()) => {
-                Err(Error::NotFound { key: key.to_string() })
-            }
-            _ => Ok(visit),
-        }
-    }
-
-    /// A key in a work state is kept until it is taken: a write that gave it a TTL (a release
-    /// keeping the state, a heartbeat, a force-release) is followed by one removing it, under
-    /// the same fence (a newer grant writes no TTL on a key in a state). Best effort: logged
-    /// when it fails (the TTL is then at least `ttl_grace` away).
-    pub(crate) async fn keep_queued(&self, key: &str, r: &Record) {
-        if r.state.is_none() || r.ttl.is_none() {
-            return;
-        }
-        let deadline = self.monotonic() + self.config().retry_budget;
-        if let Err(f) = self.write(key, deadline, |_| Ok((Condition::FenceIs(r.fence), Mutation::ClearTtl))).await {
-            let e = f.into_error(key);
-            tracing::warn!(key, error = e.name(), "could not remove the TTL of a key in a work state");
-        }
-    }
-
     /// Puts `key` into work state `state` without leasing it (`holder`: who put it; kept as the
     /// holder of a new item). Refused with `LeaseHeld` while the key is held; a key already in
     /// `state` is left as it is (idempotent).
@@ -250,6 +207,25 @@ impl Coordinator {
     /// One batch: a Query of one index partition (the next ones only while the batch is short),
     /// then the candidates' acquires in parallel. Candidates another taker got first, or that
     /// moved on, are skipped (DESIGN.md, "Concurrent takers").
+    /// Takes `candidates` concurrently, each its own single-key acquire, collecting the
+    /// outcomes in `round`. Whether another taker got one of them first (a collision).
+    async fn take_all(&self, b: &Batch<'_>, candidates: Vec<Record>, round: &mut Round) -> bool {
+        let mut tasks = tokio::task::JoinSet::new();
+        for r in candidates {
+            let (c, state, shard, holder, opts) =
+                (self.clone(), b.state.to_string(), b.shard.to_string(), b.holder.to_string(), b.opts.clone());
+            let duration = b.duration;
+            tasks.spawn(async move { c.take_one(&state, &shard, r, &holder, duration, &opts).await });
+        }
+        let mut hit = false;
+        while let Some(res) = tasks.join_next().await {
+            let got = res.unwrap_or_else(|e| Err(Error::StoreUnavailable(format!("batch task failed: {e}"))));
+            hit |= matches!(got, Ok(None));
+            self.collect(round, got);
+        }
+        hit
+    }
+
     async fn take(&self, state: &str, limit: u32, holder: &str, duration: Duration, opts: &AcquireOptions) -> Round {
         let shards = self.config().state_shards.max(1);
         let first = random_below(shards as usize) as u32;
@@ -284,17 +260,7 @@ impl Coordinator {
             let mut candidates: Vec<Record> =
                 items.into_iter().filter(|r| !r.is_held(now) && r.state.as_deref() == Some(state)).collect();
             if spread {
-                // A contended state: a random choice among the oldest free keys, so that takers
-                // that read the index at the same moment mostly try different keys.
-                // Near the end of a backlog, when the free keys are few, a taker takes only
-                // its share of them (other takers are reading the same few).
-                let take = want.min((candidates.len() / TAIL_SHARE).max(1)).min(candidates.len());
-                for j in 0..take {
-                    let k = j + random_below(candidates.len() - j);
-                    candidates.swap(j, k);
-                }
-                candidates.truncate(take);
-                candidates.sort_by_key(|r| r.expires_at_ms);
+                spread_pick(&mut candidates, want);
             } else if want > 1 && candidates.len() > 1 {
                 // Uncontended so far: the oldest first, alone. If another taker got it, the
                 // state is contended and this batch starts again spread out (one collision
@@ -314,19 +280,8 @@ impl Coordinator {
                 }
             }
             candidates.truncate(limit as usize - round.leases.len());
-            let mut tasks = tokio::task::JoinSet::new();
-            for r in candidates {
-                let (c, state, shard, holder, opts) =
-                    (self.clone(), state.to_string(), shard.clone(), holder.to_string(), opts.clone());
-                tasks.spawn(async move { c.take_one(&state, &shard, r, &holder, duration, &opts).await });
-            }
-            let mut hit = false;
-            while let Some(res) = tasks.join_next().await {
-                let got = res.unwrap_or_else(|e| Err(Error::StoreUnavailable(format!("batch task failed: {e}"))));
-                hit |= matches!(got, Ok(None));
-                self.collect(&mut round, got);
-            }
-            if hit {
+            let batch = Batch { state, shard: &shard, holder, duration, opts };
+            if self.take_all(&batch, candidates, &mut round).await {
                 collided(&memo, self.monotonic());
             }
             i += 1;

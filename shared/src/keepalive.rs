@@ -68,6 +68,24 @@ enum Outcome {
     Error,
 }
 
+impl SweepReport {
+    /// Counts one lease's outcome; whether it counts against the run's budget (a live lease).
+    fn count(&mut self, outcome: Outcome) -> bool {
+        match outcome {
+            Outcome::Renewed => self.renewed += 1,
+            Outcome::Released => self.released += 1,
+            Outcome::Skipped { cleared } => {
+                self.skipped += 1;
+                self.cleared += cleared as u32;
+                return false;
+            }
+            Outcome::Raced => self.raced += 1,
+            Outcome::Error => self.errors += 1,
+        }
+        true
+    }
+}
+
 impl Coordinator {
     /// One keep-alive pass over the sparse index, handling at most `max_items` live leases
     /// and stopping before `deadline`. Safe to run concurrently with itself: every write is
@@ -94,13 +112,7 @@ impl Coordinator {
             return report;
         }
         let shards = KEEPALIVE_SHARDS;
-        let _ = NEXT_START.compare_exchange(
-            u32::MAX,
-            (self.now_ms() / 1000) as u32 % shards,
-            std::sync::atomic::Ordering::Relaxed,
-            std::sync::atomic::Ordering::Relaxed,
-        );
-        let first = NEXT_START.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % shards;
+        let first = self.first_shard();
         // Per shard: where to continue, or None once the shard is done.
         let mut cursors: Vec<(u32, Option<Option<String>>)> =
             (0..shards).map(|i| ((first + i) % shards, Some(None))).collect();
@@ -134,38 +146,54 @@ impl Coordinator {
                         }
                     };
                 report.scanned += page.items.len() as u32;
-                for chunk in page.items.chunks(CONCURRENCY) {
-                    let mut set = tokio::task::JoinSet::new();
-                    for rec in chunk.iter().cloned() {
-                        let (c, ex) = (self.clone(), executions.clone());
-                        set.spawn(async move {
-                            tokio::time::timeout_at(deadline.into(), c.keep_one(rec, ex))
-                                .await
-                                .unwrap_or((Outcome::Error, false))
-                        });
-                    }
-                    while let Some(r) = set.join_next().await {
-                        let (outcome, undescribed) = r.unwrap_or((Outcome::Error, false));
-                        report.describe_failures += u32::from(undescribed);
-                        match outcome {
-                            Outcome::Renewed => report.renewed += 1,
-                            Outcome::Released => report.released += 1,
-                            Outcome::Skipped { cleared } => {
-                                report.skipped += 1;
-                                report.cleared += cleared as u32;
-                                continue;
-                            }
-                            Outcome::Raced => report.raced += 1,
-                            Outcome::Error => report.errors += 1,
-                        }
-                        handled += 1;
-                    }
-                }
+                handled += self.keep_page(page.items, &executions, deadline, &mut report).await;
                 longest_page = longest_page.max(self.monotonic().saturating_duration_since(began));
                 *cursor = page.next.map(Some);
             }
         }
         report
+    }
+
+    /// The shard this run starts at: one further than the last run's (the first run of a
+    /// process starts at a shard set by the clock, so that fresh processes spread).
+    fn first_shard(&self) -> u32 {
+        let _ = NEXT_START.compare_exchange(
+            u32::MAX,
+            (self.now_ms() / 1000) as u32 % KEEPALIVE_SHARDS,
+            std::sync::atomic::Ordering::Relaxed,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        NEXT_START.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % KEEPALIVE_SHARDS
+    }
+
+    /// One page of the index, `CONCURRENCY` leases at a time, each cut at `deadline`; the
+    /// outcomes counted in `report`. Returns how many live leases it handled (skipped entries do
+    /// not count against the run's budget).
+    async fn keep_page(
+        &self,
+        items: Vec<Record>,
+        executions: &Option<Arc<dyn Executions>>,
+        deadline: Instant,
+        report: &mut SweepReport,
+    ) -> u32 {
+        let mut handled = 0;
+        for chunk in items.chunks(CONCURRENCY) {
+            let mut set = tokio::task::JoinSet::new();
+            for rec in chunk.iter().cloned() {
+                let (c, ex) = (self.clone(), executions.clone());
+                set.spawn(async move {
+                    tokio::time::timeout_at(deadline.into(), c.keep_one(rec, ex))
+                        .await
+                        .unwrap_or((Outcome::Error, false))
+                });
+            }
+            while let Some(r) = set.join_next().await {
+                let (outcome, undescribed) = r.unwrap_or((Outcome::Error, false));
+                report.describe_failures += u32::from(undescribed);
+                handled += u32::from(report.count(outcome));
+            }
+        }
+        handled
     }
 
     /// One lease: its outcome, and whether its execution could not be described.

@@ -566,13 +566,19 @@ pub async fn run(function: Function) -> Result<(), lambda_runtime::Error> {
     init_tracing(true);
     let handler = Arc::new(handler_from_env(function).await.map_err(|e| format!("{}: {e}", e.name()))?);
     tracing::info!(function = function.name(), "ready");
+    // The time an invocation is assumed to have when the runtime sends no usable deadline
+    // (local emulators): Lambda's default timeout unless `LEASEHOLD_ASSUMED_TIMEOUT_MS` says.
+    let assumed = std::env::var("LEASEHOLD_ASSUMED_TIMEOUT_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map_or(Duration::from_secs(3), Duration::from_millis);
     lambda_runtime::run(service_fn(move |ev: LambdaEvent<Payload>| {
         let handler = handler.clone();
         async move {
             let remaining = Duration::from_millis(ev.context.deadline.saturating_sub(handler.wall_ms()));
             // No usable deadline (local emulators send a constant such as 600000, i.e. 1970):
-            // assume Lambda's default 3 s timeout.
-            let remaining = if remaining.is_zero() { Duration::from_secs(3) } else { remaining };
+            // assume Lambda's default 3 s timeout (or `LEASEHOLD_ASSUMED_TIMEOUT_MS`).
+            let remaining = if remaining.is_zero() { assumed } else { remaining };
             let span = tracing::info_span!("invocation", request_id = %ev.context.request_id);
             let result = match ev.payload {
                 Payload::Json(event) => handler.handle(event, remaining).instrument(span).await,

@@ -22,12 +22,10 @@ pub mod history;
 mod holder;
 mod keepalive;
 mod model;
-mod pacing;
 mod protocol;
 pub mod queue;
 pub mod store;
 pub mod validate;
-mod wakeup;
 
 pub use clock::{Clock, ClockSamples, SystemClock};
 pub use error::{Error, ErrorName, NotHolderReason, Result, CLOCK_SKEW_RETRY_AFTER};

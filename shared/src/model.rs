@@ -24,7 +24,7 @@ impl LeaseId {
         LeaseId(s)
     }
 
-    /// Wraps a caller-supplied id; validate it with [`crate::validate::lease_id`] first.
+    /// Wraps a caller-supplied id; validate it with `validate::lease_id` first.
     pub fn from_string(s: impl Into<String>) -> Self {
         LeaseId(s.into())
     }
@@ -112,7 +112,7 @@ pub struct Record {
     pub released_fence: Option<u64>,
     /// Waiter items only (at `queue::waiter_key(key, seq)`): the queued acquire.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub waiter: Option<crate::queue::Waiter>,
+    pub waiter: Option<Waiter>,
     /// The work state the key is in (DESIGN.md, "Work items and batch leases"); `None`: a plain
     /// lease key, in no state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -318,4 +318,24 @@ pub struct Released {
     /// The key's work state after the release (absent for a key in no state).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub state: Option<String>,
+}
+
+/// A queued acquire (DESIGN.md, "The waiter queue"), as its waiter item stores it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Waiter {
+    pub seq: u64,
+    pub holder: String,
+    pub lease_id: LeaseId,
+    pub duration_ms: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<Map<String, Value>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keepalive: Option<Keepalive>,
+    /// The Step Functions task token the lease is delivered to.
+    pub task_token: String,
+    pub enqueued_at_ms: u64,
+    /// When the waiter's task times out (its state's `TimeoutSeconds`), if the caller said:
+    /// a waiter past it is skipped without a delivery attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_at_ms: Option<u64>,
 }

@@ -12,12 +12,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
-use crate::model::{Keepalive, Lease, LeaseId, Record, Released};
-use crate::protocol::{AcquireOptions, Coordinator};
+use crate::model::{Lease, LeaseId, Record, Released};
+use crate::protocol::{AcquireOptions, Coordinator, ReleaseHook};
 use crate::store::{Condition, Mutation, NewLease, ScanKind, Write};
 
 /// The waiter key layout and the queue index partitions are the store's (`store/mod.rs`).
@@ -46,24 +44,33 @@ const SWEEP_PAGE: u32 = 50;
 /// whoever serves the queue (the granting function died, or every delivery attempt failed).
 pub const DELIVERY_GRACE_MS: u64 = 5_000;
 
-/// A queued acquire, as its waiter item stores it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Waiter {
-    pub seq: u64,
-    pub holder: String,
-    pub lease_id: LeaseId,
-    pub duration_ms: u64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub metadata: Option<Map<String, Value>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub keepalive: Option<Keepalive>,
-    /// The Step Functions task token the lease is delivered to.
-    pub task_token: String,
-    pub enqueued_at_ms: u64,
-    /// When the waiter's task times out (its state's `TimeoutSeconds`), if the caller said:
-    /// a waiter past it is skipped without a delivery attempt.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub timeout_at_ms: Option<u64>,
+pub use crate::model::Waiter;
+
+/// The waiter queue as the core's release hook: a release of a key with queued waiters grants
+/// the head waiter, and a key left free is handed over to it.
+struct Queue {
+    deliver: Arc<dyn Deliver>,
+}
+
+#[async_trait]
+impl ReleaseHook for Queue {
+    async fn release_queued(
+        &self,
+        c: &Coordinator,
+        key: &str,
+        lease_id: &LeaseId,
+        r: &Record,
+    ) -> Result<Option<Released>> {
+        c.release_handing_over(key, lease_id, r).await
+    }
+
+    async fn freed(&self, c: &Coordinator, key: &str, r: &Record) {
+        c.hand_over_after_free(key, r).await;
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
 }
 
 /// Why a delivery failed.
@@ -123,14 +130,14 @@ pub struct QueueSweep {
 impl Coordinator {
     /// This coordinator, delivering hand-over grants through `deliver`.
     pub fn with_deliver(mut self, deliver: Arc<dyn Deliver>) -> Self {
-        self.deliver = Some(deliver);
+        self.release_hook = Some(Arc::new(Queue { deliver }));
         self
     }
 
     /// After a write that freed `key` (`r` as written): when waiters are queued, the key is
     /// theirs (no plain acquire takes a key with waiters), so serve the head one now.
     pub(crate) async fn hand_over_after_free(&self, key: &str, r: &Record) {
-        if r.queue_len() == 0 || self.deliver.is_none() {
+        if r.queue_len() == 0 || self.deliver().is_none() {
             return;
         }
         // A min_hold still running: nothing else serves the queue when it ends (but the sweep),
@@ -146,18 +153,33 @@ impl Coordinator {
         }
     }
 
-    /// Acquires of this coordinator waiting for `key` in its in-process line.
-    pub fn waiting(&self, key: &str) -> usize {
-        self.wakeups.waiting(key)
+    /// The delivery of the queue this coordinator serves (set by [`Coordinator::with_deliver`]).
+    fn deliver(&self) -> Option<Arc<dyn Deliver>> {
+        let queue = self.release_hook.as_ref()?.as_any().downcast_ref::<Queue>()?;
+        Some(queue.deliver.clone())
     }
 
-    /// Is the head of this coordinator's line for `key` asleep, offering its lease to a release?
-    pub fn head_waiter_offers(&self, key: &str) -> bool {
-        self.wakeups.head_offers(key)
+    fn deliverer(&self) -> Result<Arc<dyn Deliver>> {
+        self.deliver().ok_or_else(|| Error::invalid("a queued acquire needs Step Functions delivery"))
     }
 
-    fn deliverer(&self) -> Result<&Arc<dyn Deliver>> {
-        self.deliver.as_ref().ok_or_else(|| Error::invalid("a queued acquire needs Step Functions delivery"))
+    /// Writes the waiter item of `waiter` (slot `waiter.seq` of `key`'s queue, joined at `now`).
+    async fn put_waiter(&self, key: &str, waiter: Waiter, now: u64, deadline: Instant) -> Result<()> {
+        // Kept as long as the waiter may wait (its own timeout, else a year) and then hold.
+        let max_wait = self.config().limits.max_wait.as_millis() as u64;
+        let waits_until = waiter.timeout_at_ms.unwrap_or(now.saturating_add(LONGEST_WAIT_MS)).max(now + max_wait);
+        let wk = waiter_key(key, waiter.seq);
+        let mut item = Record::key_only(wk.clone());
+        item.holder = waiter.holder.clone();
+        item.lease_id = waiter.lease_id.clone();
+        item.acquired_at_ms = waiter.enqueued_at_ms;
+        item.expires_at_ms = Some(0);
+        item.ttl = Some(self.ttl_after(waits_until.saturating_add(self.max_duration_ms())));
+        item.waiter = Some(waiter);
+        self.write(&wk, deadline, |_| Ok((Condition::NotLease, Mutation::PutWaiter(Box::new(item.clone())))))
+            .await
+            .map_err(|f| f.into_error(key))?;
+        Ok(())
     }
 
     /// A queued acquire: takes the key if it is free (and delivers the lease at once), else
@@ -180,7 +202,7 @@ impl Coordinator {
         if task_token.is_empty() || task_token.len() > 2048 {
             return Err(Error::invalid("task_token must be 1..=2048 bytes (a Step Functions task token)"));
         }
-        let deliver = self.deliverer()?.clone();
+        let deliver = self.deliverer()?;
         let lease_id = opts.lease_id.clone().unwrap_or_else(LeaseId::generate);
         let opts = AcquireOptions { lease_id: Some(lease_id.clone()), ..opts };
         let shard = queue_shard(key);
@@ -225,20 +247,7 @@ impl Coordinator {
                 enqueued_at_ms: enqueued_at,
                 timeout_at_ms,
             };
-            // Kept as long as the waiter may wait (its own timeout, else a year) and then hold.
-            let max_wait = self.config().limits.max_wait.as_millis() as u64;
-            let waits_until = timeout_at_ms.unwrap_or(now.saturating_add(LONGEST_WAIT_MS)).max(now + max_wait);
-            let mut item = Record::key_only(waiter_key(key, seq));
-            item.holder = holder.to_string();
-            item.lease_id = lease_id.clone();
-            item.acquired_at_ms = enqueued_at;
-            item.expires_at_ms = Some(0);
-            item.ttl = Some(self.ttl_after(waits_until.saturating_add(self.max_duration_ms())));
-            item.waiter = Some(waiter);
-            let wk = waiter_key(key, seq);
-            self.write(&wk, deadline, |_| Ok((Condition::NotLease, Mutation::PutWaiter(Box::new(item.clone())))))
-                .await
-                .map_err(|f| f.into_error(key))?;
+            self.put_waiter(key, waiter, now, deadline).await?;
             // The key may have been freed between the two writes, with nobody to serve this
             // waiter: serve it now (one read when the key is still held).
             if let Err(e) = self.serve_queue(key).await {
@@ -293,7 +302,7 @@ impl Coordinator {
     /// anything: every write is conditional on what was read.
     pub async fn serve_queue(&self, key: &str) -> Result<Served> {
         let mut served = Served::default();
-        let Some(deliver) = self.deliver.clone() else { return Ok(served) };
+        let Some(deliver) = self.deliver() else { return Ok(served) };
         // It judges expiry and writes one: not with a clock the store's disagrees with.
         self.check_clock(key).await?;
         // Bounded: each pass either serves one waiter or stops; races re-read.
@@ -484,7 +493,7 @@ impl Coordinator {
         lease_id: &LeaseId,
         r: &Record,
     ) -> Result<Option<Released>> {
-        let (Some(deliver), Some(head)) = (self.deliver.clone(), r.queue_head) else { return Ok(None) };
+        let (Some(deliver), Some(head)) = (self.deliver(), r.queue_head) else { return Ok(None) };
         self.check_clock(key).await?;
         let now = self.now_ms();
         if r.min_hold_until_ms > now {

@@ -41,7 +41,24 @@ impl Default for Limits {
 pub(crate) const LEASE_ID_MIN_LEN: usize = 22;
 pub(crate) const LEASE_ID_MAX_LEN: usize = 128;
 /// The most leases one `acquire_next` takes, and the longest work state name, in bytes.
-pub use crate::batch::{MAX_BATCH, MAX_STATE_BYTES};
+/// Most leases one `acquire_next` takes.
+pub const MAX_BATCH: u32 = 100;
+
+/// Longest state name, in bytes.
+pub const MAX_STATE_BYTES: usize = 64;
+
+/// A state name: 1..=64 of `[A-Za-z0-9_-]` (it is part of the index partition key
+/// `STATE#n`, so no `#`).
+pub fn check_state(state: &str) -> Result<()> {
+    if state.is_empty() || state.len() > MAX_STATE_BYTES {
+        return Err(Error::invalid(format!("state must be 1 to {MAX_STATE_BYTES} bytes long")));
+    }
+    if let Some(c) = state.chars().find(|c| !(c.is_ascii_alphanumeric() || *c == '_' || *c == '-')) {
+        return Err(Error::invalid(format!("state contains {c:?}; a state is made of A-Z, a-z, 0-9, '_' and '-'")));
+    }
+    Ok(())
+}
+
 /// A keep-alive lease lasts at least this many sweep periods.
 pub const KEEPALIVE_SWEEPS: u32 = 3;
 /// Longest Step Functions execution ARN accepted for keep-alive.

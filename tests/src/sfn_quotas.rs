@@ -108,7 +108,10 @@ pub fn started_by_machines() -> Vec<(String, String)> {
 
 static STARTED: Mutex<Vec<(String, String)>> = Mutex::new(Vec::new());
 
-async fn sfn_client(moto_endpoint: &str, region: &str) -> aws_sdk_sfn::Client {
+/// A Step Functions client for moto in `region`. moto answers slowly while it interprets
+/// executions on a busy machine: patient timeouts, a few retries (StartExecution is idempotent
+/// by name and input).
+pub async fn sfn_client(moto_endpoint: &str, region: &str) -> aws_sdk_sfn::Client {
     let base = sdk_config_for(moto_endpoint).await;
     let timeouts = aws_sdk_sfn::config::timeout::TimeoutConfig::builder()
         .operation_attempt_timeout(Duration::from_secs(30))

@@ -14,7 +14,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use aws_sdk_sfn::config::Region;
 use aws_sdk_sfn::types::ExecutionStatus;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -216,17 +215,7 @@ fn definition() -> String {
 }
 
 async fn sfn(s: &Stack, region: &str) -> aws_sdk_sfn::Client {
-    let base = sdk_config_for(&s.moto.endpoint()).await;
-    let timeouts = aws_sdk_sfn::config::timeout::TimeoutConfig::builder()
-        .operation_attempt_timeout(Duration::from_secs(30))
-        .operation_timeout(Duration::from_secs(90))
-        .build();
-    let conf = aws_sdk_sfn::config::Builder::from(&base)
-        .region(Region::new(region.to_string()))
-        .timeout_config(timeouts)
-        .retry_config(aws_sdk_sfn::config::retry::RetryConfig::standard().with_max_attempts(3))
-        .build();
-    aws_sdk_sfn::Client::from_conf(conf)
+    sfn_quotas::sfn_client(&s.moto.endpoint(), region).await
 }
 
 /// Creates the state machine in `region` and starts one execution named `name`.

@@ -562,7 +562,10 @@ fn n(report: &Value, field: &str) -> u64 {
 async fn keepalive_sweep_against_step_functions() {
     let moto = tokio::task::spawn_blocking(|| Moto::start(free_port(), free_port())).await.unwrap();
     let sfn = Sfn::new(&moto).await;
-    let lab = Lab::start(&[("AWS_ENDPOINT_URL_SFN", moto.endpoint())], &["--concurrency", "2"]).await;
+    // The emulator sends no usable deadline: the functions would assume 3 s, which a loaded
+    // machine can spend on fewer than the 156 leases the full sweep below must cover in one run.
+    let env = [("AWS_ENDPOINT_URL_SFN", moto.endpoint()), ("LEASEHOLD_ASSUMED_TIMEOUT_MS", "30000".to_string())];
+    let lab = Lab::start(&env, &["--concurrency", "2"]).await;
     // A second emulator on the same table whose runs read at most 60 leases. Started (and
     // warmed) first: a slow start must not run into the short leases below.
     let bounded = Lab::start_on(

@@ -22,7 +22,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use aws_sdk_sfn::config::Region;
 use aws_sdk_sfn::types::{ExecutionStatus, HistoryEventType};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -307,19 +306,7 @@ static FENCED_TARGET: OnceLock<String> = OnceLock::new();
 // ---- executions ---------------------------------------------------------------------------------
 
 async fn sfn(region: &str) -> aws_sdk_sfn::Client {
-    let base = sdk_config_for(&stack().moto.endpoint()).await;
-    // moto answers slowly while it interprets executions on a busy machine: patient timeouts,
-    // a few retries (StartExecution is idempotent by name and input).
-    let timeouts = aws_sdk_sfn::config::timeout::TimeoutConfig::builder()
-        .operation_attempt_timeout(Duration::from_secs(30))
-        .operation_timeout(Duration::from_secs(90))
-        .build();
-    let conf = aws_sdk_sfn::config::Builder::from(&base)
-        .region(Region::new(region.to_string()))
-        .timeout_config(timeouts)
-        .retry_config(aws_sdk_sfn::config::retry::RetryConfig::standard().with_max_attempts(3))
-        .build();
-    aws_sdk_sfn::Client::from_conf(conf)
+    sfn_quotas::sfn_client(&stack().moto.endpoint(), region).await
 }
 
 /// One execution: its region's client and ARN.

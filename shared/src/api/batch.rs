@@ -122,7 +122,7 @@ pub async fn run(
             // Step Functions task cannot take (checked before anything is leased).
             let limit = r.limit.unwrap_or(1);
             let fit = answer_fits(coord, &state, &r.holder, opts.metadata.as_ref(), opts.keepalive.as_ref());
-            let limit = if (1..=crate::batch::MAX_BATCH).contains(&limit) { limit.min(fit) } else { limit };
+            let limit = if (1..=crate::validate::MAX_BATCH).contains(&limit) { limit.min(fit) } else { limit };
             let leases = coord.acquire_next(&state, limit, &r.holder, duration, opts).await?;
             let leases: Vec<_> = leases.into_iter().map(|l| l.with_safe_for(received)).collect();
             Ok(json!({ "state": state, "leases": leases }))

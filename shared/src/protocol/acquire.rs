@@ -1,0 +1,409 @@
+//! Acquire: the attempts of one acquire call (DESIGN.md, "Acquire").
+//!
+//! [`Coordinator::acquire_attempts`] is the loop: wait for a turn in this coordinator's line,
+//! check the clock, send one conditional write, and act on what its answer means
+//! ([`AcquireAnswer`], sorted in `decide.rs`). Each answer has a function of its own here that
+//! says whether the call is done or goes round again.
+
+use super::*;
+
+/// What an acquire asks for.
+pub(crate) struct Ask<'a> {
+    pub(crate) key: &'a str,
+    pub(crate) holder: &'a str,
+    pub(crate) duration: Option<Duration>,
+    pub(crate) opts: &'a AcquireOptions,
+    /// The work-state visit the state index showed (a batch lease); `None` for a plain acquire.
+    pub(crate) want: Option<&'a Visit>,
+}
+
+impl Ask<'_> {
+    /// The lease this acquire writes, with the fence, clock, TTL and visit left to the attempt
+    /// (or, in a hand-over, to the releaser).
+    fn lease(&self, lease_id: &LeaseId, poll_ms: Option<u64>) -> NewLease {
+        NewLease {
+            holder: self.holder.to_string(),
+            lease_id: lease_id.clone(),
+            now_ms: 0,
+            duration_ms: self.duration.map(|d| d.as_millis() as u64),
+            min_hold_ms: self.opts.min_hold.unwrap_or_default().as_millis() as u64,
+            metadata: self.opts.metadata.clone(),
+            keepalive: self.opts.keepalive.clone(),
+            ttl: None,
+            fence: 0,
+            poll_ms,
+            visit: None,
+            handed_in: None,
+            released: None,
+        }
+    }
+}
+
+/// One acquire call's state across its attempts.
+pub(crate) struct Attempts<'a> {
+    ask: Ask<'a>,
+    /// The lease_id written: a generated one is replaced when its lease ended.
+    lease_id: &'a mut LeaseId,
+    /// Set once an attempt may have landed (its answer was lost or it timed out).
+    landed: &'a mut bool,
+    /// The work-state visit the key is believed to be in: the write keeps it (and is refused
+    /// if the key has moved on since).
+    visit: Option<Visit>,
+    /// The last fence seen on this key: the next one must be above it.
+    seen_fence: Option<u64>,
+    /// The end of the caller's wait, and of the whole call (the wait, or the retry budget,
+    /// or the caller's deadline).
+    wait_deadline: Instant,
+    deadline: Instant,
+    wait: Waiting<'a>,
+    /// This call's place in this coordinator's line of waiters on the key (waiting calls only).
+    ticket: Option<InLine>,
+}
+
+impl Attempts<'_> {
+    /// A lease_id is single-use: after its lease ended, a generated id is replaced, and what
+    /// the old one may have done is no longer this call's business.
+    fn new_lease_id(&mut self) {
+        *self.lease_id = LeaseId::generate();
+        *self.landed = false;
+    }
+}
+
+/// After one answer: the call is done, or it goes round again.
+// One per attempt, moved at once: boxing the lease would only add an allocation.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Next {
+    Done(Lease),
+    Again,
+}
+
+impl Coordinator {
+    /// Validates an acquire's inputs.
+    pub(crate) fn check_acquire(
+        &self,
+        key: &str,
+        holder: &str,
+        duration: Option<Duration>,
+        opts: &AcquireOptions,
+    ) -> Result<()> {
+        let limits = &self.config.limits;
+        limits.key(key)?;
+        limits.holder(holder)?;
+        if let Some(d) = duration {
+            limits.duration("duration_ms", d)?;
+        }
+        limits.wait(opts.wait.unwrap_or_default())?;
+        limits.min_hold(opts.min_hold.unwrap_or_default(), duration)?;
+        if let Some(m) = &opts.metadata {
+            limits.metadata(m)?;
+        }
+        if let Some(k) = &opts.keepalive {
+            limits.keepalive(k, self.now_ms(), duration)?;
+        }
+        if duration.is_none() && opts.lease_id.is_none() {
+            // A fail-closed lease whose answer is lost would otherwise be held forever under an
+            // id nobody knows; with the caller's own id, a retry or a release reaches it.
+            return Err(Error::invalid(
+                "a fail_closed lease needs a caller-chosen lease_id, so that a retry or a release can reach it \
+                 if the answer is lost",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Takes the lease on `key` for `duration` (`None`: a fail-closed lease, held until
+    /// released; it needs a caller-chosen lease_id). One store request when the key is free.
+    pub async fn acquire(
+        &self,
+        key: &str,
+        holder: &str,
+        duration: Option<Duration>,
+        opts: AcquireOptions,
+    ) -> Result<Lease> {
+        self.acquire_visit(key, holder, duration, opts, None).await
+    }
+
+    /// [`Coordinator::acquire`]; with `want`, only while the key is in `want`'s state (a batch
+    /// lease: `want` is the visit the state index showed; `NotFound` when the key is no longer
+    /// in that state). A key in a work state keeps it, and the grant counts as an attempt.
+    pub(crate) async fn acquire_visit(
+        &self,
+        key: &str,
+        holder: &str,
+        duration: Option<Duration>,
+        opts: AcquireOptions,
+        want: Option<Visit>,
+    ) -> Result<Lease> {
+        // "May have landed" is carried across the whole acquire: an attempt whose answer was
+        // lost may still land after a later attempt saw the key held or the store throttled,
+        // so such an end is `OutcomeUnknown`; and every `OutcomeUnknown` names the lease_id it
+        // is about (the caller's, or the generated one), which a release reaches.
+        let mut lease_id = opts.lease_id.clone().unwrap_or_else(LeaseId::generate);
+        let mut landed = false;
+        let ask = Ask { key, holder, duration, opts: &opts, want: want.as_ref() };
+        let res = match self.begin(ask, &mut lease_id, &mut landed).await {
+            Ok(mut attempts) => self.acquire_attempts(&mut attempts).await,
+            Err(e) => Err(e),
+        };
+        // (A batch lease is written under the state visit the index showed, and every grant
+        // counts an attempt of the visit: once another lease holds the key, a write of ours can
+        // never land, so `LeaseHeld` stays what it is.)
+        let batch = want.is_some();
+        res.map_err(|e| {
+            let open = matches!(e, Error::StoreUnavailable(_) | Error::Throttled(_))
+                || (matches!(e, Error::LeaseHeld { .. }) && !batch);
+            let e = if landed && open {
+                Error::outcome_unknown(
+                    key,
+                    format!(
+                        "{e}; an earlier attempt of this acquire timed out and may still land: release with this \
+                         lease_id, or send the same request again with it"
+                    ),
+                )
+            } else {
+                e
+            };
+            e.with_lease_id(&lease_id)
+        })
+    }
+
+    /// Validates the request and sets up its attempts: deadlines, pacing, and (for a waiting
+    /// call) a place in this coordinator's line for the key (DESIGN.md, "In-process waiters").
+    async fn begin<'a>(
+        &'a self,
+        ask: Ask<'a>,
+        lease_id: &'a mut LeaseId,
+        landed: &'a mut bool,
+    ) -> Result<Attempts<'a>> {
+        let start = self.monotonic();
+        self.check_acquire(ask.key, ask.holder, ask.duration, ask.opts)?;
+        let wait_deadline = start + ask.opts.wait.unwrap_or_default();
+        let mut deadline = wait_deadline.max(start + self.config.retry_budget);
+        if let Some(d) = ask.opts.deadline {
+            deadline = deadline.min(d);
+        }
+        let mut wait = Waiting::new(&self.pacer, ask.key, self.config.poll_max, start);
+        // Waiting acquires of this coordinator line up per key: only the head tries, and a
+        // release handled here wakes it at once.
+        let ticket = (!ask.opts.wait.unwrap_or_default().is_zero())
+            .then(|| InLine { ticket: self.wakeups.enter(ask.key), coord: self.clone() });
+        if ticket.as_ref().is_some_and(|t| t.is_head()) {
+            wait.courtesy(wait_deadline).await;
+        }
+        let visit = ask.want.cloned();
+        Ok(Attempts { ask, lease_id, landed, visit, seen_fence: None, wait_deadline, deadline, wait, ticket })
+    }
+
+    /// The loop of an acquire call: its turn, the clock check, one attempt, and what the
+    /// answer means.
+    pub(crate) async fn acquire_attempts(&self, a: &mut Attempts<'_>) -> Result<Lease> {
+        loop {
+            if let Some(lease) = self.await_turn(a).await? {
+                return Ok(lease);
+            }
+            // The key was left free for a waiter of another process: this coordinator's waiters
+            // let it have it (DESIGN.md, "In-process waiters": fairness across processes).
+            if let Some(until) = a.ticket.as_ref().and(self.wakeups.held_back(a.ask.key)) {
+                tokio::time::sleep_until(until.min(a.wait_deadline).into()).await;
+            }
+            // Every attempt judges expiry with this clock: it must agree with the store's.
+            self.check_clock(a.ask.key).await?;
+            a.wait.attempts += 1;
+            let (answer, sent, now) = self.attempt(a).await?;
+            let next = match answer {
+                AcquireAnswer::Granted(r) => self.on_granted(a, r, sent, now).await?,
+                AcquireAnswer::Above(r) => self.on_above(a, r).await?,
+                AcquireAnswer::Moved(r) => self.on_moved(a, r)?,
+                AcquireAnswer::Ended(reason) => self.on_ended(a, reason)?,
+                AcquireAnswer::Held(r) => self.on_held(a, r).await?,
+            };
+            if let Next::Done(lease) = next {
+                return Ok(lease);
+            }
+        }
+    }
+
+    /// Behind the head of this coordinator's line nothing is sent (one last attempt at the
+    /// wait's end); the head polls as a fallback, since another process may free the key.
+    /// Asleep in line, the waiter may be handed the key by a release of this coordinator.
+    async fn await_turn(&self, a: &mut Attempts<'_>) -> Result<Option<Lease>> {
+        while let Some(t) = a.ticket.as_ref() {
+            let now = self.monotonic();
+            if t.is_head() || now >= a.wait_deadline {
+                break;
+            }
+            // The offer counts once this waiter is head: the head may be granted the key by
+            // the release that frees it without having tried since.
+            let pause = self.config.poll_max.min(a.wait_deadline - now);
+            if let Some(lease) = self.sleep_offering(a, pause).await? {
+                return Ok(Some(lease));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Sleeps `pause`. A waiter in this coordinator's line sleeps offering its lease to this
+    /// coordinator's releases: one of them may grant it in its own write.
+    async fn sleep_offering(&self, a: &mut Attempts<'_>, pause: Duration) -> Result<Option<Lease>> {
+        let Some(t) = a.ticket.as_mut() else {
+            tokio::time::sleep(pause).await;
+            return Ok(None);
+        };
+        let offer = Offer { lease: a.ask.lease(a.lease_id, a.wait.advertise()) };
+        match self.handed(t.wait_offering(pause, offer).await)? {
+            Some((lease, poll_ms)) => {
+                a.wait.granted(poll_ms);
+                t.granted = true;
+                Ok(Some(lease))
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// One conditional write of the lease: free (in the visit believed), at a fence above the
+    /// last one seen. The answer sorted ([`sort_acquire`]), with when it was sent and the clock.
+    async fn attempt(&self, a: &mut Attempts<'_>) -> Result<(AcquireAnswer, Instant, u64)> {
+        let key = a.ask.key;
+        let template = a.ask.lease(a.lease_id, a.wait.advertise());
+        let (lease_id, visit, seen) = (&*a.lease_id, &a.visit, a.seen_fence);
+        let mut fence = 0;
+        let (w, sent, now) = self
+            .write_noting(
+                key,
+                a.deadline,
+                Some(lease_id),
+                |now| {
+                    fence = self.next_fence(key, seen)?;
+                    let cond = match visit {
+                        None => Condition::Free { now_ms: now, fence, lease_id: lease_id.clone() },
+                        Some(v) => {
+                            Condition::FreeIn { now_ms: now, fence, lease_id: lease_id.clone(), visit: v.clone() }
+                        }
+                    };
+                    let lease = NewLease {
+                        now_ms: now,
+                        // A key in a work state is kept until it is taken: no TTL.
+                        ttl: template.duration_ms.filter(|_| visit.is_none()).map(|d| self.ttl_after(now + d)),
+                        fence,
+                        visit: visit.as_ref().map(|v| Visit { attempts: v.attempts.saturating_add(1), ..v.clone() }),
+                        ..template.clone()
+                    };
+                    Ok((cond, Mutation::Acquire(lease)))
+                },
+                a.landed,
+            )
+            .await
+            .map_err(|f| f.into_error(key))?;
+        if a.ask.want.is_some() && matches!(w, Write::Rejected(None)) {
+            return Err(Error::NotFound { key: key.to_string() });
+        }
+        Ok((sort_acquire(w, lease_id, fence, now, visit.as_ref())?, sent, now))
+    }
+
+    /// The lease is ours, and usable unless the answer came after its safe time (a stalled
+    /// request): then the key is freed again and taken anew with a new lease_id (a lease_id is
+    /// single-use) if ours was generated.
+    async fn on_granted(&self, a: &mut Attempts<'_>, r: Record, sent: Instant, now: u64) -> Result<Next> {
+        check_fence(&r)?;
+        let advertised = r.poll_ms;
+        let lease = r.lease(sent, now, self.skew_ms());
+        if lease.safe_until.is_none_or(|t| t > self.monotonic()) {
+            a.wait.granted(advertised);
+            if let Some(t) = a.ticket.as_mut() {
+                t.granted = true;
+            }
+            return Ok(Next::Done(lease));
+        }
+        self.drop_late_grant(a.ask.key, a.lease_id).await;
+        if a.ask.opts.lease_id.is_some() || self.monotonic() >= a.deadline {
+            return Err(Error::StoreUnavailable(
+                "the store answered after the granted lease's safe time had passed; the late grant was released".into(),
+            ));
+        }
+        a.new_lease_id();
+        tokio::time::sleep(jitter(self.config.retry_base).min(a.deadline - self.monotonic())).await;
+        Ok(Next::Again)
+    }
+
+    /// Free, but its last fence is not below ours (a coordinator whose clock runs ahead, a
+    /// force-release, or µs collisions): go again just above it, paced if it happens again.
+    async fn on_above(&self, a: &mut Attempts<'_>, r: Record) -> Result<Next> {
+        if a.seen_fence.is_some() {
+            tokio::time::sleep(jitter(self.config.retry_base)).await;
+        }
+        a.seen_fence = Some(r.fence);
+        a.visit = self.revisit(a.ask.key, &r, a.ask.want)?;
+        if self.monotonic() >= a.deadline {
+            return Err(Error::StoreUnavailable(format!("{:?} kept changing hands until the deadline", a.ask.key)));
+        }
+        Ok(Next::Again)
+    }
+
+    /// Free, but in another work-state visit than the one written under (a key in a state, or
+    /// one that moved on): go again keeping the visit it is in.
+    fn on_moved(&self, a: &mut Attempts<'_>, r: Record) -> Result<Next> {
+        a.visit = self.revisit(a.ask.key, &r, a.ask.want)?;
+        if self.monotonic() >= a.deadline {
+            return Err(Error::StoreUnavailable(format!("{:?} kept changing state until the deadline", a.ask.key)));
+        }
+        Ok(Next::Again)
+    }
+
+    /// Our lease_id's lease already ended on this key: a lease_id is single-use. A generated
+    /// one (our own earlier attempt, expired before we heard of it) is replaced; a caller's is
+    /// refused.
+    fn on_ended(&self, a: &mut Attempts<'_>, reason: Reason) -> Result<Next> {
+        if a.ask.opts.lease_id.is_some() || self.monotonic() >= a.deadline {
+            return Err(Error::NotHolder { key: a.ask.key.to_string(), reason });
+        }
+        a.new_lease_id();
+        Ok(Next::Again)
+    }
+
+    /// Another lease holds the key: sleep until the next paced attempt, or answer `LeaseHeld`
+    /// once the wait is over.
+    async fn on_held(&self, a: &mut Attempts<'_>, r: Record) -> Result<Next> {
+        // A free key kept for its queued waiters has no expiry to wake up for: the paced poll
+        // alone (not a tight loop on an expiry already past).
+        let now = self.now_ms();
+        let queued = (r.queue_len() > 0 || r.pending_token.is_some()) && !r.is_held(now);
+        let until_expiry =
+            r.expires_at_ms.filter(|_| !queued).map(|e| Duration::from_millis(e.saturating_sub(now) + 1));
+        let pause = a.wait.held(r.fence, r.poll_ms, until_expiry, a.wait_deadline);
+        // The key went to another coordinator's in-process line while this acquire waited: it
+        // says so on the item, and that coordinator's next release leaves the key free for it
+        // instead of handing it over again.
+        if pause.is_some() && a.wait.missed_turn() && self.turn_elsewhere(&r) {
+            self.waits_in(a.ask.key, r.fence).await;
+        }
+        let Some(pause) = pause else {
+            return Err(Error::LeaseHeld {
+                key: a.ask.key.to_string(),
+                holder: r.holder,
+                expires_at_ms: r.expires_at_ms,
+            });
+        };
+        Ok(match self.sleep_offering(a, pause).await? {
+            Some(lease) => Next::Done(lease),
+            None => Next::Again,
+        })
+    }
+
+    /// A grant a release handed to this waiter: the lease and the item's advertised poll
+    /// period, unless it came too late to use (then it is the key's lease still, and the
+    /// waiter's next attempt finds it and drops it).
+    pub(crate) fn handed(&self, grant: Option<(Record, Instant, u64)>) -> Result<Option<(Lease, Option<u64>)>> {
+        let Some((g, sent, now)) = grant else { return Ok(None) };
+        check_fence(&g)?;
+        let lease = g.lease(sent, now, self.skew_ms());
+        Ok(lease.safe_until.is_none_or(|s| s > self.monotonic()).then_some((lease, g.poll_ms)))
+    }
+
+    /// Releases a grant that arrived too late to be used, so the key does not stay blocked for
+    /// the rest of its duration. Best effort: if it fails, the grant expires on its own.
+    pub(crate) async fn drop_late_grant(&self, key: &str, lease_id: &LeaseId) {
+        if let Err(e) = self.release(key, lease_id).await {
+            tracing::warn!(key, error = e.name(), "could not release a late grant; it expires on its own");
+        }
+    }
+}

@@ -1,0 +1,119 @@
+//! TODO
+
+use super::*;
+
+impl Coordinator {
+    /// The fence an attempt writes: the clock in µs, above the last fence seen on the key.
+    /// Refused before anything is written when the seen fence is implausibly far ahead of this
+    /// clock (this clock is wrong, or another coordinator's was: copying it would spread the
+    /// error) or when the fence would pass [`MAX_FENCE`].
+    pub(crate) fn next_fence(&self, key: &str, seen: Option<u64>) -> Result<u64> {
+        let now_us = self.now_us();
+        let lead = self.config.fence_lead.as_micros() as u64;
+        if let Some(s) = seen.filter(|&s| s > now_us.saturating_add(lead)) {
+            return Err(Error::ClockSkew(format!(
+                "the last fence of {key:?} is {} ms ahead of this coordinator's clock (at most {} ms is plausible): \
+                 this clock, or the clock of the coordinator that issued it, is wrong",
+                (s - now_us) / 1000,
+                lead / 1000
+            )));
+        }
+        let fence = now_us.max(seen.map_or(0, |f| f.saturating_add(1)));
+        if fence > MAX_FENCE {
+            return Err(Error::StoreUnavailable(format!(
+                "the next fence of {key:?} would pass 2^53; this coordinator's clock is wrong or the key must be retired"
+            )));
+        }
+        Ok(fence)
+    }
+}
+
+/// What one acquire attempt's answer means.
+pub(crate) enum AcquireAnswer {
+    /// The lease is ours: this attempt's, or an earlier one of the same lease_id that landed.
+    Granted(Record),
+    /// The key is free but its last fence is not below ours: go again above this one.
+    Above(Record),
+    /// The key is free but not in the work-state visit the write was made under.
+    Moved(Record),
+    /// Our lease_id's lease already ended on this key (released or expired): never again.
+    Ended(Reason),
+    /// Another lease holds the key.
+    Held(Record),
+}
+
+pub(crate) fn sort_acquire(
+    w: Write,
+    lease_id: &LeaseId,
+    fence: u64,
+    now: u64,
+    visit: Option<&Visit>,
+) -> Result<AcquireAnswer> {
+    Ok(match w {
+        Write::Applied(r) => AcquireAnswer::Granted(r),
+        Write::Rejected(Some(r)) if r.is_live_for(lease_id, now) => AcquireAnswer::Granted(r),
+        Write::Rejected(Some(r)) => match ended_reason(&r, lease_id, now) {
+            Some(reason) if reason != Reason::WrongLeaseId => AcquireAnswer::Ended(reason),
+            _ if !r.is_held(now) && r.fence >= fence => AcquireAnswer::Above(r),
+            _ if !r.is_held(now) && !in_visit(&r, visit) => AcquireAnswer::Moved(r),
+            _ => AcquireAnswer::Held(r),
+        },
+        Write::Rejected(None) => {
+            return Err(Error::StoreUnavailable("store rejected a write on a missing item".into()));
+        }
+    })
+}
+
+/// Why the lease `lease_id` is not live on item `r` (`None` when it is).
+pub(crate) fn ended_reason(r: &Record, lease_id: &LeaseId, now: u64) -> Option<Reason> {
+    if &r.lease_id != lease_id {
+        Some(Reason::WrongLeaseId)
+    } else if r.released_at_ms.is_some() {
+        Some(Reason::Released)
+    } else if !r.is_held(now) {
+        Some(Reason::Expired)
+    } else {
+        None
+    }
+}
+
+pub(crate) fn check_fence(r: &Record) -> Result<()> {
+    if r.fence > MAX_FENCE {
+        return Err(Error::StoreUnavailable(format!("fence of {:?} passed 2^53; the key must be retired", r.key)));
+    }
+    Ok(())
+}
+
+/// What one release write's answer means.
+pub(crate) enum ReleaseAnswer {
+    /// The in-process hand-over whose write was ambiguous did land (the item is the waiter's
+    /// lease): the release is done.
+    ToWaiter(Record),
+    /// This write released the lease.
+    Released(Record),
+    /// Our lease is live but waiters are queued: the queue's hand-over releases it.
+    Queued(Record),
+    /// Our lease was released already (a retry, or a stale release after a force-release).
+    Already(Record),
+    /// A hand-over released our lease and granted the key on, keeping its id and fence.
+    HandedOn(Record),
+    /// Not our lease (any more).
+    NotHolder(Option<Record>),
+}
+
+/// Sorts a release write's answer. `waiter`: the lease_id of an in-process hand-over whose
+/// write was ambiguous; `hand_over`: the write was conditional on an empty queue.
+pub(crate) fn sort_release(w: Write, lease_id: &LeaseId, waiter: Option<&LeaseId>, hand_over: bool) -> ReleaseAnswer {
+    match w {
+        Write::Rejected(Some(r)) if waiter == Some(&r.lease_id) => ReleaseAnswer::ToWaiter(r),
+        Write::Applied(r) => ReleaseAnswer::Released(r),
+        Write::Rejected(Some(r))
+            if hand_over && &r.lease_id == lease_id && r.released_at_ms.is_none() && r.queue_len() > 0 =>
+        {
+            ReleaseAnswer::Queued(r)
+        }
+        Write::Rejected(Some(r)) if &r.lease_id == lease_id && r.released_at_ms.is_some() => ReleaseAnswer::Already(r),
+        Write::Rejected(Some(r)) if r.released_lease_id.as_ref() == Some(lease_id) => ReleaseAnswer::HandedOn(r),
+        Write::Rejected(r) => ReleaseAnswer::NotHolder(r),
+    }
+}

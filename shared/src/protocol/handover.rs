@@ -1,0 +1,186 @@
+//! TODO
+
+use super::*;
+
+impl Coordinator {
+    /// Acquires of this coordinator waiting for `key` in its in-process line.
+    pub fn waiting(&self, key: &str) -> usize {
+        self.wakeups.waiting(key)
+    }
+
+    /// Is the head of this coordinator's line for `key` asleep, offering its lease to a release?
+    pub fn head_waiter_offers(&self, key: &str) -> bool {
+        self.wakeups.head_offers(key)
+    }
+
+    /// How long this coordinator's waiters hold back after leaving a key free for a waiter of
+    /// another process: well over that waiter's longest pause between polls (`poll_max`, up
+    /// to 1.5 times with jitter; coordinators of one table are assumed to share `poll_max`), so
+    /// that a loaded machine's late poll still finds the key free.
+    pub(crate) fn yield_for(&self) -> Duration {
+        self.config.poll_max * 3
+    }
+
+    /// The key is free after this coordinator's release of item `r`: the head of its line tries
+    /// at once, unless a waiter of another process marked the item (it missed a turn to this
+    /// coordinator's line) and this coordinator has waiters that would win the race: they hold
+    /// back while it polls.
+    pub(crate) fn freed(&self, key: &str, r: &Record) {
+        if r.handed_in.as_deref().is_some_and(|c| c != &*self.id) && self.wakeups.waiting(key) > 0 {
+            self.wakeups.hold_back(key, self.yield_for());
+        } else {
+            self.wakeups.wake(key);
+        }
+    }
+
+    /// Did the lease on item `r` come from the in-process line of another coordinator (and
+    /// nobody marked it yet)?
+    pub(crate) fn turn_elsewhere(&self, r: &Record) -> bool {
+        r.handed_in.as_deref().is_some_and(|c| c != &*self.id) && r.is_held(self.now_ms())
+    }
+
+    /// Marks the lease of fence `fence` on `key`: a waiter of this coordinator missed a turn to
+    /// another coordinator's line. Best effort (one write; a lost mark is written again at the
+    /// next missed turn).
+    pub(crate) async fn waits_in(&self, key: &str, fence: u64) {
+        let m = Mutation::WaitsIn { coordinator: self.id.to_string() };
+        if let Err(e) = self.store.update(key, &Condition::FenceIs(fence), &m).await {
+            tracing::debug!(key, error = e.name(), "could not mark the key as awaited elsewhere");
+        }
+    }
+
+    /// The release of `lease_id` as one write that grants the key to the claimed in-process
+    /// waiter (DESIGN.md, "In-process waiters"). `None`: not done (the claim is dropped and the
+    /// waiter tries by itself); the ordinary release follows.
+    pub(crate) async fn release_to_waiter(
+        &self,
+        key: &str,
+        lease_id: &LeaseId,
+        claim: crate::protocol::line::Claim,
+    ) -> ToWaiter {
+        use ToWaiter::NotDone;
+        if self.check_clock(key).await.is_err() {
+            return NotDone;
+        }
+        let Ok(Some(r)) = self.store.get(key).await else { return NotDone };
+        let sent = self.monotonic();
+        let now = self.now_ms();
+        if &r.lease_id != lease_id || r.released_at_ms.is_some() || r.min_hold_until_ms > now || r.queue_len() > 0 {
+            return NotDone;
+        }
+        // A lease_id is single-use: a waiter offering the very lease_id being released (two
+        // acquires with one caller id) must not be granted it again.
+        if &claim.offer().lease.lease_id == lease_id {
+            return NotDone;
+        }
+        // A waiter of another process missed a turn to this coordinator's line: the key goes
+        // free for it, and this coordinator's waiters hold back while it polls.
+        if r.handed_in.as_deref().is_some_and(|c| c != &*self.id) {
+            self.wakeups.hold_back(key, self.yield_for());
+            return NotDone;
+        }
+        let mut lease = claim.offer().lease.clone();
+        lease.now_ms = now;
+        lease.handed_in = Some(self.id.to_string());
+        let Ok(fence) = self.next_fence(key, Some(r.fence)) else { return NotDone };
+        lease.fence = fence;
+        lease.ttl = lease.duration_ms.map(|d| self.ttl_after(now + d));
+        // A retried release of the releasing lease answers `already_released` (not
+        // `wrong_lease_id`): the grant keeps its id and fence.
+        lease.released = Some((lease_id.clone(), r.fence));
+        let cond = Condition::HandTo { lease_id: lease_id.clone(), fence: r.fence, now_ms: now };
+        let released = Released {
+            key: key.to_string(),
+            fence: r.fence,
+            released_at_ms: now,
+            free_at_ms: now,
+            already_released: false,
+            state: None,
+        };
+        let waiter = lease.lease_id.clone();
+        match self.store.update(key, &cond, &Mutation::Acquire(lease)).await {
+            Ok(Write::Applied(g)) => {
+                self.settle_grant(key, claim, g, sent, now).await;
+                ToWaiter::Done(released)
+            }
+            // The grant may have landed, or may still land (a request stuck in the network): if
+            // the read shows it, it is the waiter's and this release is done; otherwise the claim
+            // stays (its waiter keeps waiting) until the ordinary release settles it.
+            Err(e) if e.may_have_landed() => match self.store.get(key).await {
+                Ok(Some(g)) if g.lease_id == waiter && g.is_live_for(&waiter, self.now_ms()) => {
+                    self.settle_grant(key, claim, g, sent, now).await;
+                    ToWaiter::Done(released)
+                }
+                _ => ToWaiter::Unsettled(Box::new(Unsettled { claim, sent, now, released })),
+            },
+            _ => NotDone,
+        }
+    }
+
+    /// Hands a grant that landed to its claimed waiter; if the waiter left while the grant was
+    /// being written, the grant is nobody's and is released at once.
+    pub(crate) async fn settle_grant(
+        &self,
+        key: &str,
+        claim: crate::protocol::line::Claim,
+        g: Record,
+        sent: Instant,
+        now: u64,
+    ) {
+        if let Err(lease_id) = claim.granted(g, sent, now) {
+            self.release_departed(key, &lease_id).await;
+        }
+    }
+}
+/// What became of a release's hand-over to its in-process waiter.
+pub(crate) enum ToWaiter {
+    /// The waiter has the key; the release is done.
+    Done(Released),
+    /// Nothing was granted: the claim is dropped (the waiter tries by itself).
+    NotDone,
+    /// The grant's write failed ambiguously: it may land yet. The claim is kept until the
+    /// ordinary release's answer says whether it did.
+    Unsettled(Box<Unsettled>),
+}
+
+pub(crate) struct Unsettled {
+    pub(crate) claim: crate::protocol::line::Claim,
+    pub(crate) sent: Instant,
+    pub(crate) now: u64,
+    pub(crate) released: Released,
+}
+
+/// A waiting acquire's place in its coordinator's line. When the acquire's future is dropped
+/// (a timeout, a disconnected HTTP client, a deadline), the waiter departs: a release writing
+/// its grant right now gives the grant back, and a grant that landed but was never read is
+/// released here (DESIGN.md, "Cancellation").
+pub(crate) struct InLine {
+    pub(crate) ticket: crate::protocol::line::Ticket,
+    pub(crate) coord: Coordinator,
+}
+
+impl std::ops::Deref for InLine {
+    type Target = crate::protocol::line::Ticket;
+    fn deref(&self) -> &Self::Target {
+        &self.ticket
+    }
+}
+
+impl std::ops::DerefMut for InLine {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.ticket
+    }
+}
+
+impl Drop for InLine {
+    fn drop(&mut self) {
+        let Some((r, _, _)) = self.ticket.depart() else { return };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                let coord = self.coord.clone();
+                rt.spawn(async move { coord.release_departed(&r.key, &r.lease_id).await });
+            }
+            Err(_) => tracing::warn!(key = %r.key, "a grant left unread by a departed acquire expires on its own"),
+        }
+    }
+}

@@ -1,0 +1,76 @@
+//! TODO
+
+use super::*;
+
+impl Coordinator {
+    /// Extends a live lease by `duration` (default: the lease's own duration) from now.
+    pub async fn heartbeat(&self, key: &str, lease_id: &LeaseId, duration: Option<Duration>) -> Result<Lease> {
+        let deadline = self.monotonic() + self.config.retry_budget;
+        self.heartbeat_until(key, lease_id, duration, deadline).await
+    }
+
+    /// [`Coordinator::heartbeat`], retrying transient failures until `deadline`. The expiry
+    /// never moves backwards: a delayed duplicate of an earlier try, or a request for less
+    /// time than the lease has left, leaves the lease as it is and answers with it.
+    pub async fn heartbeat_until(
+        &self,
+        key: &str,
+        lease_id: &LeaseId,
+        duration: Option<Duration>,
+        deadline: Instant,
+    ) -> Result<Lease> {
+        self.config.limits.key(key)?;
+        if let Some(d) = duration {
+            self.config.limits.duration("duration_ms", d)?;
+        }
+        self.check_clock(key).await?;
+        let duration_ms = duration.map(|d| d.as_millis() as u64);
+        let max = self.max_duration_ms();
+        let (w, sent, now) = self
+            .write(key, deadline, |now| {
+                let cond = Condition::Renew {
+                    lease_id: lease_id.clone(),
+                    now_ms: now,
+                    expires_at_ms: duration_ms.map(|d| now + d),
+                };
+                let ttl = Some(self.ttl_after(now + duration_ms.unwrap_or(max)));
+                Ok((cond, Mutation::Extend { now_ms: now, duration_ms, ttl }))
+            })
+            .await
+            .map_err(|f| f.into_error(key))?;
+        match w {
+            Write::Applied(r) => {
+                check_fence(&r)?;
+                // A key in a work state keeps no TTL. The renewal has landed: the removal gets
+                // one try of at most 1 s (and never past the heartbeat's deadline) before the
+                // answer, and any retries run after it, so a slow store cannot hold a landed
+                // renewal back past the holder's safe time.
+                if r.state.is_some() && r.ttl.is_some() {
+                    let bound = deadline.min(self.monotonic() + Duration::from_secs(1));
+                    let cond = Condition::FenceIs(r.fence);
+                    let once = self.store.update(key, &cond, &Mutation::ClearTtl);
+                    if !matches!(tokio::time::timeout_at(bound.into(), once).await, Ok(Ok(_))) {
+                        let (c, k, r) = (self.clone(), key.to_string(), r.clone());
+                        tokio::spawn(async move { c.keep_queued(&k, &r).await });
+                    }
+                }
+                Ok(r.lease(sent, now, self.skew_ms()))
+            }
+            // Still ours, but not extended: a fail-closed lease (nothing to extend), a later
+            // renewal already landed, or the new expiry would be earlier. The lease as it is.
+            Write::Rejected(Some(r)) if r.is_live_for(lease_id, now) => {
+                check_fence(&r)?;
+                Ok(r.lease(sent, now, self.skew_ms()))
+            }
+            Write::Rejected(r) => Err(self.not_holder(key, lease_id, r.as_ref(), now)),
+        }
+    }
+
+    pub(crate) fn not_holder(&self, key: &str, lease_id: &LeaseId, r: Option<&Record>, now: u64) -> Error {
+        let reason = match r {
+            None => Reason::Missing,
+            Some(r) => ended_reason(r, lease_id, now).unwrap_or(Reason::Expired),
+        };
+        Error::NotHolder { key: key.to_string(), reason }
+    }
+}

@@ -1,0 +1,180 @@
+//! TODO
+
+use super::*;
+
+impl Coordinator {
+    /// Runs one read, retrying throttled/unavailable answers with jittered backoff until
+    /// `deadline`: a read is always safe to send again, and one lost answer must not fail the
+    /// request that needed it.
+    pub(crate) async fn read<T, F, Fut>(&self, deadline: Instant, mut read: F) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        let mut backoff = Backoff::new(self.config.retry_base, self.config.retry_max);
+        loop {
+            match read().await {
+                Err(e) if e.is_transient() => {
+                    let pause = backoff.next_pause();
+                    if self.monotonic() + pause >= deadline {
+                        return Err(e);
+                    }
+                    tracing::debug!(error = e.name(), pause_ms = pause.as_millis() as u64, "retrying store read");
+                    tokio::time::sleep(pause).await;
+                }
+                r => return r,
+            }
+        }
+    }
+
+    /// Runs one conditional write, retrying throttled/unavailable answers with jittered
+    /// backoff until `deadline`. Every retry re-reads the clock and re-sends the same lease_id,
+    /// so a retry after an ambiguous failure (the write landed, the answer was lost) is
+    /// recognised by the caller from the item that comes back. `attempt` may refuse to write
+    /// (a bound it checks before anything is sent).
+    pub(crate) async fn write(
+        &self,
+        key: &str,
+        deadline: Instant,
+        attempt: impl FnMut(u64) -> Result<(Condition, Mutation)>,
+    ) -> std::result::Result<(Write, Instant, u64), Failed> {
+        self.write_noting(key, deadline, None, attempt, &mut false).await
+    }
+
+    /// [`Coordinator::write`], also setting `landed` when an attempt may have landed although
+    /// a later one answered (an acquire carries that across its attempts). With `grants` (the
+    /// lease_id the write may grant), each request runs in a task of its own, so that if the
+    /// caller's future is dropped while it is in flight (a timeout, a disconnected HTTP client)
+    /// the request still gets its answer, and a grant that lands for the departed caller is
+    /// released at once (DESIGN.md, "Cancellation").
+    pub(crate) async fn write_noting(
+        &self,
+        key: &str,
+        deadline: Instant,
+        grants: Option<&LeaseId>,
+        mut attempt: impl FnMut(u64) -> Result<(Condition, Mutation)>,
+        landed: &mut bool,
+    ) -> std::result::Result<(Write, Instant, u64), Failed> {
+        let mut backoff = Backoff::new(self.config.retry_base, self.config.retry_max);
+        let mut maybe_landed = false;
+        loop {
+            let sent = self.monotonic();
+            let now = self.now_ms();
+            let (cond, m) = attempt(now).map_err(|error| Failed { error, maybe_landed })?;
+            let answer = match grants {
+                None => self.store.update(key, &cond, &m).await,
+                Some(id) => self.update_detached(key, cond, m, id.clone()).await,
+            };
+            match answer {
+                Ok(w) => return Ok((w, sent, now)),
+                Err(e) if e.is_transient() => {
+                    maybe_landed |= e.may_have_landed();
+                    *landed |= maybe_landed;
+                    let pause = backoff.next_pause();
+                    if self.monotonic() + pause >= deadline {
+                        return Err(Failed { error: e, maybe_landed });
+                    }
+                    tracing::debug!(
+                        key,
+                        error = e.name(),
+                        pause_ms = pause.as_millis() as u64,
+                        "retrying store request"
+                    );
+                    tokio::time::sleep(pause).await;
+                }
+                Err(error) => return Err(Failed { error, maybe_landed }),
+            }
+        }
+    }
+
+    /// One store write in a task of its own, answered through a channel. When nobody is left to
+    /// take the answer (the caller's future was dropped) and the write granted, or may have
+    /// granted, the lease `lease_id`, that lease is released at once.
+    pub(crate) async fn update_detached(
+        &self,
+        key: &str,
+        cond: Condition,
+        m: Mutation,
+        lease_id: LeaseId,
+    ) -> Result<Write> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (coord, key) = (self.clone(), key.to_string());
+        tokio::spawn(async move {
+            let answer = coord.store.update(&key, &cond, &m).await;
+            if let Err(answer) = tx.send(answer) {
+                let granted = match answer {
+                    Ok(Write::Applied(r) | Write::Rejected(Some(r))) => r.lease_id == lease_id,
+                    Ok(Write::Rejected(None)) => false,
+                    // It may have landed: look.
+                    Err(e) => e.may_have_landed(),
+                };
+                if granted {
+                    coord.release_departed(&key, &lease_id).await;
+                }
+            }
+        });
+        rx.await.unwrap_or_else(|_| Err(Error::StoreUnavailable("the store request ended without an answer".into())))
+    }
+
+    /// Releases the lease `lease_id` granted to an acquire that left before it could be told
+    /// (its future was dropped). Nothing to do when it did not land or already ended.
+    pub(crate) fn release_departed<'a>(
+        &'a self,
+        key: &'a str,
+        lease_id: &'a LeaseId,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + 'a>> {
+        Box::pin(self.release_departed_now(key, lease_id))
+    }
+
+    pub(crate) async fn release_departed_now(&self, key: &str, lease_id: &LeaseId) {
+        // The ordinary release, without a hand-over of its own (that would make this recursive):
+        // the next waiter is woken and tries.
+        let deadline = self.monotonic() + self.config.retry_budget;
+        let max = self.max_duration_ms();
+        let w = self
+            .write(key, deadline, |now| {
+                let cond = Condition::Unreleased { lease_id: lease_id.clone() };
+                Ok((cond, Mutation::Release { now_ms: now, ttl: self.ttl_after(now + max) }))
+            })
+            .await;
+        match w {
+            Ok((Write::Applied(r), _, _)) => {
+                tracing::debug!(key, "released a grant whose acquire had left");
+                self.keep_queued(key, &r).await;
+                self.freed(key, &r);
+                self.after_free(key, &r).await;
+            }
+            Ok(_) => {}
+            Err(f) => tracing::warn!(
+                key,
+                error = f.into_error(key).name(),
+                "could not release a grant whose acquire had left; it expires on its own"
+            ),
+        }
+    }
+}
+/// A write that did not get an answer in time.
+pub(crate) struct Failed {
+    pub(crate) error: Error,
+    /// Some attempt may have landed (its answer was lost or it timed out).
+    pub(crate) maybe_landed: bool,
+}
+
+impl Failed {
+    /// The error to report. A write that may have landed is `OutcomeUnknown`: the caller's
+    /// lease_id reaches what it did (an acquire's retry returns the lease and a release frees
+    /// it; a release's retry answers `already_released`).
+    pub(crate) fn into_error(self, key: &str) -> Error {
+        match self.error {
+            // A throttled end after an attempt that timed out is no less unknown.
+            e @ (Error::StoreUnavailable(_) | Error::Throttled(_)) if self.maybe_landed => Error::outcome_unknown(
+                key,
+                format!(
+                    "{e}; a write may have landed: send the same request again with the same lease_id (it is \
+                     idempotent), or release with it"
+                ),
+            ),
+            e => e,
+        }
+    }
+}

@@ -1,0 +1,222 @@
+//! The core crate's structure, as DESIGN.md's "Code map" describes it, checked from its source:
+//! dependencies between its modules point one way (no import cycle, counting every
+//! `crate::module` path outside test modules), no function is longer than 80 lines, and only
+//! the clock module reads time.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use leasehold_tests::repo_root;
+
+/// Longest function allowed, in lines from its `fn` line to its closing brace.
+const MAX_FN_LINES: usize = 80;
+
+fn src() -> PathBuf {
+    repo_root().join("shared").join("src")
+}
+
+/// Every `.rs` file under `dir`, with its source up to its test module.
+fn sources(dir: &Path) -> Vec<(PathBuf, String)> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let p = entry.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|e| e == "rs") {
+                let text = std::fs::read_to_string(&p).unwrap();
+                let end = text.find("#[cfg(test)]\nmod tests").unwrap_or(text.len());
+                out.push((p, text[..end].to_string()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// The top-level module a file belongs to (`protocol` for shared/src/protocol/acquire.rs).
+fn module_of(path: &Path) -> String {
+    let rel = path.strip_prefix(src()).unwrap();
+    let first = rel.components().next().unwrap().as_os_str().to_string_lossy().to_string();
+    first.trim_end_matches(".rs").to_string()
+}
+
+fn ident_at(s: &str) -> String {
+    s.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect()
+}
+
+/// The modules named by `crate::` paths in `text`: `crate::x::...` and `crate::{x, y::z}`.
+fn crate_paths(text: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for (i, _) in text.match_indices("crate::") {
+        let rest = &text[i + "crate::".len()..];
+        if let Some(group) = rest.strip_prefix('{') {
+            let group = &group[..group.find('}').unwrap_or(group.len())];
+            for part in group.split(',') {
+                let name = ident_at(part.trim());
+                if !name.is_empty() {
+                    out.insert(name);
+                }
+            }
+        } else {
+            out.insert(ident_at(rest));
+        }
+    }
+    out
+}
+
+fn imports() -> BTreeMap<String, BTreeSet<String>> {
+    let files = sources(&src());
+    let modules: BTreeSet<String> = files.iter().map(|(p, _)| module_of(p)).collect();
+    let mut graph: BTreeMap<String, BTreeSet<String>> = modules.iter().map(|m| (m.clone(), BTreeSet::new())).collect();
+    for (p, text) in &files {
+        let m = module_of(p);
+        for dep in crate_paths(text) {
+            if dep != m && modules.contains(&dep) {
+                graph.get_mut(&m).unwrap().insert(dep);
+            }
+        }
+    }
+    graph
+}
+
+/// A cycle through `start`, if there is one.
+fn cycle_from(graph: &BTreeMap<String, BTreeSet<String>>, start: &str) -> Option<Vec<String>> {
+    let mut stack = vec![(start.to_string(), vec![start.to_string()])];
+    let mut seen = BTreeSet::new();
+    while let Some((node, path)) = stack.pop() {
+        for next in &graph[&node] {
+            if next == start {
+                return Some([path.clone(), vec![start.to_string()]].concat());
+            }
+            if seen.insert(next.clone()) {
+                stack.push((next.clone(), [path.clone(), vec![next.clone()]].concat()));
+            }
+        }
+    }
+    None
+}
+
+#[test]
+fn no_import_cycle_among_the_core_crates_modules() {
+    let graph = imports();
+    assert!(graph.len() > 10 && graph["protocol"].contains("store"), "the import graph was read: {graph:?}");
+    let cycles: Vec<String> = graph.keys().filter_map(|m| cycle_from(&graph, m)).map(|c| c.join(" -> ")).collect();
+    assert!(cycles.is_empty(), "import cycles:\n{}", cycles.join("\n"));
+}
+
+#[test]
+fn the_layers_point_one_way() {
+    // Bottom, store boundary, core: none of them imports a feature or an adapter.
+    let graph = imports();
+    let below = ["model", "error", "validate", "clock", "backoff", "store", "protocol"];
+    let above = ["batch", "queue", "keepalive", "fenced", "history", "api", "lambda", "holder", "env"];
+    for low in below {
+        for high in above {
+            assert!(
+                !graph.get(low).is_some_and(|deps| deps.contains(high)),
+                "{low} imports {high}: a lower layer must not depend on a higher one"
+            );
+        }
+    }
+}
+
+/// `(file, line, name, length)` of every function body in `text`.
+fn functions(path: &Path, text: &str) -> Vec<(String, usize, String, usize)> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let t = line.trim_start();
+        let indent = line.len() - t.len();
+        let mut head = t;
+        for prefix in ["pub(crate) ", "pub(super) ", "pub ", "const ", "async ", "unsafe "] {
+            head = head.strip_prefix(prefix).unwrap_or(head);
+        }
+        let Some(sig) = head.strip_prefix("fn ") else { continue };
+        // The body opens on the signature's last line, and closes at the same indent.
+        let Some(open) = (i..lines.len()).find(|&j| lines[j].trim_end().ends_with('{') || lines[j].ends_with(';'))
+        else {
+            continue;
+        };
+        if lines[open].ends_with(';') {
+            continue;
+        }
+        let close = (open + 1..lines.len()).find(|&j| {
+            lines[j].len() - lines[j].trim_start().len() == indent && lines[j].trim_start().starts_with('}')
+        });
+        if let Some(close) = close {
+            out.push((path.display().to_string(), i + 1, ident_at(sig), close - i + 1));
+        }
+    }
+    out
+}
+
+#[test]
+fn no_function_is_longer_than_80_lines() {
+    let files = sources(&src());
+    let all: Vec<_> = files.iter().flat_map(|(p, t)| functions(p, t)).collect();
+    assert!(all.len() > 300, "the functions were read: {}", all.len());
+    let long: Vec<String> = all
+        .iter()
+        .filter(|f| f.3 > MAX_FN_LINES)
+        .map(|(file, line, name, n)| format!("{file}:{line} {name}: {n} lines"))
+        .collect();
+    assert!(long.is_empty(), "functions longer than {MAX_FN_LINES} lines:\n{}", long.join("\n"));
+}
+
+#[test]
+fn the_function_length_check_measures_bodies() {
+    let text = "impl X {\n    pub(crate) async fn long(\n        a: u8,\n    ) -> u8 {\n        a\n    }\n}\nfn f();\n";
+    let fns = functions(Path::new("x.rs"), text);
+    assert_eq!(fns, vec![("x.rs".to_string(), 2, "long".to_string(), 5)]);
+}
+
+#[test]
+fn only_the_clock_module_reads_time() {
+    let clock = src().join("clock");
+    let reads = ["Instant::now(", "SystemTime::now(", ".elapsed()", "UNIX_EPOCH", "Utc::now("];
+    let mut found = Vec::new();
+    for (p, text) in sources(&src()) {
+        if p.starts_with(&clock) {
+            continue;
+        }
+        for (n, line) in text.lines().enumerate() {
+            if let Some(r) = reads.iter().find(|r| line.contains(*r)) {
+                found.push(format!("{}:{} {r}", p.display(), n + 1));
+            }
+        }
+    }
+    assert!(found.is_empty(), "time read outside shared/src/clock:\n{}", found.join("\n"));
+    let clock_text: String = sources(&clock).into_iter().map(|(_, t)| t).collect();
+    assert!(clock_text.contains("SystemTime::now(") && clock_text.contains("Instant::now("), "the clock reads time");
+}
+
+/// The `.rs` paths DESIGN.md's "Code map" names (relative to shared/src).
+fn code_map_paths() -> BTreeSet<String> {
+    let design = std::fs::read_to_string(repo_root().join("DESIGN.md")).unwrap();
+    let start = design.find("\n## Code map").expect("DESIGN.md has a Code map section");
+    let section = &design[start + 1..];
+    let section = &section[..section[3..].find("\n## ").map_or(section.len(), |e| e + 3)];
+    section
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .filter(|s| s.ends_with(".rs") && !s.starts_with("tests/"))
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn the_code_map_matches_the_tree() {
+    let named = code_map_paths();
+    let tree: BTreeSet<String> = sources(&src())
+        .into_iter()
+        .map(|(p, _)| p.strip_prefix(src()).unwrap().to_string_lossy().replace('\\', "/"))
+        .filter(|p| p != "lib.rs")
+        .collect();
+    let missing: Vec<_> = tree.difference(&named).collect();
+    let stale: Vec<_> = named.difference(&tree).collect();
+    assert!(missing.is_empty(), "files the code map does not name: {missing:?}");
+    assert!(stale.is_empty(), "the code map names files that do not exist: {stale:?}");
+}
