@@ -26,6 +26,11 @@ use crate::keepalive::SweepReport;
 use crate::keepalive::{ExecutionState, Executions};
 use crate::protocol::Coordinator;
 
+/// The history function's handler (functions/history): the lease table's stream into the
+/// history table.
+#[cfg(feature = "streams")]
+pub mod history;
+
 /// The three deployed functions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Function {

@@ -18,16 +18,8 @@ use crate::model::{Lease, LeaseId, Record, Released};
 use crate::protocol::{AcquireOptions, Coordinator, ReleaseHook};
 use crate::store::{Condition, Mutation, NewLease, ScanKind, Write};
 
-/// Separates a lease key from its waiter suffix. Validated keys contain no control character,
-/// so no waiter key is ever a lease key, nor a prefix of one.
-pub const SEPARATOR: char = '\u{1f}';
-
-/// First shard number of the queue index's partitions (`q_shard`: 1000..1008; numbered apart
-/// from the keep-alive shards 0..8, which waiter items of earlier versions shared).
-pub const QUEUE_SHARD_BASE: u32 = 1000;
-
-/// Number of queue shards.
-pub const QUEUE_SHARDS: u32 = 8;
+/// The waiter key layout and the queue index partitions are the store's (`store/mod.rs`).
+pub use crate::store::{queue_shard, split_waiter_key, waiter_key, QUEUE_SHARDS, QUEUE_SHARD_BASE, SEPARATOR};
 
 /// A slot whose waiter item is still missing this long after the slot was taken belongs to an
 /// enqueuer that died between its two writes (or whose put failed): the slot is skipped. A
@@ -51,23 +43,6 @@ const SWEEP_PAGE: u32 = 50;
 /// A grant still marked undelivered this long after it was written is delivered again by
 /// whoever serves the queue (the granting function died, or every delivery attempt failed).
 pub const DELIVERY_GRACE_MS: u64 = 5_000;
-
-/// The key of waiter `seq` of `key`.
-pub fn waiter_key(key: &str, seq: u64) -> String {
-    format!("{key}{SEPARATOR}q{seq}")
-}
-
-/// The lease key and sequence number of a waiter key.
-pub fn split_waiter_key(k: &str) -> Option<(&str, u64)> {
-    let (key, rest) = k.split_once(SEPARATOR)?;
-    Some((key, rest.strip_prefix('q')?.parse().ok()?))
-}
-
-/// The queue index partition of a key (of the lease key, for a waiter key).
-pub fn queue_shard(k: &str) -> u32 {
-    let key = split_waiter_key(k).map_or(k, |(key, _)| key);
-    QUEUE_SHARD_BASE + crate::store::keepalive_shard(key, QUEUE_SHARDS)
-}
 
 pub use crate::model::Waiter;
 

@@ -3,5 +3,5 @@
 
 #[tokio::main]
 async fn main() -> Result<(), lambda_runtime::Error> {
-    leasehold::history::lambda::run().await
+    leasehold::lambda::history::run().await
 }

@@ -300,8 +300,7 @@ fn migrate(conn: &Connection) -> rusqlite::Result<()> {
 
 /// The queue index entry of a record: lease items with queued waiters or an undelivered grant.
 fn queue_index(r: &Record) -> Option<i64> {
-    (r.waiter.is_none() && (r.queue_len() > 0 || r.pending_token.is_some()))
-        .then(|| crate::queue::queue_shard(&r.key) as i64)
+    (r.waiter.is_none() && (r.queue_len() > 0 || r.pending_token.is_some())).then(|| super::queue_shard(&r.key) as i64)
 }
 
 fn read(c: &Connection, key: &str) -> Result<Option<Record>> {

@@ -1,9 +1,9 @@
 //! The embedded store's lease history: a `history` table in the same SQLite file, written in
 //! the same transaction as each change (`record`, called by the store's write path with the
 //! item before and after), so an event is committed exactly when its change is. Events come
-//! from [`crate::history::events`], the function the DynamoDB Streams path uses too.
+//! from [`super::events::events`], the function the DynamoDB Streams path uses too.
 //!
-//! Retention ([`crate::history::retention`], default 7 days) is applied on the write path once
+//! Retention ([`super::events::retention`], default 7 days) is applied on the write path once
 //! every [`PRUNE_EVERY`] recorded writes of a process, and by [`prune`] (`leasehold serve`'s
 //! purge loop).
 
@@ -12,8 +12,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use rusqlite::{params, Connection, OpenFlags};
 
+use super::events::{count, events, retention, Event};
 use crate::error::{Error, Result};
-use crate::history::{events, retention, Event};
 use crate::model::Record;
 
 /// How many recorded writes pass between two prunings on the write path.
@@ -45,7 +45,7 @@ pub(crate) fn record(c: &Connection, old: Option<&Record>, new: Option<&Record>)
     if evs.is_empty() {
         return Ok(());
     }
-    crate::history::count(&evs);
+    count(&evs);
     let keep = retention();
     if keep.is_zero() {
         return Ok(());

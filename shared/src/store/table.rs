@@ -44,7 +44,8 @@ pub struct TableSpec {
     pub ttl: &'static str,
     /// "PAY_PER_REQUEST" (on-demand).
     pub billing: &'static str,
-    /// The stream the history function reads: "NEW_AND_OLD_IMAGES" (DESIGN.md, "Lease history").
+    /// The stream the history function reads: "NEW_AND_OLD_IMAGES" (DESIGN.md, "Lease history");
+    /// empty: none ([`create_as`] of a table for DynamoDB Local).
     pub stream: &'static str,
 }
 
@@ -124,23 +125,30 @@ fn sdk_err<E: ProvideErrorMetadata + std::error::Error + 'static>(what: &str, ta
     }
 }
 
-/// Creates `table` as [`LEASE_TABLE`] says (on-demand, key schema, both indexes, the stream),
+/// Creates `table` as [`LEASE_TABLE`] says (on-demand, key schema, the indexes, the stream),
 /// waits until it and its indexes are active (at most `wait`), and enables TTL. Idempotent: an
 /// existing table is left as it is (check it with [`check`]). Returns whether it created it.
 pub async fn create(client: &Client, table: &str, wait: Duration) -> Result<bool> {
-    let spec = &LEASE_TABLE;
+    create_as(client, table, &LEASE_TABLE, wait).await
+}
+
+/// [`create`] of `spec` (`DynamoStore::create_table` leaves the stream, or also the indexes,
+/// out of the tables it makes on DynamoDB Local). An empty `spec.stream`: no stream.
+pub async fn create_as(client: &Client, table: &str, spec: &TableSpec, wait: Duration) -> Result<bool> {
     let ks = |n: &str, t: KeyType| KeySchemaElement::builder().attribute_name(n).key_type(t).build();
     let mut req = client
         .create_table()
         .table_name(table)
         .billing_mode(BillingMode::from(spec.billing))
-        .key_schema(built(ks(spec.key, KeyType::Hash))?)
-        .stream_specification(built(
+        .key_schema(built(ks(spec.key, KeyType::Hash))?);
+    if !spec.stream.is_empty() {
+        req = req.stream_specification(built(
             StreamSpecification::builder()
                 .stream_enabled(true)
                 .stream_view_type(StreamViewType::from(spec.stream))
                 .build(),
         )?);
+    }
     for (name, ty) in spec.attributes() {
         req = req.attribute_definitions(built(
             AttributeDefinition::builder().attribute_name(name).attribute_type(scalar(ty)).build(),
@@ -216,87 +224,108 @@ pub struct Findings {
 /// history, fed by it on AWS, is lost). Billing mode is not compared (a provisioned table
 /// works).
 pub fn compare(spec: &TableSpec, t: &TableDescription, ttl: Option<&TimeToLiveDescription>) -> Findings {
-    let mut out = Vec::new();
     let types: Vec<(String, String)> = t
         .attribute_definitions()
         .iter()
         .map(|d| (d.attribute_name().to_string(), d.attribute_type().as_str().to_string()))
         .collect();
-    let type_of = |n: &str| type_in(&types, n);
-    let keys = |ks: &[KeySchemaElement]| -> Vec<(String, String)> {
-        ks.iter().map(|k| (k.attribute_name().to_string(), k.key_type().as_str().to_string())).collect()
-    };
+    let mut problems = key_problems(spec, t, &types);
+    for i in spec.indexes {
+        problems.extend(index_problems(i, t, &types));
+    }
+    problems.extend(ttl_problem(spec, ttl));
+    Findings { problems, warnings: stream_warning(spec, t).into_iter().collect() }
+}
+
+/// A key schema as (attribute, "HASH" | "RANGE") pairs.
+fn keys(ks: &[KeySchemaElement]) -> Vec<(String, String)> {
+    ks.iter().map(|k| (k.attribute_name().to_string(), k.key_type().as_str().to_string())).collect()
+}
+
+/// The table's own key: `spec.key`, a string, partition key only.
+fn key_problems(spec: &TableSpec, t: &TableDescription, types: &[(String, String)]) -> Vec<String> {
     let want_key = vec![(spec.key.to_string(), "HASH".to_string())];
     let have_key = keys(t.key_schema());
-    if have_key != want_key || type_of(spec.key) != Some("S") {
-        out.push(format!(
+    if have_key != want_key || type_in(types, spec.key) != Some("S") {
+        return vec![format!(
             "key schema is {} but must be `{}` (string, partition key only): no operation works",
-            describe_keys(&have_key, &types),
+            describe_keys(&have_key, types),
             spec.key
+        )];
+    }
+    vec![]
+}
+
+/// One index: present, with the keys (and their types) and the projection the code queries.
+fn index_problems(i: &IndexSpec, t: &TableDescription, types: &[(String, String)]) -> Vec<String> {
+    let Some(g) = t.global_secondary_indexes().iter().find(|g| g.index_name() == Some(i.name)) else {
+        return vec![format!(
+            "index `{}` is missing (partition {} {}{}, projection {}): {}",
+            i.name,
+            i.hash.0,
+            i.hash.1,
+            sort_text(i),
+            i.projection,
+            i.used_by
+        )];
+    };
+    let mut out = Vec::new();
+    let mut want = vec![(i.hash.0.to_string(), "HASH".to_string())];
+    want.extend(i.range.map(|r| (r.0.to_string(), "RANGE".to_string())));
+    let have = keys(g.key_schema());
+    let type_of = |n: &str| type_in(types, n);
+    let types_ok = type_of(i.hash.0) == Some(i.hash.1) && i.range.is_none_or(|r| type_of(r.0) == Some(r.1));
+    if have != want || !types_ok {
+        out.push(format!(
+            "index `{}` has keys {} but needs partition {} {}{}: {}",
+            i.name,
+            describe_keys(&have, types),
+            i.hash.0,
+            i.hash.1,
+            sort_text(i),
+            i.used_by
         ));
     }
-    for i in spec.indexes {
-        let Some(g) = t.global_secondary_indexes().iter().find(|g| g.index_name() == Some(i.name)) else {
-            out.push(format!(
-                "index `{}` is missing (partition {} {}{}, projection {}): {}",
-                i.name,
-                i.hash.0,
-                i.hash.1,
-                sort_text(i),
-                i.projection,
-                i.used_by
-            ));
-            continue;
-        };
-        let mut want = vec![(i.hash.0.to_string(), "HASH".to_string())];
-        want.extend(i.range.map(|r| (r.0.to_string(), "RANGE".to_string())));
-        let have = keys(g.key_schema());
-        let types_ok = type_of(i.hash.0) == Some(i.hash.1) && i.range.is_none_or(|r| type_of(r.0) == Some(r.1));
-        if have != want || !types_ok {
-            out.push(format!(
-                "index `{}` has keys {} but needs partition {} {}{}: {}",
-                i.name,
-                describe_keys(&have, &types),
-                i.hash.0,
-                i.hash.1,
-                sort_text(i),
-                i.used_by
-            ));
-        }
-        let projection = g.projection().and_then(|p| p.projection_type()).map(|p| p.as_str()).unwrap_or("none");
-        if projection != i.projection {
-            out.push(format!("index `{}` projects {projection} but needs {}: {}", i.name, i.projection, i.used_by));
-        }
+    let projection = g.projection().and_then(|p| p.projection_type()).map(|p| p.as_str()).unwrap_or("none");
+    if projection != i.projection {
+        out.push(format!("index `{}` projects {projection} but needs {}: {}", i.name, i.projection, i.used_by));
     }
+    out
+}
+
+/// TTL: enabled (or being enabled) on `spec.ttl`.
+fn ttl_problem(spec: &TableSpec, ttl: Option<&TimeToLiveDescription>) -> Option<String> {
     match ttl {
         Some(d)
             if d.time_to_live_status() == Some(&TimeToLiveStatus::Enabled)
                 || d.time_to_live_status() == Some(&TimeToLiveStatus::Enabling) =>
         {
-            if d.attribute_name() != Some(spec.ttl) {
-                out.push(format!(
+            (d.attribute_name() != Some(spec.ttl)).then(|| {
+                format!(
                     "TTL is on attribute `{}` but must be on `{}`: released and expired items are never deleted",
                     d.attribute_name().unwrap_or("?"),
                     spec.ttl
-                ));
-            }
+                )
+            })
         }
-        _ => out.push(format!(
+        _ => Some(format!(
             "TTL is not enabled on `{}`: released and expired items are never deleted (the table only grows)",
             spec.ttl
         )),
     }
+}
+
+/// The stream: only the lease history (on AWS) is lost without both images, so a warning.
+fn stream_warning(spec: &TableSpec, t: &TableDescription) -> Option<String> {
     let stream = t.stream_specification();
     let view = stream.filter(|s| s.stream_enabled()).and_then(|s| s.stream_view_type()).map(|v| v.as_str());
-    let mut warnings = Vec::new();
-    if view != Some(spec.stream) {
-        warnings.push(format!(
+    (view != Some(spec.stream)).then(|| {
+        format!(
             "stream is {} instead of {}: the lease history on AWS (the history function) receives nothing",
             view.unwrap_or("off"),
             spec.stream
-        ));
-    }
-    Findings { problems: out, warnings }
+        )
+    })
 }
 
 fn type_in<'a>(types: &'a [(String, String)], n: &str) -> Option<&'a str> {

@@ -1,5 +1,5 @@
 //! The history function (functions/history): each DynamoDB Streams record of the lease table
-//! (NEW_AND_OLD_IMAGES) becomes the events [`super::events`] derives from its old and new
+//! (NEW_AND_OLD_IMAGES) becomes the events [`crate::history::events`] derives from its old and new
 //! images, written into the history table (`LEASEHOLD_HISTORY_TABLE`) with a TTL of
 //! `LEASEHOLD_HISTORY_RETENTION_S` (default 7 days). A failed write fails the invocation, so
 //! Lambda retries the batch; writes are idempotent (the same record writes the same items).
@@ -14,8 +14,8 @@ use aws_sdk_dynamodb::Client;
 use lambda_runtime::{service_fn, Diagnostic, LambdaEvent};
 use serde_json::{json, Value};
 
-use super::dynamo::{events_of_images, write};
 use crate::error::{Error, Result};
+use crate::history::dynamo::{events_of_images, write};
 
 /// A DynamoDB-JSON attribute value (`{"S": "x"}`, `{"N": "1"}`, `{"M": {...}}`, ...), as a
 /// stream record in a Lambda event carries it, as the SDK's type.
@@ -72,7 +72,7 @@ pub async fn run() -> std::result::Result<(), lambda_runtime::Error> {
         .ok_or("LEASEHOLD_HISTORY_TABLE is not set")?;
     let conf = crate::store::dynamo::load_sdk_config(Duration::from_secs(5)).await;
     let client = Arc::new(Client::new(&conf));
-    let retention = super::retention();
+    let retention = crate::history::retention();
     tracing::info!(function = "history", "ready");
     lambda_runtime::run(service_fn(move |ev: LambdaEvent<Event>| {
         let (client, table) = (client.clone(), table.clone());

@@ -1,0 +1,184 @@
+//! The conditions a write is made under, as data: what each means ([`Condition::holds`], the
+//! reference semantics the embedded store evaluates) and, in each variant's documentation, the
+//! DynamoDB expression the production store sends for it (`dynamo::render`).
+
+use crate::model::{LeaseId, Record};
+
+use super::Visit;
+
+/// Conditions a write is made under. Semantics are defined by [`Condition::holds`]; the
+/// DynamoDB text of each is in DESIGN.md, and a test renders each and compares.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Condition {
+    /// The key can be taken with fence `fence` by `lease_id`: no item, or an item whose expiry
+    /// is present and `<= now_ms`, whose last fence is below `fence`, whose last lease is not
+    /// `lease_id` (a lease_id is single-use: once its lease ended it is never granted again),
+    /// without queued waiters (a free key with waiters belongs to the head waiter), without a
+    /// grant still marked undelivered (its waiter is told before the key moves on), and which is
+    /// in no work state (a key in a state is taken with [`Condition::FreeIn`], which keeps its
+    /// state). DynamoDB: `attribute_not_exists(fence) OR (expires_at_ms <= :now AND fence <
+    /// :fence AND lease_id <> :lease_id AND (attribute_not_exists(queue_tail) OR queue_tail <=
+    /// queue_head) AND attribute_not_exists(state_shard) AND attribute_not_exists(pending_token))`
+    /// (every item has a fence)
+    Free { now_ms: u64, fence: u64, lease_id: LeaseId },
+    /// `lease_id` holds the key and this renewal is newer than the last one: same lease_id, not
+    /// released, no expiry or expiry `> now_ms`, and no renewal at or after `now_ms` (a delayed
+    /// duplicate of a heartbeat whose retry already landed is refused). With `expires_at_ms`
+    /// (a heartbeat naming its duration) the current expiry must not be later than the new one;
+    /// without (extend by the stored duration) the lease must have a stored duration. Either
+    /// way the expiry never moves backwards.
+    /// DynamoDB: `lease_id = :lease_id AND attribute_not_exists(released_at_ms) AND
+    /// (attribute_not_exists(expires_at_ms) OR expires_at_ms > :now) AND
+    /// (attribute_not_exists(renewed_at_ms) OR renewed_at_ms < :now) AND`
+    /// `(attribute_not_exists(expires_at_ms) OR expires_at_ms <= :expires_at)` |
+    /// `attribute_exists(duration_ms)`
+    Renew { lease_id: LeaseId, now_ms: u64, expires_at_ms: Option<u64> },
+    /// The item carries `lease_id` and has not been released (a release or force-release
+    /// already ended it). DynamoDB: `lease_id = :lease_id AND attribute_not_exists(released_at_ms)`
+    Unreleased { lease_id: LeaseId },
+    /// The item exists. DynamoDB: `attribute_exists(#key)`
+    Exists,
+    /// The item's last fence is `fence`: the same lease as when it was read (every grant and
+    /// force-release changes the fence). DynamoDB: `fence = :expected_fence`
+    FenceIs(u64),
+    /// The item is still the lease the keep-alive sweep read from its (eventually consistent)
+    /// index: same fence and same expiry (`None`: no expiry). A renewal the index has not seen
+    /// yet moved the expiry, so a live lease is never taken out of the sweep on a stale entry.
+    /// DynamoDB: `fence = :expected_fence AND expires_at_ms = :expected_expiry` |
+    /// `attribute_not_exists(expires_at_ms)`
+    FenceAndExpiry { fence: u64, expires_at_ms: Option<u64> },
+    /// A waiter may join the key's queue: the item exists and is held, or its queue is not
+    /// empty (a free key with waiters belongs to the head waiter), and the queue's last slot is
+    /// not already `lease_id`'s (a retried enqueue whose first try landed finds its slot in the
+    /// refused answer instead of taking a second one). DynamoDB:
+    /// `attribute_exists(fence) AND (attribute_not_exists(expires_at_ms) OR expires_at_ms > :now
+    /// OR queue_tail > queue_head) AND (attribute_not_exists(queue_tail_lease_id) OR
+    /// queue_tail_lease_id <> :lease_id OR queue_tail <= queue_head)`
+    Queueable { now_ms: u64, lease_id: LeaseId },
+    /// The key is free, still carries the lease read (`fence`), and its queue head is still
+    /// `head`: the head waiter may be granted it, or skipped. DynamoDB:
+    /// `fence = :expected_fence AND expires_at_ms <= :now AND queue_head = :queue_head`
+    HandOver { fence: u64, now_ms: u64, head: u64 },
+    /// The grant with `fence` is still marked undelivered. DynamoDB:
+    /// `fence = :expected_fence AND attribute_exists(pending_token)`
+    Undelivered { fence: u64 },
+    /// The item is not a lease (a waiter item, or nothing). DynamoDB:
+    /// `attribute_not_exists(fence) OR fence = :zero`
+    NotLease,
+    /// The release of `lease_id` may hand the key straight to an in-process waiter: the item is
+    /// still that lease as read (`fence`), unreleased, past its min_hold, without queued
+    /// waiters, and in no work state (the grant replaces the whole item). DynamoDB: `fence =
+    /// :expected_fence AND lease_id = :lease_id AND attribute_not_exists(released_at_ms) AND
+    /// min_hold_until_ms <= :now AND (attribute_not_exists(queue_tail) OR queue_tail <=
+    /// queue_head) AND attribute_not_exists(state_shard)`
+    HandTo { lease_id: LeaseId, fence: u64, now_ms: u64 },
+    /// [`Condition::Free`] for a key in a work state, and still in the same visit of that state
+    /// the coordinator read (same state, same entry time, same number of grants): a batch lease
+    /// copies the state into the new item, so it must be the item's current one. DynamoDB:
+    /// `expires_at_ms <= :now AND fence < :fence AND lease_id <> :lease_id AND
+    /// (attribute_not_exists(queue_tail) OR queue_tail <= queue_head) AND state_shard =
+    /// :state_shard AND state_since_ms = :state_since_ms AND attempts = :attempts AND
+    /// attribute_not_exists(pending_token)`
+    FreeIn { now_ms: u64, fence: u64, lease_id: LeaseId, visit: Visit },
+    /// A key may be put into `state`: no item, or a free item not already in `state`.
+    /// DynamoDB: `attribute_not_exists(fence) OR (expires_at_ms <= :now AND
+    /// (attribute_not_exists(state_shard) OR state_shard <> :state_shard))`
+    Enterable { now_ms: u64, state: String, shard: String },
+    /// `lease_id` holds the key right now: same lease_id, not released, no expiry or expiry
+    /// `> now_ms` (a state change is the live holder's alone). DynamoDB: `lease_id = :lease_id
+    /// AND attribute_not_exists(released_at_ms) AND (attribute_not_exists(expires_at_ms) OR
+    /// expires_at_ms > :now)`
+    Live { lease_id: LeaseId, now_ms: u64 },
+    /// [`Condition::Unreleased`] on a key without queued waiters: the release of a coordinator
+    /// that serves queues (with waiters, the release grants the head waiter in its own write,
+    /// [`Condition::ReleaseHandOver`]). DynamoDB: `lease_id = :lease_id AND
+    /// attribute_not_exists(released_at_ms) AND (attribute_not_exists(queue_tail) OR queue_tail
+    /// <= queue_head)`
+    Unqueued { lease_id: LeaseId },
+    /// The release of `lease_id` that grants the key to the head waiter in the same write: the
+    /// item is still that lease as read (`fence`), unreleased, past its min_hold, and its queue
+    /// head is still `head`. DynamoDB: `fence = :expected_fence AND lease_id =
+    /// :releasing_lease_id AND attribute_not_exists(released_at_ms) AND min_hold_until_ms <= :now
+    /// AND queue_head = :expected_head`
+    ReleaseHandOver { lease_id: LeaseId, fence: u64, now_ms: u64, head: u64 },
+    /// The key has no queued waiter and no undelivered grant: it may leave the queue index.
+    /// DynamoDB: `(attribute_not_exists(queue_tail) OR queue_tail <= queue_head) AND
+    /// attribute_not_exists(pending_token)`
+    QueueIdle,
+}
+
+impl Condition {
+    /// Reference semantics: does the condition hold for the current item (`None`: no item)?
+    pub fn holds(&self, item: Option<&Record>) -> bool {
+        match (self, item) {
+            (Condition::Free { .. }, None) => true,
+            (Condition::Free { now_ms, fence, lease_id }, Some(r)) => {
+                matches!(r.expires_at_ms, Some(e) if e <= *now_ms)
+                    && r.fence < *fence
+                    && &r.lease_id != lease_id
+                    && r.queue_len() == 0
+                    && r.state.is_none()
+                    && r.pending_token.is_none()
+            }
+            (Condition::Renew { lease_id, now_ms, expires_at_ms }, Some(r)) => {
+                r.is_live_for(lease_id, *now_ms)
+                    && r.renewed_at_ms.is_none_or(|t| t < *now_ms)
+                    && match expires_at_ms {
+                        Some(new) => r.expires_at_ms.is_none_or(|e| e <= *new),
+                        None => r.duration_ms.is_some(),
+                    }
+            }
+            (Condition::Unreleased { lease_id }, Some(r)) => &r.lease_id == lease_id && r.released_at_ms.is_none(),
+            (Condition::Exists, Some(_)) => true,
+            (Condition::FenceIs(f), Some(r)) => r.fence == *f,
+            (Condition::FenceAndExpiry { fence, expires_at_ms }, Some(r)) => {
+                r.fence == *fence && r.expires_at_ms == *expires_at_ms
+            }
+            (Condition::Queueable { now_ms, lease_id }, Some(r)) => {
+                (r.is_held(*now_ms) || r.queue_len() > 0)
+                    && (r.queue_tail_lease_id.as_ref() != Some(lease_id) || r.queue_len() == 0)
+            }
+            (Condition::HandOver { fence, now_ms, head }, Some(r)) => {
+                r.fence == *fence && matches!(r.expires_at_ms, Some(e) if e <= *now_ms) && r.queue_head == Some(*head)
+            }
+            (Condition::Undelivered { fence }, Some(r)) => r.fence == *fence && r.pending_token.is_some(),
+            (Condition::NotLease, None) => true,
+            (Condition::NotLease, Some(r)) => r.fence == 0,
+            (Condition::HandTo { lease_id, fence, now_ms }, Some(r)) => {
+                r.fence == *fence
+                    && &r.lease_id == lease_id
+                    && r.released_at_ms.is_none()
+                    && r.min_hold_until_ms <= *now_ms
+                    && r.queue_len() == 0
+                    && r.state.is_none()
+            }
+            (Condition::FreeIn { now_ms, fence, lease_id, visit }, Some(r)) => {
+                matches!(r.expires_at_ms, Some(e) if e <= *now_ms)
+                    && r.fence < *fence
+                    && &r.lease_id != lease_id
+                    && r.queue_len() == 0
+                    && r.state.as_deref() == Some(visit.state.as_str())
+                    && r.state_since_ms == Some(visit.since_ms)
+                    && r.attempts.unwrap_or(0) == visit.attempts
+                    && r.pending_token.is_none()
+            }
+            (Condition::Live { lease_id, now_ms }, Some(r)) => r.is_live_for(lease_id, *now_ms),
+            (Condition::Unqueued { lease_id }, Some(r)) => {
+                &r.lease_id == lease_id && r.released_at_ms.is_none() && r.queue_len() == 0
+            }
+            (Condition::ReleaseHandOver { lease_id, fence, now_ms, head }, Some(r)) => {
+                r.fence == *fence
+                    && &r.lease_id == lease_id
+                    && r.released_at_ms.is_none()
+                    && r.min_hold_until_ms <= *now_ms
+                    && r.queue_head == Some(*head)
+            }
+            (Condition::QueueIdle, Some(r)) => r.queue_len() == 0 && r.pending_token.is_none(),
+            (Condition::Enterable { .. }, None) => true,
+            (Condition::Enterable { now_ms, state, .. }, Some(r)) => {
+                matches!(r.expires_at_ms, Some(e) if e <= *now_ms) && r.state.as_deref() != Some(state.as_str())
+            }
+            (_, None) => false,
+        }
+    }
+}

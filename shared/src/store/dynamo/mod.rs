@@ -1,0 +1,407 @@
+//! The production store: one DynamoDB table, one request per conditional write.
+//!
+//! Conditions and mutations are translated into `ConditionExpression` / `UpdateExpression`
+//! (the exact texts are in DESIGN.md). Every write asks for
+//! `ReturnValuesOnConditionCheckFailure = ALL_OLD`, so a rejected write reports the current
+//! item without a second request, and `ReturnValues = ALL_NEW`, so a successful one reports
+//! the fence it issued.
+//!
+//! This module holds the requests; what they carry is built apart, without the SDK client:
+//! - `render`: conditions and mutations as expressions, each beside its reason (checked
+//!   against DESIGN.md word for word);
+//! - `item`: records as items and back (the item schema);
+//! - `scan`: the Scan and the index Queries behind [`Store::scan`] and [`Store::count`];
+//! - `date`: the interceptor that samples the `Date` of DynamoDB's answers for the clock check.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use aws_sdk_dynamodb::error::{ProvideErrorMetadata, SdkError};
+use aws_sdk_dynamodb::types::{ReturnValue, ReturnValuesOnConditionCheckFailure};
+use aws_sdk_dynamodb::Client;
+
+use super::table::{self, TableSpec, LEASE_TABLE};
+use super::{Condition, Mutation, Page, ScanKind, Store, Write};
+use crate::clock::ClockSamples;
+use crate::error::{Error, Result};
+use crate::model::Record;
+
+mod date;
+mod item;
+mod render;
+mod scan;
+
+pub(crate) use item::record_from_item;
+pub use render::expressions;
+
+use item::{key_map, lease_item, waiter_item, Item};
+use render::Expr;
+
+/// Attribute names of the lease table (see DESIGN.md, "Item schema").
+pub mod attr {
+    pub const KEY: &str = "key";
+    pub(crate) const FENCE: &str = "fence";
+    pub(crate) const HOLDER: &str = "holder";
+    pub(crate) const LEASE_ID: &str = "lease_id";
+    pub(crate) const ACQUIRED_AT: &str = "acquired_at_ms";
+    pub const EXPIRES_AT: &str = "expires_at_ms";
+    pub(crate) const DURATION: &str = "duration_ms";
+    pub(crate) const MIN_HOLD_UNTIL: &str = "min_hold_until_ms";
+    pub(crate) const RELEASED_AT: &str = "released_at_ms";
+    pub(crate) const METADATA: &str = "metadata";
+    pub const KA_SHARD: &str = "ka_shard";
+    pub const KA_UNTIL: &str = "ka_until_ms";
+    pub(crate) const KA_EXECUTION_ARN: &str = "ka_execution_arn";
+    pub const TTL: &str = "ttl";
+    pub(crate) const POLL: &str = "poll_ms";
+    pub(crate) const HANDED_IN: &str = "handed_in";
+    pub(crate) const RENEWED_AT: &str = "renewed_at_ms";
+    pub(crate) const QUEUE_HEAD: &str = "queue_head";
+    pub(crate) const QUEUE_TAIL: &str = "queue_tail";
+    pub(crate) const QUEUE_TAIL_AT: &str = "queue_tail_at_ms";
+    pub(crate) const PENDING_TOKEN: &str = "pending_token";
+    pub(crate) const WAITER: &str = "waiter";
+    pub(crate) const QUEUE_TAIL_LEASE_ID: &str = "queue_tail_lease_id";
+    pub(crate) const RELEASED_LEASE_ID: &str = "released_lease_id";
+    pub(crate) const RELEASED_FENCE: &str = "released_fence";
+    /// Present only on lease items with queued waiters or an undelivered grant: the sparse
+    /// `queue` index (one entry per such key).
+    pub const Q_SHARD: &str = "q_shard";
+    /// `STATE#n`: the work state and the index partition (present only on keys in a state).
+    pub const STATE_SHARD: &str = "state_shard";
+    pub(crate) const STATE_SINCE: &str = "state_since_ms";
+    pub(crate) const ATTEMPTS: &str = "attempts";
+
+    /// Every attribute above.
+    pub const ALL: &[&str] = &[
+        KEY,
+        FENCE,
+        HOLDER,
+        LEASE_ID,
+        ACQUIRED_AT,
+        EXPIRES_AT,
+        DURATION,
+        MIN_HOLD_UNTIL,
+        RELEASED_AT,
+        METADATA,
+        KA_SHARD,
+        KA_UNTIL,
+        KA_EXECUTION_ARN,
+        TTL,
+        POLL,
+        HANDED_IN,
+        RENEWED_AT,
+        QUEUE_HEAD,
+        QUEUE_TAIL,
+        QUEUE_TAIL_AT,
+        PENDING_TOKEN,
+        WAITER,
+        QUEUE_TAIL_LEASE_ID,
+        RELEASED_LEASE_ID,
+        RELEASED_FENCE,
+        Q_SHARD,
+        STATE_SHARD,
+        STATE_SINCE,
+        ATTEMPTS,
+    ];
+
+    /// The attributes that are DynamoDB reserved words, so an expression must name them through
+    /// an `ExpressionAttributeNames` alias. The others are written as they are: every alias is
+    /// work for the server on every request (DESIGN.md has the figure), and a test checks this
+    /// list against DynamoDB Local.
+    pub const RESERVED: &[&str] = &[KEY, TTL];
+}
+
+/// Name of the sparse keep-alive index (partition `ka_shard`, sort `ka_until_ms`).
+pub const KEEPALIVE_INDEX: &str = "keepalive";
+
+/// Name of the sparse work-state index (partition `state_shard`, sort `expires_at_ms`).
+pub const STATE_INDEX: &str = "state";
+
+/// Name of the sparse queue index (partition `q_shard`, keys only): one entry per key with
+/// queued waiters or an undelivered grant.
+pub const QUEUE_INDEX: &str = "queue";
+
+#[derive(Clone, Debug)]
+pub struct DynamoStore {
+    client: Client,
+    table: String,
+    clock: Arc<ClockSamples>,
+}
+
+/// The lease table as [`DynamoStore::create_table`] makes it on DynamoDB Local for tests and
+/// benchmarks: [`LEASE_TABLE`] without the stream (nothing reads it there).
+const LOCAL_TABLE: TableSpec = TableSpec { stream: "", ..LEASE_TABLE };
+
+/// [`LOCAL_TABLE`] without its indexes (DynamoDB Local's TTL sweeper skips tables that have a
+/// global secondary index).
+const LOCAL_TABLE_WITHOUT_INDEXES: TableSpec = TableSpec { indexes: &[], ..LOCAL_TABLE };
+
+/// How long [`DynamoStore::create_table`] waits for the table to become active.
+const CREATE_WAIT: Duration = Duration::from_secs(60);
+
+/// Builds an SDK config from the standard AWS environment (credentials chain, region,
+/// `AWS_ENDPOINT_URL_DYNAMODB` / `AWS_ENDPOINT_URL`), with rustls on ring, SDK retries off
+/// (the protocol retries itself, with the same lease_id, within the caller's deadline) and
+/// bounded timeouts so a stalled store cannot outlive a lease.
+pub async fn load_sdk_config(attempt_timeout: Duration) -> aws_config::SdkConfig {
+    use aws_smithy_http_client::tls;
+    let http = aws_smithy_http_client::Builder::new()
+        .tls_provider(tls::Provider::Rustls(tls::rustls_provider::CryptoMode::Ring))
+        .build_https();
+    aws_config::defaults(aws_config::BehaviorVersion::latest())
+        .http_client(http)
+        .retry_config(aws_config::retry::RetryConfig::disabled())
+        .timeout_config(
+            aws_config::timeout::TimeoutConfig::builder()
+                .connect_timeout(Duration::from_secs(2))
+                .operation_attempt_timeout(attempt_timeout)
+                .operation_timeout(attempt_timeout)
+                .build(),
+        )
+        .load()
+        .await
+}
+
+impl DynamoStore {
+    /// A store on `table` through `client` (to which it adds the `Date` sampler of the clock
+    /// check).
+    pub fn new(client: Client, table: impl Into<String>) -> Self {
+        let clock = Arc::new(ClockSamples::default());
+        let conf = client.config().to_builder().interceptor(date::DateSampler(clock.clone())).build();
+        DynamoStore { client: Client::from_conf(conf), table: table.into(), clock }
+    }
+
+    /// A store on `table` configured from the standard AWS environment.
+    pub async fn from_env(table: impl Into<String>, attempt_timeout: Duration) -> Self {
+        let conf = load_sdk_config(attempt_timeout).await;
+        DynamoStore::new(Client::new(&conf), table)
+    }
+
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+
+    /// Creates the lease table (on-demand, key schema, keep-alive, work-state and queue
+    /// indexes) and enables TTL: [`table::create`] without the stream.
+    /// For local use and tests: production tables come from template.yaml (or `leasehold table
+    /// create`). Idempotent.
+    pub async fn create_table(&self) -> Result<()> {
+        self.create_table_with(true).await
+    }
+
+    /// [`DynamoStore::create_table`], optionally without the indexes (DynamoDB Local's TTL
+    /// sweeper skips tables that have a global secondary index).
+    pub async fn create_table_with(&self, indexes: bool) -> Result<()> {
+        let spec = if indexes { &LOCAL_TABLE } else { &LOCAL_TABLE_WITHOUT_INDEXES };
+        table::create_as(&self.client, &self.table, spec, CREATE_WAIT).await.map(|_| ())
+    }
+}
+
+/// Classifies SDK failures into the protocol's error names.
+fn map_err<E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static, R: std::fmt::Debug>(
+    e: SdkError<E, R>,
+) -> Error {
+    match &e {
+        SdkError::ServiceError(se) => {
+            let code = se.err().code().unwrap_or("Unknown");
+            let msg = se.err().message().unwrap_or("");
+            match code {
+                "ProvisionedThroughputExceededException"
+                | "ThrottlingException"
+                | "RequestLimitExceeded"
+                | "LimitExceededException" => Error::Throttled(format!("{code}: {msg}")),
+                _ => Error::StoreUnavailable(format!("{code}: {msg}")),
+            }
+        }
+        SdkError::TimeoutError(_) => Error::StoreUnavailable("request to DynamoDB timed out".into()),
+        SdkError::DispatchFailure(d) if d.as_connector_error().is_some_and(|c| never_connected(c)) => Error::not_sent(
+            format!("could not connect to DynamoDB: {}", aws_smithy_types::error::display::DisplayErrorContext(&e)),
+        ),
+        SdkError::ConstructionFailure(_) => {
+            Error::not_sent(format!("DynamoDB: {}", aws_smithy_types::error::display::DisplayErrorContext(&e)))
+        }
+        SdkError::DispatchFailure(d) => Error::StoreUnavailable(format!(
+            "could not reach DynamoDB: {}",
+            aws_smithy_types::error::display::DisplayErrorContext(
+                d.as_connector_error().map(|c| c as &dyn std::error::Error).unwrap_or(&e)
+            )
+        )),
+        SdkError::ResponseError(_) => Error::StoreUnavailable("malformed or cut response from DynamoDB".into()),
+        _ => {
+            Error::StoreUnavailable(format!("DynamoDB: {}", aws_smithy_types::error::display::DisplayErrorContext(&e)))
+        }
+    }
+}
+
+/// Did the request fail before a connection was made (refused, unreachable, no such host)?
+/// Then it cannot have landed.
+fn never_connected(e: &(dyn std::error::Error + 'static)) -> bool {
+    use std::io::ErrorKind::{AddrNotAvailable, ConnectionRefused, HostUnreachable, NetworkUnreachable};
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            if matches!(io.kind(), ConnectionRefused | AddrNotAvailable | HostUnreachable | NetworkUnreachable) {
+                return true;
+            }
+        }
+        if err.to_string().contains("dns error") {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
+}
+
+/// A failed write: a failed condition is an answer (the item as it was, from
+/// `ReturnValuesOnConditionCheckFailure = ALL_OLD`; `ccf_item` picks it out of the operation's
+/// error), anything else an error.
+fn rejected_or_err<E, R>(e: SdkError<E, R>, ccf_item: fn(&E) -> Option<Option<&Item>>) -> Result<Write>
+where
+    E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
+    R: std::fmt::Debug,
+{
+    match e.as_service_error().and_then(ccf_item) {
+        Some(item) => Ok(Write::Rejected(item.map(record_from_item).transpose()?)),
+        None => Err(map_err(e)),
+    }
+}
+
+impl DynamoStore {
+    /// An acquire: one conditional PutItem of the whole lease. Nothing of the previous lease
+    /// survives by mistake, and DynamoDB Local spends less time on it than on the equivalent
+    /// SET/REMOVE update expression (DESIGN.md has the figures).
+    async fn put_item(&self, condition: &Condition, item: Item, written: Record) -> Result<Write> {
+        let mut x = Expr::default();
+        let cond = x.condition(condition);
+        let res = self
+            .client
+            .put_item()
+            .table_name(&self.table)
+            .set_item(Some(item))
+            .condition_expression(cond)
+            .set_expression_attribute_names(x.names())
+            .set_expression_attribute_values(x.values())
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+            .send()
+            .await;
+        match res {
+            // The item is exactly what was sent.
+            Ok(_) => Ok(Write::Applied(written)),
+            Err(e) => rejected_or_err(e, |e| match e {
+                aws_sdk_dynamodb::operation::put_item::PutItemError::ConditionalCheckFailedException(c) => {
+                    Some(c.item())
+                }
+                _ => None,
+            }),
+        }
+    }
+
+    /// Any other write: one conditional UpdateItem, answering the item as written.
+    async fn update_item(&self, key: &str, condition: &Condition, mutation: &Mutation) -> Result<Write> {
+        let mut x = Expr::default();
+        let cond = x.condition(condition);
+        x.mutation(key, mutation);
+        let res = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .set_key(Some(key_map(key)))
+            .update_expression(x.update_expression())
+            .condition_expression(cond)
+            .set_expression_attribute_names(x.names())
+            .set_expression_attribute_values(x.values())
+            .return_values(ReturnValue::AllNew)
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+            .send()
+            .await;
+        match res {
+            Ok(out) => {
+                let item = out
+                    .attributes()
+                    .ok_or_else(|| Error::StoreUnavailable("UpdateItem returned no attributes".into()))?;
+                Ok(Write::Applied(record_from_item(item)?))
+            }
+            Err(e) => rejected_or_err(e, |e| match e {
+                aws_sdk_dynamodb::operation::update_item::UpdateItemError::ConditionalCheckFailedException(c) => {
+                    Some(c.item())
+                }
+                _ => None,
+            }),
+        }
+    }
+}
+
+#[async_trait]
+impl Store for DynamoStore {
+    async fn delete(&self, key: &str, condition: &Condition) -> Result<Write> {
+        let mut x = Expr::default();
+        let cond = x.condition(condition);
+        let res = self
+            .client
+            .delete_item()
+            .table_name(&self.table)
+            .set_key(Some(key_map(key)))
+            .condition_expression(cond)
+            .set_expression_attribute_names(x.names())
+            .set_expression_attribute_values(x.values())
+            .return_values(ReturnValue::AllOld)
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+            .send()
+            .await;
+        match res {
+            Ok(out) => match out.attributes() {
+                Some(item) => Ok(Write::Applied(record_from_item(item)?)),
+                None => Err(Error::StoreUnavailable("DeleteItem returned no attributes".into())),
+            },
+            Err(e) => rejected_or_err(e, |e| match e {
+                aws_sdk_dynamodb::operation::delete_item::DeleteItemError::ConditionalCheckFailedException(c) => {
+                    Some(c.item())
+                }
+                _ => None,
+            }),
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        "dynamodb"
+    }
+
+    fn clock(&self) -> Option<&ClockSamples> {
+        Some(&self.clock)
+    }
+
+    async fn get(&self, key: &str) -> Result<Option<Record>> {
+        let out = self
+            .client
+            .get_item()
+            .table_name(&self.table)
+            .set_key(Some(key_map(key)))
+            .consistent_read(true)
+            .send()
+            .await
+            .map_err(map_err)?;
+        out.item().map(record_from_item).transpose()
+    }
+
+    async fn update(&self, key: &str, condition: &Condition, mutation: &Mutation) -> Result<Write> {
+        match mutation {
+            Mutation::Acquire(n) => self.put_item(condition, lease_item(key, n), n.record(key)).await,
+            Mutation::PutWaiter(r) => self.put_item(condition, waiter_item(r)?, (**r).clone()).await,
+            _ => self.update_item(key, condition, mutation).await,
+        }
+    }
+
+    async fn scan(&self, kind: &ScanKind, start: Option<&str>, limit: u32) -> Result<Page> {
+        self.scan_page(kind, start, limit).await
+    }
+
+    async fn count(&self, kind: &ScanKind) -> Result<u64> {
+        self.count_items(kind).await
+    }
+}

@@ -1,0 +1,644 @@
+//! The protocol's writes as DynamoDB expressions: [`Condition`] into a `ConditionExpression`,
+//! [`Mutation`] into an `UpdateExpression`, with their attribute names and values. Pure text,
+//! no request: this file can be read against DESIGN.md without the SDK calls around it, and a
+//! test checks that DESIGN.md prints every expression rendered here, word for word.
+//!
+//! Each condition is written below exactly as DESIGN.md prints it, beside the reason it
+//! guards. Where a lease's writes come from (DESIGN.md sections):
+//! 1. acquire (PutItem of the whole lease, `item::lease_item`): [`Condition::Free`];
+//! 2. heartbeat: [`Condition::Renew`] + [`Mutation::Extend`];
+//! 3. release: [`Condition::Unreleased`] + [`Mutation::Release`]; with a waiter queue,
+//!    [`Condition::Unqueued`], or [`Condition::ReleaseHandOver`] + [`Mutation::Grant`];
+//! 4. force-release: [`Condition::Exists`] + [`Mutation::ForceRelease`];
+//! 5. keep-alive sweep: [`Condition::FenceAndExpiry`] / [`Condition::FenceIs`] +
+//!    [`Mutation::ClearKeepalive`];
+//! 6. the waiter queue: [`Condition::Queueable`] + [`Mutation::Enqueue`], [`Condition::NotLease`]
+//!    (waiter items), [`Condition::HandOver`] + [`Mutation::Grant`] / [`Mutation::Skip`],
+//!    [`Condition::Undelivered`] + [`Mutation::Delivered`] / [`Mutation::Revoke`],
+//!    [`Condition::FenceIs`] + [`Mutation::MarkUndelivered`], [`Condition::QueueIdle`] +
+//!    [`Mutation::Unindex`];
+//! 7. in-process waiters: [`Condition::HandTo`], [`Condition::FenceIs`] + [`Mutation::WaitsIn`];
+//! 8. work states: [`Condition::Enterable`] + [`Mutation::Enter`], [`Condition::FreeIn`]
+//!    (PutItem), [`Condition::Live`] + [`Mutation::ReleaseTo`], [`Condition::FenceIs`] +
+//!    [`Mutation::ClearTtl`].
+
+use std::collections::HashMap;
+
+use aws_sdk_dynamodb::types::AttributeValue;
+
+use super::attr;
+use super::item::{num, str_};
+use crate::store::{keepalive_shard, Condition, Mutation, NewLease, KEEPALIVE_SHARDS, NO_LEASE};
+
+/// A condition as DESIGN.md prints it: attribute names as they are (the reserved words through
+/// `#name` aliases, see `attr::RESERVED`), and `:name` placeholders with their values.
+struct Guard {
+    text: &'static str,
+    values: Vec<(&'static str, AttributeValue)>,
+}
+
+fn guard(text: &'static str, values: impl IntoIterator<Item = (&'static str, AttributeValue)>) -> Guard {
+    Guard { text, values: values.into_iter().collect() }
+}
+
+fn id(lease_id: &crate::model::LeaseId) -> AttributeValue {
+    str_(lease_id.expose())
+}
+
+/// The condition's expression, by the part of the protocol it belongs to.
+fn condition_guard(c: &Condition) -> Guard {
+    use Condition::*;
+    match c {
+        Free { .. } | Renew { .. } | Unreleased { .. } | Exists | Live { .. } => lease_guard(c),
+        FenceIs(_) | FenceAndExpiry { .. } | NotLease => read_guard(c),
+        Queueable { .. }
+        | HandOver { .. }
+        | Undelivered { .. }
+        | Unqueued { .. }
+        | ReleaseHandOver { .. }
+        | QueueIdle
+        | HandTo { .. } => queue_guard(c),
+        FreeIn { .. } | Enterable { .. } => state_guard(c),
+    }
+}
+
+/// The conditions of one lease's life: acquire, heartbeat, release, force-release.
+fn lease_guard(c: &Condition) -> Guard {
+    match c {
+        // No item (every item has a fence), or one that expired, with a lower fence and another
+        // lease_id, no queued waiter, no work state and no undelivered grant.
+        Condition::Free { now_ms, fence, lease_id } => guard(
+            "attribute_not_exists(fence) OR (expires_at_ms <= :now AND fence < :fence AND lease_id <> :lease_id \
+             AND (attribute_not_exists(queue_tail) OR queue_tail <= queue_head) AND attribute_not_exists(state_shard) \
+             AND attribute_not_exists(pending_token))",
+            [("now", num(*now_ms)), ("fence", num(*fence)), ("lease_id", id(lease_id))],
+        ),
+        // This lease, live, and this renewal newer than the last one; the expiry never moves
+        // backwards (a given expiry), or the lease has a stored duration to extend by.
+        Condition::Renew { lease_id, now_ms, expires_at_ms: Some(x) } => guard(
+            "lease_id = :lease_id AND attribute_not_exists(released_at_ms) AND (attribute_not_exists(expires_at_ms) \
+             OR expires_at_ms > :now) AND (attribute_not_exists(renewed_at_ms) OR renewed_at_ms < :now) \
+             AND (attribute_not_exists(expires_at_ms) OR expires_at_ms <= :expires_at)",
+            [("lease_id", id(lease_id)), ("now", num(*now_ms)), ("expires_at", num(*x))],
+        ),
+        Condition::Renew { lease_id, now_ms, expires_at_ms: None } => guard(
+            "lease_id = :lease_id AND attribute_not_exists(released_at_ms) AND (attribute_not_exists(expires_at_ms) \
+             OR expires_at_ms > :now) AND (attribute_not_exists(renewed_at_ms) OR renewed_at_ms < :now) \
+             AND attribute_exists(duration_ms)",
+            [("lease_id", id(lease_id)), ("now", num(*now_ms))],
+        ),
+        // A release or force-release already ended it otherwise.
+        Condition::Unreleased { lease_id } => {
+            guard("lease_id = :lease_id AND attribute_not_exists(released_at_ms)", [("lease_id", id(lease_id))])
+        }
+        // An operator's force-release: any item.
+        Condition::Exists => guard("attribute_exists(#key)", []),
+        // A state change is the live holder's alone.
+        Condition::Live { lease_id, now_ms } => guard(
+            "lease_id = :lease_id AND attribute_not_exists(released_at_ms) AND (attribute_not_exists(expires_at_ms) \
+             OR expires_at_ms > :now)",
+            [("lease_id", id(lease_id)), ("now", num(*now_ms))],
+        ),
+        _ => unreachable!("not a lease condition: {c:?}"),
+    }
+}
+
+/// The conditions that the item is still what a sweep read.
+fn read_guard(c: &Condition) -> Guard {
+    match c {
+        // The same lease as read: every grant and force-release changes the fence.
+        Condition::FenceIs(f) => guard("fence = :expected_fence", [("expected_fence", num(*f))]),
+        // The lease the keep-alive index showed, not renewed since (a renewal moves the expiry).
+        Condition::FenceAndExpiry { fence, expires_at_ms: Some(e) } => guard(
+            "fence = :expected_fence AND expires_at_ms = :expected_expiry",
+            [("expected_fence", num(*fence)), ("expected_expiry", num(*e))],
+        ),
+        Condition::FenceAndExpiry { fence, expires_at_ms: None } => {
+            guard("fence = :expected_fence AND attribute_not_exists(expires_at_ms)", [("expected_fence", num(*fence))])
+        }
+        // A waiter item, or nothing: never a lease.
+        Condition::NotLease => guard("attribute_not_exists(fence) OR fence = :zero", [("zero", num(0))]),
+        _ => unreachable!("not a read condition: {c:?}"),
+    }
+}
+
+/// The conditions of the waiter queue and of in-process hand-overs.
+fn queue_guard(c: &Condition) -> Guard {
+    match c {
+        // Held, or with waiters ahead; and this lease_id's slot not already taken (a retried
+        // enqueue finds its slot in the refused answer).
+        Condition::Queueable { now_ms, lease_id } => guard(
+            "attribute_exists(fence) AND (attribute_not_exists(expires_at_ms) OR expires_at_ms > :now \
+             OR queue_tail > queue_head) AND (attribute_not_exists(queue_tail_lease_id) \
+             OR queue_tail_lease_id <> :lease_id OR queue_tail <= queue_head)",
+            [("now", num(*now_ms)), ("lease_id", id(lease_id))],
+        ),
+        // Free, the lease read, and the head still `head`: grant the head waiter, or skip it.
+        Condition::HandOver { fence, now_ms, head } => guard(
+            "fence = :expected_fence AND expires_at_ms <= :now AND queue_head = :expected_head",
+            [("expected_fence", num(*fence)), ("now", num(*now_ms)), ("expected_head", num(*head))],
+        ),
+        // The grant is still marked undelivered.
+        Condition::Undelivered { fence } => {
+            guard("fence = :expected_fence AND attribute_exists(pending_token)", [("expected_fence", num(*fence))])
+        }
+        // A release without queued waiters (with waiters, `ReleaseHandOver` grants the head).
+        Condition::Unqueued { lease_id } => guard(
+            "lease_id = :lease_id AND attribute_not_exists(released_at_ms) \
+             AND (attribute_not_exists(queue_tail) OR queue_tail <= queue_head)",
+            [("lease_id", id(lease_id))],
+        ),
+        // A release that grants the head waiter in its own write: the lease read, unreleased,
+        // past its min_hold, the head unchanged. (The grant sets `lease_id` to the waiter's
+        // `:lease_id`, so the releasing one has its own placeholder.)
+        Condition::ReleaseHandOver { lease_id, fence, now_ms, head } => guard(
+            "fence = :expected_fence AND lease_id = :releasing_lease_id AND attribute_not_exists(released_at_ms) \
+             AND min_hold_until_ms <= :now AND queue_head = :expected_head",
+            [
+                ("expected_fence", num(*fence)),
+                ("releasing_lease_id", id(lease_id)),
+                ("now", num(*now_ms)),
+                ("expected_head", num(*head)),
+            ],
+        ),
+        // No queued waiter and no undelivered grant: the key may leave the queue index.
+        Condition::QueueIdle => guard(
+            "(attribute_not_exists(queue_tail) OR queue_tail <= queue_head) AND attribute_not_exists(pending_token)",
+            [],
+        ),
+        // A release straight to an in-process waiter: the lease read, unreleased, past its
+        // min_hold, no queued waiters, no work state (the grant replaces the whole item).
+        Condition::HandTo { lease_id, fence, now_ms } => guard(
+            "fence = :expected_fence AND lease_id = :lease_id AND attribute_not_exists(released_at_ms) \
+             AND min_hold_until_ms <= :now AND (attribute_not_exists(queue_tail) OR queue_tail <= queue_head) \
+             AND attribute_not_exists(state_shard)",
+            [("expected_fence", num(*fence)), ("lease_id", id(lease_id)), ("now", num(*now_ms))],
+        ),
+        _ => unreachable!("not a queue condition: {c:?}"),
+    }
+}
+
+/// The conditions of work states.
+fn state_guard(c: &Condition) -> Guard {
+    match c {
+        // `Free` for a key in a work state, still in the visit read (the put copies it over).
+        Condition::FreeIn { now_ms, fence, lease_id, visit } => guard(
+            "expires_at_ms <= :now AND fence < :fence AND lease_id <> :lease_id AND (attribute_not_exists(queue_tail) \
+             OR queue_tail <= queue_head) AND state_shard = :state_shard AND state_since_ms = :state_since_ms \
+             AND attempts = :attempts AND attribute_not_exists(pending_token)",
+            [
+                ("now", num(*now_ms)),
+                ("fence", num(*fence)),
+                ("lease_id", id(lease_id)),
+                ("state_shard", str_(&visit.shard)),
+                ("state_since_ms", num(visit.since_ms)),
+                ("attempts", num(visit.attempts as u64)),
+            ],
+        ),
+        // No item, or a free one not already in this state.
+        Condition::Enterable { now_ms, shard, .. } => guard(
+            "attribute_not_exists(fence) OR (expires_at_ms <= :now AND (attribute_not_exists(state_shard) \
+             OR state_shard <> :state_shard))",
+            [("now", num(*now_ms)), ("state_shard", str_(shard))],
+        ),
+        _ => unreachable!("not a work-state condition: {c:?}"),
+    }
+}
+
+/// The `#name` aliases an expression's text uses, and its `:name` placeholders.
+fn tokens(text: &str, sigil: char) -> impl Iterator<Item = &str> {
+    text.match_indices(sigil).map(move |(i, _)| {
+        let rest = &text[i + 1..];
+        &rest[..rest.find(|ch: char| !(ch.is_ascii_alphanumeric() || ch == '_')).unwrap_or(rest.len())]
+    })
+}
+
+/// An expression under construction: attribute names as they are, except the reserved words
+/// (`attr::RESERVED`), which go through `#name` aliases; `:value` placeholders for every value.
+#[derive(Default)]
+pub(super) struct Expr {
+    set: Vec<String>,
+    remove: Vec<String>,
+    names: HashMap<String, String>,
+    values: HashMap<String, AttributeValue>,
+}
+
+impl Expr {
+    /// The `ConditionExpression` of `c`, its aliases and values bound.
+    pub(super) fn condition(&mut self, c: &Condition) -> String {
+        let g = condition_guard(c);
+        for a in tokens(g.text, '#') {
+            self.names.insert(format!("#{a}"), a.to_string());
+        }
+        for (name, value) in g.values {
+            self.v(name, value);
+        }
+        debug_assert!(tokens(g.text, ':').all(|p| self.values.contains_key(&format!(":{p}"))), "{}", g.text);
+        g.text.to_string()
+    }
+
+    /// The alias map, or none when no reserved word was used (an empty map is invalid).
+    pub(super) fn names(&mut self) -> Option<HashMap<String, String>> {
+        Some(std::mem::take(&mut self.names)).filter(|n| !n.is_empty())
+    }
+
+    /// The value map, or none when the expressions use no value (an empty map is invalid).
+    pub(super) fn values(&mut self) -> Option<HashMap<String, AttributeValue>> {
+        Some(std::mem::take(&mut self.values)).filter(|v| !v.is_empty())
+    }
+
+    /// `SET ...` and `REMOVE ...` of the mutations rendered.
+    pub(super) fn update_expression(&self) -> String {
+        let mut parts = Vec::new();
+        if !self.set.is_empty() {
+            parts.push(format!("SET {}", self.set.join(", ")));
+        }
+        if !self.remove.is_empty() {
+            parts.push(format!("REMOVE {}", self.remove.join(", ")));
+        }
+        parts.join(" ")
+    }
+
+    fn n(&mut self, attribute: &str) -> String {
+        if !attr::RESERVED.contains(&attribute) {
+            return attribute.to_string();
+        }
+        let p = format!("#{attribute}");
+        self.names.insert(p.clone(), attribute.to_string());
+        p
+    }
+
+    fn v(&mut self, name: &str, value: AttributeValue) -> String {
+        let p = format!(":{name}");
+        // One placeholder, one value: a condition and an update naming the same placeholder for
+        // two values would silently check the wrong one.
+        if let Some(old) = self.values.insert(p.clone(), value.clone()) {
+            assert_eq!(old, value, "placeholder {p} bound to two values");
+        }
+        p
+    }
+
+    fn set(&mut self, attribute: &str, rhs: String) {
+        let a = self.n(attribute);
+        self.set.push(format!("{a} = {rhs}"));
+    }
+
+    /// `attribute = :attribute`.
+    fn set_value(&mut self, attribute: &str, value: AttributeValue) {
+        let v = self.v(attribute, value);
+        self.set(attribute, v);
+    }
+
+    fn set_or_remove(&mut self, attribute: &str, value: Option<AttributeValue>) {
+        match value {
+            Some(v) => self.set_value(attribute, v),
+            None => self.remove(attribute),
+        }
+    }
+
+    fn remove(&mut self, attribute: &str) {
+        let a = self.n(attribute);
+        self.remove.push(a);
+    }
+
+    fn remove_keepalive(&mut self) {
+        for a in [attr::KA_SHARD, attr::KA_UNTIL, attr::KA_EXECUTION_ARN] {
+            self.remove(a);
+        }
+    }
+
+    /// The `UpdateExpression` of `m` on `key`, by the part of the protocol it belongs to. An
+    /// acquire and a waiter item are whole items (PutItem, `item::lease_item` / `waiter_item`).
+    pub(super) fn mutation(&mut self, key: &str, m: &Mutation) {
+        use Mutation::*;
+        match m {
+            Acquire(_) | PutWaiter(_) => unreachable!("a whole item is a PutItem"),
+            Extend { .. } | Release { .. } | ForceRelease { .. } | ClearKeepalive | Revoke { .. } => {
+                self.lease_update(m)
+            }
+            Enqueue { .. } | Delivered | MarkUndelivered { .. } | Unindex | Skip { .. } | WaitsIn { .. } => {
+                self.queue_update(m)
+            }
+            Grant { lease, seq, token } => self.grant(key, lease, *seq, token),
+            Enter { .. } | ReleaseTo { .. } | ClearTtl => self.state_update(m),
+        }
+    }
+
+    /// The updates of one lease's life: heartbeat, release, force-release, keep-alive end, and
+    /// the revocation of an undelivered grant.
+    fn lease_update(&mut self, m: &Mutation) {
+        match m {
+            // `SET expires_at_ms = :expires_at_ms, duration_ms = :duration_ms, ...` with a
+            // duration; by the stored one `SET expires_at_ms = duration_ms + :now_ext, ...`.
+            Mutation::Extend { now_ms, duration_ms, ttl } => {
+                match duration_ms {
+                    Some(d) => {
+                        self.set_value(attr::EXPIRES_AT, num(now_ms + d));
+                        self.set_value(attr::DURATION, num(*d));
+                    }
+                    None => {
+                        let d = self.n(attr::DURATION);
+                        let now = self.v("now_ext", num(*now_ms));
+                        self.set(attr::EXPIRES_AT, format!("{d} + {now}"));
+                    }
+                }
+                self.set_value(attr::RENEWED_AT, num(*now_ms));
+                self.set_or_remove(attr::TTL, ttl.map(num));
+            }
+            // Free at min_hold_until; fence, holder and lease_id stay.
+            Mutation::Release { now_ms, ttl } => {
+                let mh = self.n(attr::MIN_HOLD_UNTIL);
+                self.set(attr::EXPIRES_AT, mh);
+                self.set_value(attr::RELEASED_AT, num(*now_ms));
+                self.set_value(attr::TTL, num(*ttl));
+                self.remove_keepalive();
+            }
+            // Free at once, with a fence the evicted holder's writes are refused against.
+            Mutation::ForceRelease { now_ms, ttl } => {
+                let f = self.n(attr::FENCE);
+                let one = self.v("one", num(1));
+                self.set(attr::FENCE, format!("{f} + {one}"));
+                self.set_value(attr::EXPIRES_AT, num(0));
+                self.set_value(attr::RELEASED_AT, num(*now_ms));
+                self.set_value(attr::TTL, num(*ttl));
+                self.remove_keepalive();
+            }
+            Mutation::ClearKeepalive => self.remove_keepalive(),
+            // The grant's waiter is gone: free at once, the undelivered mark gone.
+            Mutation::Revoke { now_ms, ttl } => {
+                self.set_value(attr::EXPIRES_AT, num(0));
+                self.set_value(attr::RELEASED_AT, num(*now_ms));
+                self.set_or_remove(attr::TTL, ttl.map(num));
+                self.remove(attr::PENDING_TOKEN);
+                self.remove_keepalive();
+            }
+            _ => unreachable!("not a lease update: {m:?}"),
+        }
+    }
+
+    /// The updates of the waiter queue and of in-process hand-overs (the grant aside).
+    fn queue_update(&mut self, m: &Mutation) {
+        match m {
+            // A new queue starts both counters at `:queue_start`; the new tail is the waiter's
+            // sequence number, and the key enters the queue index.
+            Mutation::Enqueue { now_ms, start, lease_id, shard } => {
+                let (qh, qt) = (self.n(attr::QUEUE_HEAD), self.n(attr::QUEUE_TAIL));
+                let st = self.v("queue_start", num(*start));
+                let one = self.v("one", num(1));
+                self.set(attr::QUEUE_HEAD, format!("if_not_exists({qh}, {st})"));
+                self.set(attr::QUEUE_TAIL, format!("if_not_exists({qt}, {st}) + {one}"));
+                self.set_value(attr::QUEUE_TAIL_AT, num(*now_ms));
+                // The condition's `:lease_id` is the same value.
+                let lid = self.v("lease_id", id(lease_id));
+                self.set(attr::QUEUE_TAIL_LEASE_ID, lid);
+                self.set_value(attr::Q_SHARD, num(*shard as u64));
+            }
+            Mutation::Delivered => self.remove(attr::PENDING_TOKEN),
+            Mutation::MarkUndelivered { token, shard } => {
+                self.set_value(attr::PENDING_TOKEN, str_(token));
+                self.set_value(attr::Q_SHARD, num(*shard as u64));
+            }
+            Mutation::Unindex => self.remove(attr::Q_SHARD),
+            Mutation::Skip { seq } => self.set_value(attr::QUEUE_HEAD, num(*seq)),
+            Mutation::WaitsIn { coordinator } => self.set_value(attr::HANDED_IN, str_(coordinator)),
+            _ => unreachable!("not a queue update: {m:?}"),
+        }
+    }
+
+    /// The head waiter's grant: the new lease over the old one (an UpdateItem, so the queue
+    /// counters and a work state stay), its head moved to `seq`, marked undelivered.
+    fn grant(&mut self, key: &str, n: &NewLease, seq: u64, token: &str) {
+        self.set_value(attr::FENCE, num(n.fence));
+        self.set_value(attr::HOLDER, str_(&n.holder));
+        self.set_value(attr::LEASE_ID, id(&n.lease_id));
+        self.set_value(attr::ACQUIRED_AT, num(n.now_ms));
+        self.set_value(attr::RENEWED_AT, num(n.now_ms));
+        self.set_value(attr::MIN_HOLD_UNTIL, num(n.now_ms.saturating_add(n.min_hold_ms)));
+        self.set_or_remove(attr::EXPIRES_AT, n.duration_ms.map(|d| num(n.now_ms.saturating_add(d))));
+        self.set_or_remove(attr::DURATION, n.duration_ms.map(num));
+        self.set_or_remove(attr::TTL, n.ttl.map(num));
+        self.set_value(attr::QUEUE_HEAD, num(seq));
+        self.set_value(attr::PENDING_TOKEN, str_(token));
+        let metadata = n.metadata.as_ref().map(|m| AttributeValue::S(serde_json::Value::Object(m.clone()).to_string()));
+        self.set_or_remove(attr::METADATA, metadata);
+        match &n.keepalive {
+            Some(k) => {
+                self.set_value(attr::KA_SHARD, num(keepalive_shard(key, KEEPALIVE_SHARDS) as u64));
+                self.set_value(attr::KA_UNTIL, num(k.until_ms));
+                self.set_or_remove(attr::KA_EXECUTION_ARN, k.execution_arn.as_deref().map(str_));
+            }
+            None => self.remove_keepalive(),
+        }
+        self.set_or_remove(attr::RELEASED_LEASE_ID, n.released.as_ref().map(|r| id(&r.0)));
+        self.set_or_remove(attr::RELEASED_FENCE, n.released.as_ref().map(|r| num(r.1)));
+        self.remove(attr::RELEASED_AT);
+        self.remove(attr::POLL);
+    }
+
+    /// The updates of work states.
+    fn state_update(&mut self, m: &Mutation) {
+        match m {
+            Mutation::Enter { now_ms, holder, shard, .. } => self.enter(*now_ms, holder, shard),
+            // A release that moves the key into a state, kept until taken (no TTL).
+            Mutation::ReleaseTo { now_ms, shard, .. } => {
+                let mh = self.n(attr::MIN_HOLD_UNTIL);
+                self.set(attr::EXPIRES_AT, mh);
+                let now = self.v("released_at_ms", num(*now_ms));
+                self.set(attr::RELEASED_AT, now.clone());
+                self.set_value(attr::STATE_SHARD, str_(shard));
+                self.set(attr::STATE_SINCE, now);
+                self.set_value(attr::ATTEMPTS, num(0));
+                self.remove_keepalive();
+                self.remove(attr::TTL);
+            }
+            Mutation::ClearTtl => self.remove(attr::TTL),
+            _ => unreachable!("not a work-state update: {m:?}"),
+        }
+    }
+
+    /// A key put into a state without a lease: a new item gets fence 0, `holder` and no
+    /// lease_id a caller can send; free from now, entered now, no grants yet, no TTL.
+    fn enter(&mut self, now_ms: u64, holder: &str, shard: &str) {
+        let now = self.v("now", num(now_ms));
+        for (a, v) in [
+            (attr::FENCE, self.v("zero", num(0))),
+            (attr::HOLDER, self.v("holder", str_(holder))),
+            (attr::LEASE_ID, self.v("no_lease", str_(NO_LEASE))),
+            (attr::ACQUIRED_AT, now.clone()),
+            (attr::MIN_HOLD_UNTIL, now.clone()),
+        ] {
+            let n = self.n(a);
+            self.set(a, format!("if_not_exists({n}, {v})"));
+        }
+        self.set(attr::EXPIRES_AT, now.clone());
+        self.set_value(attr::STATE_SHARD, str_(shard));
+        self.set(attr::STATE_SINCE, now);
+        let zero = self.v("zero", num(0));
+        self.set(attr::ATTEMPTS, zero);
+        self.remove(attr::TTL);
+    }
+}
+
+/// The expressions a write is sent with: `ConditionExpression`, and `UpdateExpression` (empty
+/// for an acquire, which is a `PutItem` of the whole item). DESIGN.md prints each, and a test
+/// compares them, so the specification cannot drift from what is sent.
+pub fn expressions(condition: &Condition, mutation: &Mutation) -> (String, String) {
+    let mut x = Expr::default();
+    let cond = x.condition(condition);
+    if !matches!(mutation, Mutation::Acquire(_) | Mutation::PutWaiter(_)) {
+        x.mutation("", mutation);
+    }
+    (cond, x.update_expression())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::LeaseId;
+    use crate::store::{NewLease, Visit};
+
+    /// DESIGN.md is the specification: every expression the store sends is printed there, word
+    /// for word (`ConditionExpression: ` / `UpdateExpression: ` followed by it in backticks).
+    #[test]
+    fn design_prints_every_expression_sent() {
+        let design = include_str!("../../../../DESIGN.md");
+        let id = LeaseId::generate();
+        let (now, ttl) = (1, Some(2));
+        let writes = [
+            (Condition::Free { now_ms: now, fence: 3, lease_id: id.clone() }, None),
+            (
+                Condition::Renew { lease_id: id.clone(), now_ms: now, expires_at_ms: Some(4) },
+                Some(Mutation::Extend { now_ms: now, duration_ms: Some(3), ttl }),
+            ),
+            (
+                Condition::Renew { lease_id: id.clone(), now_ms: now, expires_at_ms: None },
+                Some(Mutation::Extend { now_ms: now, duration_ms: None, ttl }),
+            ),
+            (Condition::Unreleased { lease_id: id.clone() }, Some(Mutation::Release { now_ms: now, ttl: 2 })),
+            (Condition::Exists, Some(Mutation::ForceRelease { now_ms: now, ttl: 2 })),
+            (Condition::FenceIs(3), Some(Mutation::ClearKeepalive)),
+            (Condition::FenceAndExpiry { fence: 3, expires_at_ms: Some(4) }, Some(Mutation::ClearKeepalive)),
+            (Condition::FenceAndExpiry { fence: 3, expires_at_ms: None }, Some(Mutation::ClearKeepalive)),
+            (
+                Condition::Queueable { now_ms: now, lease_id: id.clone() },
+                Some(Mutation::Enqueue { now_ms: now, start: 5, lease_id: id.clone(), shard: 1003 }),
+            ),
+            (
+                Condition::HandOver { fence: 3, now_ms: now, head: 5 },
+                Some(Mutation::Grant {
+                    lease: NewLease {
+                        holder: "h".into(),
+                        lease_id: id.clone(),
+                        now_ms: now,
+                        duration_ms: Some(3),
+                        min_hold_ms: 0,
+                        metadata: None,
+                        keepalive: None,
+                        ttl,
+                        fence: 4,
+                        poll_ms: None,
+                        visit: None,
+                        handed_in: None,
+                        released: Some((id.clone(), 2)),
+                    },
+                    seq: 6,
+                    token: "t".into(),
+                }),
+            ),
+            (Condition::HandOver { fence: 3, now_ms: now, head: 5 }, Some(Mutation::Skip { seq: 6 })),
+            (Condition::Undelivered { fence: 3 }, Some(Mutation::Delivered)),
+            (Condition::Undelivered { fence: 3 }, Some(Mutation::Revoke { now_ms: now, ttl: Some(2) })),
+            (Condition::Undelivered { fence: 3 }, Some(Mutation::Revoke { now_ms: now, ttl: None })),
+            (Condition::FenceIs(3), Some(Mutation::MarkUndelivered { token: "t".into(), shard: 1003 })),
+            (Condition::QueueIdle, Some(Mutation::Unindex)),
+            (Condition::NotLease, None),
+            (Condition::HandTo { lease_id: id.clone(), fence: 3, now_ms: now }, None),
+            (
+                Condition::FreeIn {
+                    now_ms: now,
+                    fence: 3,
+                    lease_id: id.clone(),
+                    visit: Visit { state: "S".into(), shard: "S#0".into(), since_ms: 1, attempts: 0 },
+                },
+                None,
+            ),
+            (
+                Condition::Enterable { now_ms: now, state: "S".into(), shard: "S#0".into() },
+                Some(Mutation::Enter { now_ms: now, holder: "h".into(), state: "S".into(), shard: "S#0".into() }),
+            ),
+            (
+                Condition::Live { lease_id: id.clone(), now_ms: now },
+                Some(Mutation::ReleaseTo { now_ms: now, state: "S".into(), shard: "S#0".into() }),
+            ),
+            (Condition::FenceIs(3), Some(Mutation::ClearTtl)),
+            (Condition::FenceIs(3), Some(Mutation::WaitsIn { coordinator: "c".into() })),
+            (Condition::Unqueued { lease_id: id.clone() }, Some(Mutation::Release { now_ms: now, ttl: 2 })),
+            (Condition::ReleaseHandOver { lease_id: id.clone(), fence: 3, now_ms: now, head: 5 }, None),
+        ];
+        for (c, m) in writes {
+            let (cond, update) = expressions(&c, m.as_ref().unwrap_or(&Mutation::ClearKeepalive));
+            let line = format!("ConditionExpression: `{cond}`");
+            if std::env::var_os("LEASEHOLD_PRINT_EXPRESSIONS").is_some() {
+                println!("{line}\nUpdateExpression: `{update}`\n");
+                continue;
+            }
+            assert!(design.contains(&line), "DESIGN.md lacks {line}");
+            if m.is_some() {
+                let line = format!("UpdateExpression: `{update}`");
+                assert!(design.contains(&line), "DESIGN.md lacks {line}");
+            }
+        }
+    }
+
+    /// Every condition names attributes of the item schema (`attr::ALL`), the reserved words
+    /// only through their `#name` aliases: the texts above are written out, so this is what
+    /// keeps them in step with the attribute names.
+    #[test]
+    fn conditions_name_only_schema_attributes() {
+        let id = LeaseId::generate();
+        let visit = Visit { state: "S".into(), shard: "S#0".into(), since_ms: 1, attempts: 0 };
+        let all = [
+            Condition::Free { now_ms: 1, fence: 3, lease_id: id.clone() },
+            Condition::Renew { lease_id: id.clone(), now_ms: 1, expires_at_ms: Some(4) },
+            Condition::Renew { lease_id: id.clone(), now_ms: 1, expires_at_ms: None },
+            Condition::Unreleased { lease_id: id.clone() },
+            Condition::Exists,
+            Condition::FenceIs(3),
+            Condition::FenceAndExpiry { fence: 3, expires_at_ms: Some(4) },
+            Condition::FenceAndExpiry { fence: 3, expires_at_ms: None },
+            Condition::Queueable { now_ms: 1, lease_id: id.clone() },
+            Condition::HandOver { fence: 3, now_ms: 1, head: 5 },
+            Condition::Undelivered { fence: 3 },
+            Condition::NotLease,
+            Condition::HandTo { lease_id: id.clone(), fence: 3, now_ms: 1 },
+            Condition::FreeIn { now_ms: 1, fence: 3, lease_id: id.clone(), visit },
+            Condition::Enterable { now_ms: 1, state: "S".into(), shard: "S#0".into() },
+            Condition::Live { lease_id: id.clone(), now_ms: 1 },
+            Condition::Unqueued { lease_id: id.clone() },
+            Condition::ReleaseHandOver { lease_id: id.clone(), fence: 3, now_ms: 1, head: 5 },
+            Condition::QueueIdle,
+        ];
+        let words = ["AND", "OR", "attribute_exists", "attribute_not_exists"];
+        for c in &all {
+            let mut x = Expr::default();
+            let text = x.condition(c);
+            let names = x.names().unwrap_or_default();
+            for (alias, name) in &names {
+                assert!(attr::RESERVED.contains(&name.as_str()) && alias == &format!("#{name}"), "{text}");
+            }
+            let values = x.values().unwrap_or_default();
+            for token in text.split(|ch: char| !(ch.is_ascii_alphanumeric() || "_#:".contains(ch))) {
+                match token.chars().next() {
+                    None => {}
+                    Some('#') => assert!(names.contains_key(token), "{token} unbound in {text}"),
+                    Some(':') => assert!(values.contains_key(token), "{token} unbound in {text}"),
+                    _ if words.contains(&token) => {}
+                    _ => assert!(
+                        attr::ALL.contains(&token) && !attr::RESERVED.contains(&token),
+                        "{token} in {text} is no attribute, or a reserved word without its alias"
+                    ),
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,362 @@
+//! The lease history's events: who held a key when, with which fence (DESIGN.md, "Lease
+//! history"), derived from the item before and after each write.
+//!
+//! Events are derived by one pure function, [`events`], shared by both stores' paths: the
+//! embedded store calls it inside the write's own SQLite transaction (`store::sqlite_history`),
+//! and on AWS the history function calls it on each DynamoDB Streams record's old and new
+//! images (`history::dynamo`). No request is added to the lease path. It belongs to the store
+//! layer because the embedded store's write path needs it; the history module re-exports it.
+//!
+//! The time of an event is read from the record itself (acquired_at, renewed_at, released_at),
+//! so both paths give the same times, and the store's clock does not matter.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::NO_LEASE;
+use crate::model::Record;
+
+/// What happened to a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EventKind {
+    /// A lease was granted on a free key (acquire, a batch's `next`, an in-process waiter).
+    Granted,
+    /// A lease was granted on a key whose last lease expired unreleased (its holder crashed or
+    /// stopped renewing): `previous_holder` / `previous_fence` name it.
+    TakenOver,
+    /// A renewal that moved the holder's deadline.
+    Renewed,
+    /// The holder released the lease (`state`: the work state it moved the key into).
+    Released,
+    /// An operator freed the key; `fence` is the evicted lease's, `holder` its holder.
+    ForceReleased,
+    /// The queue granted the key to its head waiter (a queued acquire's task token).
+    HandedOver,
+    /// A hand-over whose waiter was gone was taken back.
+    Revoked,
+    /// The key was put into a work state without a lease (`state`).
+    Put,
+}
+
+impl EventKind {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            EventKind::Granted => "granted",
+            EventKind::TakenOver => "taken_over",
+            EventKind::Renewed => "renewed",
+            EventKind::Released => "released",
+            EventKind::ForceReleased => "force_released",
+            EventKind::HandedOver => "handed_over",
+            EventKind::Revoked => "revoked",
+            EventKind::Put => "put",
+        }
+    }
+}
+
+/// One event of a key's history. Never carries a lease_id: only its first
+/// [`LEASE_ID_PREFIX_CHARS`] characters, enough to tell leases apart in an incident, far too
+/// few to act as one.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Event {
+    /// When it happened (coordinator clock, epoch ms, as written in the record).
+    pub at_ms: u64,
+    pub key: String,
+    pub kind: EventKind,
+    pub holder: String,
+    pub fence: u64,
+    /// The lease_id's first characters (empty for a key put into a state without a lease).
+    pub lease_id_prefix: String,
+    /// The work state: moved into by a release, entered by a put, or the state of a granted key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
+    /// `taken_over`: the holder and fence of the lease that expired.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_holder: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_fence: Option<u64>,
+    /// By which interface (see [`set_interface`]): `queue` for hand-overs, `step_functions`
+    /// for leases with a keep-alive on an execution, else the process's own (`http` for
+    /// `leasehold serve`, `cli`, `lambda`) or `unknown` (the Streams path cannot know it).
+    pub interface: String,
+}
+
+/// How many characters of a lease_id an event keeps.
+pub const LEASE_ID_PREFIX_CHARS: usize = 6;
+
+/// Default retention of the history: 7 days (`LEASEHOLD_HISTORY_RETENTION_S`).
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// The history's retention: `LEASEHOLD_HISTORY_RETENTION_S` (seconds; 0 keeps no history),
+/// else [`DEFAULT_RETENTION`].
+pub fn retention() -> Duration {
+    std::env::var("LEASEHOLD_HISTORY_RETENTION_S")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map(Duration::from_secs)
+        .unwrap_or(DEFAULT_RETENTION)
+}
+
+static INTERFACE: OnceLock<&'static str> = OnceLock::new();
+
+const KINDS: [EventKind; 8] = [
+    EventKind::Granted,
+    EventKind::TakenOver,
+    EventKind::Renewed,
+    EventKind::Released,
+    EventKind::ForceReleased,
+    EventKind::HandedOver,
+    EventKind::Revoked,
+    EventKind::Put,
+];
+
+static COUNTS: [AtomicU64; 8] = [const { AtomicU64::new(0) }; 8];
+
+/// Events of `kind` this process recorded (the embedded store's write path counts them): what
+/// `leasehold serve`'s `/metrics` reports as expiries taken over.
+pub fn counted(kind: EventKind) -> u64 {
+    KINDS.iter().position(|k| *k == kind).map_or(0, |i| COUNTS[i].load(Ordering::Relaxed))
+}
+
+pub(crate) fn count(events: &[Event]) {
+    for e in events {
+        if let Some(i) = KINDS.iter().position(|k| *k == e.kind) {
+            COUNTS[i].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Names the interface this process serves (`http`, `cli`, `lambda`), recorded in the events
+/// the embedded store writes. The store itself cannot tell who called it; unset, events say
+/// `unknown` unless the record shows more (see [`Event::interface`]).
+pub fn set_interface(name: &'static str) {
+    let _ = INTERFACE.set(name);
+}
+
+fn prefix(r: &Record) -> String {
+    let id = r.lease_id.expose();
+    if id == NO_LEASE {
+        return String::new();
+    }
+    id.chars().take(LEASE_ID_PREFIX_CHARS).collect()
+}
+
+fn is_lease(r: &Record) -> bool {
+    r.waiter.is_none() && r.fence > 0
+}
+
+fn interface_of(r: &Record, kind: EventKind) -> String {
+    if kind == EventKind::HandedOver || kind == EventKind::Revoked {
+        return "queue".into();
+    }
+    if r.keepalive.as_ref().is_some_and(|k| k.execution_arn.is_some()) {
+        return "step_functions".into();
+    }
+    INTERFACE.get().copied().unwrap_or("unknown").to_string()
+}
+
+fn event(r: &Record, kind: EventKind, at_ms: u64) -> Event {
+    Event {
+        at_ms,
+        key: r.key.clone(),
+        kind,
+        holder: r.holder.clone(),
+        fence: r.fence,
+        lease_id_prefix: prefix(r),
+        state: None,
+        previous_holder: None,
+        previous_fence: None,
+        interface: interface_of(r, kind),
+    }
+}
+
+/// The events of one write: the item before (`None`: there was none) and after (`None`: it was
+/// deleted). Waiter items, deletions (a TTL sweep, a served waiter) and writes that change no
+/// holder, deadline or state (a delivery mark, a queue counter, a keep-alive cleared) give none.
+/// A write that ends a live lease and grants the next one (a release handing the key to a
+/// waiter) gives two events: the release, then the grant.
+pub fn events(old: Option<&Record>, new: Option<&Record>) -> Vec<Event> {
+    let Some(new) = new else { return vec![] };
+    if new.waiter.is_some() || old.is_some_and(|o| o.waiter.is_some()) {
+        return vec![];
+    }
+    let old = old.filter(|o| is_lease(o) || o.state.is_some());
+    let mut out = Vec::new();
+    let new_lease = is_lease(new) && old.is_none_or(|o| o.lease_id != new.lease_id);
+    if new_lease {
+        let at = new.acquired_at_ms;
+        let handed = new.pending_token.is_some() && old.is_none_or(|o| o.pending_token.is_none());
+        let mut kind = if handed { EventKind::HandedOver } else { EventKind::Granted };
+        if let Some(o) = old.filter(|o| is_lease(o) && o.released_at_ms.is_none()) {
+            if o.expires_at_ms.is_none_or(|e| e > at) {
+                // Still live when this write landed: this write released it (a release that
+                // hands the key on in the same write).
+                out.push(event(o, EventKind::Released, at));
+            } else if !handed {
+                kind = EventKind::TakenOver;
+            }
+        }
+        let mut e = event(new, kind, at);
+        e.state = new.state.clone();
+        if kind == EventKind::TakenOver {
+            let o = old.expect("taken over from a lease");
+            e.previous_holder = Some(o.holder.clone());
+            e.previous_fence = Some(o.fence);
+        }
+        out.push(e);
+        return out;
+    }
+    let Some(o) = old else {
+        // A key put into a state without a lease (a new item of fence 0).
+        if new.state.is_some() {
+            let mut e = event(new, EventKind::Put, new.state_since_ms.unwrap_or(new.acquired_at_ms));
+            e.state = new.state.clone();
+            out.push(e);
+        }
+        return out;
+    };
+    // The same lease (or a key that is no lease), changed.
+    let released_now = o.released_at_ms.is_none() && new.released_at_ms.is_some();
+    if is_lease(o) && new.fence > o.fence {
+        let at = new.released_at_ms.unwrap_or(new.acquired_at_ms);
+        out.push(event(o, EventKind::ForceReleased, at));
+    } else if released_now && o.pending_token.is_some() && new.pending_token.is_none() {
+        out.push(event(new, EventKind::Revoked, new.released_at_ms.unwrap_or(0)));
+    } else if released_now {
+        let mut e = event(new, EventKind::Released, new.released_at_ms.unwrap_or(0));
+        if new.state != o.state || new.state_since_ms != o.state_since_ms {
+            e.state = new.state.clone();
+        }
+        out.push(e);
+    } else if new.state.is_some() && (new.state != o.state || new.state_since_ms != o.state_since_ms) {
+        let mut e = event(new, EventKind::Put, new.state_since_ms.unwrap_or(0));
+        e.state = new.state.clone();
+        out.push(e);
+    } else if is_lease(new) && new.released_at_ms.is_none() && new.expires_at_ms != o.expires_at_ms {
+        out.push(event(new, EventKind::Renewed, new.renewed_at_ms.unwrap_or(0)));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Keepalive, LeaseId};
+    use crate::store::{Mutation, NewLease, Visit};
+
+    fn lease(holder: &str, id: &str, now: u64, fence: u64) -> NewLease {
+        NewLease {
+            holder: holder.into(),
+            lease_id: LeaseId::from_string(id),
+            now_ms: now,
+            duration_ms: Some(1000),
+            min_hold_ms: 0,
+            metadata: None,
+            keepalive: None,
+            ttl: None,
+            fence,
+            poll_ms: None,
+            visit: None,
+            released: None,
+            handed_in: None,
+        }
+    }
+
+    fn apply(m: &Mutation, old: Option<&Record>) -> (Record, Vec<Event>) {
+        let new = m.apply("k", old);
+        let ev = events(old, Some(&new));
+        (new, ev)
+    }
+
+    fn kinds(ev: &[Event]) -> Vec<(EventKind, &str, u64, u64)> {
+        ev.iter().map(|e| (e.kind, e.holder.as_str(), e.fence, e.at_ms)).collect()
+    }
+
+    #[test]
+    fn a_lease_s_life() {
+        use EventKind::*;
+        let (r, ev) = apply(&Mutation::Acquire(lease("a", "aaaaaaaaaaaaaaaaaaaaaaaa", 100, 10)), None);
+        assert_eq!(kinds(&ev), vec![(Granted, "a", 10, 100)]);
+        assert_eq!(ev[0].lease_id_prefix, "aaaaaa");
+        // A renewal that moves the deadline; one that does not (same instant) gives nothing.
+        let (r, ev) = apply(&Mutation::Extend { now_ms: 200, duration_ms: None, ttl: None }, Some(&r));
+        assert_eq!(kinds(&ev), vec![(Renewed, "a", 10, 200)]);
+        assert!(events(Some(&r), Some(&r)).is_empty());
+        // Expired unreleased, then taken by b: taken over from a.
+        let (r, ev) = apply(&Mutation::Acquire(lease("b", "bbbbbbbbbbbbbbbbbbbbbbbb", 5000, 11)), Some(&r));
+        assert_eq!(kinds(&ev), vec![(TakenOver, "b", 11, 5000)]);
+        assert_eq!((ev[0].previous_holder.as_deref(), ev[0].previous_fence), (Some("a"), Some(10)));
+        // Released into a state.
+        let (r, ev) =
+            apply(&Mutation::ReleaseTo { now_ms: 5100, state: "DONE".into(), shard: "DONE#0".into() }, Some(&r));
+        assert_eq!(kinds(&ev), vec![(Released, "b", 11, 5100)]);
+        assert_eq!(ev[0].state.as_deref(), Some("DONE"));
+        // A plain release of a lease that was already released: nothing.
+        assert!(events(Some(&r), Some(&r)).is_empty());
+        // Granted again after a release: a grant, not a take-over.
+        let (r, ev) = apply(&Mutation::Acquire(lease("c", "cccccccccccccccccccccccc", 6000, 12)), Some(&r));
+        assert_eq!(kinds(&ev), vec![(Granted, "c", 12, 6000)]);
+        // Force-released: the evicted lease's holder and fence.
+        let (r, ev) = apply(&Mutation::ForceRelease { now_ms: 6100, ttl: 1 }, Some(&r));
+        assert_eq!(kinds(&ev), vec![(ForceReleased, "c", 12, 6100)]);
+        assert_eq!(r.fence, 13);
+        // Queue counters and delivery marks are no events.
+        let (r, ev) = apply(
+            &Mutation::Enqueue { now_ms: 6200, start: 1, lease_id: LeaseId::from_string("w"), shard: 1000 },
+            Some(&r),
+        );
+        assert!(ev.is_empty());
+        let (_, ev) = apply(&Mutation::ClearKeepalive, Some(&r));
+        assert!(ev.is_empty());
+    }
+
+    #[test]
+    fn hand_overs_and_a_release_that_hands_on() {
+        use EventKind::*;
+        let (r, _) = apply(&Mutation::Acquire(lease("a", "aaaaaaaaaaaaaaaaaaaaaaaa", 100, 10)), None);
+        let (r, _) = apply(
+            &Mutation::Enqueue { now_ms: 150, start: 1, lease_id: LeaseId::from_string("w"), shard: 1000 },
+            Some(&r),
+        );
+        // The release grants the head waiter in its own write: released, then handed over.
+        let grant =
+            Mutation::Grant { lease: lease("w", "wwwwwwwwwwwwwwwwwwwwwwww", 300, 11), seq: 2, token: "t".into() };
+        let (r, ev) = apply(&grant, Some(&r));
+        assert_eq!(kinds(&ev), vec![(Released, "a", 10, 300), (HandedOver, "w", 11, 300)]);
+        assert_eq!((ev[0].interface.as_str(), ev[1].interface.as_str()), ("unknown", "queue"));
+        let (r, ev) = apply(&Mutation::Delivered, Some(&r));
+        assert!(ev.is_empty());
+        // A grant of a free key to the head waiter after an expiry is a hand-over.
+        let (r2, _) = apply(
+            &Mutation::Enqueue { now_ms: 400, start: 1, lease_id: LeaseId::from_string("w"), shard: 1000 },
+            Some(&r),
+        );
+        let grant =
+            Mutation::Grant { lease: lease("x", "xxxxxxxxxxxxxxxxxxxxxxxx", 9000, 12), seq: 3, token: "u".into() };
+        let (r3, ev) = apply(&grant, Some(&r2));
+        assert_eq!(kinds(&ev), vec![(HandedOver, "x", 12, 9000)]);
+        let (_, ev) = apply(&Mutation::Revoke { now_ms: 9100, ttl: Some(1) }, Some(&r3));
+        assert_eq!(kinds(&ev), vec![(Revoked, "x", 12, 9100)]);
+    }
+
+    #[test]
+    fn work_items_and_interfaces() {
+        use EventKind::*;
+        let put =
+            Mutation::Enter { now_ms: 50, holder: "p".into(), state: "PENDING".into(), shard: "PENDING#0".into() };
+        let (r, ev) = apply(&put, None);
+        assert_eq!(kinds(&ev), vec![(Put, "p", 0, 50)]);
+        assert_eq!((ev[0].state.as_deref(), ev[0].lease_id_prefix.as_str()), (Some("PENDING"), ""));
+        let mut l = lease("w", "wwwwwwwwwwwwwwwwwwwwwwww", 100, 20);
+        l.visit = Some(Visit { state: "PENDING".into(), shard: "PENDING#0".into(), since_ms: 50, attempts: 1 });
+        l.keepalive = Some(Keepalive { until_ms: 999, execution_arn: Some("arn:x".into()) });
+        let (_, ev) = apply(&Mutation::Acquire(l), Some(&r));
+        assert_eq!(kinds(&ev), vec![(Granted, "w", 20, 100)]);
+        assert_eq!((ev[0].state.as_deref(), ev[0].interface.as_str()), (Some("PENDING"), "step_functions"));
+        // Deletions give nothing.
+        assert!(events(Some(&r), None).is_empty());
+    }
+}
