@@ -180,9 +180,9 @@ const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
 /// The schema version of the file (`PRAGMA user_version`), set by [`migrate`] in the same
 /// transaction that brings the schema to it. 0: a new file, or one made before versioning.
 /// 1: the `leases` table with the work-state columns and the keep-alive and state indexes.
-/// 2: the queue index (`q_shard`). Migrations only add (columns, tables, indexes), so a file
-/// of a later version opens as it is.
-const SCHEMA_VERSION: i64 = 2;
+/// 2: the queue index (`q_shard`). 3: the lease history table and its indexes. Migrations only
+/// add (columns, tables, indexes), so a file of a later version opens as it is.
+const SCHEMA_VERSION: i64 = 3;
 
 /// One connection to the file, ready for use: the busy timeout first (every later statement,
 /// on every connection, waits for other processes' locks), WAL (retried: switching the
@@ -211,7 +211,6 @@ fn connect(path: &Path, sync: Synchronous) -> Result<Connection> {
     // ignores it.
     conn.pragma_update(None, "fullfsync", "ON").map_err(store_err)?;
     retry_busy(deadline, || migrate(&conn)).map_err(store_err)?;
-    super::sqlite_history::ensure_schema(&conn)?;
     Ok(conn)
 }
 
@@ -293,6 +292,11 @@ fn migrate(conn: &Connection) -> rusqlite::Result<()> {
             write(&tx, &record)?;
         }
         tx.execute_batch("CREATE INDEX IF NOT EXISTS leases_queue ON leases(q_shard, key) WHERE q_shard IS NOT NULL;")?;
+    }
+    if version(&tx)? < 3 {
+        // Files of version 2 may have the history table already (it was made on every open,
+        // outside the versioned migration): the statements are idempotent.
+        super::sqlite_history::create_schema(&tx)?;
     }
     tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
     tx.commit()
@@ -628,6 +632,12 @@ mod tests {
         drop(store);
         let version: i64 = Connection::open(&path).unwrap().query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
         assert_eq!(version, SCHEMA_VERSION);
+        // The history table came with the versioned migration, and it holds the entry's event.
+        let history: i64 = Connection::open(&path)
+            .unwrap()
+            .query_row("SELECT COUNT(*) FROM history WHERE key = 'old'", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(history, 1);
         // Opening again (the columns exist now) changes nothing.
         let again = SqliteStore::open(&path).unwrap();
         assert_eq!(again.get("old").await.unwrap().unwrap().state.as_deref(), Some("S"));

@@ -23,8 +23,9 @@ fn err(e: rusqlite::Error) -> Error {
     Error::StoreUnavailable(format!("embedded store history: {e}"))
 }
 
-/// Creates the history table and its index (idempotent; called when the store is opened).
-pub(crate) fn ensure_schema(c: &Connection) -> Result<()> {
+/// Creates the history table and its indexes (idempotent): schema version 3 of the store's
+/// migration, inside its transaction.
+pub(crate) fn create_schema(c: &Connection) -> rusqlite::Result<()> {
     c.execute_batch(
         "CREATE TABLE IF NOT EXISTS history (
             seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -35,7 +36,14 @@ pub(crate) fn ensure_schema(c: &Connection) -> Result<()> {
         CREATE INDEX IF NOT EXISTS history_key ON history(key, at_ms);
         CREATE INDEX IF NOT EXISTS history_at ON history(at_ms);",
     )
-    .map_err(err)
+}
+
+/// Whether the file has the history table (a file the store has not opened yet has none).
+fn has_history(c: &Connection) -> Result<bool> {
+    let n: i64 = c
+        .query_row("SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = 'history'", [], |r| r.get(0))
+        .map_err(err)?;
+    Ok(n > 0)
 }
 
 /// Records the events of one write, inside its transaction (`c` is the transaction). The
@@ -71,7 +79,9 @@ fn delete_before(c: &Connection, cutoff_ms: u64) -> Result<usize> {
 pub fn prune(path: &Path, now_ms: u64) -> Result<usize> {
     let c = Connection::open(path).map_err(err)?;
     c.busy_timeout(std::time::Duration::from_secs(5)).map_err(err)?;
-    ensure_schema(&c)?;
+    if !has_history(&c)? {
+        return Ok(0);
+    }
     delete_before(&c, now_ms.saturating_sub(retention().as_millis() as u64))
 }
 
@@ -80,10 +90,7 @@ pub fn read(path: &Path, key: &str, since_ms: u64, limit: usize) -> Result<Vec<E
     let c = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX)
         .map_err(err)?;
     c.busy_timeout(std::time::Duration::from_secs(5)).map_err(err)?;
-    let exists: i64 = c
-        .query_row("SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = 'history'", [], |r| r.get(0))
-        .map_err(err)?;
-    if exists == 0 {
+    if !has_history(&c)? {
         return Ok(vec![]);
     }
     let mut st = c
@@ -113,10 +120,7 @@ pub fn read(path: &Path, key: &str, since_ms: u64, limit: usize) -> Result<Vec<E
 pub fn recent(path: &Path, since_ms: u64, limit: usize) -> Result<Vec<Event>> {
     let c = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX)
         .map_err(err)?;
-    let exists: i64 = c
-        .query_row("SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = 'history'", [], |r| r.get(0))
-        .map_err(err)?;
-    if exists == 0 {
+    if !has_history(&c)? {
         return Ok(vec![]);
     }
     let mut st = c
