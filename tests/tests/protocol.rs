@@ -370,20 +370,22 @@ async fn validation_rules(b: Backend) {
 
 async fn min_hold_blocks_early_release(b: Backend) {
     let c = b.coordinator(test_config());
-    let l = c.acquire("mh", "h", secs(10), AcquireOptions { min_hold: ms(800), ..Default::default() }).await.unwrap();
+    // 3 s of min_hold: the acquire right after the release must come within it, also on a
+    // loaded machine.
+    let l = c.acquire("mh", "h", secs(30), AcquireOptions { min_hold: ms(3000), ..Default::default() }).await.unwrap();
     let rel = c.release("mh", &l.lease_id).await.unwrap();
-    assert_eq!(rel.free_at_ms, l.acquired_at_ms + 800);
+    assert_eq!(rel.free_at_ms, l.acquired_at_ms + 3000);
     let r = c.acquire("mh", "other", secs(10), AcquireOptions::default()).await;
     match r {
-        Err(Error::LeaseHeld { expires_at_ms, .. }) => assert_eq!(expires_at_ms, Some(l.acquired_at_ms + 800)),
+        Err(Error::LeaseHeld { expires_at_ms, .. }) => assert_eq!(expires_at_ms, Some(l.acquired_at_ms + 3000)),
         other => panic!("expected LeaseHeld during min_hold, got {other:?}"),
     }
     let t = Instant::now();
     let next =
-        c.acquire("mh", "other", secs(10), AcquireOptions { wait: secs(5), ..Default::default() }).await.unwrap();
-    assert!(c.now_ms() >= l.acquired_at_ms + 800);
-    // Not until the 10 s expiry (nor the 5 s wait's end): until the min_hold end, 0.8 s in.
-    assert!(t.elapsed() < Duration::from_secs(4), "the waiter slept until the min_hold end, {:?}", t.elapsed());
+        c.acquire("mh", "other", secs(10), AcquireOptions { wait: secs(12), ..Default::default() }).await.unwrap();
+    assert!(c.now_ms() >= l.acquired_at_ms + 3000);
+    // Not until the 30 s expiry (nor the 12 s wait's end): until the min_hold end, 3 s in.
+    assert!(t.elapsed() < Duration::from_secs(9), "the waiter slept until the min_hold end, {:?}", t.elapsed());
     assert!(next.fence > l.fence, "{} after {}", next.fence, l.fence);
 }
 
@@ -533,7 +535,13 @@ async fn contenders_never_overlap(b: Backend) {
             mine
         }));
     }
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    // At least 4 s, and on until 40 acquisitions (a loaded machine makes fewer per second).
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(4)
+        || (fences.lock().unwrap().len() < 40 && started.elapsed() < Duration::from_secs(60))
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     stop.store(true, Ordering::SeqCst);
     let mut per_worker = Vec::new();
     for t in tasks {
@@ -606,7 +614,10 @@ async fn waiters_share_a_contended_key_evenly(b: Backend) {
     // Per acquisition, the turns handed straight back after the target included.
     let per_acquisition = requests as f64 / taken.load(Ordering::SeqCst) as f64;
     eprintln!("turns per worker {per_worker:?}, {per_acquisition:.2} requests per acquisition");
-    assert!(per_acquisition <= 3.0, "{per_acquisition:.2} requests per acquisition, {per_worker:?}");
+    // A waiter polling without the paced, shared period costs several times this; the M3
+    // benchmark records the figure on a quiet machine (about 2.4). A loaded machine's late polls
+    // cost a little more, hence the margin.
+    assert!(per_acquisition <= 4.0, "{per_acquisition:.2} requests per acquisition, {per_worker:?}");
 }
 
 /// A holder that stops renewing is replaced within duration + skew margin + 100 ms of its
@@ -698,7 +709,9 @@ async fn late_heartbeat_does_not_keep_a_lost_lease(b: Backend) {
         let c = Coordinator::new(gated.clone(), test_config());
         let other = b.coordinator(test_config());
         gated.arm();
-        let held = c.hold(&key, "a", Duration::from_millis(900), AcquireOptions::default()).await.unwrap();
+        // 3 s: the release after the loss must land within the late renewal's duration, also on
+        // a loaded machine.
+        let held = c.hold(&key, "a", Duration::from_millis(3000), AcquireOptions::default()).await.unwrap();
         assert_eq!(held.lost().await, Lost::SafeTimeExpired);
         if drop_first {
             // The holder gives up its handle as soon as it is told.
