@@ -662,7 +662,13 @@ async fn single_flight_keepalive_outlives_the_lease_duration() {
         }
         let inv = stack().emulator.invoke("heartbeat", &scheduled).await;
         assert!(inv.error_type.is_none(), "sweep: {:?}", inv.body);
-        assert_eq!(inv.body["errors"], 0, "{}", inv.body);
+        // A run cut short by its invocation's end (3 s in the emulator, which sends no deadline:
+        // a loaded machine's DescribeExecution can take most of it) counts the lease it was
+        // handling as an error and says it is incomplete; the next run handles it. A complete
+        // run has no error.
+        if inv.body["complete"] == true {
+            assert_eq!(inv.body["errors"], 0, "{}", inv.body);
+        }
         renewed += inv.body["renewed"].as_u64().unwrap_or(0);
         let state = lease_state(&key).await;
         if coord.now_ms() > first_expiry + 500 && state.held {
