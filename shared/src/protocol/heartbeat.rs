@@ -62,6 +62,10 @@ impl Coordinator {
                 check_fence(&r)?;
                 Ok(r.lease(sent, now, self.skew_ms()))
             }
+            // A semaphore's item: the holder's own renewal (DESIGN.md, "Semaphores").
+            Write::Rejected(Some(r)) if r.slots.is_some() => {
+                self.heartbeat_slot(key, lease_id, duration, deadline, &r).await
+            }
             Write::Rejected(r) => Err(self.not_holder(key, lease_id, r.as_ref(), now)),
         }
     }

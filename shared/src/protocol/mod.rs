@@ -18,6 +18,7 @@ pub(crate) mod line;
 pub(crate) mod pacing;
 mod release;
 mod retry;
+mod semaphore;
 mod states;
 
 use crate::clock::{Clock, SystemClock};
@@ -113,6 +114,9 @@ pub struct AcquireOptions {
     /// invocation's end less its safety margin); `None`: the wait and the retry budget decide.
     /// A request already sent is bounded by the store client's attempt timeout.
     pub deadline: Option<Instant>,
+    /// A semaphore of this many slots (DESIGN.md, "Semaphores"): at most N holders at once,
+    /// 1..=1000. `None` or 1: a plain lease, exactly as without.
+    pub slots: Option<u32>,
 }
 
 /// The lease coordinator: validation, conditions, retries and fencing over one store.

@@ -74,6 +74,10 @@ impl Coordinator {
                         state: r.state.clone(),
                     })
                 }
+                // A semaphore's item: the holder's own release (DESIGN.md, "Semaphores").
+                ReleaseAnswer::NotHolder(Some(r)) if r.slots.is_some() && state.is_none() => {
+                    return self.release_slot(key, lease_id).await
+                }
                 ReleaseAnswer::NotHolder(r) => return Err(self.not_holder(key, lease_id, r.as_ref(), now)),
             }
         }
@@ -110,8 +114,12 @@ impl Coordinator {
 
     /// Operator release: frees the key at once whoever holds it (min_hold ignored) and
     /// advances the fence, so the evicted holder's fence is below any later one.
+    /// On a semaphore, every holder is evicted (one read first: DESIGN.md, "Semaphores").
     pub async fn force_release(&self, key: &str) -> Result<LeaseState> {
         self.config.limits.key(key)?;
+        if let Some(s) = self.force_release_slots(key, None).await? {
+            return Ok(s);
+        }
         let deadline = self.monotonic() + self.config.retry_budget;
         let max = self.max_duration_ms();
         let (w, _, now) = self
@@ -128,6 +136,17 @@ impl Coordinator {
                 Ok(r.state(now))
             }
             Write::Rejected(_) => Err(Error::NotFound { key: key.to_string() }),
+        }
+    }
+
+    /// Operator release of the one holder of semaphore `key` whose fence is `fence` (its slot
+    /// frees at once, and the key's fence moves past every fence issued). `NotFound` when no
+    /// unreleased holder has that fence; `InvalidRequest` when `key` is no semaphore.
+    pub async fn force_release_slot(&self, key: &str, fence: u64) -> Result<LeaseState> {
+        self.config.limits.key(key)?;
+        match self.force_release_slots(key, Some(fence)).await? {
+            Some(s) => Ok(s),
+            None => Err(Error::invalid(format!("{key:?} is no semaphore: force-release it without a fence"))),
         }
     }
 
