@@ -193,11 +193,6 @@ pub async fn run(
                 (false, d) => Some(d.map(ms).unwrap_or(coord.config().default_duration)),
             };
             if let Some(token) = r.task_token.as_deref() {
-                if r.slots.unwrap_or(1) >= 2 {
-                    return Err(Error::invalid(
-                        "slots: a queued acquire (task_token) of a semaphore is not supported yet",
-                    ));
-                }
                 return queued_acquire(coord, &key, r.holder.as_str(), duration, &r, token, received).await;
             }
             let mut wait = r.wait_ms.map(ms);
@@ -305,6 +300,9 @@ async fn queued_acquire(
     let Some(duration) = duration else {
         return Err(Error::invalid("a queued acquire (task_token) takes a duration, not fail_closed"));
     };
+    if r.slots.unwrap_or(1) >= 2 {
+        return Err(Error::invalid("slots: a queued acquire (task_token) of a semaphore is not supported yet"));
+    }
     if r.wait_ms.is_some() || r.min_hold_ms.is_some() {
         return Err(Error::invalid("a queued acquire (task_token) takes neither wait_ms nor min_hold_ms"));
     }

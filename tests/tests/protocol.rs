@@ -1388,7 +1388,7 @@ async fn semaphore_release_is_idempotent_and_frees_one_slot(b: Backend) {
 
 async fn semaphore_expiry_frees_exactly_one_slot(b: Backend) {
     let c = b.coordinator(test_config());
-    let short = c.acquire("sem/x", "short", ms(600), slots(2)).await.unwrap();
+    let short = c.acquire("sem/x", "short", secs(2), slots(2)).await.unwrap();
     let long = c.acquire("sem/x", "long", secs(30), slots(2)).await.unwrap();
     assert!(matches!(c.acquire("sem/x", "early", secs(30), slots(2)).await, Err(Error::LeaseHeld { .. })));
     tokio::time::sleep_until((short.safe_until.unwrap() + Duration::from_millis(200)).into()).await;
@@ -1470,7 +1470,10 @@ async fn semaphore_lease_ids_are_single_use(b: Backend) {
 /// 16 tasks on 4 slots, random holds, some holders never releasing (their slot frees by
 /// expiry): at no instant do more than 4 believe they hold, judged by each one's `safe_until`.
 async fn semaphore_never_admits_more_than_n(b: Backend) {
-    let c = b.coordinator(test_config());
+    // Waiters poll often, so that a free slot is contended by many.
+    let mut cfg = test_config();
+    cfg.poll_max = Duration::from_millis(50);
+    let c = b.coordinator(cfg);
     let spans = Arc::new(Mutex::new(Vec::<(Instant, Instant)>::new()));
     let mut tasks = Vec::new();
     for t in 0..16u64 {
@@ -1482,7 +1485,7 @@ async fn semaphore_never_admits_more_than_n(b: Backend) {
                 let dur = if crash { ms(700) } else { secs(30) };
                 let l = c.acquire("sem/safety", &format!("w{t}"), dur, opts).await.unwrap();
                 let start = Instant::now();
-                let hold = Duration::from_millis((t * 7 + round * 13) % 40);
+                let hold = Duration::from_millis(50 + (t * 37 + round * 53) % 150);
                 tokio::time::sleep(hold).await;
                 let end = Instant::now().min(l.safe_until.unwrap());
                 spans.lock().unwrap().push((start, end));
@@ -1506,7 +1509,7 @@ async fn semaphore_never_admits_more_than_n(b: Backend) {
         most = most.max(now);
     }
     assert!(most <= 4, "{most} believed holders at once on 4 slots");
-    assert!(most >= 2, "the slots were shared: {most}");
+    assert!(most >= 3, "the slots were shared: {most}");
 }
 
 async fn semaphore_slots_one_writes_todays_item(b: Backend) {

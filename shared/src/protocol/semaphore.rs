@@ -92,7 +92,19 @@ impl Coordinator {
             self.check_clock(t.key).await?;
             let (w, sent, now, fence) = self.take_once(t, deadline).await?;
             match sort_take(w, &t.lease_id, fence, now, t.slots) {
-                SlotAnswer::Granted(r) => return Ok(self.slot_granted(t, r, sent, now).await),
+                SlotAnswer::Granted(r) => {
+                    let lease = self.slot_granted(t, r, sent, now).await;
+                    if lease.safe_until.is_some_and(|s| s > self.monotonic()) {
+                        return Ok(lease);
+                    }
+                    // Answered after its safe time (a stalled request): of no use to the
+                    // holder; the slot is given back and taken anew, as for a lease.
+                    self.drop_late_grant(t.key, &t.lease_id).await;
+                    if t.opts.lease_id.is_some() {
+                        return Err(Error::StoreUnavailable("the store answered after the slot's safe time".into()));
+                    }
+                    (t.lease_id, t.landed, t.how) = (LeaseId::generate(), false, How::Blind);
+                }
                 SlotAnswer::Ended(reason) => {
                     if t.opts.lease_id.is_some() {
                         return Err(Error::NotHolder { key: t.key.to_string(), reason });

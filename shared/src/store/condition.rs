@@ -192,24 +192,36 @@ impl Condition {
                     && r.queue_head == Some(*head)
             }
             (Condition::QueueIdle, Some(r)) => r.queue_len() == 0 && r.pending_token.is_none(),
-            (Condition::SlotFree { fence, lease_id, slots }, Some(r)) => {
-                r.slots.is_some()
-                    && r.slots_taken.unwrap_or(0) < *slots
-                    && r.fence < *fence
-                    && r.slot(lease_id).is_none()
-            }
-            (Condition::SlotsAsRead { rev }, Some(r)) => r.slots_rev == Some(*rev),
-            (Condition::SlotRenew { lease_id, now_ms, expires_at_ms }, Some(r)) => r
-                .slot(lease_id)
-                .is_some_and(|h| h.is_live(*now_ms) && h.renewed_at_ms < *now_ms && h.expires_at_ms <= *expires_at_ms),
-            (Condition::SlotUnreleased { lease_id }, Some(r)) => {
-                r.slot(lease_id).is_some_and(|h| h.released_at_ms.is_none())
-            }
+            (
+                Condition::SlotFree { .. }
+                | Condition::SlotsAsRead { .. }
+                | Condition::SlotRenew { .. }
+                | Condition::SlotUnreleased { .. },
+                Some(r),
+            ) => self.holds_on_semaphore(r),
             (Condition::Enterable { .. }, None) => true,
             (Condition::Enterable { now_ms, state, .. }, Some(r)) => {
                 matches!(r.expires_at_ms, Some(e) if e <= *now_ms) && r.state.as_deref() != Some(state.as_str())
             }
             (_, None) => false,
+        }
+    }
+
+    /// The semaphore's conditions (DESIGN.md, "Semaphores") on an existing item.
+    fn holds_on_semaphore(&self, r: &Record) -> bool {
+        match self {
+            Condition::SlotFree { fence, lease_id, slots } => {
+                r.slots.is_some()
+                    && r.slots_taken.unwrap_or(0) < *slots
+                    && r.fence < *fence
+                    && r.slot(lease_id).is_none()
+            }
+            Condition::SlotsAsRead { rev } => r.slots_rev == Some(*rev),
+            Condition::SlotRenew { lease_id, now_ms, expires_at_ms } => r
+                .slot(lease_id)
+                .is_some_and(|h| h.is_live(*now_ms) && h.renewed_at_ms < *now_ms && h.expires_at_ms <= *expires_at_ms),
+            Condition::SlotUnreleased { lease_id } => r.slot(lease_id).is_some_and(|h| h.released_at_ms.is_none()),
+            _ => unreachable!("not a semaphore condition: {self:?}"),
         }
     }
 }

@@ -716,6 +716,36 @@ mod tests {
             (Condition::FenceIs(3), Some(Mutation::WaitsIn { coordinator: "c".into() })),
             (Condition::Unqueued { lease_id: id.clone() }, Some(Mutation::Release { now_ms: now, ttl: 2 })),
             (Condition::ReleaseHandOver { lease_id: id.clone(), fence: 3, now_ms: now, head: 5 }, None),
+            // Semaphores: take, clean and take, tidy, heartbeat, release, force-release.
+            (
+                Condition::SlotFree { fence: 4, lease_id: id.clone(), slots: 3 },
+                Some(Mutation::TakeSlot { slot: Box::new(slot(&id)), slots: 3, ttl: 2, clean: None }),
+            ),
+            (
+                Condition::SlotsAsRead { rev: 7 },
+                Some(Mutation::TakeSlot {
+                    slot: Box::new(slot(&id)),
+                    slots: 3,
+                    ttl: 2,
+                    clean: Some((vec![LeaseId::generate()], 2)),
+                }),
+            ),
+            (
+                Condition::SlotsAsRead { rev: 7 },
+                Some(Mutation::TidySlots { ended: vec![LeaseId::generate()], taken: 2, ttl: 2 }),
+            ),
+            (
+                Condition::SlotRenew { lease_id: id.clone(), now_ms: now, expires_at_ms: 5 },
+                Some(Mutation::RenewSlot { lease_id: id.clone(), now_ms: now, duration_ms: 4, ttl: 2 }),
+            ),
+            (
+                Condition::SlotUnreleased { lease_id: id.clone() },
+                Some(Mutation::ReleaseSlot { lease_id: id.clone(), now_ms: now, ttl: 2 }),
+            ),
+            (
+                Condition::SlotsAsRead { rev: 7 },
+                Some(Mutation::EvictSlots { evicted: vec![LeaseId::generate()], now_ms: now, taken: 1, ttl: 2 }),
+            ),
         ];
         for (c, m) in writes {
             let (cond, update) = expressions(&c, m.as_ref().unwrap_or(&Mutation::ClearKeepalive));
@@ -729,6 +759,20 @@ mod tests {
                 let line = format!("UpdateExpression: `{update}`");
                 assert!(design.contains(&line), "DESIGN.md lacks {line}");
             }
+        }
+    }
+
+    fn slot(id: &LeaseId) -> crate::model::SlotHolder {
+        crate::model::SlotHolder {
+            lease_id: id.clone(),
+            fence: 4,
+            holder: "h".into(),
+            acquired_at_ms: 1,
+            renewed_at_ms: 1,
+            expires_at_ms: 5,
+            duration_ms: 4,
+            released_at_ms: None,
+            metadata: None,
         }
     }
 
@@ -759,6 +803,10 @@ mod tests {
             Condition::Unqueued { lease_id: id.clone() },
             Condition::ReleaseHandOver { lease_id: id.clone(), fence: 3, now_ms: 1, head: 5 },
             Condition::QueueIdle,
+            Condition::SlotFree { fence: 3, lease_id: id.clone(), slots: 2 },
+            Condition::SlotsAsRead { rev: 3 },
+            Condition::SlotRenew { lease_id: id.clone(), now_ms: 1, expires_at_ms: 4 },
+            Condition::SlotUnreleased { lease_id: id.clone() },
         ];
         let words = ["AND", "OR", "attribute_exists", "attribute_not_exists"];
         for c in &all {
@@ -766,7 +814,12 @@ mod tests {
             let text = x.condition(c);
             let names = x.names().unwrap_or_default();
             for (alias, name) in &names {
-                assert!(attr::RESERVED.contains(&name.as_str()) && alias == &format!("#{name}"), "{text}");
+                // `#lease_id`: a semaphore holder's key in `sem_holders`, the lease_id itself.
+                let holder_key = alias == "#lease_id" && name == id.expose();
+                assert!(
+                    holder_key || attr::RESERVED.contains(&name.as_str()) && alias == &format!("#{name}"),
+                    "{text}"
+                );
             }
             let values = x.values().unwrap_or_default();
             for token in text.split(|ch: char| !(ch.is_ascii_alphanumeric() || "_#:".contains(ch))) {
