@@ -137,8 +137,8 @@ pub enum Mutation {
     /// holder makes the semaphore.
     PutSemaphore(Box<Record>),
     /// Take a slot: the holder's entry, `fence` = its fence, `sem_slots` = `slots`, `sem_rev`
-    /// + 1, the TTL; `sem_taken` + 1, or, cleaning (`clean`: the ended entries and the count
-    /// left with this holder), the ended entries removed and `sem_taken` set.
+    /// plus one, the TTL; `sem_taken` plus one, or, cleaning (`clean`: the ended entries and the
+    /// count left with this holder), the ended entries removed and `sem_taken` set.
     TakeSlot { slot: Box<SlotHolder>, slots: u32, ttl: u64, clean: Option<(Vec<LeaseId>, u32)> },
     /// Renew holder `lease_id`: expiry `now + duration`, renewed now.
     RenewSlot { lease_id: LeaseId, now_ms: u64, duration_ms: u64, ttl: u64 },
