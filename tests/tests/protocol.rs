@@ -1307,6 +1307,7 @@ both_backends!(
     semaphore_slots_one_writes_todays_item,
     semaphore_and_plain_lease_on_one_key,
     semaphore_validation,
+    semaphore_map_stays_bounded,
 );
 
 fn slots(n: u32) -> AcquireOptions {
@@ -1574,4 +1575,20 @@ async fn semaphore_validation(b: Backend) {
         assert!(matches!(c.acquire("sem/v", "h", d, o).await, Err(Error::InvalidRequest(_))));
     }
     assert!(matches!(c.get("sem/v").await, Err(Error::NotFound { .. })), "nothing written");
+}
+
+/// Released holders stay in the map (a retried release answers `already_released`) until a grant
+/// that sees more than N + 16 entries tidies the ended ones away.
+async fn semaphore_map_stays_bounded(b: Backend) {
+    let c = b.coordinator(test_config());
+    let mut most = 0;
+    for i in 0..40 {
+        let l = c.acquire("sem/bound", &format!("h{i}"), secs(30), slots(2)).await.unwrap();
+        c.release("sem/bound", &l.lease_id).await.unwrap();
+        most = most.max(b.store().get("sem/bound").await.unwrap().unwrap().slot_holders.len());
+    }
+    assert!(most <= 2 + 16 + 1, "{most} entries");
+    assert!(most > 2, "released entries are kept a while: {most}");
+    let r = b.store().get("sem/bound").await.unwrap().unwrap();
+    assert_eq!(r.slots_taken, Some(0));
 }
