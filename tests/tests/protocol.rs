@@ -1385,6 +1385,17 @@ async fn semaphore_release_is_idempotent_and_frees_one_slot(b: Backend) {
         c.release("sem/r", &LeaseId::generate()).await,
         Err(Error::NotHolder { reason: NotHolderReason::Missing, .. })
     ));
+    // This coordinator saw the semaphore: a heartbeat naming its duration and a release are one
+    // request each; a coordinator that never saw it pays one refused plain write first.
+    let before = counting.total();
+    c.heartbeat("sem/r", &d.lease_id, secs(31)).await.unwrap();
+    assert_eq!(counting.total() - before, 1, "heartbeat");
+    c.release("sem/r", &d.lease_id).await.unwrap();
+    assert_eq!(counting.total() - before, 2, "release");
+    let other = Coordinator::new(counting.clone(), test_config());
+    let before = counting.total();
+    other.release("sem/r", &bl.lease_id).await.unwrap();
+    assert_eq!(counting.total() - before, 2, "a release by a coordinator that never saw the semaphore");
 }
 
 async fn semaphore_expiry_frees_exactly_one_slot(b: Backend) {

@@ -131,6 +131,9 @@ pub struct Coordinator {
     pub(crate) wakeups: Arc<crate::protocol::line::Wakeups>,
     /// Names this coordinator on the items its in-process hand-overs grant (`handed_in`).
     id: Arc<str>,
+    /// Keys this coordinator saw as semaphores: their heartbeats (naming a duration) and
+    /// releases go to the holder's slot first (DESIGN.md, "Semaphores": Cost).
+    pub(crate) semaphores: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
 }
 
 impl std::fmt::Debug for Coordinator {
@@ -148,6 +151,7 @@ impl Coordinator {
             config: Arc::new(config),
             release_hook: None,
             id: LeaseId::generate().expose()[..16].into(),
+            semaphores: Arc::default(),
         }
     }
 

@@ -17,6 +17,10 @@ impl Coordinator {
         if let Some(s) = state {
             crate::validate::check_state(s)?;
         }
+        // A key seen as a semaphore: the holder's slot first (DESIGN.md, "Semaphores": Cost).
+        if let Some(released) = self.release_known_slot(key, lease_id, state).await? {
+            return Ok(released);
+        }
         // A head waiter of this coordinator sleeping on the key: hand it over in this write
         // (not when the key moves to a work state: the hand-over writes a lease in none).
         // A hand-over whose write failed ambiguously stays claimed (its waiter keeps waiting)

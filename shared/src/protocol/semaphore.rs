@@ -166,6 +166,7 @@ impl Coordinator {
 
     /// The slot is ours. A grant that saw many ended entries tidies them (best effort).
     async fn slot_granted(&self, t: &Take<'_>, r: Record, sent: Instant, now: u64) -> Lease {
+        self.note_semaphore(t.key);
         if r.slot_holders.len() > r.slots.unwrap_or(1) as usize + TIDY_ABOVE {
             let (gone, live) = ended(&r, now);
             let ttl = self.ttl_after(now + self.max_duration_ms());
@@ -197,6 +198,20 @@ impl Coordinator {
 }
 
 impl Coordinator {
+    /// Remembers `key` as a semaphore (bounded: forgotten wholesale past 4,096 keys).
+    pub(crate) fn note_semaphore(&self, key: &str) {
+        let mut known = self.semaphores.lock().unwrap_or_else(|p| p.into_inner());
+        if known.len() >= 4096 {
+            known.clear();
+        }
+        known.insert(key.to_string());
+    }
+
+    /// Was `key` a semaphore when this coordinator last saw it?
+    pub(crate) fn known_semaphore(&self, key: &str) -> bool {
+        self.semaphores.lock().unwrap_or_else(|p| p.into_inner()).contains(key)
+    }
+
     /// Renews the semaphore holder `lease_id` of `key`, whose item `r` refused the plain
     /// heartbeat. Without a duration, by the holder's stored one.
     pub(crate) async fn heartbeat_slot(
@@ -207,11 +222,27 @@ impl Coordinator {
         deadline: Instant,
         r: &Record,
     ) -> Result<Lease> {
+        self.note_semaphore(key);
         let now = self.now_ms();
         let Some(h) = r.slot(lease_id).filter(|h| h.is_live(now)) else {
             return Err(slot_not_holder(key, lease_id, r, now));
         };
         let d = duration.map_or(h.duration_ms, |d| d.as_millis() as u64);
+        match self.renew_slot(key, lease_id, d, deadline).await? {
+            Ok(lease) => Ok(lease),
+            Err((r, now)) => Err(self.slot_or_plain_not_holder(key, lease_id, r.as_ref(), now)),
+        }
+    }
+
+    /// The semaphore holder's renewal by `d` ms: the lease, or the refusing item (none: no
+    /// item) and the clock it was judged by.
+    pub(crate) async fn renew_slot(
+        &self,
+        key: &str,
+        lease_id: &LeaseId,
+        d: u64,
+        deadline: Instant,
+    ) -> Result<std::result::Result<Lease, (Option<Record>, u64)>> {
         let max = self.max_duration_ms();
         let (w, sent, now) = self
             .write(key, deadline, |now| {
@@ -226,15 +257,50 @@ impl Coordinator {
         let r = match w {
             Write::Applied(r) => r,
             Write::Rejected(Some(r)) if r.slot(lease_id).is_some_and(|h| h.is_live(now)) => r,
-            Write::Rejected(r) => return Err(self.slot_or_plain_not_holder(key, lease_id, r.as_ref(), now)),
+            Write::Rejected(r) => return Ok(Err((r, now))),
         };
         let h = r.slot(lease_id).expect("a live holder has its entry");
-        Ok(h.lease(key, r.slots, sent, now, self.skew_ms()))
+        Ok(Ok(h.lease(key, r.slots, sent, now, self.skew_ms())))
     }
 
     /// Releases the semaphore holder `lease_id` of `key`. Idempotent: a released holder whose
     /// entry is still in the map answers `already_released`.
     pub(crate) async fn release_slot(&self, key: &str, lease_id: &LeaseId) -> Result<Released> {
+        self.note_semaphore(key);
+        match self.free_slot(key, lease_id).await? {
+            Ok(released) => Ok(released),
+            Err((r, now)) => Err(self.slot_or_plain_not_holder(key, lease_id, r.as_ref(), now)),
+        }
+    }
+
+    /// A release on a key this coordinator saw as a semaphore (and into no work state): the
+    /// holder's slot first, in one request; `None` when the item is no semaphore (the plain
+    /// release follows).
+    pub(crate) async fn release_known_slot(
+        &self,
+        key: &str,
+        lease_id: &LeaseId,
+        state: Option<&str>,
+    ) -> Result<Option<Released>> {
+        if state.is_some() || !self.known_semaphore(key) {
+            return Ok(None);
+        }
+        match self.free_slot(key, lease_id).await? {
+            Ok(released) => Ok(Some(released)),
+            Err((Some(r), now)) if r.slots.is_some() => {
+                Err(self.slot_or_plain_not_holder(key, lease_id, Some(&r), now))
+            }
+            Err(_) => Ok(None),
+        }
+    }
+
+    /// The semaphore holder's release: the answer, or the refusing item (none: no item) and
+    /// the clock it was judged by.
+    pub(crate) async fn free_slot(
+        &self,
+        key: &str,
+        lease_id: &LeaseId,
+    ) -> Result<std::result::Result<Released, (Option<Record>, u64)>> {
         let deadline = self.monotonic() + self.config.retry_budget;
         let max = self.max_duration_ms();
         let (w, _, now) = self
@@ -248,21 +314,27 @@ impl Coordinator {
         let (r, already) = match w {
             Write::Applied(r) => (r, false),
             Write::Rejected(Some(r)) if r.slot(lease_id).is_some_and(|h| h.released_at_ms.is_some()) => (r, true),
-            Write::Rejected(r) => return Err(self.slot_or_plain_not_holder(key, lease_id, r.as_ref(), now)),
+            Write::Rejected(r) => return Ok(Err((r, now))),
         };
         let h = r.slot(lease_id).expect("a released holder has its entry");
         let at = h.released_at_ms.unwrap_or(now);
-        Ok(Released {
+        Ok(Ok(Released {
             key: key.to_string(),
             fence: h.fence,
             released_at_ms: at,
             free_at_ms: at,
             already_released: already,
             state: None,
-        })
+        }))
     }
 
-    fn slot_or_plain_not_holder(&self, key: &str, lease_id: &LeaseId, r: Option<&Record>, now: u64) -> Error {
+    pub(crate) fn slot_or_plain_not_holder(
+        &self,
+        key: &str,
+        lease_id: &LeaseId,
+        r: Option<&Record>,
+        now: u64,
+    ) -> Error {
         match r {
             Some(r) if r.slots.is_some() => slot_not_holder(key, lease_id, r, now),
             r => self.not_holder(key, lease_id, r, now),
