@@ -124,7 +124,7 @@ enum Cmd {
         name = "force-release",
         after_help = "Examples:\n  leasehold force-release jobs/nightly\n\nThe evicted holder's next heartbeat fails; its fence is below every later one.\nExit codes: 0 freed, 1 no lease on KEY, 77 store unreachable."
     )]
-    ForceRelease(KeyArg),
+    ForceRelease(ForceReleaseArgs),
     /// Run a command while holding the lease on KEY (renewed in the background)
     #[command(after_help = run::HELP)]
     Run(run::RunArgs),
@@ -149,6 +149,15 @@ enum Cmd {
 pub struct KeyArg {
     /// The lease key
     pub key: String,
+}
+
+#[derive(Args, Debug)]
+pub struct ForceReleaseArgs {
+    /// The lease key
+    pub key: String,
+    /// On a semaphore: only the holder with this fence (its slot frees at once)
+    #[arg(long, value_name = "F")]
+    pub fence: Option<u64>,
 }
 
 #[derive(Args, Debug)]
@@ -188,6 +197,9 @@ pub struct AcquireArgs {
     /// Your own lease_id (22..128 of [A-Za-z0-9_-]), so a retried acquire gets the same lease
     #[arg(long = "lease-id", value_name = "ID")]
     pub lease_id: Option<String>,
+    /// A semaphore of N slots: at most N holders of KEY at once (1..=1000; 1 is a plain lease)
+    #[arg(long, value_name = "N")]
+    pub slots: Option<u32>,
 }
 
 #[derive(Args, Debug)]
@@ -316,6 +328,7 @@ async fn lease_command(g: &Global, cmd: Cmd) -> i32 {
                 lease_id: Some(
                     a.lease_id.clone().unwrap_or_else(|| leasehold::LeaseId::generate().expose().to_string()),
                 ),
+                slots: a.slots,
                 ..Default::default()
             };
             acquire(&target, &a.key, req, a.fail_closed).await
@@ -339,7 +352,7 @@ async fn lease_command(g: &Global, cmd: Cmd) -> i32 {
             Some(state) => target.list_state(state, l.limit as usize).await,
             None => target.list(&l.prefix, l.limit as usize).await,
         },
-        Cmd::ForceRelease(k) => target.force_release(&k.key).await,
+        Cmd::ForceRelease(k) => target.force_release(&k.key, k.fence).await,
         Cmd::Serve(_) | Cmd::Run(_) | Cmd::Put(_) | Cmd::Next(_) | Cmd::Count(_) | Cmd::Table(_) | Cmd::History(_) => {
             unreachable!("handled in main")
         }

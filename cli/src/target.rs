@@ -182,10 +182,15 @@ impl Target {
         }
     }
 
-    pub async fn force_release(&self, key: &str) -> Result<Value, Failure> {
-        match self {
-            Target::Local(c) => Ok(serde_json::to_value(c.force_release(key).await?).expect("serialises")),
-            Target::Http(e) => {
+    /// `fence`: one holder of a semaphore (DESIGN.md, "Semaphores"), on a local target.
+    pub async fn force_release(&self, key: &str, fence: Option<u64>) -> Result<Value, Failure> {
+        match (self, fence) {
+            (Target::Local(c), Some(f)) => {
+                Ok(serde_json::to_value(c.force_release_slot(key, f).await?).expect("serialises"))
+            }
+            (Target::Http(_), Some(_)) => Err(not_over_http("force-release --fence")),
+            (Target::Local(c), None) => Ok(serde_json::to_value(c.force_release(key).await?).expect("serialises")),
+            (Target::Http(e), None) => {
                 leasehold::validate::key_travels(key)?;
                 let path = format!("/leases/force-release/{}", client::encode_key(key));
                 http(e, "POST", &path, Some(json!({})), Some("force-release")).await

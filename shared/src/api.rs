@@ -50,6 +50,10 @@ pub struct AcquireRequest {
     /// queued after it is passed over without a delivery attempt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub task_timeout_ms: Option<u64>,
+    /// A semaphore of this many slots (DESIGN.md, "Semaphores"): 1..=1000; 1 or absent is a
+    /// plain lease.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slots: Option<u32>,
 }
 
 /// Body of a heartbeat.
@@ -203,6 +207,7 @@ pub async fn run(
                 keepalive: r.keepalive,
                 lease_id: r.lease_id.as_deref().map(validate::lease_id).transpose()?,
                 deadline: invoke_deadline(received, remaining),
+                slots: r.slots,
             };
             let lease = coord.acquire(&key, &r.holder, duration, opts).await?.with_safe_for(received);
             Ok(serde_json::to_value(lease).expect("lease serialises"))
@@ -295,6 +300,9 @@ async fn queued_acquire(
     let Some(duration) = duration else {
         return Err(Error::invalid("a queued acquire (task_token) takes a duration, not fail_closed"));
     };
+    if r.slots.unwrap_or(1) >= 2 {
+        return Err(Error::invalid("slots: a queued acquire (task_token) of a semaphore is not supported yet"));
+    }
     if r.wait_ms.is_some() || r.min_hold_ms.is_some() {
         return Err(Error::invalid("a queued acquire (task_token) takes neither wait_ms nor min_hold_ms"));
     }
@@ -657,6 +665,37 @@ mod tests {
         for n in ErrorName::ALL {
             assert_eq!(ErrorName::parse(n.as_str()), Some(n));
         }
+    }
+
+    /// `slots` in the acquire body (direct invoke; HTTP has the same router): N holders, the
+    /// next refused with when a slot frees; bad `slots` and a queued semaphore acquire refused.
+    #[tokio::test]
+    async fn slots_in_the_acquire_body() {
+        let dir = std::env::temp_dir().join(format!("leasehold-api-slots-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let store = std::sync::Arc::new(crate::store::SqliteStore::open(dir.join("leases.db")).unwrap());
+        let coord = Coordinator::new(store, crate::Config::default());
+        let body =
+            |h: &str, slots: Value| json!({"key": "api/sem", "holder": h, "duration_ms": 30_000, "slots": slots});
+        let a = run(&coord, Operation::Acquire, None, body("a", json!(2)), None).await.unwrap();
+        let b = run(&coord, Operation::Acquire, None, body("b", json!(2)), None).await.unwrap();
+        assert_eq!((a["slots"].as_u64(), b["slots"].as_u64()), (Some(2), Some(2)));
+        assert!(b["fence"].as_u64() > a["fence"].as_u64());
+        assert!(b["safe_for_ms"].as_u64().is_some());
+        let held = run(&coord, Operation::Acquire, None, body("c", json!(2)), None).await.unwrap_err();
+        assert!(matches!(held, Error::LeaseHeld { expires_at_ms, .. } if expires_at_ms == a["expires_at_ms"].as_u64()));
+        let got = run(&coord, Operation::Get, Some("api/sem"), json!({}), None).await.unwrap();
+        assert_eq!(got["holders"].as_array().unwrap().len(), 2);
+        for bad in [json!(0), json!(1001), json!(-1), json!("2")] {
+            let e = run(&coord, Operation::Acquire, None, body("d", bad.clone()), None).await.unwrap_err();
+            assert!(matches!(e, Error::InvalidRequest(_)), "{bad}: {e:?}");
+        }
+        let mut queued = body("q", json!(2));
+        queued["task_token"] = json!("token");
+        let e = run(&coord, Operation::Acquire, None, queued, None).await.unwrap_err();
+        assert!(matches!(e, Error::InvalidRequest(ref m) if m.contains("slots")), "{e:?}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     fn op(method: &str, path: &str) -> (Operation, String) {

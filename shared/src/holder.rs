@@ -111,7 +111,9 @@ async fn renew_loop(
         if tx.is_closed() {
             return;
         }
-        let renewal = coord.heartbeat_until(&lease.key, &lease.lease_id, None, safe_until);
+        // A semaphore's holder names its duration: its renewal then goes straight to its slot.
+        let by = lease.slots.map(|_| Duration::from_millis(duration_ms));
+        let renewal = coord.heartbeat_until(&lease.key, &lease.lease_id, by, safe_until);
         let outcome = tokio::select! {
             r = renewal => Some(r),
             _ = tokio::time::sleep_until(safe_until.into()) => None,

@@ -123,9 +123,85 @@ pub struct Record {
     /// How many leases the key has been granted since it entered its state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attempts: Option<u32>,
+    /// A semaphore's N (DESIGN.md, "Semaphores"): present only on a semaphore's item.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slots: Option<u32>,
+    /// The semaphore's holders not released (live, or expired and not yet cleaned).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slots_taken: Option<u32>,
+    /// Bumped by every write to the semaphore: "the item as read".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slots_rev: Option<u64>,
+    /// The semaphore's holders, live and ended but not yet cleaned.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub slot_holders: Vec<SlotHolder>,
+}
+
+/// One holder of a semaphore's slot (DESIGN.md, "Semaphores"), keyed by its lease_id.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SlotHolder {
+    pub lease_id: LeaseId,
+    pub fence: u64,
+    pub holder: String,
+    pub acquired_at_ms: u64,
+    pub renewed_at_ms: u64,
+    pub expires_at_ms: u64,
+    pub duration_ms: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub released_at_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<Map<String, Value>>,
+}
+
+impl SlotHolder {
+    /// Live at `now_ms`: not released and not expired.
+    pub fn is_live(&self, now_ms: u64) -> bool {
+        self.released_at_ms.is_none() && self.expires_at_ms > now_ms
+    }
+
+    /// The holder's view of this slot of `key`, `safe_until` measured as for a lease.
+    pub fn lease(&self, key: &str, slots: Option<u32>, sent: Instant, now_ms: u64, skew_margin_ms: u64) -> Lease {
+        let remaining = self.expires_at_ms.saturating_sub(now_ms).saturating_sub(skew_margin_ms);
+        Lease {
+            key: key.to_string(),
+            holder: self.holder.clone(),
+            lease_id: self.lease_id.clone(),
+            fence: self.fence,
+            acquired_at_ms: self.acquired_at_ms,
+            expires_at_ms: Some(self.expires_at_ms),
+            duration_ms: Some(self.duration_ms),
+            min_hold_until_ms: self.acquired_at_ms,
+            metadata: self.metadata.clone(),
+            keepalive: None,
+            safe_until: Some(sent + std::time::Duration::from_millis(remaining)),
+            safe_for_ms: None,
+            state: None,
+            attempts: None,
+            slots,
+        }
+    }
+}
+
+/// A live holder of a semaphore, as `get` and `list` show it (no lease_id).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SlotState {
+    pub holder: String,
+    pub fence: u64,
+    pub acquired_at_ms: u64,
+    pub expires_at_ms: u64,
 }
 
 impl Record {
+    /// The semaphore's holder of `lease_id`, if its entry is in the map.
+    pub fn slot(&self, lease_id: &LeaseId) -> Option<&SlotHolder> {
+        self.slot_holders.iter().find(|h| &h.lease_id == lease_id)
+    }
+
+    /// The semaphore's live holders at `now_ms`.
+    pub fn live_slots(&self, now_ms: u64) -> impl Iterator<Item = &SlotHolder> {
+        self.slot_holders.iter().filter(move |h| h.is_live(now_ms))
+    }
+
     /// A record that carries only its key (an entry of a keys-only index).
     pub(crate) fn key_only(key: String) -> Record {
         Record {
@@ -155,6 +231,10 @@ impl Record {
             state: None,
             state_since_ms: None,
             attempts: None,
+            slots: None,
+            slots_taken: None,
+            slots_rev: None,
+            slot_holders: Vec::new(),
         }
     }
 
@@ -166,7 +246,8 @@ impl Record {
         }
     }
 
-    /// Is the key unavailable to others at `now_ms` (by the coordinator's clock)?
+    /// Is the key unavailable to others at `now_ms` (by the coordinator's clock)? (A
+    /// semaphore's item has no expiry: for the plain protocol it is held.)
     pub fn is_held(&self, now_ms: u64) -> bool {
         match self.expires_at_ms {
             None => true,
@@ -181,6 +262,9 @@ impl Record {
 
     /// The public view (no lease_id).
     pub fn state(&self, now_ms: u64) -> LeaseState {
+        if self.slots.is_some() {
+            return self.semaphore_state(now_ms);
+        }
         LeaseState {
             key: self.key.clone(),
             held: self.is_held(now_ms),
@@ -197,6 +281,43 @@ impl Record {
             state: self.state.clone(),
             state_since_ms: self.state_since_ms,
             attempts: self.attempts,
+            slots: None,
+            slots_taken: None,
+            holders: Vec::new(),
+        }
+    }
+
+    /// A semaphore's public view: its live holders, held while any is live, the earliest
+    /// expiry of a live holder.
+    fn semaphore_state(&self, now_ms: u64) -> LeaseState {
+        let live: Vec<SlotState> = self
+            .live_slots(now_ms)
+            .map(|h| SlotState {
+                holder: h.holder.clone(),
+                fence: h.fence,
+                acquired_at_ms: h.acquired_at_ms,
+                expires_at_ms: h.expires_at_ms,
+            })
+            .collect();
+        LeaseState {
+            key: self.key.clone(),
+            held: !live.is_empty(),
+            holder: self.holder.clone(),
+            fence: self.fence,
+            acquired_at_ms: self.acquired_at_ms,
+            expires_at_ms: live.iter().map(|h| h.expires_at_ms).min(),
+            duration_ms: None,
+            released_at_ms: None,
+            min_hold_until_ms: None,
+            metadata: None,
+            keepalive: None,
+            queue_length: 0,
+            state: None,
+            state_since_ms: None,
+            attempts: None,
+            slots: self.slots,
+            slots_taken: Some(live.len() as u32),
+            holders: live,
         }
     }
 
@@ -222,6 +343,7 @@ impl Record {
             safe_for_ms: None,
             state: self.state.clone(),
             attempts: self.attempts,
+            slots: None,
         }
     }
 }
@@ -257,6 +379,9 @@ pub struct Lease {
     /// Leases granted on the key since it entered its state, this one included.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attempts: Option<u32>,
+    /// A semaphore holder's lease: the semaphore's N (absent for a plain lease).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slots: Option<u32>,
 }
 
 impl Lease {
@@ -298,6 +423,13 @@ pub struct LeaseState {
     /// Waiters queued for the key (DESIGN.md, "The waiter queue"); absent when none.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub queue_length: u64,
+    /// A semaphore (DESIGN.md, "Semaphores"): its N, how many hold now, and the live holders.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slots: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slots_taken: Option<u32>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub holders: Vec<SlotState>,
 }
 
 fn is_zero(n: &u64) -> bool {

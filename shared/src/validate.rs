@@ -41,6 +41,25 @@ impl Default for Limits {
 pub(crate) const LEASE_ID_MIN_LEN: usize = 22;
 pub(crate) const LEASE_ID_MAX_LEN: usize = 128;
 /// The most leases one `acquire_next` takes, and the longest work state name, in bytes.
+/// Most slots of a semaphore (DESIGN.md, "Semaphores").
+pub const MAX_SLOTS: u32 = 1000;
+
+/// A semaphore's `slots`: 1..=1000; a holder of two or more slots needs a duration and takes
+/// no min_hold or keep-alive.
+pub(crate) fn slots(slots: Option<u32>, timed: bool, min_hold: bool, keepalive: bool) -> Result<()> {
+    let Some(n) = slots else { return Ok(()) };
+    if !(1..=MAX_SLOTS).contains(&n) {
+        return Err(Error::invalid(format!("slots must be between 1 and {MAX_SLOTS}, got {n}")));
+    }
+    if n >= 2 && !timed {
+        return Err(Error::invalid("slots: a semaphore's holder needs a duration (no fail_closed slot)"));
+    }
+    if n >= 2 && (min_hold || keepalive) {
+        return Err(Error::invalid("slots: a semaphore's holder takes no min_hold_ms or keepalive"));
+    }
+    Ok(())
+}
+
 /// Most leases one `acquire_next` takes.
 pub const MAX_BATCH: u32 = 100;
 

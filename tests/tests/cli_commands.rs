@@ -192,6 +192,43 @@ leasehold_tests::variants!(sync [
     served => &Target::served(),
 ]: every_subcommand);
 
+/// `acquire --slots N`: a semaphore of N holders (DESIGN.md, "Semaphores"), each released on
+/// its own; `force-release --fence` evicts one holder (not over `--url`).
+fn semaphore_subcommands(t: &Target) {
+    let acquire =
+        |h: &str| t.run(&["acquire", "sem/cli", "--holder", h, "--duration", "30s", "--slots", "2", "--json"]);
+    let s1 = acquire("s1").ok().json();
+    let s2 = acquire("s2").ok().json();
+    assert_eq!(u(&s1, "slots"), 2);
+    assert!(u(&s2, "fence") > u(&s1, "fence"), "fences increase across slots");
+    let full = acquire("s3").code(75).json();
+    assert_eq!(full["error"], "LeaseHeld");
+    assert_eq!(u(&full, "expires_at_ms"), u(&s1, "expires_at_ms"));
+    let g = t.run(&["get", "sem/cli", "--json"]).ok().json();
+    assert_eq!((u(&g, "slots"), g["holders"].as_array().unwrap().len()), (2, 2), "{g}");
+    assert!(!g.to_string().contains(s1["lease_id"].as_str().unwrap()));
+    let id1 = s1["lease_id"].as_str().unwrap();
+    t.run(&["heartbeat", "sem/cli", "--lease-id", id1, "--json"]).ok();
+    t.run(&["release", "sem/cli", "--lease-id", id1, "--json"]).ok();
+    assert_eq!(t.run(&["release", "sem/cli", "--lease-id", id1, "--json"]).ok().json()["already_released"], true);
+    let s3 = acquire("s3").ok().json();
+    let one = t.run(&["force-release", "sem/cli", "--fence", &u(&s3, "fence").to_string(), "--json"]);
+    if t.server.is_some() {
+        assert_eq!(one.code(2).json()["error"], "InvalidRequest");
+    } else {
+        assert_eq!(one.ok().json()["holders"].as_array().unwrap().len(), 1);
+        acquire("s4").ok();
+    }
+    let bad = t.run(&["acquire", "sem/cli", "--holder", "x", "--slots", "0", "--json"]).code(2).json();
+    assert_eq!(bad["error"], "InvalidRequest");
+}
+
+leasehold_tests::variants!(sync [
+    embedded => &Target::embedded(),
+    dynamodb => &Target::dynamo(),
+    served => &Target::served(),
+]: semaphore_subcommands);
+
 #[test]
 fn over_http_api_on_dynamodb() {
     let ddb = Target::dynamo();

@@ -893,6 +893,10 @@ fn lease_id_never_formats() {
         state: None,
         state_since_ms: None,
         attempts: None,
+        slots: None,
+        slots_taken: None,
+        slots_rev: None,
+        slot_holders: Vec::new(),
     };
     assert!(!format!("{r:?}").contains(&secret));
     assert!(!format!("{:?}", r.lease(Instant::now(), 0, 0)).contains(&secret));
@@ -1300,4 +1304,315 @@ async fn batch_concurrent_takers_process_each_item_once(b: Backend) {
         n as f64 / took.as_secs_f64()
     );
     assert!(rate >= 0.9, "only {:.1}% of acquiring writes landed", rate * 100.0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Semaphores (DESIGN.md, "Semaphores").
+
+both_backends!(
+    semaphore_admits_n_and_refuses_the_next,
+    semaphore_release_is_idempotent_and_frees_one_slot,
+    semaphore_expiry_frees_exactly_one_slot,
+    semaphore_force_release_frees_one_holder_or_all,
+    semaphore_slots_changed_while_held,
+    semaphore_lease_ids_are_single_use,
+    semaphore_never_admits_more_than_n,
+    semaphore_slots_one_writes_todays_item,
+    semaphore_and_plain_lease_on_one_key,
+    semaphore_validation,
+    semaphore_map_stays_bounded,
+);
+
+fn slots(n: u32) -> AcquireOptions {
+    AcquireOptions { slots: Some(n), ..Default::default() }
+}
+
+async fn semaphore_admits_n_and_refuses_the_next(b: Backend) {
+    let counting = Counting::new(b.store());
+    let c = Coordinator::new(counting.clone(), test_config());
+    let mut leases = Vec::new();
+    for (i, h) in ["a", "b", "c"].into_iter().enumerate() {
+        let before = counting.total();
+        let l = c.acquire("sem/n", h, secs(30 + i as u64), slots(3)).await.unwrap();
+        // The first take makes the semaphore (refused take, then the put); then one request each.
+        assert_eq!(counting.total() - before, if i == 0 { 2 } else { 1 }, "take {i}");
+        assert_eq!(l.slots, Some(3));
+        assert_eq!(l.holder, h);
+        assert!(l.safe_until.is_some());
+        leases.push(l);
+    }
+    assert!(leases.windows(2).all(|w| w[0].fence < w[1].fence), "fences strictly increase across slots");
+    let before = counting.total();
+    match c.acquire("sem/n", "d", secs(30), slots(3)).await {
+        Err(Error::LeaseHeld { holder, expires_at_ms, .. }) => {
+            // When the next slot frees: the earliest expiry of a live holder.
+            assert_eq!(expires_at_ms, leases[0].expires_at_ms);
+            assert_eq!(holder, "a");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(counting.total() - before, 1, "a full semaphore answers in one request");
+    let s = c.get("sem/n").await.unwrap();
+    assert!(s.held);
+    assert_eq!((s.slots, s.slots_taken), (Some(3), Some(3)));
+    assert_eq!(
+        s.holders.iter().map(|h| h.fence).collect::<Vec<_>>(),
+        leases.iter().map(|l| l.fence).collect::<Vec<_>>()
+    );
+    let json = serde_json::to_string(&s).unwrap();
+    assert!(leases.iter().all(|l| !json.contains(l.lease_id.expose())), "get never shows a lease_id");
+    assert_eq!(c.list_prefix("sem/", 10).await.unwrap().len(), 1);
+}
+
+async fn semaphore_release_is_idempotent_and_frees_one_slot(b: Backend) {
+    let counting = Counting::new(b.store());
+    let c = Coordinator::new(counting.clone(), test_config());
+    let a = c.acquire("sem/r", "a", secs(30), slots(2)).await.unwrap();
+    let bl = c.acquire("sem/r", "b", secs(30), slots(2)).await.unwrap();
+    let r = c.release("sem/r", &a.lease_id).await.unwrap();
+    assert_eq!(r.fence, a.fence);
+    assert!(!r.already_released);
+    let again = c.release("sem/r", &a.lease_id).await.unwrap();
+    assert!(again.already_released, "a retried release answers already_released");
+    assert_eq!(again.fence, a.fence);
+    // The released slot is free at once, in one request.
+    let before = counting.total();
+    let d = c.acquire("sem/r", "d", secs(30), slots(2)).await.unwrap();
+    assert_eq!(counting.total() - before, 1);
+    assert!(d.fence > bl.fence);
+    assert!(matches!(c.acquire("sem/r", "e", secs(30), slots(2)).await, Err(Error::LeaseHeld { .. })));
+    // Heartbeat per holder: b's expiry grows, d's stays; a's is refused.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let hb = c.heartbeat("sem/r", &bl.lease_id, secs(40)).await.unwrap();
+    assert!(hb.expires_at_ms > bl.expires_at_ms);
+    assert_eq!(hb.fence, bl.fence);
+    assert_eq!(hb.slots, Some(2));
+    let s = c.get("sem/r").await.unwrap();
+    let exp: Vec<_> = s.holders.iter().map(|h| (h.fence, h.expires_at_ms)).collect();
+    assert_eq!(exp, vec![(bl.fence, hb.expires_at_ms.unwrap()), (d.fence, d.expires_at_ms.unwrap())]);
+    assert!(matches!(
+        c.heartbeat("sem/r", &a.lease_id, None).await,
+        Err(Error::NotHolder { reason: NotHolderReason::Released, .. })
+    ));
+    assert!(matches!(
+        c.release("sem/r", &LeaseId::generate()).await,
+        Err(Error::NotHolder { reason: NotHolderReason::Missing, .. })
+    ));
+    // This coordinator saw the semaphore: a heartbeat naming its duration and a release are one
+    // request each; a coordinator that never saw it pays one refused plain write first.
+    let before = counting.total();
+    c.heartbeat("sem/r", &d.lease_id, secs(31)).await.unwrap();
+    assert_eq!(counting.total() - before, 1, "heartbeat");
+    c.release("sem/r", &d.lease_id).await.unwrap();
+    assert_eq!(counting.total() - before, 2, "release");
+    let other = Coordinator::new(counting.clone(), test_config());
+    let before = counting.total();
+    other.release("sem/r", &bl.lease_id).await.unwrap();
+    assert_eq!(counting.total() - before, 2, "a release by a coordinator that never saw the semaphore");
+}
+
+async fn semaphore_expiry_frees_exactly_one_slot(b: Backend) {
+    let c = b.coordinator(test_config());
+    let short = c.acquire("sem/x", "short", secs(2), slots(2)).await.unwrap();
+    let long = c.acquire("sem/x", "long", secs(30), slots(2)).await.unwrap();
+    assert!(matches!(c.acquire("sem/x", "early", secs(30), slots(2)).await, Err(Error::LeaseHeld { .. })));
+    tokio::time::sleep_until((short.safe_until.unwrap() + Duration::from_millis(200)).into()).await;
+    while c.now_ms() <= short.expires_at_ms.unwrap() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Nobody released: expiry alone frees the slot, and only that one.
+    let next = c.acquire("sem/x", "next", secs(30), slots(2)).await.unwrap();
+    assert!(next.fence > long.fence);
+    assert!(matches!(c.acquire("sem/x", "more", secs(30), slots(2)).await, Err(Error::LeaseHeld { .. })));
+    assert!(matches!(
+        c.heartbeat("sem/x", &short.lease_id, None).await,
+        Err(Error::NotHolder { reason: NotHolderReason::Expired | NotHolderReason::Missing, .. })
+    ));
+    c.heartbeat("sem/x", &long.lease_id, None).await.unwrap();
+    let s = c.get("sem/x").await.unwrap();
+    assert_eq!(s.holders.iter().map(|h| h.holder.as_str()).collect::<Vec<_>>(), vec!["long", "next"]);
+}
+
+async fn semaphore_force_release_frees_one_holder_or_all(b: Backend) {
+    let c = b.coordinator(test_config());
+    let a = c.acquire("sem/f", "a", secs(30), slots(2)).await.unwrap();
+    let bl = c.acquire("sem/f", "b", secs(30), slots(2)).await.unwrap();
+    let s = c.force_release_slot("sem/f", a.fence).await.unwrap();
+    assert_eq!(s.holders.iter().map(|h| h.holder.as_str()).collect::<Vec<_>>(), vec!["b"]);
+    assert!(s.fence > bl.fence, "the key's fence moves past every fence issued");
+    assert!(matches!(
+        c.heartbeat("sem/f", &a.lease_id, None).await,
+        Err(Error::NotHolder { reason: NotHolderReason::Released, .. })
+    ));
+    assert!(c.release("sem/f", &a.lease_id).await.unwrap().already_released);
+    let d = c.acquire("sem/f", "d", secs(30), slots(2)).await.unwrap();
+    assert!(d.fence > s.fence);
+    assert!(matches!(c.acquire("sem/f", "e", secs(30), slots(2)).await, Err(Error::LeaseHeld { .. })));
+    assert!(matches!(c.force_release_slot("sem/f", a.fence).await, Err(Error::NotFound { .. })));
+    let all = c.force_release("sem/f").await.unwrap();
+    assert!(!all.held && all.holders.is_empty());
+    c.heartbeat("sem/f", &bl.lease_id, None).await.unwrap_err();
+    let e = c.acquire("sem/f", "e", secs(30), slots(2)).await.unwrap();
+    let f = c.acquire("sem/f", "f", secs(30), slots(2)).await.unwrap();
+    assert!(e.fence > all.fence && f.fence > e.fence);
+}
+
+async fn semaphore_slots_changed_while_held(b: Backend) {
+    let c = b.coordinator(test_config());
+    let a = c.acquire("sem/n2", "a", secs(30), slots(2)).await.unwrap();
+    let bl = c.acquire("sem/n2", "b", secs(30), slots(2)).await.unwrap();
+    assert!(matches!(c.acquire("sem/n2", "c", secs(30), slots(2)).await, Err(Error::LeaseHeld { .. })));
+    // Raising N admits at once.
+    let cl = c.acquire("sem/n2", "c", secs(30), slots(3)).await.unwrap();
+    assert_eq!(c.get("sem/n2").await.unwrap().slots, Some(3));
+    // Lowering it admits nobody new until fewer than the new N hold.
+    assert!(matches!(c.acquire("sem/n2", "d", secs(30), slots(2)).await, Err(Error::LeaseHeld { .. })));
+    c.release("sem/n2", &a.lease_id).await.unwrap();
+    assert!(matches!(c.acquire("sem/n2", "d", secs(30), slots(2)).await, Err(Error::LeaseHeld { .. })));
+    c.release("sem/n2", &bl.lease_id).await.unwrap();
+    let d = c.acquire("sem/n2", "d", secs(30), slots(2)).await.unwrap();
+    assert_eq!(c.get("sem/n2").await.unwrap().slots, Some(2));
+    assert!(d.fence > cl.fence);
+    assert!(matches!(c.acquire("sem/n2", "e", secs(30), slots(2)).await, Err(Error::LeaseHeld { .. })));
+}
+
+async fn semaphore_lease_ids_are_single_use(b: Backend) {
+    let c = b.coordinator(test_config());
+    let id = LeaseId::generate();
+    let mine = AcquireOptions { lease_id: Some(id.clone()), ..slots(3) };
+    let first = c.acquire("sem/id", "a", secs(30), mine.clone()).await.unwrap();
+    // A retry (lost answer) gets the same slot: no second fence, no second slot.
+    let again = c.acquire("sem/id", "a", secs(30), mine.clone()).await.unwrap();
+    assert_eq!((again.fence, again.lease_id.clone()), (first.fence, id.clone()));
+    assert_eq!(c.get("sem/id").await.unwrap().slots_taken, Some(1));
+    c.release("sem/id", &id).await.unwrap();
+    assert!(matches!(
+        c.acquire("sem/id", "a", secs(30), mine).await,
+        Err(Error::NotHolder { reason: NotHolderReason::Released, .. })
+    ));
+}
+
+/// 16 tasks on 4 slots, random holds, some holders never releasing (their slot frees by
+/// expiry): at no instant do more than 4 believe they hold, judged by each one's `safe_until`.
+async fn semaphore_never_admits_more_than_n(b: Backend) {
+    // Waiters poll often, so that a free slot is contended by many.
+    let mut cfg = test_config();
+    cfg.poll_max = Duration::from_millis(50);
+    let c = b.coordinator(cfg);
+    let spans = Arc::new(Mutex::new(Vec::<(Instant, Instant)>::new()));
+    let mut tasks = Vec::new();
+    for t in 0..16u64 {
+        let (c, spans) = (c.clone(), spans.clone());
+        tasks.push(tokio::spawn(async move {
+            for round in 0..3u64 {
+                let opts = AcquireOptions { wait: secs(60), ..slots(4) };
+                let crash = (t + round) % 7 == 0;
+                let dur = if crash { ms(700) } else { secs(30) };
+                let l = c.acquire("sem/safety", &format!("w{t}"), dur, opts).await.unwrap();
+                let start = Instant::now();
+                let hold = Duration::from_millis(50 + (t * 37 + round * 53) % 150);
+                tokio::time::sleep(hold).await;
+                let end = Instant::now().min(l.safe_until.unwrap());
+                spans.lock().unwrap().push((start, end));
+                if !crash {
+                    c.release("sem/safety", &l.lease_id).await.unwrap();
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let spans = spans.lock().unwrap().clone();
+    assert_eq!(spans.len(), 48);
+    let mut edges: Vec<(Instant, i32)> = spans.iter().flat_map(|(s, e)| [(*s, 1), (*e, -1)]).collect();
+    // At equal instants an end counts before a start.
+    edges.sort_by_key(|(t, d)| (*t, *d));
+    let (mut now, mut most) = (0, 0);
+    for (_, d) in edges {
+        now += d;
+        most = most.max(now);
+    }
+    assert!(most <= 4, "{most} believed holders at once on 4 slots");
+    assert!(most >= 3, "the slots were shared: {most}");
+}
+
+async fn semaphore_slots_one_writes_todays_item(b: Backend) {
+    let counting = Counting::new(b.store());
+    let c = Coordinator::new(counting.clone(), test_config());
+    let id = LeaseId::generate();
+    let plain =
+        c.acquire("k/plain", "h", secs(30), AcquireOptions { lease_id: Some(id.clone()), ..Default::default() });
+    let plain = plain.await.unwrap();
+    assert_eq!(counting.total(), 1);
+    let one =
+        c.acquire("k/one", "h", secs(30), AcquireOptions { lease_id: Some(id.clone()), ..slots(1) }).await.unwrap();
+    assert_eq!(counting.total(), 2, "slots: 1 costs what a lease costs");
+    assert_eq!(one.slots, None);
+    let store = b.store();
+    let mut p = store.get("k/plain").await.unwrap().unwrap();
+    let o = store.get("k/one").await.unwrap().unwrap();
+    // Everything but the key and the instants is the same item.
+    p.key = o.key.clone();
+    (p.fence, p.acquired_at_ms, p.renewed_at_ms) = (o.fence, o.acquired_at_ms, o.renewed_at_ms);
+    (p.expires_at_ms, p.min_hold_until_ms, p.ttl) = (o.expires_at_ms, o.min_hold_until_ms, o.ttl);
+    assert_eq!(p, o);
+    assert_eq!(serde_json::to_value(&p).unwrap(), serde_json::to_value(&o).unwrap());
+    assert!(plain.slots.is_none());
+}
+
+async fn semaphore_and_plain_lease_on_one_key(b: Backend) {
+    let c = b.coordinator(test_config());
+    let plain = c.acquire("k/mix", "plain", secs(30), AcquireOptions::default()).await.unwrap();
+    match c.acquire("k/mix", "s", secs(30), slots(3)).await {
+        Err(Error::LeaseHeld { holder, expires_at_ms, .. }) => {
+            assert_eq!((holder.as_str(), expires_at_ms), ("plain", plain.expires_at_ms))
+        }
+        other => panic!("{other:?}"),
+    }
+    c.release("k/mix", &plain.lease_id).await.unwrap();
+    let s = c.acquire("k/mix", "s", secs(30), slots(3)).await.unwrap();
+    assert!(s.fence > plain.fence);
+    // A plain acquire on a semaphore key waits, even with free slots.
+    assert!(matches!(
+        c.acquire("k/mix", "plain", secs(30), AcquireOptions::default()).await,
+        Err(Error::LeaseHeld { .. })
+    ));
+    // The plain lease's lease_id reaches nothing on the semaphore.
+    assert!(c.release("k/mix", &plain.lease_id).await.is_err());
+}
+
+async fn semaphore_validation(b: Backend) {
+    let c = b.coordinator(test_config());
+    for n in [0, 1001] {
+        match c.acquire("sem/v", "h", secs(30), slots(n)).await {
+            Err(Error::InvalidRequest(m)) => assert!(m.contains("slots"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+    }
+    let id = Some(LeaseId::generate());
+    let bad = [
+        (None, AcquireOptions { lease_id: id, ..slots(2) }),
+        (secs(30), AcquireOptions { min_hold: secs(1), ..slots(2) }),
+    ];
+    for (d, o) in bad {
+        assert!(matches!(c.acquire("sem/v", "h", d, o).await, Err(Error::InvalidRequest(_))));
+    }
+    assert!(matches!(c.get("sem/v").await, Err(Error::NotFound { .. })), "nothing written");
+}
+
+/// Released holders stay in the map (a retried release answers `already_released`) until a grant
+/// that sees more than N + 16 entries tidies the ended ones away.
+async fn semaphore_map_stays_bounded(b: Backend) {
+    let c = b.coordinator(test_config());
+    let mut most = 0;
+    for i in 0..40 {
+        let l = c.acquire("sem/bound", &format!("h{i}"), secs(30), slots(2)).await.unwrap();
+        c.release("sem/bound", &l.lease_id).await.unwrap();
+        most = most.max(b.store().get("sem/bound").await.unwrap().unwrap().slot_holders.len());
+    }
+    assert!(most <= 2 + 16 + 1, "{most} entries");
+    assert!(most > 2, "released entries are kept a while: {most}");
+    let r = b.store().get("sem/bound").await.unwrap().unwrap();
+    assert_eq!(r.slots_taken, Some(0));
 }

@@ -116,6 +116,7 @@ pub async fn run(
                 keepalive: r.keepalive,
                 lease_id: None,
                 deadline: super::invoke_deadline(received, remaining),
+                slots: None,
             };
             let duration = Some(r.duration_ms.map(Duration::from_millis).unwrap_or(coord.config().default_duration));
             // Fewer keys than asked when `limit` leases of this size could make an answer that a

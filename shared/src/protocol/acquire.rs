@@ -100,6 +100,7 @@ impl Coordinator {
         if let Some(k) = &opts.keepalive {
             limits.keepalive(k, self.now_ms(), duration)?;
         }
+        crate::validate::slots(opts.slots, duration.is_some(), opts.min_hold.is_some(), opts.keepalive.is_some())?;
         if duration.is_none() && opts.lease_id.is_none() {
             // A fail-closed lease whose answer is lost would otherwise be held forever under an
             // id nobody knows; with the caller's own id, a retry or a release reaches it.
@@ -120,6 +121,10 @@ impl Coordinator {
         duration: Option<Duration>,
         opts: AcquireOptions,
     ) -> Result<Lease> {
+        if let (Some(2..), Some(d)) = (opts.slots, duration) {
+            self.check_acquire(key, holder, duration, &opts)?;
+            return self.acquire_slot(key, holder, d, &opts).await;
+        }
         self.acquire_visit(key, holder, duration, opts, None).await
     }
 

@@ -117,3 +117,54 @@ pub(crate) fn sort_release(w: Write, lease_id: &LeaseId, waiter: Option<&LeaseId
         Write::Rejected(r) => ReleaseAnswer::NotHolder(r),
     }
 }
+
+/// What one semaphore take's answer means (DESIGN.md, "Semaphores").
+pub(crate) enum SlotAnswer {
+    /// A slot is ours: this take's, or an earlier one of the same lease_id that landed.
+    Granted(Record),
+    /// Our lease_id's slot already ended (released or expired): never again.
+    Ended(Reason),
+    /// No item, or a free plain lease (its fence, if any): the first holder makes the semaphore.
+    Make(Option<u64>),
+    /// A slot may be free but the last fence is not below ours: go again above it.
+    Above(u64),
+    /// Full only by ended holders: take again, cleaning them under the item as read.
+    Clean(Record),
+    /// Full with live holders, or a live plain lease.
+    Held(Record),
+}
+
+/// Sorts a take's answer (`slots`: the N asked).
+pub(crate) fn sort_take(w: Write, lease_id: &LeaseId, fence: u64, now: u64, slots: u32) -> SlotAnswer {
+    let r = match w {
+        Write::Applied(r) => return SlotAnswer::Granted(r),
+        Write::Rejected(None) => return SlotAnswer::Make(None),
+        Write::Rejected(Some(r)) => r,
+    };
+    if r.slots.is_none() {
+        if &r.lease_id == lease_id {
+            return SlotAnswer::Ended(ended_reason(&r, lease_id, now).unwrap_or(Reason::WrongLeaseId));
+        }
+        let free = !r.is_held(now) && r.queue_len() == 0 && r.state.is_none() && r.pending_token.is_none();
+        return if free { SlotAnswer::Make(Some(r.fence)) } else { SlotAnswer::Held(r) };
+    }
+    if let Some(h) = r.slot(lease_id) {
+        return match (h.released_at_ms, h.is_live(now)) {
+            (None, true) => SlotAnswer::Granted(r),
+            (Some(_), _) => SlotAnswer::Ended(Reason::Released),
+            (None, false) => SlotAnswer::Ended(Reason::Expired),
+        };
+    }
+    if r.fence >= fence {
+        return SlotAnswer::Above(r.fence);
+    }
+    if r.slots_taken.unwrap_or(0) < slots {
+        // Not full (any more): the refusal was an entry or fence that moved; go again.
+        return SlotAnswer::Above(r.fence);
+    }
+    if (r.live_slots(now).count() as u32) < slots {
+        SlotAnswer::Clean(r)
+    } else {
+        SlotAnswer::Held(r)
+    }
+}

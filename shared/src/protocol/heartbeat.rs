@@ -25,6 +25,17 @@ impl Coordinator {
         }
         self.check_clock(key).await?;
         let duration_ms = duration.map(|d| d.as_millis() as u64);
+        // A key seen as a semaphore: the holder's slot first (one request), the plain lease
+        // only if the item is no semaphore (DESIGN.md, "Semaphores": Cost).
+        if let Some(d) = duration_ms.filter(|_| self.known_semaphore(key)) {
+            match self.renew_slot(key, lease_id, d, deadline).await? {
+                Ok(lease) => return Ok(lease),
+                Err((Some(r), now)) if r.slots.is_some() => {
+                    return Err(self.slot_or_plain_not_holder(key, lease_id, Some(&r), now))
+                }
+                Err(_) => {}
+            }
+        }
         let max = self.max_duration_ms();
         let (w, sent, now) = self
             .write(key, deadline, |now| {
@@ -61,6 +72,10 @@ impl Coordinator {
             Write::Rejected(Some(r)) if r.is_live_for(lease_id, now) => {
                 check_fence(&r)?;
                 Ok(r.lease(sent, now, self.skew_ms()))
+            }
+            // A semaphore's item: the holder's own renewal (DESIGN.md, "Semaphores").
+            Write::Rejected(Some(r)) if r.slots.is_some() => {
+                self.heartbeat_slot(key, lease_id, duration, deadline, &r).await
             }
             Write::Rejected(r) => Err(self.not_holder(key, lease_id, r.as_ref(), now)),
         }

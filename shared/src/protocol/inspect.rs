@@ -27,7 +27,10 @@ impl Coordinator {
             let deadline = self.monotonic() + self.config.retry_budget;
             let page = self.read(deadline, || self.store.scan(&ScanKind::All, start.as_deref(), 100)).await?;
             let now = self.now_ms();
-            out.extend(page.items.iter().filter(|r| r.is_held(now) && r.key.starts_with(prefix)).map(|r| r.state(now)));
+            let states =
+                page.items.iter().filter(|r| r.is_held(now) && r.key.starts_with(prefix)).map(|r| r.state(now));
+            // A semaphore's item has no expiry: it is held while a holder is live.
+            out.extend(states.filter(|s| s.held));
             if out.len() >= limit {
                 out.truncate(limit);
                 return Ok(out);

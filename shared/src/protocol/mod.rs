@@ -18,6 +18,7 @@ pub(crate) mod line;
 pub(crate) mod pacing;
 mod release;
 mod retry;
+mod semaphore;
 mod states;
 
 use crate::clock::{Clock, SystemClock};
@@ -113,6 +114,9 @@ pub struct AcquireOptions {
     /// invocation's end less its safety margin); `None`: the wait and the retry budget decide.
     /// A request already sent is bounded by the store client's attempt timeout.
     pub deadline: Option<Instant>,
+    /// A semaphore of this many slots (DESIGN.md, "Semaphores"): at most N holders at once,
+    /// 1..=1000. `None` or 1: a plain lease, exactly as without.
+    pub slots: Option<u32>,
 }
 
 /// The lease coordinator: validation, conditions, retries and fencing over one store.
@@ -127,6 +131,9 @@ pub struct Coordinator {
     pub(crate) wakeups: Arc<crate::protocol::line::Wakeups>,
     /// Names this coordinator on the items its in-process hand-overs grant (`handed_in`).
     id: Arc<str>,
+    /// Keys this coordinator saw as semaphores: their heartbeats (naming a duration) and
+    /// releases go to the holder's slot first (DESIGN.md, "Semaphores": Cost).
+    pub(crate) semaphores: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
 }
 
 impl std::fmt::Debug for Coordinator {
@@ -144,6 +151,7 @@ impl Coordinator {
             config: Arc::new(config),
             release_hook: None,
             id: LeaseId::generate().expose()[..16].into(),
+            semaphores: Arc::default(),
         }
     }
 

@@ -17,6 +17,10 @@ impl Coordinator {
         if let Some(s) = state {
             crate::validate::check_state(s)?;
         }
+        // A key seen as a semaphore: the holder's slot first (DESIGN.md, "Semaphores": Cost).
+        if let Some(released) = self.release_known_slot(key, lease_id, state).await? {
+            return Ok(released);
+        }
         // A head waiter of this coordinator sleeping on the key: hand it over in this write
         // (not when the key moves to a work state: the hand-over writes a lease in none).
         // A hand-over whose write failed ambiguously stays claimed (its waiter keeps waiting)
@@ -74,6 +78,10 @@ impl Coordinator {
                         state: r.state.clone(),
                     })
                 }
+                // A semaphore's item: the holder's own release (DESIGN.md, "Semaphores").
+                ReleaseAnswer::NotHolder(Some(r)) if r.slots.is_some() && state.is_none() => {
+                    return self.release_slot(key, lease_id).await
+                }
                 ReleaseAnswer::NotHolder(r) => return Err(self.not_holder(key, lease_id, r.as_ref(), now)),
             }
         }
@@ -110,8 +118,12 @@ impl Coordinator {
 
     /// Operator release: frees the key at once whoever holds it (min_hold ignored) and
     /// advances the fence, so the evicted holder's fence is below any later one.
+    /// On a semaphore, every holder is evicted (one read first: DESIGN.md, "Semaphores").
     pub async fn force_release(&self, key: &str) -> Result<LeaseState> {
         self.config.limits.key(key)?;
+        if let Some(s) = self.force_release_slots(key, None).await? {
+            return Ok(s);
+        }
         let deadline = self.monotonic() + self.config.retry_budget;
         let max = self.max_duration_ms();
         let (w, _, now) = self
@@ -128,6 +140,17 @@ impl Coordinator {
                 Ok(r.state(now))
             }
             Write::Rejected(_) => Err(Error::NotFound { key: key.to_string() }),
+        }
+    }
+
+    /// Operator release of the one holder of semaphore `key` whose fence is `fence` (its slot
+    /// frees at once, and the key's fence moves past every fence issued). `NotFound` when no
+    /// unreleased holder has that fence; `InvalidRequest` when `key` is no semaphore.
+    pub async fn force_release_slot(&self, key: &str, fence: u64) -> Result<LeaseState> {
+        self.config.limits.key(key)?;
+        match self.force_release_slots(key, Some(fence)).await? {
+            Some(s) => Ok(s),
+            None => Err(Error::invalid(format!("{key:?} is no semaphore: force-release it without a fence"))),
         }
     }
 

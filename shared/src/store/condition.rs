@@ -105,6 +105,24 @@ pub enum Condition {
     /// DynamoDB: `(attribute_not_exists(queue_tail) OR queue_tail <= queue_head) AND
     /// attribute_not_exists(pending_token)`
     QueueIdle,
+    /// A semaphore has a free slot for `lease_id` at `fence` (DESIGN.md, "Semaphores"): the
+    /// item is a semaphore, fewer than `slots` holders are counted, its last fence is below
+    /// `fence`, and `lease_id` has no entry (single-use). DynamoDB: `attribute_exists(sem_slots)
+    /// AND sem_taken < :slots AND fence < :fence AND attribute_not_exists(sem_holders.#lease_id)`
+    SlotFree { fence: u64, lease_id: LeaseId, slots: u32 },
+    /// The semaphore is as read: no write since (every one bumps `sem_rev`). DynamoDB:
+    /// `sem_rev = :expected_rev`
+    SlotsAsRead { rev: u64 },
+    /// The semaphore's holder `lease_id` is live and this renewal newer than its last, and its
+    /// expiry does not move backwards. DynamoDB: `sem_holders.#lease_id.expires_at_ms > :now AND
+    /// attribute_not_exists(sem_holders.#lease_id.released_at_ms) AND
+    /// sem_holders.#lease_id.renewed_at_ms < :now AND sem_holders.#lease_id.expires_at_ms <=
+    /// :expires_at`
+    SlotRenew { lease_id: LeaseId, now_ms: u64, expires_at_ms: u64 },
+    /// The semaphore's holder `lease_id` has an entry and is not released. DynamoDB:
+    /// `attribute_exists(sem_holders.#lease_id) AND
+    /// attribute_not_exists(sem_holders.#lease_id.released_at_ms)`
+    SlotUnreleased { lease_id: LeaseId },
 }
 
 impl Condition {
@@ -174,11 +192,36 @@ impl Condition {
                     && r.queue_head == Some(*head)
             }
             (Condition::QueueIdle, Some(r)) => r.queue_len() == 0 && r.pending_token.is_none(),
+            (
+                Condition::SlotFree { .. }
+                | Condition::SlotsAsRead { .. }
+                | Condition::SlotRenew { .. }
+                | Condition::SlotUnreleased { .. },
+                Some(r),
+            ) => self.holds_on_semaphore(r),
             (Condition::Enterable { .. }, None) => true,
             (Condition::Enterable { now_ms, state, .. }, Some(r)) => {
                 matches!(r.expires_at_ms, Some(e) if e <= *now_ms) && r.state.as_deref() != Some(state.as_str())
             }
             (_, None) => false,
+        }
+    }
+
+    /// The semaphore's conditions (DESIGN.md, "Semaphores") on an existing item.
+    fn holds_on_semaphore(&self, r: &Record) -> bool {
+        match self {
+            Condition::SlotFree { fence, lease_id, slots } => {
+                r.slots.is_some()
+                    && r.slots_taken.unwrap_or(0) < *slots
+                    && r.fence < *fence
+                    && r.slot(lease_id).is_none()
+            }
+            Condition::SlotsAsRead { rev } => r.slots_rev == Some(*rev),
+            Condition::SlotRenew { lease_id, now_ms, expires_at_ms } => r
+                .slot(lease_id)
+                .is_some_and(|h| h.is_live(*now_ms) && h.renewed_at_ms < *now_ms && h.expires_at_ms <= *expires_at_ms),
+            Condition::SlotUnreleased { lease_id } => r.slot(lease_id).is_some_and(|h| h.released_at_ms.is_none()),
+            _ => unreachable!("not a semaphore condition: {self:?}"),
         }
     }
 }

@@ -5,7 +5,7 @@
 use serde_json::{Map, Value};
 
 use super::NO_LEASE;
-use crate::model::{Keepalive, LeaseId, Record};
+use crate::model::{Keepalive, LeaseId, Record, SlotHolder};
 
 /// Everything an acquire writes.
 #[derive(Debug, Clone, PartialEq)]
@@ -73,6 +73,10 @@ impl NewLease {
             state: self.visit.as_ref().map(|v| v.state.clone()),
             state_since_ms: self.visit.as_ref().map(|v| v.since_ms),
             attempts: self.visit.as_ref().map(|v| v.attempts),
+            slots: None,
+            slots_taken: None,
+            slots_rev: None,
+            slot_holders: Vec::new(),
         }
     }
 }
@@ -129,6 +133,22 @@ pub enum Mutation {
     /// A waiter of coordinator `coordinator` missed a turn to an in-process hand-over: it takes
     /// the mark (`handed_in = coordinator`), so the releaser leaves the key free for it.
     WaitsIn { coordinator: String },
+    /// Write a whole semaphore item (DESIGN.md, "Semaphores"; DynamoDB: a PutItem): the first
+    /// holder makes the semaphore.
+    PutSemaphore(Box<Record>),
+    /// Take a slot: the holder's entry, `fence` = its fence, `sem_slots` = `slots`, `sem_rev`
+    /// plus one, the TTL; `sem_taken` plus one, or, cleaning (`clean`: the ended entries and the
+    /// count left with this holder), the ended entries removed and `sem_taken` set.
+    TakeSlot { slot: Box<SlotHolder>, slots: u32, ttl: u64, clean: Option<(Vec<LeaseId>, u32)> },
+    /// Renew holder `lease_id`: expiry `now + duration`, renewed now.
+    RenewSlot { lease_id: LeaseId, now_ms: u64, duration_ms: u64, ttl: u64 },
+    /// Release holder `lease_id`: released and expired now, `sem_taken` - 1.
+    ReleaseSlot { lease_id: LeaseId, now_ms: u64, ttl: u64 },
+    /// Force-release holders `evicted`: released now, expired at 0, `sem_taken` = `taken`,
+    /// fence + 1.
+    EvictSlots { evicted: Vec<LeaseId>, now_ms: u64, taken: u32, ttl: u64 },
+    /// Remove the ended entries `ended`, `sem_taken` = `taken`.
+    TidySlots { ended: Vec<LeaseId>, taken: u32, ttl: u64 },
 }
 
 impl Mutation {
@@ -136,7 +156,7 @@ impl Mutation {
     pub fn apply(&self, key: &str, old: Option<&Record>) -> Record {
         match self {
             Mutation::Acquire(n) => n.record(key),
-            Mutation::PutWaiter(w) => (**w).clone(),
+            Mutation::PutWaiter(w) | Mutation::PutSemaphore(w) => (**w).clone(),
             Mutation::Enter { now_ms, holder, .. } => {
                 let mut r = old.cloned().unwrap_or_else(|| unleased(key, holder, *now_ms));
                 self.update(key, &mut r);
@@ -155,7 +175,10 @@ impl Mutation {
     fn update(&self, key: &str, r: &mut Record) {
         use Mutation::*;
         match self {
-            Acquire(_) | PutWaiter(_) => unreachable!("a whole item is written, not updated"),
+            Acquire(_) | PutWaiter(_) | PutSemaphore(_) => unreachable!("a whole item is written, not updated"),
+            TakeSlot { .. } | RenewSlot { .. } | ReleaseSlot { .. } | EvictSlots { .. } | TidySlots { .. } => {
+                self.update_slots(r)
+            }
             Extend { .. } | Release { .. } | ForceRelease { .. } | ClearKeepalive | Revoke { .. } => {
                 self.update_lease(r)
             }
@@ -232,6 +255,60 @@ impl Mutation {
             }
             Mutation::ClearTtl => r.ttl = None,
             _ => unreachable!("not a work-state update: {self:?}"),
+        }
+    }
+}
+
+impl Mutation {
+    /// A semaphore's writes (DESIGN.md, "Semaphores"); each bumps `sem_rev`.
+    fn update_slots(&self, r: &mut Record) {
+        r.slots_rev = Some(r.slots_rev.unwrap_or(0) + 1);
+        let slot = |r: &Record, id: &LeaseId| {
+            r.slot_holders.iter().position(|h| &h.lease_id == id).expect("the condition found the entry")
+        };
+        match self {
+            Mutation::TakeSlot { slot: h, slots, ttl, clean } => {
+                if let Some((ended, taken)) = clean {
+                    r.slot_holders.retain(|e| !ended.contains(&e.lease_id));
+                    r.slots_taken = Some(*taken);
+                } else {
+                    r.slots_taken = Some(r.slots_taken.unwrap_or(0) + 1);
+                }
+                r.slot_holders.push((**h).clone());
+                r.fence = h.fence;
+                r.slots = Some(*slots);
+                r.ttl = Some(*ttl);
+            }
+            Mutation::RenewSlot { lease_id, now_ms, duration_ms, ttl } => {
+                let i = slot(r, lease_id);
+                let h = &mut r.slot_holders[i];
+                h.expires_at_ms = now_ms + duration_ms;
+                h.duration_ms = *duration_ms;
+                h.renewed_at_ms = *now_ms;
+                r.ttl = Some(*ttl);
+            }
+            Mutation::ReleaseSlot { lease_id, now_ms, ttl } => {
+                let i = slot(r, lease_id);
+                r.slot_holders[i].released_at_ms = Some(*now_ms);
+                r.slot_holders[i].expires_at_ms = *now_ms;
+                r.slots_taken = Some(r.slots_taken.unwrap_or(0).saturating_sub(1));
+                r.ttl = Some(*ttl);
+            }
+            Mutation::EvictSlots { evicted, now_ms, taken, ttl } => {
+                for h in r.slot_holders.iter_mut().filter(|h| evicted.contains(&h.lease_id)) {
+                    h.released_at_ms = Some(*now_ms);
+                    h.expires_at_ms = 0;
+                }
+                r.slots_taken = Some(*taken);
+                r.fence = r.fence.saturating_add(1);
+                r.ttl = Some(*ttl);
+            }
+            Mutation::TidySlots { ended, taken, ttl } => {
+                r.slot_holders.retain(|e| !ended.contains(&e.lease_id));
+                r.slots_taken = Some(*taken);
+                r.ttl = Some(*ttl);
+            }
+            _ => unreachable!("not a semaphore update: {self:?}"),
         }
     }
 }

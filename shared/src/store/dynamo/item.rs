@@ -8,7 +8,7 @@ use aws_sdk_dynamodb::types::AttributeValue;
 
 use super::attr;
 use crate::error::{Error, Result};
-use crate::model::{Keepalive, LeaseId, Record};
+use crate::model::{Keepalive, LeaseId, Record, SlotHolder};
 use crate::store::{keepalive_shard, NewLease, KEEPALIVE_SHARDS};
 
 /// A DynamoDB item as the SDK returns it.
@@ -94,7 +94,76 @@ pub(crate) fn record_from_item(item: &Item) -> Result<Record> {
         state: get_s(item, attr::STATE_SHARD)?.map(|s| s.rsplit_once('#').map_or(s.as_str(), |(st, _)| st).to_string()),
         state_since_ms: get_n(item, attr::STATE_SINCE)?,
         attempts: get_n(item, attr::ATTEMPTS)?.map(|a| a.min(u32::MAX as u64) as u32),
+        slots: get_n(item, attr::SEM_SLOTS)?.map(|a| a.min(u32::MAX as u64) as u32),
+        slots_taken: get_n(item, attr::SEM_TAKEN)?.map(|a| a.min(u32::MAX as u64) as u32),
+        slots_rev: get_n(item, attr::SEM_REV)?,
+        slot_holders: slot_holders(item)?,
     })
+}
+
+/// A semaphore's holders (DESIGN.md, "Semaphores"): the map keyed by lease_id.
+fn slot_holders(item: &Item) -> Result<Vec<SlotHolder>> {
+    let Some(AttributeValue::M(m)) = item.get(attr::SEM_HOLDERS) else { return Ok(Vec::new()) };
+    let mut holders = Vec::with_capacity(m.len());
+    for (id, v) in m {
+        let AttributeValue::M(h) = v else {
+            return Err(Error::StoreUnavailable("semaphore item: a holder is not a map".into()));
+        };
+        holders.push(SlotHolder {
+            lease_id: LeaseId::from_string(id.clone()),
+            fence: need(get_n(h, attr::FENCE)?, attr::FENCE)?,
+            holder: need(get_s(h, attr::HOLDER)?, attr::HOLDER)?,
+            acquired_at_ms: need(get_n(h, attr::ACQUIRED_AT)?, attr::ACQUIRED_AT)?,
+            renewed_at_ms: need(get_n(h, attr::RENEWED_AT)?, attr::RENEWED_AT)?,
+            expires_at_ms: need(get_n(h, attr::EXPIRES_AT)?, attr::EXPIRES_AT)?,
+            duration_ms: need(get_n(h, attr::DURATION)?, attr::DURATION)?,
+            released_at_ms: get_n(h, attr::RELEASED_AT)?,
+            metadata: get_json(h, attr::METADATA, "semaphore item: metadata is not a JSON object")?,
+        });
+    }
+    holders.sort_by_key(|h| h.fence);
+    Ok(holders)
+}
+
+/// One holder's entry in a semaphore's map.
+pub(super) fn slot_holder_value(h: &SlotHolder) -> AttributeValue {
+    let mut m = HashMap::with_capacity(8);
+    m.insert(attr::FENCE.to_string(), num(h.fence));
+    m.insert(attr::HOLDER.to_string(), str_(&h.holder));
+    m.insert(attr::ACQUIRED_AT.to_string(), num(h.acquired_at_ms));
+    m.insert(attr::RENEWED_AT.to_string(), num(h.renewed_at_ms));
+    m.insert(attr::EXPIRES_AT.to_string(), num(h.expires_at_ms));
+    m.insert(attr::DURATION.to_string(), num(h.duration_ms));
+    if let Some(r) = h.released_at_ms {
+        m.insert(attr::RELEASED_AT.to_string(), num(r));
+    }
+    if let Some(md) = &h.metadata {
+        m.insert(attr::METADATA.to_string(), AttributeValue::S(serde_json::Value::Object(md.clone()).to_string()));
+    }
+    AttributeValue::M(m)
+}
+
+/// The whole item of a new semaphore (DESIGN.md, "Semaphores").
+pub(super) fn semaphore_item(r: &Record) -> Item {
+    let holders = r.slot_holders.iter().map(|h| (h.lease_id.expose().to_string(), slot_holder_value(h))).collect();
+    let mut item: Item = HashMap::with_capacity(10);
+    let mut put = |a: &str, v: AttributeValue| {
+        item.insert(a.to_string(), v);
+    };
+    put(attr::KEY, str_(&r.key));
+    put(attr::FENCE, num(r.fence));
+    put(attr::HOLDER, str_(&r.holder));
+    put(attr::LEASE_ID, str_(r.lease_id.expose()));
+    put(attr::ACQUIRED_AT, num(r.acquired_at_ms));
+    put(attr::MIN_HOLD_UNTIL, num(r.min_hold_until_ms));
+    if let Some(t) = r.ttl {
+        put(attr::TTL, num(t));
+    }
+    put(attr::SEM_SLOTS, num(r.slots.unwrap_or(1) as u64));
+    put(attr::SEM_TAKEN, num(r.slots_taken.unwrap_or(0) as u64));
+    put(attr::SEM_REV, num(r.slots_rev.unwrap_or(0)));
+    put(attr::SEM_HOLDERS, AttributeValue::M(holders));
+    item
 }
 
 /// The item an acquire writes: the whole lease, nothing of the previous one.

@@ -35,7 +35,7 @@ mod scan;
 pub(crate) use item::record_from_item;
 pub use render::expressions;
 
-use item::{key_map, lease_item, waiter_item, Item};
+use item::{key_map, lease_item, semaphore_item, waiter_item, Item};
 use render::Expr;
 
 /// Attribute names of the lease table (see DESIGN.md, "Item schema").
@@ -72,6 +72,11 @@ pub mod attr {
     pub const STATE_SHARD: &str = "state_shard";
     pub(crate) const STATE_SINCE: &str = "state_since_ms";
     pub(crate) const ATTEMPTS: &str = "attempts";
+    /// A semaphore (DESIGN.md, "Semaphores"): N, holders counted, revision, the holders' map.
+    pub(crate) const SEM_SLOTS: &str = "sem_slots";
+    pub(crate) const SEM_TAKEN: &str = "sem_taken";
+    pub(crate) const SEM_REV: &str = "sem_rev";
+    pub(crate) const SEM_HOLDERS: &str = "sem_holders";
 
     /// Every attribute above.
     pub const ALL: &[&str] = &[
@@ -104,6 +109,10 @@ pub mod attr {
         STATE_SHARD,
         STATE_SINCE,
         ATTEMPTS,
+        SEM_SLOTS,
+        SEM_TAKEN,
+        SEM_REV,
+        SEM_HOLDERS,
     ];
 
     /// The attributes that are DynamoDB reserved words, so an expression must name them through
@@ -393,6 +402,7 @@ impl Store for DynamoStore {
         match mutation {
             Mutation::Acquire(n) => self.put_item(condition, lease_item(key, n), n.record(key)).await,
             Mutation::PutWaiter(r) => self.put_item(condition, waiter_item(r)?, (**r).clone()).await,
+            Mutation::PutSemaphore(r) => self.put_item(condition, semaphore_item(r), (**r).clone()).await,
             _ => self.update_item(key, condition, mutation).await,
         }
     }

@@ -35,10 +35,22 @@ use crate::store::{keepalive_shard, Condition, Mutation, NewLease, KEEPALIVE_SHA
 struct Guard {
     text: &'static str,
     values: Vec<(&'static str, AttributeValue)>,
+    /// Aliases whose name is not the alias itself: `#lease_id`, a semaphore holder's key in
+    /// the `sem_holders` map.
+    names: Vec<(&'static str, String)>,
 }
 
 fn guard(text: &'static str, values: impl IntoIterator<Item = (&'static str, AttributeValue)>) -> Guard {
-    Guard { text, values: values.into_iter().collect() }
+    Guard { text, values: values.into_iter().collect(), names: Vec::new() }
+}
+
+/// A guard on the semaphore holder `lease_id`'s entry (`sem_holders.#lease_id`).
+fn slot_guard(
+    text: &'static str,
+    lease_id: &crate::model::LeaseId,
+    values: impl IntoIterator<Item = (&'static str, AttributeValue)>,
+) -> Guard {
+    Guard { names: vec![("lease_id", lease_id.expose().to_string())], ..guard(text, values) }
 }
 
 fn id(lease_id: &crate::model::LeaseId) -> AttributeValue {
@@ -59,6 +71,37 @@ fn condition_guard(c: &Condition) -> Guard {
         | QueueIdle
         | HandTo { .. } => queue_guard(c),
         FreeIn { .. } | Enterable { .. } => state_guard(c),
+        SlotFree { .. } | SlotsAsRead { .. } | SlotRenew { .. } | SlotUnreleased { .. } => semaphore_guard(c),
+    }
+}
+
+/// The conditions of a semaphore's writes (DESIGN.md, "Semaphores").
+fn semaphore_guard(c: &Condition) -> Guard {
+    match c {
+        // A semaphore with fewer than N holders counted, a lower last fence, and no entry of
+        // this lease_id (single-use; a retry finds its entry in the refused answer).
+        Condition::SlotFree { fence, lease_id, slots } => slot_guard(
+            "attribute_exists(sem_slots) AND sem_taken < :slots AND fence < :fence \
+             AND attribute_not_exists(sem_holders.#lease_id)",
+            lease_id,
+            [("slots", num(*slots as u64)), ("fence", num(*fence))],
+        ),
+        // The item as read: cleaning, tidying and evicting count what they read.
+        Condition::SlotsAsRead { rev } => guard("sem_rev = :expected_rev", [("expected_rev", num(*rev))]),
+        // This holder live, this renewal newer, the expiry never backwards.
+        Condition::SlotRenew { lease_id, now_ms, expires_at_ms } => slot_guard(
+            "sem_holders.#lease_id.expires_at_ms > :now AND attribute_not_exists(sem_holders.#lease_id.released_at_ms) \
+             AND sem_holders.#lease_id.renewed_at_ms < :now AND sem_holders.#lease_id.expires_at_ms <= :expires_at",
+            lease_id,
+            [("now", num(*now_ms)), ("expires_at", num(*expires_at_ms))],
+        ),
+        // This holder's entry, not released yet (a retried release finds it released).
+        Condition::SlotUnreleased { lease_id } => slot_guard(
+            "attribute_exists(sem_holders.#lease_id) AND attribute_not_exists(sem_holders.#lease_id.released_at_ms)",
+            lease_id,
+            [],
+        ),
+        _ => unreachable!("not a semaphore condition: {c:?}"),
     }
 }
 
@@ -228,7 +271,8 @@ impl Expr {
     pub(super) fn condition(&mut self, c: &Condition) -> String {
         let g = condition_guard(c);
         for a in tokens(g.text, '#') {
-            self.names.insert(format!("#{a}"), a.to_string());
+            let name = g.names.iter().find(|(n, _)| *n == a).map_or(a.to_string(), |(_, v)| v.clone());
+            self.names.insert(format!("#{a}"), name);
         }
         for (name, value) in g.values {
             self.v(name, value);
@@ -321,6 +365,104 @@ impl Expr {
             }
             Grant { lease, seq, token } => self.grant(key, lease, *seq, token),
             Enter { .. } | ReleaseTo { .. } | ClearTtl => self.state_update(m),
+            PutSemaphore(_) => unreachable!("a whole item is a PutItem"),
+            TakeSlot { .. } | RenewSlot { .. } | ReleaseSlot { .. } | EvictSlots { .. } | TidySlots { .. } => {
+                self.slot_update(m)
+            }
+        }
+    }
+
+    /// `sem_holders.#alias`, the alias naming the holder's lease_id.
+    fn holder_path(&mut self, alias: &str, lease_id: &crate::model::LeaseId) -> String {
+        self.names.insert(format!("#{alias}"), lease_id.expose().to_string());
+        format!("{}.#{alias}", attr::SEM_HOLDERS)
+    }
+
+    /// `lhs = rhs` for a document path.
+    fn set_path(&mut self, lhs: String, rhs: String) {
+        self.set.push(format!("{lhs} = {rhs}"));
+    }
+
+    /// `attribute = attribute + :one` (`-` with `minus`).
+    fn bump(&mut self, attribute: &str, minus: bool) {
+        let a = self.n(attribute);
+        let one = self.v("one", num(1));
+        self.set(attribute, format!("{a} {} {one}", if minus { "-" } else { "+" }));
+    }
+
+    /// The semaphore's writes (DESIGN.md, "Semaphores"); each bumps `sem_rev` and sets the TTL.
+    fn slot_update(&mut self, m: &Mutation) {
+        match m {
+            Mutation::TakeSlot { slot, slots, ttl, clean } => {
+                let p = self.holder_path("lease_id", &slot.lease_id);
+                let v = self.v("slot_holder", super::item::slot_holder_value(slot));
+                self.set_path(p, v);
+                self.set_value(attr::FENCE, num(slot.fence));
+                self.set_value(attr::SEM_SLOTS, num(*slots as u64));
+                match clean {
+                    None => self.bump(attr::SEM_TAKEN, false),
+                    Some((ended, taken)) => {
+                        self.remove_holders("ended", ended);
+                        self.set_value(attr::SEM_TAKEN, num(*taken as u64));
+                    }
+                }
+                self.bump(attr::SEM_REV, false);
+                self.set_value(attr::TTL, num(*ttl));
+            }
+            Mutation::RenewSlot { lease_id, now_ms, duration_ms, ttl } => {
+                let p = self.holder_path("lease_id", lease_id);
+                let e = self.v("expires_at", num(now_ms + duration_ms));
+                self.set_path(format!("{p}.{}", attr::EXPIRES_AT), e);
+                let d = self.v("duration_ms", num(*duration_ms));
+                self.set_path(format!("{p}.{}", attr::DURATION), d);
+                let now = self.v("now", num(*now_ms));
+                self.set_path(format!("{p}.{}", attr::RENEWED_AT), now);
+                self.bump(attr::SEM_REV, false);
+                self.set_value(attr::TTL, num(*ttl));
+            }
+            Mutation::ReleaseSlot { lease_id, now_ms, ttl } => {
+                let p = self.holder_path("lease_id", lease_id);
+                let now = self.v("now", num(*now_ms));
+                self.set_path(format!("{p}.{}", attr::RELEASED_AT), now.clone());
+                self.set_path(format!("{p}.{}", attr::EXPIRES_AT), now);
+                self.bump(attr::SEM_TAKEN, true);
+                self.bump(attr::SEM_REV, false);
+                self.set_value(attr::TTL, num(*ttl));
+            }
+            _ => self.slot_sweep(m),
+        }
+    }
+
+    /// The semaphore's writes under the item as read: force-release and tidying.
+    fn slot_sweep(&mut self, m: &Mutation) {
+        match m {
+            Mutation::EvictSlots { evicted, now_ms, taken, ttl } => {
+                let (now, zero) = (self.v("now", num(*now_ms)), self.v("zero", num(0)));
+                for (i, id) in evicted.iter().enumerate() {
+                    let p = self.holder_path(&format!("evicted{i}"), id);
+                    self.set_path(format!("{p}.{}", attr::RELEASED_AT), now.clone());
+                    self.set_path(format!("{p}.{}", attr::EXPIRES_AT), zero.clone());
+                }
+                self.set_value(attr::SEM_TAKEN, num(*taken as u64));
+                self.bump(attr::FENCE, false);
+                self.bump(attr::SEM_REV, false);
+                self.set_value(attr::TTL, num(*ttl));
+            }
+            Mutation::TidySlots { ended, taken, ttl } => {
+                self.set_value(attr::SEM_TAKEN, num(*taken as u64));
+                self.bump(attr::SEM_REV, false);
+                self.set_value(attr::TTL, num(*ttl));
+                self.remove_holders("ended", ended);
+            }
+            _ => unreachable!("not a semaphore update: {m:?}"),
+        }
+    }
+
+    /// `REMOVE sem_holders.#ended0, ...`.
+    fn remove_holders(&mut self, alias: &str, ids: &[crate::model::LeaseId]) {
+        for (i, id) in ids.iter().enumerate() {
+            let p = self.holder_path(&format!("{alias}{i}"), id);
+            self.remove.push(p);
         }
     }
 
@@ -485,7 +627,7 @@ impl Expr {
 pub fn expressions(condition: &Condition, mutation: &Mutation) -> (String, String) {
     let mut x = Expr::default();
     let cond = x.condition(condition);
-    if !matches!(mutation, Mutation::Acquire(_) | Mutation::PutWaiter(_)) {
+    if !matches!(mutation, Mutation::Acquire(_) | Mutation::PutWaiter(_) | Mutation::PutSemaphore(_)) {
         x.mutation("", mutation);
     }
     (cond, x.update_expression())
@@ -574,6 +716,36 @@ mod tests {
             (Condition::FenceIs(3), Some(Mutation::WaitsIn { coordinator: "c".into() })),
             (Condition::Unqueued { lease_id: id.clone() }, Some(Mutation::Release { now_ms: now, ttl: 2 })),
             (Condition::ReleaseHandOver { lease_id: id.clone(), fence: 3, now_ms: now, head: 5 }, None),
+            // Semaphores: take, clean and take, tidy, heartbeat, release, force-release.
+            (
+                Condition::SlotFree { fence: 4, lease_id: id.clone(), slots: 3 },
+                Some(Mutation::TakeSlot { slot: Box::new(slot(&id)), slots: 3, ttl: 2, clean: None }),
+            ),
+            (
+                Condition::SlotsAsRead { rev: 7 },
+                Some(Mutation::TakeSlot {
+                    slot: Box::new(slot(&id)),
+                    slots: 3,
+                    ttl: 2,
+                    clean: Some((vec![LeaseId::generate()], 2)),
+                }),
+            ),
+            (
+                Condition::SlotsAsRead { rev: 7 },
+                Some(Mutation::TidySlots { ended: vec![LeaseId::generate()], taken: 2, ttl: 2 }),
+            ),
+            (
+                Condition::SlotRenew { lease_id: id.clone(), now_ms: now, expires_at_ms: 5 },
+                Some(Mutation::RenewSlot { lease_id: id.clone(), now_ms: now, duration_ms: 4, ttl: 2 }),
+            ),
+            (
+                Condition::SlotUnreleased { lease_id: id.clone() },
+                Some(Mutation::ReleaseSlot { lease_id: id.clone(), now_ms: now, ttl: 2 }),
+            ),
+            (
+                Condition::SlotsAsRead { rev: 7 },
+                Some(Mutation::EvictSlots { evicted: vec![LeaseId::generate()], now_ms: now, taken: 1, ttl: 2 }),
+            ),
         ];
         for (c, m) in writes {
             let (cond, update) = expressions(&c, m.as_ref().unwrap_or(&Mutation::ClearKeepalive));
@@ -587,6 +759,20 @@ mod tests {
                 let line = format!("UpdateExpression: `{update}`");
                 assert!(design.contains(&line), "DESIGN.md lacks {line}");
             }
+        }
+    }
+
+    fn slot(id: &LeaseId) -> crate::model::SlotHolder {
+        crate::model::SlotHolder {
+            lease_id: id.clone(),
+            fence: 4,
+            holder: "h".into(),
+            acquired_at_ms: 1,
+            renewed_at_ms: 1,
+            expires_at_ms: 5,
+            duration_ms: 4,
+            released_at_ms: None,
+            metadata: None,
         }
     }
 
@@ -617,6 +803,10 @@ mod tests {
             Condition::Unqueued { lease_id: id.clone() },
             Condition::ReleaseHandOver { lease_id: id.clone(), fence: 3, now_ms: 1, head: 5 },
             Condition::QueueIdle,
+            Condition::SlotFree { fence: 3, lease_id: id.clone(), slots: 2 },
+            Condition::SlotsAsRead { rev: 3 },
+            Condition::SlotRenew { lease_id: id.clone(), now_ms: 1, expires_at_ms: 4 },
+            Condition::SlotUnreleased { lease_id: id.clone() },
         ];
         let words = ["AND", "OR", "attribute_exists", "attribute_not_exists"];
         for c in &all {
@@ -624,7 +814,12 @@ mod tests {
             let text = x.condition(c);
             let names = x.names().unwrap_or_default();
             for (alias, name) in &names {
-                assert!(attr::RESERVED.contains(&name.as_str()) && alias == &format!("#{name}"), "{text}");
+                // `#lease_id`: a semaphore holder's key in `sem_holders`, the lease_id itself.
+                let holder_key = alias == "#lease_id" && name == id.expose();
+                assert!(
+                    holder_key || attr::RESERVED.contains(&name.as_str()) && alias == &format!("#{name}"),
+                    "{text}"
+                );
             }
             let values = x.values().unwrap_or_default();
             for token in text.split(|ch: char| !(ch.is_ascii_alphanumeric() || "_#:".contains(ch))) {

@@ -1,0 +1,411 @@
+//! Semaphores: at most N holders per key, each with its own lease_id, fence and expiry
+//! (DESIGN.md, "Semaphores"). The take's loop, beside the lease's in `acquire.rs`; its decision
+//! is `sort_take` in `decide.rs`. Heartbeat, release and force-release of one holder follow the
+//! plain write that the semaphore's item refused.
+
+use super::*;
+use crate::model::SlotHolder;
+
+/// A grant that saw more entries than N + this tidies the ended ones away.
+const TIDY_ABOVE: usize = 16;
+
+/// How the next take is written.
+enum How {
+    /// `SlotFree`: a free slot in one request.
+    Blind,
+    /// `Free` + a whole new semaphore item (no item, or a free plain lease).
+    Make,
+    /// `SlotsAsRead`: the ended entries of the item read cleaned, and a slot taken.
+    Clean(Box<Record>),
+}
+
+/// One semaphore acquire call's state across its takes.
+struct Take<'a> {
+    key: &'a str,
+    holder: &'a str,
+    duration_ms: u64,
+    opts: &'a AcquireOptions,
+    slots: u32,
+    lease_id: LeaseId,
+    seen: Option<u64>,
+    how: How,
+    landed: bool,
+}
+
+impl Take<'_> {
+    fn entry(&self, fence: u64, now: u64) -> SlotHolder {
+        SlotHolder {
+            lease_id: self.lease_id.clone(),
+            fence,
+            holder: self.holder.to_string(),
+            acquired_at_ms: now,
+            renewed_at_ms: now,
+            expires_at_ms: now + self.duration_ms,
+            duration_ms: self.duration_ms,
+            released_at_ms: None,
+            metadata: self.opts.metadata.clone(),
+        }
+    }
+}
+
+/// The ended entries of a semaphore at `now`, and the holders counted once they are gone.
+fn ended(r: &Record, now: u64) -> (Vec<LeaseId>, u32) {
+    let gone = r.slot_holders.iter().filter(|h| !h.is_live(now)).map(|h| h.lease_id.clone()).collect();
+    (gone, r.live_slots(now).count() as u32)
+}
+
+impl Coordinator {
+    /// An acquire with `slots >= 2`: one slot of the semaphore `key` (validated by the caller).
+    pub(crate) async fn acquire_slot(
+        &self,
+        key: &str,
+        holder: &str,
+        duration: Duration,
+        opts: &AcquireOptions,
+    ) -> Result<Lease> {
+        let start = self.monotonic();
+        let wait_deadline = start + opts.wait.unwrap_or_default();
+        let mut deadline = wait_deadline.max(start + self.config.retry_budget);
+        if let Some(d) = opts.deadline {
+            deadline = deadline.min(d);
+        }
+        let lease_id = opts.lease_id.clone().unwrap_or_else(LeaseId::generate);
+        let slots = opts.slots.unwrap_or(1);
+        let duration_ms = duration.as_millis() as u64;
+        let mut t =
+            Take { key, holder, duration_ms, opts, slots, lease_id, seen: None, how: How::Blind, landed: false };
+        let res = self.takes(&mut t, wait_deadline, deadline).await;
+        res.map_err(|e| {
+            let open = matches!(e, Error::StoreUnavailable(_) | Error::Throttled(_) | Error::LeaseHeld { .. });
+            let e = if t.landed && open {
+                Error::outcome_unknown(key, format!("{e}; an earlier attempt of this acquire may still land"))
+            } else {
+                e
+            };
+            e.with_lease_id(&t.lease_id)
+        })
+    }
+
+    /// The loop of a semaphore acquire: the clock check, one take, what its answer means.
+    async fn takes(&self, t: &mut Take<'_>, wait_deadline: Instant, deadline: Instant) -> Result<Lease> {
+        loop {
+            self.check_clock(t.key).await?;
+            let (w, sent, now, fence) = self.take_once(t, deadline).await?;
+            match sort_take(w, &t.lease_id, fence, now, t.slots) {
+                SlotAnswer::Granted(r) => {
+                    let lease = self.slot_granted(t, r, sent, now).await;
+                    if lease.safe_until.is_some_and(|s| s > self.monotonic()) {
+                        return Ok(lease);
+                    }
+                    // Answered after its safe time (a stalled request): of no use to the
+                    // holder; the slot is given back and taken anew, as for a lease.
+                    self.drop_late_grant(t.key, &t.lease_id).await;
+                    if t.opts.lease_id.is_some() {
+                        return Err(Error::StoreUnavailable("the store answered after the slot's safe time".into()));
+                    }
+                    (t.lease_id, t.landed, t.how) = (LeaseId::generate(), false, How::Blind);
+                }
+                SlotAnswer::Ended(reason) => {
+                    if t.opts.lease_id.is_some() {
+                        return Err(Error::NotHolder { key: t.key.to_string(), reason });
+                    }
+                    (t.lease_id, t.landed, t.how) = (LeaseId::generate(), false, How::Blind);
+                }
+                SlotAnswer::Make(seen) => (t.seen, t.how) = (seen.or(t.seen), How::Make),
+                SlotAnswer::Above(f) => (t.seen, t.how) = (Some(f), How::Blind),
+                SlotAnswer::Clean(r) => (t.seen, t.how) = (Some(r.fence), How::Clean(Box::new(r))),
+                SlotAnswer::Held(r) => {
+                    t.how = How::Blind;
+                    self.slot_held(t, &r, wait_deadline).await?;
+                }
+            }
+            if self.monotonic() >= deadline {
+                return Err(Error::StoreUnavailable(format!("{:?} kept changing until the deadline", t.key)));
+            }
+        }
+    }
+
+    /// One take, written as `t.how` says; its answer, when it was sent, the clock, the fence.
+    async fn take_once(&self, t: &mut Take<'_>, deadline: Instant) -> Result<(Write, Instant, u64, u64)> {
+        let mut fence = 0;
+        let max = self.max_duration_ms();
+        let mut landed = t.landed;
+        let res = self
+            .write_noting(
+                t.key,
+                deadline,
+                Some(&t.lease_id),
+                |now| {
+                    fence = self.next_fence(t.key, t.seen)?;
+                    let ttl = self.ttl_after(now + max);
+                    let slot = Box::new(t.entry(fence, now));
+                    Ok(match &t.how {
+                        How::Blind => (
+                            Condition::SlotFree { fence, lease_id: t.lease_id.clone(), slots: t.slots },
+                            Mutation::TakeSlot { slot, slots: t.slots, ttl, clean: None },
+                        ),
+                        How::Make => (
+                            Condition::Free { now_ms: now, fence, lease_id: t.lease_id.clone() },
+                            Mutation::PutSemaphore(Box::new(new_semaphore(t, *slot, ttl))),
+                        ),
+                        How::Clean(r) => {
+                            let (gone, live) = ended(r, now);
+                            let rev = r.slots_rev.unwrap_or(0);
+                            let clean = Some((gone, live + 1));
+                            (Condition::SlotsAsRead { rev }, Mutation::TakeSlot { slot, slots: t.slots, ttl, clean })
+                        }
+                    })
+                },
+                &mut landed,
+            )
+            .await;
+        t.landed = landed;
+        let (w, sent, now) = res.map_err(|f| f.into_error(t.key))?;
+        Ok((w, sent, now, fence))
+    }
+
+    /// The slot is ours. A grant that saw many ended entries tidies them (best effort).
+    async fn slot_granted(&self, t: &Take<'_>, r: Record, sent: Instant, now: u64) -> Lease {
+        self.note_semaphore(t.key);
+        if r.slot_holders.len() > r.slots.unwrap_or(1) as usize + TIDY_ABOVE {
+            let (gone, live) = ended(&r, now);
+            let ttl = self.ttl_after(now + self.max_duration_ms());
+            let cond = Condition::SlotsAsRead { rev: r.slots_rev.unwrap_or(0) };
+            let _ = self.store.update(t.key, &cond, &Mutation::TidySlots { ended: gone, taken: live, ttl }).await;
+        }
+        let h = r.slot(&t.lease_id).expect("a granted take has its entry");
+        h.lease(t.key, r.slots, sent, now, self.skew_ms())
+    }
+
+    /// Full, or a live plain lease: sleep until the next slot frees (or `poll_max`), or answer
+    /// `LeaseHeld` with when it frees once the wait is over.
+    async fn slot_held(&self, t: &Take<'_>, r: &Record, wait_deadline: Instant) -> Result<()> {
+        let now = self.now_ms();
+        let (holder, expires) = match r.live_slots(now).min_by_key(|h| h.expires_at_ms) {
+            Some(h) => (h.holder.clone(), Some(h.expires_at_ms)),
+            None => (r.holder.clone(), r.expires_at_ms),
+        };
+        let left = wait_deadline.saturating_duration_since(self.monotonic());
+        if left.is_zero() {
+            return Err(Error::LeaseHeld { key: t.key.to_string(), holder, expires_at_ms: expires });
+        }
+        let until = expires.map_or(self.config.poll_max, |e| Duration::from_millis(e.saturating_sub(now) + 1));
+        let base = until.min(self.config.poll_max);
+        let pause = crate::backoff::uniform(base / 2, base * 3 / 2).min(left);
+        tokio::time::sleep(pause).await;
+        Ok(())
+    }
+}
+
+impl Coordinator {
+    /// Remembers `key` as a semaphore (bounded: forgotten wholesale past 4,096 keys).
+    pub(crate) fn note_semaphore(&self, key: &str) {
+        let mut known = self.semaphores.lock().unwrap_or_else(|p| p.into_inner());
+        if known.len() >= 4096 {
+            known.clear();
+        }
+        known.insert(key.to_string());
+    }
+
+    /// Was `key` a semaphore when this coordinator last saw it?
+    pub(crate) fn known_semaphore(&self, key: &str) -> bool {
+        self.semaphores.lock().unwrap_or_else(|p| p.into_inner()).contains(key)
+    }
+
+    /// Renews the semaphore holder `lease_id` of `key`, whose item `r` refused the plain
+    /// heartbeat. Without a duration, by the holder's stored one.
+    pub(crate) async fn heartbeat_slot(
+        &self,
+        key: &str,
+        lease_id: &LeaseId,
+        duration: Option<Duration>,
+        deadline: Instant,
+        r: &Record,
+    ) -> Result<Lease> {
+        self.note_semaphore(key);
+        let now = self.now_ms();
+        let Some(h) = r.slot(lease_id).filter(|h| h.is_live(now)) else {
+            return Err(slot_not_holder(key, lease_id, r, now));
+        };
+        let d = duration.map_or(h.duration_ms, |d| d.as_millis() as u64);
+        match self.renew_slot(key, lease_id, d, deadline).await? {
+            Ok(lease) => Ok(lease),
+            Err((r, now)) => Err(self.slot_or_plain_not_holder(key, lease_id, r.as_ref(), now)),
+        }
+    }
+
+    /// The semaphore holder's renewal by `d` ms: the lease, or the refusing item (none: no
+    /// item) and the clock it was judged by.
+    pub(crate) async fn renew_slot(
+        &self,
+        key: &str,
+        lease_id: &LeaseId,
+        d: u64,
+        deadline: Instant,
+    ) -> Result<std::result::Result<Lease, (Option<Record>, u64)>> {
+        let max = self.max_duration_ms();
+        let (w, sent, now) = self
+            .write(key, deadline, |now| {
+                let cond = Condition::SlotRenew { lease_id: lease_id.clone(), now_ms: now, expires_at_ms: now + d };
+                let ttl = self.ttl_after(now + max);
+                Ok((cond, Mutation::RenewSlot { lease_id: lease_id.clone(), now_ms: now, duration_ms: d, ttl }))
+            })
+            .await
+            .map_err(|f| f.into_error(key))?;
+        // Refused but still live: a later renewal landed, or a shorter one was asked; the
+        // holder as it is.
+        let r = match w {
+            Write::Applied(r) => r,
+            Write::Rejected(Some(r)) if r.slot(lease_id).is_some_and(|h| h.is_live(now)) => r,
+            Write::Rejected(r) => return Ok(Err((r, now))),
+        };
+        let h = r.slot(lease_id).expect("a live holder has its entry");
+        Ok(Ok(h.lease(key, r.slots, sent, now, self.skew_ms())))
+    }
+
+    /// Releases the semaphore holder `lease_id` of `key`. Idempotent: a released holder whose
+    /// entry is still in the map answers `already_released`.
+    pub(crate) async fn release_slot(&self, key: &str, lease_id: &LeaseId) -> Result<Released> {
+        self.note_semaphore(key);
+        match self.free_slot(key, lease_id).await? {
+            Ok(released) => Ok(released),
+            Err((r, now)) => Err(self.slot_or_plain_not_holder(key, lease_id, r.as_ref(), now)),
+        }
+    }
+
+    /// A release on a key this coordinator saw as a semaphore (and into no work state): the
+    /// holder's slot first, in one request; `None` when the item is no semaphore (the plain
+    /// release follows).
+    pub(crate) async fn release_known_slot(
+        &self,
+        key: &str,
+        lease_id: &LeaseId,
+        state: Option<&str>,
+    ) -> Result<Option<Released>> {
+        if state.is_some() || !self.known_semaphore(key) {
+            return Ok(None);
+        }
+        match self.free_slot(key, lease_id).await? {
+            Ok(released) => Ok(Some(released)),
+            Err((Some(r), now)) if r.slots.is_some() => {
+                Err(self.slot_or_plain_not_holder(key, lease_id, Some(&r), now))
+            }
+            Err(_) => Ok(None),
+        }
+    }
+
+    /// The semaphore holder's release: the answer, or the refusing item (none: no item) and
+    /// the clock it was judged by.
+    pub(crate) async fn free_slot(
+        &self,
+        key: &str,
+        lease_id: &LeaseId,
+    ) -> Result<std::result::Result<Released, (Option<Record>, u64)>> {
+        let deadline = self.monotonic() + self.config.retry_budget;
+        let max = self.max_duration_ms();
+        let (w, _, now) = self
+            .write(key, deadline, |now| {
+                let ttl = self.ttl_after(now + max);
+                let cond = Condition::SlotUnreleased { lease_id: lease_id.clone() };
+                Ok((cond, Mutation::ReleaseSlot { lease_id: lease_id.clone(), now_ms: now, ttl }))
+            })
+            .await
+            .map_err(|f| f.into_error(key))?;
+        let (r, already) = match w {
+            Write::Applied(r) => (r, false),
+            Write::Rejected(Some(r)) if r.slot(lease_id).is_some_and(|h| h.released_at_ms.is_some()) => (r, true),
+            Write::Rejected(r) => return Ok(Err((r, now))),
+        };
+        let h = r.slot(lease_id).expect("a released holder has its entry");
+        let at = h.released_at_ms.unwrap_or(now);
+        Ok(Ok(Released {
+            key: key.to_string(),
+            fence: h.fence,
+            released_at_ms: at,
+            free_at_ms: at,
+            already_released: already,
+            state: None,
+        }))
+    }
+
+    pub(crate) fn slot_or_plain_not_holder(
+        &self,
+        key: &str,
+        lease_id: &LeaseId,
+        r: Option<&Record>,
+        now: u64,
+    ) -> Error {
+        match r {
+            Some(r) if r.slots.is_some() => slot_not_holder(key, lease_id, r, now),
+            r => self.not_holder(key, lease_id, r, now),
+        }
+    }
+
+    /// Operator release of a semaphore's holders: the one whose fence is `fence`, or every
+    /// unreleased one; the fence moves past all issued. `None`: `key` is no semaphore.
+    pub(crate) async fn force_release_slots(&self, key: &str, fence: Option<u64>) -> Result<Option<LeaseState>> {
+        let deadline = self.monotonic() + self.config.retry_budget;
+        let max = self.max_duration_ms();
+        loop {
+            let Some(r) = self.read(deadline, || self.store.get(key)).await? else {
+                return Err(Error::NotFound { key: key.to_string() });
+            };
+            if r.slots.is_none() {
+                return Ok(None);
+            }
+            let hit = |h: &&SlotHolder| h.released_at_ms.is_none() && fence.is_none_or(|f| h.fence == f);
+            let evicted: Vec<LeaseId> = r.slot_holders.iter().filter(hit).map(|h| h.lease_id.clone()).collect();
+            if evicted.is_empty() && fence.is_some() {
+                return Err(Error::NotFound { key: format!("{key} (no unreleased holder with fence {fence:?})") });
+            }
+            let taken = r.slot_holders.iter().filter(|h| h.released_at_ms.is_none()).count() - evicted.len();
+            let (w, _, now) = self
+                .write(key, deadline, |now| {
+                    let m = Mutation::EvictSlots {
+                        evicted: evicted.clone(),
+                        now_ms: now,
+                        taken: taken as u32,
+                        ttl: self.ttl_after(now + max),
+                    };
+                    Ok((Condition::SlotsAsRead { rev: r.slots_rev.unwrap_or(0) }, m))
+                })
+                .await
+                .map_err(|f| f.into_error(key))?;
+            match w {
+                Write::Applied(r) => return Ok(Some(r.state(now))),
+                _ if self.monotonic() >= deadline => {
+                    return Err(Error::StoreUnavailable(format!("{key:?} kept changing until the deadline")))
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+/// Why `lease_id` holds no slot of the semaphore `r`.
+fn slot_not_holder(key: &str, lease_id: &LeaseId, r: &Record, now: u64) -> Error {
+    let reason = match r.slot(lease_id) {
+        None => Reason::Missing,
+        Some(h) if h.released_at_ms.is_some() => Reason::Released,
+        Some(h) if !h.is_live(now) => Reason::Expired,
+        Some(_) => Reason::Expired,
+    };
+    Error::NotHolder { key: key.to_string(), reason }
+}
+
+/// The whole item of a new semaphore whose first holder is `slot`.
+fn new_semaphore(t: &Take<'_>, slot: SlotHolder, ttl: u64) -> Record {
+    Record {
+        fence: slot.fence,
+        holder: slot.holder.clone(),
+        lease_id: LeaseId::from_string(crate::store::NO_LEASE),
+        acquired_at_ms: slot.acquired_at_ms,
+        min_hold_until_ms: slot.acquired_at_ms,
+        ttl: Some(ttl),
+        slots: Some(t.slots),
+        slots_taken: Some(1),
+        slots_rev: Some(1),
+        slot_holders: vec![slot],
+        ..Record::key_only(t.key.to_string())
+    }
+}
