@@ -148,7 +148,10 @@ async fn direct_invoke_flow_acquire_held_heartbeat_release_reacquire() {
 /// fence, not `wrong_lease_id`, and changes nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn direct_invoke_retried_release_after_a_hand_over_is_already_released() {
-    let lab = Lab::start(&[], &[]).await;
+    // 30 s instead of the 3 s the functions assume without a deadline: on a loaded machine one
+    // DynamoDB Local request can take the 3 s attempt timeout, and the retry that recognises the
+    // grant by its lease_id needs time left. (What is tested is the retried release's answer.)
+    let lab = Lab::start(&[("LEASEHOLD_ASSUMED_TIMEOUT_MS", "30000".to_string())], &[]).await;
     let key = "flows/direct/hand-over-retry";
     let a = lab.invoke("acquire", &json!({"key": key, "holder": "worker-a", "duration_ms": 30000})).await;
     assert!(a.error_type.is_none(), "{}", a.body);
