@@ -26,6 +26,8 @@ mod pacing;
 mod protocol;
 pub mod queue;
 pub mod store;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod validate;
 mod wakeup;
 
