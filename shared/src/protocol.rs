@@ -520,10 +520,13 @@ impl Coordinator {
                     // key by the release that frees it without having tried since.
                     let offer = Self::offer(holder, &lease_id, duration, &opts, wait.advertise());
                     let pause = self.config.poll_max.min(wait_deadline - now);
-                    if let Some(lease) = self.handed(t.wait_offering(pause, offer).await)? {
+                    if let Some(lease) = self.handed(t.wait_offering(pause, offer, deadline).await)? {
                         wait.granted(lease.1);
                         t.granted = true;
                         return Ok(lease.0);
+                    }
+                    if t.departed() {
+                        return Err(Error::StoreUnavailable(DEPARTED.into()));
                     }
                 }
             }
@@ -653,10 +656,17 @@ impl Coordinator {
                                 // Asleep, this waiter offers its lease to this coordinator's
                                 // releases: one of them may grant it in its own write.
                                 let offer = Self::offer(holder, &lease_id, duration, &opts, wait.advertise());
-                                if let Some(lease) = self.handed(t.wait_offering(pause, offer).await)? {
+                                if let Some(lease) = self.handed(t.wait_offering(pause, offer, deadline).await)? {
                                     wait.granted(lease.1);
                                     t.granted = true;
                                     return Ok(lease.0);
+                                }
+                                // The deadline came while a release was writing this waiter's
+                                // grant: it left (a grant that lands is given back), and tries
+                                // nothing more (its own attempt could find that grant).
+                                if t.departed() {
+                                    let (holder, expires_at_ms) = (r.holder, r.expires_at_ms);
+                                    return Err(Error::LeaseHeld { key: key.to_string(), holder, expires_at_ms });
                                 }
                             }
                             None => tokio::time::sleep(pause).await,
@@ -1062,6 +1072,10 @@ impl Coordinator {
         }
     }
 }
+
+/// The end of a waiter whose deadline came while a release was writing its grant.
+const DEPARTED: &str =
+    "the acquire's deadline passed while a release was handing it the key; the hand-over is given back";
 
 /// What became of a release's hand-over to its in-process waiter.
 enum ToWaiter {

@@ -8,6 +8,7 @@ use leasehold_sim::{run, Settings};
 
 fn main() {
     let mut args = std::env::args().skip(1);
+    let mut verbose = false;
     let (mut seeds, mut one, mut ops, mut coords, mut rate, mut trace) =
         (200u64, None, 5000u64, 3usize, 0.02f64, false);
     while let Some(a) = args.next() {
@@ -19,6 +20,7 @@ fn main() {
             "--coordinators" => coords = val().parse().unwrap_or_else(|_| usage("--coordinators N")),
             "--fault-rate" => rate = val().parse().unwrap_or_else(|_| usage("--fault-rate P")),
             "--trace-hash" => trace = true,
+            "--findings" => verbose = true,
             "-h" | "--help" => usage(""),
             other => usage(&format!("unknown argument {other}")),
         }
@@ -29,6 +31,7 @@ fn main() {
     };
     let started = std::time::Instant::now();
     let (mut operations, mut violations, mut faults) = (0u64, 0u64, BTreeMap::<&str, u64>::new());
+    let mut findings = BTreeMap::<&str, u64>::new();
     let mut last_hash = 0;
     for seed in &list {
         let s = Settings { seed: *seed, ops, coordinators: coords, fault_rate: rate };
@@ -38,7 +41,19 @@ fn main() {
             *faults.entry(k).or_default() += v;
         }
         last_hash = out.trace_hash;
+        for (k, v) in &out.findings {
+            *findings.entry(k).or_default() += v;
+        }
         for v in &out.violations {
+            if v.known {
+                if verbose {
+                    println!("known finding, seed {seed}: {} on {:?}: {}", v.kind, v.key, v.message);
+                    for line in &v.history {
+                        println!("    {line}");
+                    }
+                }
+                continue;
+            }
             violations += 1;
             println!("VIOLATION seed {seed}: {} on {:?}: {}", v.kind, v.key, v.message);
             for line in &v.history {
@@ -51,14 +66,22 @@ fn main() {
     }
     let seconds = started.elapsed().as_secs_f64();
     println!("seeds {}  operations {operations}  violations {violations}  seconds {seconds:.1}", list.len());
+    println!("faults injected:");
     for (k, v) in &faults {
-        println!("  {k:<22} {v}");
+        println!("  {k:<26} {v}");
+    }
+    if !findings.is_empty() {
+        println!("known findings (DESIGN.md, \"Simulation\"; --findings shows them):");
+        for (k, v) in &findings {
+            println!("  {k:<26} {v}");
+        }
     }
     let summary = serde_json::json!({
         "seeds": list.len(),
         "operations": operations,
         "violations": violations,
         "faults": faults,
+        "findings": findings,
         "seconds": (seconds * 10.0).round() / 10.0,
     });
     println!("{summary}");
@@ -75,7 +98,7 @@ fn usage(msg: &str) -> ! {
         eprintln!("{msg}");
     }
     eprintln!(
-        "usage: leasehold-sim [--seeds N | --seed S [--trace-hash]] [--ops N] [--coordinators N] [--fault-rate P]"
+        "usage: leasehold-sim [--seeds N | --seed S [--trace-hash]] [--ops N] [--coordinators N] [--fault-rate P] [--findings]"
     );
     std::process::exit(2)
 }

@@ -209,6 +209,13 @@ impl SimStore {
         std::mem::take(&mut self.state().log)
     }
 
+    /// Puts `log` back in front of the writes applied since it was taken.
+    pub fn put_back_log(&self, mut log: Vec<Applied>) {
+        let mut s = self.state();
+        log.append(&mut s.log);
+        s.log = log;
+    }
+
     /// The item of `key` as it is now, without faults (for checks).
     pub fn peek(&self, key: &str) -> Option<Record> {
         self.state().items.get(key).cloned()
