@@ -5,7 +5,8 @@
 //!   fail-closed leases until released; an operator's force-release evicts without telling).
 //! - **Fences** of the grants on a key strictly increase in the order the store applied them,
 //!   above every fence the key carried before (TTL deletions included).
-//! - **A lease_id is granted at most once** on a key.
+//! - **A lease_id is granted at most once** on a key (once told to a holder).
+//! - **No late answer**: a grant or renewal is never told after its safe time passed.
 //! - **Work items**: a release into the final state answered as done was applied exactly once.
 //!
 //! The run itself checks, as it goes: the guarded resource never sees two leases with one fence
@@ -62,9 +63,37 @@ pub(crate) fn check(events: &[Event], log: &[Applied], t0: Instant) -> Vec<Viola
     let mut out = Vec::new();
     overlaps(events, log, t0, &mut out);
     fences(events, log, &mut out);
+    told_in_time(events, t0, &mut out);
     finished(events, log, &mut out);
     ttl_on_work_items(log, &mut out);
     out
+}
+
+/// A grant or renewal is never handed to a holder after its safe time has passed (a late
+/// answer is released, not told).
+fn told_in_time(events: &[Event], t0: Instant, out: &mut Vec<Violation>) {
+    for e in events {
+        let Event::Told { key, lease, at, until: Some(until), client, batch, .. } = e else { continue };
+        if until < at {
+            // Known finding for batches: a batch answers once every candidate is settled, and a
+            // lease taken early in it may be past its safe time by then.
+            let mut v = Violation::new(
+                if *batch { "batch_lease_told_late" } else { "told_past_safe_time" },
+                key,
+                format!(
+                    "{client} was told lease {} {} ms after its safe time",
+                    short(lease),
+                    ms(t0, *at) - ms(t0, *until)
+                ),
+            );
+            v.at = Some(*at);
+            v.known = *batch;
+            out.push(v);
+            if !*batch {
+                return;
+            }
+        }
+    }
 }
 
 /// Known finding: an item in a work state deleted by TTL (a renewal whose answer was lost
@@ -99,7 +128,7 @@ pub(crate) fn history(
     let mut lines: Vec<(u64, usize, String)> = Vec::new();
     for (i, e) in events.iter().enumerate() {
         let line = match e {
-            Event::Told { key: k, lease, fence, at, until, client } if k == key => (
+            Event::Told { key: k, lease, fence, at, until, client, .. } if k == key => (
                 ms(t0, *at),
                 format!(
                     "{client} told: lease {} fence {fence} safe until {}",
@@ -183,7 +212,7 @@ fn overlaps(events: &[Event], log: &[Applied], t0: Instant, out: &mut Vec<Violat
     let far = t0 + std::time::Duration::from_secs(1 << 30);
     let mut beliefs: BTreeMap<&str, Vec<(Instant, Instant, &str, &str)>> = BTreeMap::new();
     for e in events {
-        let Event::Told { key, lease, fence, at, until, client } = e else { continue };
+        let Event::Told { key, lease, fence, at, until, client, .. } = e else { continue };
         let mut stop = until.unwrap_or(far);
         if let Some(end) = ends.get(&(key.as_str(), lease.as_str())) {
             stop = stop.min(*end);
@@ -317,7 +346,7 @@ pub(crate) fn trace_hash(events: &[Event], log: &[Applied], t0: Instant) -> u64 
     let us = |t: Instant| t.saturating_duration_since(t0).as_micros() as u64;
     for e in events {
         match e {
-            Event::Told { key, lease, fence, at, until, client } => {
+            Event::Told { key, lease, fence, at, until, client, .. } => {
                 eat(b"T");
                 eat(key.as_bytes());
                 eat(lease.as_bytes());

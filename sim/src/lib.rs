@@ -83,7 +83,7 @@ pub fn run(settings: &Settings) -> Outcome {
 pub(crate) enum Event {
     /// A grant or renewal: the lease is the client's from `at` until `until` (`None`: until
     /// released, fail-closed).
-    Told { key: String, lease: String, fence: u64, at: Instant, until: Option<Instant>, client: String },
+    Told { key: String, lease: String, fence: u64, at: Instant, until: Option<Instant>, client: String, batch: bool },
     /// The client stopped believing it holds the lease (release sent, told it lost it, crashed).
     End { key: String, lease: String, at: Instant },
     /// An operator force-released the key: whoever held it was evicted without being told.
@@ -516,6 +516,7 @@ fn told(world: &Shared, client: &str, l: &Lease) {
         at,
         until: l.safe_until,
         client: client.to_string(),
+        batch: l.state.is_some(),
     });
 }
 

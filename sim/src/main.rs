@@ -9,6 +9,8 @@ use leasehold_sim::{run, Settings};
 fn main() {
     let mut args = std::env::args().skip(1);
     let mut verbose = false;
+    // Stop at the first seed with a violation (how many seeds it takes to find a bug).
+    let mut first = false;
     let (mut seeds, mut one, mut ops, mut coords, mut rate, mut trace) =
         (200u64, None, 5000u64, 3usize, 0.02f64, false);
     while let Some(a) = args.next() {
@@ -21,6 +23,7 @@ fn main() {
             "--fault-rate" => rate = val().parse().unwrap_or_else(|_| usage("--fault-rate P")),
             "--trace-hash" => trace = true,
             "--findings" => verbose = true,
+            "--first" => first = true,
             "-h" | "--help" => usage(""),
             other => usage(&format!("unknown argument {other}")),
         }
@@ -33,7 +36,8 @@ fn main() {
     let (mut operations, mut violations, mut faults) = (0u64, 0u64, BTreeMap::<&str, u64>::new());
     let mut findings = BTreeMap::<&str, u64>::new();
     let mut last_hash = 0;
-    for seed in &list {
+    let mut ran = None;
+    for (i, seed) in list.iter().enumerate() {
         let s = Settings { seed: *seed, ops, coordinators: coords, fault_rate: rate };
         let out = run(&s);
         operations += out.operations;
@@ -63,9 +67,14 @@ fn main() {
                 "    replay: cargo run --release -p leasehold-sim -- --seed {seed} --ops {ops} --coordinators {coords} --fault-rate {rate}"
             );
         }
+        if first && violations > 0 {
+            ran = Some(i + 1);
+            break;
+        }
     }
     let seconds = started.elapsed().as_secs_f64();
-    println!("seeds {}  operations {operations}  violations {violations}  seconds {seconds:.1}", list.len());
+    let ran = ran.unwrap_or(list.len());
+    println!("seeds {ran}  operations {operations}  violations {violations}  seconds {seconds:.1}");
     println!("faults injected:");
     for (k, v) in &faults {
         println!("  {k:<26} {v}");
@@ -77,7 +86,7 @@ fn main() {
         }
     }
     let summary = serde_json::json!({
-        "seeds": list.len(),
+        "seeds": ran,
         "operations": operations,
         "violations": violations,
         "faults": faults,
@@ -98,7 +107,7 @@ fn usage(msg: &str) -> ! {
         eprintln!("{msg}");
     }
     eprintln!(
-        "usage: leasehold-sim [--seeds N | --seed S [--trace-hash]] [--ops N] [--coordinators N] [--fault-rate P] [--findings]"
+        "usage: leasehold-sim [--seeds N | --seed S [--trace-hash]] [--ops N] [--coordinators N] [--fault-rate P] [--findings] [--first]"
     );
     std::process::exit(2)
 }
