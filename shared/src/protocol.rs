@@ -647,10 +647,13 @@ impl Coordinator {
                     // The key went to another coordinator's in-process line while this acquire
                     // waited: it says so on the item, and that coordinator's next release leaves
                     // the key free for it instead of handing it over again.
-                    if pause.is_some() && wait.missed_turn() && self.turn_elsewhere(&r) {
-                        self.waits_in(key, r.fence).await;
+                    // The mark is written within the pause (best effort), so that the acquire
+                    // still ends by its deadline.
+                    let until = pause.map(|p| self.monotonic() + p);
+                    if let Some(until) = until.filter(|_| wait.missed_turn() && self.turn_elsewhere(&r)) {
+                        let _ = tokio::time::timeout_at(until.into(), self.waits_in(key, r.fence)).await;
                     }
-                    match pause {
+                    match until.map(|u| u.saturating_duration_since(self.monotonic())) {
                         Some(pause) => match ticket.as_mut() {
                             Some(t) => {
                                 // Asleep, this waiter offers its lease to this coordinator's

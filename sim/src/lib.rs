@@ -217,7 +217,7 @@ async fn simulate(s: Settings) -> Outcome {
     let mut faults = Faults::all(s.fault_rate);
     faults.attempt_timeout = ATTEMPT_TIMEOUT;
     faults.ttl_lag_ms = (0, 5000);
-    let store = SimStore::new(truth.clone(), faults, s.seed);
+    let store = SimStore::new(truth.clone(), Faults { attempt_timeout: ATTEMPT_TIMEOUT, ..Faults::none() }, s.seed);
     let world: Shared = Arc::new(Mutex::new(World {
         rng: s.seed.wrapping_mul(0x2545_f491_4f6c_dd1d) ^ 0xdead_beef,
         ops: 0,
@@ -240,6 +240,7 @@ async fn simulate(s: Settings) -> Outcome {
             setup.put(&work_key(i), &todo(s.seed), "setup").await.expect("setup put");
         }
     }
+    store.set_faults(faults);
     let mut nodes: Vec<Option<(Arc<Node>, Vec<tokio::task::JoinHandle<()>>)>> = Vec::new();
     for i in 0..s.coordinators {
         nodes.push(Some(start_node(&world, &store, &truth, i, false)));
