@@ -37,11 +37,18 @@ fn a_seed_replays_to_the_same_trace_hash() {
     assert_eq!(a, b);
 }
 
-/// Seed 8 found an in-process waiter held past its deadline by a release still writing its
-/// grant (1036 ms late). A waiter now leaves at its deadline.
+/// Regression seeds: each found an acquire that ended past its deadline (plus the attempt
+/// timeout), in the simulation as it is now, before the fix named.
+/// - seed 24: an in-process waiter held by a release still writing its grant (1099 ms late);
+///   a waiter now leaves at its deadline (`Ticket::wait_offering`).
+/// - seed 165: the mark of a missed turn (`waits_in`) written after the pause was computed
+///   (1509 ms late); it is now written within the pause.
 #[test]
-fn seed_8_every_acquire_ends_by_its_deadline() {
-    let out = run(&Settings::new(8));
-    let late: Vec<_> = out.violations.iter().filter(|v| v.kind == "wait_past_deadline").map(|v| &v.message).collect();
-    assert!(late.is_empty(), "{late:?}");
+fn regression_seeds_end_every_acquire_by_its_deadline() {
+    for seed in [24, 165] {
+        let out = run(&Settings::new(seed));
+        let late: Vec<_> =
+            out.violations.iter().filter(|v| v.kind == "wait_past_deadline").map(|v| &v.message).collect();
+        assert!(late.is_empty(), "seed {seed}: {late:?}");
+    }
 }
