@@ -168,6 +168,9 @@ struct Node {
     rogue: bool,
 }
 
+/// A coordinator process and its tasks (clients, sweeper).
+type Running = (Arc<Node>, Vec<tokio::task::JoinHandle<()>>);
+
 /// The names of the keys (plain leases) and work items of a run.
 const KEYS: usize = 5;
 const WORK: usize = 8;
@@ -241,7 +244,7 @@ async fn simulate(s: Settings) -> Outcome {
         }
     }
     store.set_faults(faults);
-    let mut nodes: Vec<Option<(Arc<Node>, Vec<tokio::task::JoinHandle<()>>)>> = Vec::new();
+    let mut nodes: Vec<Option<Running>> = Vec::new();
     for i in 0..s.coordinators {
         nodes.push(Some(start_node(&world, &store, &truth, i, false)));
     }
@@ -310,7 +313,7 @@ async fn simulate(s: Settings) -> Outcome {
     for (i, _) in down.drain(..) {
         nodes[i] = Some(start_node(&world, &store, &truth, i, false));
     }
-    let mut all: Vec<(Arc<Node>, Vec<tokio::task::JoinHandle<()>>)> = nodes.into_iter().flatten().collect();
+    let mut all: Vec<Running> = nodes.into_iter().flatten().collect();
     all.extend(rogue);
     for (_, tasks) in all.iter_mut() {
         for t in tasks.drain(..) {
@@ -435,13 +438,7 @@ fn fault_map(c: &FaultCounts) -> BTreeMap<&'static str, u64> {
     ])
 }
 
-fn start_node(
-    world: &Shared,
-    store: &SimStore,
-    truth: &Arc<SimClock>,
-    i: usize,
-    rogue: bool,
-) -> (Arc<Node>, Vec<tokio::task::JoinHandle<()>>) {
+fn start_node(world: &Shared, store: &SimStore, truth: &Arc<SimClock>, i: usize, rogue: bool) -> Running {
     let (offset, ppm, clients) = draw(world, |w| {
         let off = if rogue {
             let o = w.between(2000, 5000) as i64;
@@ -697,6 +694,8 @@ async fn hold(node: &Node, world: &Shared, name: &str, mut lease: Lease, to: Opt
     ended(world, name, &k, &lease.lease_id);
     op(world);
     let r = node.coord.release_to(&k, &lease.lease_id, to.as_deref()).await;
+    // (The release after an unknown outcome is awaited in its own arm.)
+    #[allow(clippy::collapsible_match)]
     match (r, to) {
         (Ok(rel), Some(to)) if !rel.already_released && rel.state.as_deref() == Some(to.as_str()) => {
             let at = now();

@@ -370,7 +370,8 @@ enum Fate {
     Held,
 }
 
-/// A request that outlives its caller (held in the network).
+/// A request that outlives its caller (held in the network). Moved once into its task.
+#[allow(clippy::large_enum_variant)]
 enum OwnedOp {
     Update(String, Condition, Mutation),
     Delete(String, Condition),
