@@ -5,7 +5,7 @@
 //!
 //! Two readings, for two purposes:
 //! - **wall time** (epoch µs/ms): what expiries, fences and TTLs are written in, and what other
-//!   coordinators compare against. It may be wrong, stepped, or skewed; [`skew`] checks it
+//!   coordinators compare against. It may be wrong, stepped, or skewed; `skew` checks it
 //!   against the store's.
 //! - **monotonic time** ([`Instant`]): what deadlines, pauses, and a holder's `safe_until` are
 //!   measured in. It is tokio's clock, so that sleeps and timeouts (tokio's timer) agree with it:
