@@ -28,8 +28,22 @@ pub(crate) fn jitter(d: Duration) -> Duration {
 
 /// A uniform random duration in [lo, hi] (`lo` when `hi <= lo`).
 pub(crate) fn uniform(lo: Duration, hi: Duration) -> Duration {
-    let mut b = [0u8; 8];
-    let r = if getrandom::fill(&mut b).is_ok() { u64::from_le_bytes(b) } else { 0 };
+    let r = random_u64();
     let span = hi.saturating_sub(lo).as_nanos() as u64;
     lo + Duration::from_nanos(if span == 0 { 0 } else { r % (span + 1) })
+}
+
+/// 64 random bits: from the seeded generator of a simulation when one is set on this thread
+/// (feature `testing`), otherwise from the operating system.
+fn random_u64() -> u64 {
+    #[cfg(feature = "testing")]
+    if let Some(r) = crate::random::next_u64() {
+        return r;
+    }
+    let mut b = [0u8; 8];
+    if getrandom::fill(&mut b).is_ok() {
+        u64::from_le_bytes(b)
+    } else {
+        0
+    }
 }

@@ -60,6 +60,12 @@ const PAGE: u32 = 50;
 /// a point set by the clock, so that fresh processes do not all start at shard 0).
 static NEXT_START: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(u32::MAX);
 
+/// Starts the rotation of this process's sweeps afresh (a simulation replaying a seed).
+#[cfg(feature = "testing")]
+pub(crate) fn reset_rotation() {
+    NEXT_START.store(u32::MAX, std::sync::atomic::Ordering::Relaxed);
+}
+
 enum Outcome {
     Renewed,
     Released,

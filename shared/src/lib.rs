@@ -24,7 +24,11 @@ mod keepalive;
 mod model;
 mod protocol;
 pub mod queue;
+#[cfg(feature = "testing")]
+mod random;
 pub mod store;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod validate;
 
 pub use clock::{Clock, ClockSamples, SystemClock};

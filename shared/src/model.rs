@@ -15,6 +15,13 @@ pub struct LeaseId(String);
 impl LeaseId {
     /// 128 bits from the operating system's CSPRNG, as 32 lowercase hex characters.
     pub fn generate() -> Self {
+        // A simulation (feature `testing`) draws ids from its seeded generator, so that a seed
+        // replays exactly.
+        #[cfg(feature = "testing")]
+        if let Some(a) = crate::random::next_u64() {
+            let b = crate::random::next_u64().unwrap_or(0);
+            return LeaseId(format!("{a:016x}{b:016x}"));
+        }
         let mut bytes = [0u8; 16];
         getrandom::fill(&mut bytes).expect("the operating system CSPRNG is unavailable");
         let mut s = String::with_capacity(32);

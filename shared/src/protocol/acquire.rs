@@ -61,6 +61,11 @@ pub(crate) struct Attempts<'a> {
 }
 
 impl Attempts<'_> {
+    /// Has this call left its line (its deadline came while a release was writing its grant)?
+    fn departed(&self) -> bool {
+        self.ticket.as_ref().is_some_and(|t| t.departed())
+    }
+
     /// A lease_id is single-use: after its lease ended, a generated id is replaced, and what
     /// the old one may have done is no longer this call's business.
     fn new_lease_id(&mut self) {
@@ -68,6 +73,10 @@ impl Attempts<'_> {
         *self.landed = false;
     }
 }
+
+/// The end of a waiter whose deadline came while a release was writing its grant.
+const DEPARTED: &str =
+    "the acquire's deadline passed while a release was handing it the key; the hand-over is given back";
 
 /// After one answer: the call is done, or it goes round again.
 // One per attempt, moved at once: boxing the lease would only add an allocation.
@@ -243,6 +252,9 @@ impl Coordinator {
             if let Some(lease) = self.sleep_offering(a, pause).await? {
                 return Ok(Some(lease));
             }
+            if a.departed() {
+                return Err(Error::StoreUnavailable(DEPARTED.into()));
+            }
         }
         Ok(None)
     }
@@ -255,7 +267,7 @@ impl Coordinator {
             return Ok(None);
         };
         let offer = Offer { lease: a.ask.lease(a.lease_id, a.wait.advertise()) };
-        match self.handed(t.wait_offering(pause, offer).await)? {
+        match self.handed(t.wait_offering(pause, offer, a.deadline).await)? {
             Some((lease, poll_ms)) => {
                 a.wait.granted(poll_ms);
                 t.granted = true;
@@ -375,23 +387,28 @@ impl Coordinator {
         let until_expiry =
             r.expires_at_ms.filter(|_| !queued).map(|e| Duration::from_millis(e.saturating_sub(now) + 1));
         let pause = a.wait.held(r.fence, r.poll_ms, until_expiry, a.wait_deadline);
+        let key = a.ask.key;
+        let held =
+            |r: Record| Error::LeaseHeld { key: key.to_string(), holder: r.holder, expires_at_ms: r.expires_at_ms };
+        let Some(until) = pause.map(|p| self.monotonic() + p) else { return Err(held(r)) };
         // The key went to another coordinator's in-process line while this acquire waited: it
         // says so on the item, and that coordinator's next release leaves the key free for it
-        // instead of handing it over again.
-        if pause.is_some() && a.wait.missed_turn() && self.turn_elsewhere(&r) {
-            self.waits_in(a.ask.key, r.fence).await;
+        // instead of handing it over again. The mark is written within the pause (best effort),
+        // so that the acquire still ends by its deadline.
+        if a.wait.missed_turn() && self.turn_elsewhere(&r) {
+            let _ = tokio::time::timeout_at(until.into(), self.waits_in(key, r.fence)).await;
         }
-        let Some(pause) = pause else {
-            return Err(Error::LeaseHeld {
-                key: a.ask.key.to_string(),
-                holder: r.holder,
-                expires_at_ms: r.expires_at_ms,
-            });
-        };
-        Ok(match self.sleep_offering(a, pause).await? {
-            Some(lease) => Next::Done(lease),
-            None => Next::Again,
-        })
+        let pause = until.saturating_duration_since(self.monotonic());
+        if let Some(lease) = self.sleep_offering(a, pause).await? {
+            return Ok(Next::Done(lease));
+        }
+        // The deadline came while a release was writing this waiter's grant: it left (a grant
+        // that lands is given back), and tries nothing more (its own attempt could find that
+        // grant).
+        if a.departed() {
+            return Err(held(r));
+        }
+        Ok(Next::Again)
     }
 
     /// A grant a release handed to this waiter: the lease and the item's advertised poll

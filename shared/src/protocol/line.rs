@@ -209,9 +209,27 @@ impl Ticket {
 
     /// Sleeps `pause` or until woken, whichever comes first, offering `offer` to a releaser meanwhile. Returns the
     /// grant (the item as written, the releaser's send instant and clock) if a release handed
-    /// the key over; the offer is withdrawn before returning, so no grant lands after it.
-    pub async fn wait_offering(&self, pause: Duration, offer: Offer) -> Option<(Record, std::time::Instant, u64)> {
-        *self.hand() = Hand::Open(Some(offer));
+    /// the key over; the offer is withdrawn before returning, so no grant lands after it. A grant
+    /// being written when the pause ends is waited for until `deadline` (the acquire's own): then
+    /// the waiter leaves (a grant landing later is given back) and offers nothing again.
+    pub async fn wait_offering(
+        &self,
+        pause: Duration,
+        offer: Offer,
+        deadline: std::time::Instant,
+    ) -> Option<(Record, std::time::Instant, u64)> {
+        let gone = {
+            let mut hand = self.hand();
+            let gone = matches!(*hand, Hand::Gone);
+            if !gone {
+                *hand = Hand::Open(Some(offer));
+            }
+            gone
+        };
+        if gone {
+            tokio::time::sleep(pause).await;
+            return None;
+        }
         let _ = tokio::time::timeout(pause, self.slot.notify.notified()).await;
         loop {
             {
@@ -226,9 +244,20 @@ impl Ticket {
                     Hand::Claimed => *hand = Hand::Claimed,
                 }
             }
-            // A releaser is writing this waiter's grant: its outcome comes within that write.
-            self.slot.notify.notified().await;
+            // A releaser is writing this waiter's grant: its outcome comes within that write,
+            // unless the acquire's deadline comes first.
+            if tokio::time::timeout_at(deadline.into(), self.slot.notify.notified()).await.is_err() {
+                return match std::mem::replace(&mut *self.hand(), Hand::Gone) {
+                    Hand::Granted(r, sent, now) => Some((*r, sent, now)),
+                    _ => None,
+                };
+            }
         }
+    }
+
+    /// Has this waiter left (its deadline came while a release was writing its grant)?
+    pub fn departed(&self) -> bool {
+        matches!(*self.hand(), Hand::Gone)
     }
 
     fn hand(&self) -> std::sync::MutexGuard<'_, Hand> {

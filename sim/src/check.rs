@@ -1,0 +1,397 @@
+//! The checker: reads a run's history and reports what the protocol promised and did not do.
+//!
+//! - **One holder at a time**: no two leases on a key are believed at once, judged by what
+//!   each client was told (from the answer's arrival until its `safe_until`, or its release;
+//!   fail-closed leases until released; an operator's force-release evicts without telling).
+//! - **Fences** of the grants on a key strictly increase in the order the store applied them,
+//!   above every fence the key carried before (TTL deletions included).
+//! - **A lease_id is granted at most once** on a key (once told to a holder).
+//! - **No late answer**: a grant or renewal is never told after its safe time passed.
+//! - **Work items**: a release into the final state answered as done was applied exactly once.
+//!
+//! The run itself checks, as it goes: the guarded resource never sees two leases with one fence
+//! and never refuses a holder within its safe time; every acquire ends by its deadline; a
+//! coordinator with a clock beyond the skew margin is never granted; after every lease ended,
+//! every key can be taken and every work item is still in a state.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Instant;
+
+use leasehold::store::Mutation;
+use leasehold::testing::Applied;
+
+use crate::Event;
+
+/// One broken promise.
+#[derive(Debug, Clone)]
+pub struct Violation {
+    pub kind: &'static str,
+    pub key: String,
+    pub message: String,
+    /// The history of the key around it (filled in at the end of the run).
+    pub history: Vec<String>,
+    /// When it happened, when known (the history shown ends shortly after).
+    pub at: Option<Instant>,
+    /// A known finding of the protocol, written down (DESIGN.md, "Simulation") and not yet
+    /// fixed: reported, not counted as a violation.
+    pub known: bool,
+}
+
+impl Violation {
+    pub(crate) fn new(kind: &'static str, key: &str, message: String) -> Self {
+        Violation {
+            kind,
+            key: key.to_string(),
+            message,
+            history: Vec::new(),
+            at: Some(tokio::time::Instant::now().into_std()),
+            known: false,
+        }
+    }
+}
+
+fn ms(t0: Instant, t: Instant) -> u64 {
+    t.saturating_duration_since(t0).as_millis() as u64
+}
+
+fn short(id: &str) -> &str {
+    &id[..id.len().min(8)]
+}
+
+/// Every check over the history; the violations carry the key's history around them.
+pub(crate) fn check(events: &[Event], log: &[Applied], t0: Instant) -> Vec<Violation> {
+    let mut out = Vec::new();
+    overlaps(events, log, t0, &mut out);
+    fences(events, log, &mut out);
+    told_in_time(events, t0, &mut out);
+    finished(events, log, &mut out);
+    ttl_on_work_items(log, &mut out);
+    out
+}
+
+/// A grant or renewal is never handed to a holder after its safe time has passed (a late
+/// answer is released, not told).
+fn told_in_time(events: &[Event], t0: Instant, out: &mut Vec<Violation>) {
+    for e in events {
+        let Event::Told { key, lease, at, until: Some(until), client, batch, .. } = e else { continue };
+        if until < at {
+            // Known finding for batches: a batch answers once every candidate is settled, and a
+            // lease taken early in it may be past its safe time by then.
+            let mut v = Violation::new(
+                if *batch { "batch_lease_told_late" } else { "told_past_safe_time" },
+                key,
+                format!(
+                    "{client} was told lease {} {} ms after its safe time",
+                    short(lease),
+                    ms(t0, *at) - ms(t0, *until)
+                ),
+            );
+            v.at = Some(*at);
+            v.known = *batch;
+            out.push(v);
+            if !*batch {
+                return;
+            }
+        }
+    }
+}
+
+/// Known finding: an item in a work state deleted by TTL (a renewal whose answer was lost
+/// left the TTL it wrote; only an answered renewal removes it).
+fn ttl_on_work_items(log: &[Applied], out: &mut Vec<Violation>) {
+    for a in log.iter().filter(|a| a.ttl) {
+        if let Some(old) = a.old.as_ref().filter(|r| r.state.is_some()) {
+            let mut v = Violation::new(
+                "work_item_deleted_by_ttl",
+                &a.key,
+                format!(
+                    "TTL deleted a key in work state {:?} (a renewal left its TTL)",
+                    old.state.as_deref().unwrap_or("")
+                ),
+            );
+            v.at = Some(a.at);
+            v.known = true;
+            out.push(v);
+        }
+    }
+}
+
+/// The history lines of `key` (client events and store writes), in time order.
+pub(crate) fn history(
+    events: &[Event],
+    log: &[Applied],
+    t0: Instant,
+    key: &str,
+    until: Option<Instant>,
+    last: usize,
+) -> Vec<String> {
+    let mut lines: Vec<(u64, usize, String)> = Vec::new();
+    for (i, e) in events.iter().enumerate() {
+        let line = match e {
+            Event::Told { key: k, lease, fence, at, until, client, .. } if k == key => (
+                ms(t0, *at),
+                format!(
+                    "{client} told: lease {} fence {fence} safe until {}",
+                    short(lease),
+                    until.map_or("released".into(), |u| format!("{} ms", ms(t0, u)))
+                ),
+            ),
+            Event::End { key: k, lease, at } if k == key => (ms(t0, *at), format!("lease {} ends", short(lease))),
+            Event::Force { key: k, at } if k == key => (ms(t0, *at), "operator force-release".to_string()),
+            Event::Wrote { key: k, lease, fence, at, accepted, believed } if k == key => (
+                ms(t0, *at),
+                format!(
+                    "lease {} writes with fence {fence} ({}): {}",
+                    short(lease),
+                    if *believed { "within its safe time" } else { "after a pause" },
+                    if *accepted { "accepted" } else { "refused" }
+                ),
+            ),
+            Event::Finished { key: k, lease, at } if k == key => {
+                (ms(t0, *at), format!("lease {} released into the final state", short(lease)))
+            }
+            _ => continue,
+        };
+        lines.push((line.0, i, line.1));
+    }
+    for (i, a) in log.iter().enumerate().filter(|(_, a)| a.key == key) {
+        let what = match (&a.mutation, a.ttl) {
+            (_, true) => "TTL deletion".to_string(),
+            (None, _) => "delete".to_string(),
+            (Some(m), _) => describe(m),
+        };
+        let new = a.new.as_ref().map_or(String::new(), |r| {
+            format!(" -> lease {} fence {} expires {:?}", short(r.lease_id.expose()), r.fence, r.expires_at_ms)
+        });
+        lines.push((ms(t0, a.at), events.len() + i, format!("store applies {what}{new}")));
+    }
+    lines.sort_by_key(|l| (l.0, l.1));
+    if let Some(u) = until {
+        let end = ms(t0, u) + 50;
+        lines.retain(|l| l.0 <= end);
+    }
+    let skip = lines.len().saturating_sub(last);
+    lines.into_iter().skip(skip).map(|(t, _, s)| format!("{t:>9} ms  {s}")).collect()
+}
+
+fn describe(m: &Mutation) -> String {
+    let s = format!("{m:?}");
+    s.split([' ', '(', '{']).next().unwrap_or("").to_string()
+}
+
+/// No two leases of one key believed at once.
+fn overlaps(events: &[Event], log: &[Applied], t0: Instant, out: &mut Vec<Violation>) {
+    // Per lease: its end, and per key the force-releases as they landed (a retried one may land
+    // late, and evict a later lease: the operator's action, not the protocol's).
+    let mut ends: BTreeMap<(&str, &str), Instant> = BTreeMap::new();
+    for e in events {
+        if let Event::End { key, lease, at } = e {
+            ends.entry((key.as_str(), lease.as_str())).or_insert(*at);
+        }
+    }
+    let forces = forces(log);
+    // A holder refused by the guarded resource within its safe time: a newer lease wrote while
+    // it believed it held the key (unless an operator evicted it).
+    for e in events {
+        let Event::Wrote { key, lease, fence, at, accepted: false, believed: true } = e else { continue };
+        let evicted = forces.get(key.as_str()).is_some_and(|fs| fs.iter().any(|(f, old)| *old >= *fence && f <= at));
+        if !evicted {
+            let mut v = Violation::new(
+                "fenced_out_while_safe",
+                key,
+                format!(
+                    "lease {} (fence {fence}) was refused by the guarded resource within its safe time",
+                    short(lease)
+                ),
+            );
+            v.at = Some(*at);
+            out.push(v);
+        }
+    }
+    // Per key: belief intervals (start, stop, lease, client).
+    let far = t0 + std::time::Duration::from_secs(1 << 30);
+    let mut beliefs: BTreeMap<&str, Vec<(Instant, Instant, &str, &str)>> = BTreeMap::new();
+    for e in events {
+        let Event::Told { key, lease, fence, at, until, client, .. } = e else { continue };
+        let mut stop = until.unwrap_or(far);
+        if let Some(end) = ends.get(&(key.as_str(), lease.as_str())) {
+            stop = stop.min(*end);
+        }
+        // An operator's force-release evicts the lease it found (and every older one), even
+        // one whose holder is told of a renewal after it landed.
+        if let Some((f, _)) = forces.get(key.as_str()).and_then(|fs| fs.iter().find(|(_, old)| *old >= *fence)) {
+            stop = stop.min((*f).max(*at));
+        }
+        if stop > *at {
+            beliefs.entry(key.as_str()).or_default().push((*at, stop, lease.as_str(), client.as_str()));
+        }
+    }
+    for (key, mut list) in beliefs {
+        list.sort();
+        let mut active: Vec<(Instant, &str, &str)> = Vec::new();
+        for (start, stop, lease, client) in list {
+            active.retain(|(s, _, _)| *s > start);
+            if let Some((other_stop, other, other_client)) = active.iter().find(|(_, l, _)| *l != lease) {
+                let mut v = Violation::new(
+                    "two_holders",
+                    key,
+                    format!(
+                        "{client} was told lease {} at {} ms while {other_client} believed lease {} until {} ms",
+                        short(lease),
+                        ms(t0, start),
+                        short(other),
+                        ms(t0, *other_stop)
+                    ),
+                );
+                v.at = Some(start);
+                out.push(v);
+                return;
+            }
+            active.push((stop, lease, client));
+        }
+    }
+}
+
+/// Where force-releases landed: per key, when and over which fence.
+fn forces(log: &[Applied]) -> BTreeMap<&str, Vec<(Instant, u64)>> {
+    let mut out: BTreeMap<&str, Vec<(Instant, u64)>> = BTreeMap::new();
+    for a in log {
+        if let (Some(Mutation::ForceRelease { .. }), Some(old)) = (&a.mutation, &a.old) {
+            out.entry(a.key.as_str()).or_default().push((a.at, old.fence));
+        }
+    }
+    out
+}
+
+/// Fences strictly increase in grant order; a lease_id is granted once.
+fn fences(events: &[Event], log: &[Applied], out: &mut Vec<Violation>) {
+    // When each lease was first told to a client.
+    let mut told: BTreeMap<(&str, &str), Instant> = BTreeMap::new();
+    for e in events {
+        if let Event::Told { key, lease, at, .. } = e {
+            told.entry((key.as_str(), lease.as_str())).or_insert(*at);
+        }
+    }
+    let mut top: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut granted: BTreeSet<(&str, &str)> = BTreeSet::new();
+    for a in log {
+        let grant = match a.mutation.as_ref() {
+            Some(Mutation::Acquire(n)) => Some(n),
+            Some(Mutation::Grant { lease, .. }) => Some(lease),
+            _ => None,
+        };
+        if let Some(n) = grant {
+            let before = top.get(a.key.as_str()).copied().unwrap_or(0);
+            if n.fence <= before {
+                let mut v = Violation::new(
+                    "fence_not_increasing",
+                    &a.key,
+                    format!("a grant wrote fence {} after fence {before}", n.fence),
+                );
+                v.at = Some(a.at);
+                out.push(v);
+            }
+            if !granted.insert((a.key.as_str(), n.lease_id.expose())) {
+                // Known finding when nobody was told of the first grant (a coordinator's retry
+                // of its own generated id, after the first attempt's lost grant expired and
+                // another lease came and went): no holder ever believed it twice.
+                let was_told = told.get(&(a.key.as_str(), n.lease_id.expose())).is_some_and(|t| *t < a.at);
+                let mut v = Violation::new(
+                    if was_told { "lease_id_granted_twice" } else { "lease_id_regranted_untold" },
+                    &a.key,
+                    format!("lease {} was granted a second time", short(n.lease_id.expose())),
+                );
+                v.at = Some(a.at);
+                v.known = !was_told;
+                out.push(v);
+            }
+        }
+        for r in [&a.old, &a.new].into_iter().flatten() {
+            let t = top.entry(a.key.as_str()).or_default();
+            *t = (*t).max(r.fence);
+        }
+    }
+}
+
+/// Each release into the final state that was answered as done landed exactly once.
+fn finished(events: &[Event], log: &[Applied], out: &mut Vec<Violation>) {
+    let mut landed: BTreeMap<(&str, &str), u32> = BTreeMap::new();
+    for a in log {
+        if let (Some(Mutation::ReleaseTo { .. }), Some(old)) = (&a.mutation, &a.old) {
+            *landed.entry((a.key.as_str(), old.lease_id.expose())).or_default() += 1;
+        }
+    }
+    for e in events {
+        let Event::Finished { key, lease, .. } = e else { continue };
+        let n = landed.get(&(key.as_str(), lease.as_str())).copied().unwrap_or(0);
+        if n != 1 {
+            out.push(Violation::new(
+                "work_item_not_once",
+                key,
+                format!("a release into the final state answered as done landed {n} times"),
+            ));
+        }
+    }
+}
+
+/// FNV-1a over the run's history: what clients were told and did, and every applied write.
+pub(crate) fn trace_hash(events: &[Event], log: &[Applied], t0: Instant) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |bytes: &[u8]| {
+        for b in bytes {
+            h ^= *b as u64;
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    let us = |t: Instant| t.saturating_duration_since(t0).as_micros() as u64;
+    for e in events {
+        match e {
+            Event::Told { key, lease, fence, at, until, client, .. } => {
+                eat(b"T");
+                eat(key.as_bytes());
+                eat(lease.as_bytes());
+                eat(&fence.to_le_bytes());
+                eat(&us(*at).to_le_bytes());
+                eat(&until.map_or(0, us).to_le_bytes());
+                eat(client.as_bytes());
+            }
+            Event::End { key, lease, at } => {
+                eat(b"E");
+                eat(key.as_bytes());
+                eat(lease.as_bytes());
+                eat(&us(*at).to_le_bytes());
+            }
+            Event::Force { key, at } => {
+                eat(b"F");
+                eat(key.as_bytes());
+                eat(&us(*at).to_le_bytes());
+            }
+            Event::Wrote { key, lease, fence, at, accepted, .. } => {
+                eat(b"W");
+                eat(key.as_bytes());
+                eat(lease.as_bytes());
+                eat(&fence.to_le_bytes());
+                eat(&us(*at).to_le_bytes());
+                eat(&[*accepted as u8]);
+            }
+            Event::Finished { key, lease, at } => {
+                eat(b"D");
+                eat(key.as_bytes());
+                eat(lease.as_bytes());
+                eat(&us(*at).to_le_bytes());
+            }
+        }
+    }
+    for a in log {
+        eat(b"S");
+        eat(a.key.as_bytes());
+        eat(&us(a.at).to_le_bytes());
+        if let Some(r) = &a.new {
+            eat(r.lease_id.expose().as_bytes());
+            eat(&r.fence.to_le_bytes());
+            eat(&r.expires_at_ms.unwrap_or(0).to_le_bytes());
+            eat(&r.released_at_ms.unwrap_or(0).to_le_bytes());
+        }
+    }
+    h
+}

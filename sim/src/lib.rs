@@ -1,0 +1,870 @@
+//! Deterministic simulation of the lease protocol (DESIGN.md, "Simulation").
+//!
+//! One seed is one run: several coordinators (the real [`Coordinator`], with every feature it
+//! has) share one simulated store ([`SimStore`]: DynamoDB's conditional writes, a lagging index,
+//! late TTL deletion, and lost answers, delayed duplicates, refused connections, throttles and
+//! stalls), each with its own skewed and drifting clock ([`SimClock`]), all on one thread in a
+//! tokio runtime whose time is virtual. Clients take plain, waiting, fail-closed, keep-alive and
+//! batch leases, write to a guarded resource with their fences, pause past their leases and
+//! crash. Everything random comes from the seed, so a seed replays exactly.
+//!
+//! A checker then reads the history (what each client was told, the store's applied writes)
+//! and reports every violation of the protocol's promises (see [`check`]).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use leasehold::testing::{FaultCounts, Faults, SimClock, SimStore};
+use leasehold::{
+    AcquireOptions, Clock, Config, Coordinator, Error, ExecutionState, Executions, Keepalive, Lease, LeaseId,
+};
+
+mod check;
+pub use check::Violation;
+
+/// The wall time every run starts at (2027-01-15).
+const EPOCH_MS: i64 = 1_800_000_000_000;
+/// The skew margin of every coordinator; honest clocks stay within half of it of the truth.
+const SKEW_MARGIN_MS: u64 = 200;
+/// The store client's attempt timeout.
+const ATTEMPT_TIMEOUT: Duration = Duration::from_millis(800);
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub seed: u64,
+    /// Library calls to make (the run stops starting new ones after that).
+    pub ops: u64,
+    /// Honest coordinators (a coordinator with a clock beyond the margin may come on top).
+    pub coordinators: usize,
+    /// Probability of each store fault per request.
+    pub fault_rate: f64,
+}
+
+impl Settings {
+    pub fn new(seed: u64) -> Self {
+        Settings { seed, ops: 5000, coordinators: 3, fault_rate: 0.02 }
+    }
+}
+
+/// What one run did and found.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub seed: u64,
+    pub operations: u64,
+    pub violations: Vec<Violation>,
+    /// Known findings of the protocol (reported, not violations), by kind.
+    pub findings: BTreeMap<&'static str, u64>,
+    /// Faults injected, by name.
+    pub faults: BTreeMap<&'static str, u64>,
+    /// A hash of the run's history: the same on every replay of the seed.
+    pub trace_hash: u64,
+    /// Virtual time the run took (ms).
+    pub virtual_ms: u64,
+}
+
+/// Runs one seed on a fresh current-thread runtime with paused time.
+pub fn run(settings: &Settings) -> Outcome {
+    leasehold::testing::seed(settings.seed);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .expect("a current-thread runtime");
+    let out = rt.block_on(simulate(settings.clone()));
+    drop(rt);
+    leasehold::testing::unseed();
+    out
+}
+
+/// One thing a client was told or did, in the order it happened.
+#[derive(Debug, Clone)]
+pub(crate) enum Event {
+    /// A grant or renewal: the lease is the client's from `at` until `until` (`None`: until
+    /// released, fail-closed).
+    Told { key: String, lease: String, fence: u64, at: Instant, until: Option<Instant>, client: String, batch: bool },
+    /// The client stopped believing it holds the lease (release sent, told it lost it, crashed).
+    End { key: String, lease: String, at: Instant },
+    /// An operator force-released the key: whoever held it was evicted without being told.
+    Force { key: String, at: Instant },
+    /// A write to the guarded resource.
+    Wrote { key: String, lease: String, fence: u64, at: Instant, accepted: bool, believed: bool },
+    /// A release into the final work state was answered as done.
+    Finished { key: String, lease: String, at: Instant },
+}
+
+/// The shared state of a run.
+struct World {
+    rng: u64,
+    ops: u64,
+    target: u64,
+    stop: bool,
+    events: Vec<Event>,
+    violations: Vec<Violation>,
+    /// The guarded resource: per key, the last accepted fence and its lease.
+    resource: BTreeMap<String, (u64, String)>,
+    /// Keep-alive executions (`true`: running).
+    executions: BTreeMap<String, bool>,
+    /// Leases each client believes it holds now (to end them when its process crashes).
+    holding: BTreeMap<String, BTreeSet<(String, String)>>,
+    /// Fail-closed lease_ids each client may hold (known before the acquire is sent).
+    fail_closed: BTreeMap<String, BTreeSet<(String, String)>>,
+    /// Fail-closed leases of crashed processes, released by the next process.
+    orphans: Vec<(String, LeaseId)>,
+    sim_faults: BTreeMap<&'static str, u64>,
+    seed: u64,
+}
+
+type Shared = Arc<Mutex<World>>;
+
+fn lock(w: &Shared) -> std::sync::MutexGuard<'_, World> {
+    w.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
+fn split(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+impl World {
+    fn below(&mut self, n: u64) -> u64 {
+        if n == 0 {
+            0
+        } else {
+            split(&mut self.rng) % n
+        }
+    }
+    fn chance(&mut self, p: f64) -> bool {
+        ((split(&mut self.rng) >> 11) as f64 / (1u64 << 53) as f64) < p
+    }
+    fn between(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.below(hi.saturating_sub(lo) + 1)
+    }
+    fn fault(&mut self, name: &'static str) {
+        *self.sim_faults.entry(name).or_default() += 1;
+    }
+}
+
+/// Draws from the run's generator.
+fn draw<T>(w: &Shared, f: impl FnOnce(&mut World) -> T) -> T {
+    f(&mut lock(w))
+}
+
+/// One coordinator process.
+struct Node {
+    coord: Coordinator,
+    store: SimStore,
+    clock: Arc<SimClock>,
+    name: String,
+    /// Beyond the skew margin: every expiry it judges must be refused.
+    rogue: bool,
+}
+
+/// A coordinator process and its tasks (clients, sweeper).
+type Running = (Arc<Node>, Vec<tokio::task::JoinHandle<()>>);
+
+/// The names of the keys (plain leases) and work items of a run.
+const KEYS: usize = 5;
+const WORK: usize = 8;
+
+fn key(i: u64) -> String {
+    format!("k{i}")
+}
+
+fn work_key(i: u64) -> String {
+    format!("w{i}")
+}
+
+fn todo(seed: u64) -> String {
+    format!("todo-{seed}")
+}
+
+fn done(seed: u64) -> String {
+    format!("done-{seed}")
+}
+
+struct SimExecutions(Shared);
+
+#[async_trait::async_trait]
+impl Executions for SimExecutions {
+    async fn state(&self, arn: &str) -> ExecutionState {
+        match lock(&self.0).executions.get(arn) {
+            Some(true) => ExecutionState::Running,
+            _ => ExecutionState::Ended,
+        }
+    }
+}
+
+fn config(clock: Arc<SimClock>) -> Config {
+    Config {
+        skew_margin: Duration::from_millis(SKEW_MARGIN_MS),
+        ttl_grace: Duration::from_secs(2),
+        fence_lead: Duration::from_secs(5),
+        retry_budget: Duration::from_secs(2),
+        clock,
+        ..Config::default()
+    }
+}
+
+async fn simulate(s: Settings) -> Outcome {
+    let t0 = now();
+    let truth = Arc::new(SimClock::new(EPOCH_MS));
+    let mut faults = Faults::all(s.fault_rate);
+    faults.attempt_timeout = ATTEMPT_TIMEOUT;
+    faults.ttl_lag_ms = (0, 5000);
+    let store = SimStore::new(truth.clone(), Faults { attempt_timeout: ATTEMPT_TIMEOUT, ..Faults::none() }, s.seed);
+    let world: Shared = Arc::new(Mutex::new(World {
+        rng: s.seed.wrapping_mul(0x2545_f491_4f6c_dd1d) ^ 0xdead_beef,
+        ops: 0,
+        target: s.ops,
+        stop: false,
+        events: Vec::new(),
+        violations: Vec::new(),
+        resource: BTreeMap::new(),
+        executions: BTreeMap::new(),
+        holding: BTreeMap::new(),
+        orphans: Vec::new(),
+        fail_closed: BTreeMap::new(),
+        sim_faults: BTreeMap::new(),
+        seed: s.seed,
+    }));
+    // The work items enter their first state (no faults yet: setup).
+    {
+        let setup = Coordinator::new(Arc::new(store.handle()), config(truth.clone()));
+        for i in 0..WORK as u64 {
+            setup.put(&work_key(i), &todo(s.seed), "setup").await.expect("setup put");
+        }
+    }
+    store.set_faults(faults);
+    let mut nodes: Vec<Option<Running>> = Vec::new();
+    for i in 0..s.coordinators {
+        nodes.push(Some(start_node(&world, &store, &truth, i, false)));
+    }
+    // A coordinator whose clock is beyond the skew margin, in some runs.
+    let rogue = draw(&world, |w| w.chance(0.3)).then(|| {
+        lock(&world).fault("clock_beyond_margin");
+        start_node(&world, &store, &truth, s.coordinators, true)
+    });
+    // The driver: crashes, restarts, clock steps, force-releases, until the operations are done.
+    let mut down: Vec<(usize, Instant)> = Vec::new();
+    loop {
+        let pause = draw(&world, |w| w.between(50, 400));
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+        let done_ops = {
+            let w = lock(&world);
+            w.ops >= w.target
+        };
+        if done_ops {
+            break;
+        }
+        // Restarts.
+        let t = now();
+        for (i, _) in down.iter().filter(|(_, at)| *at <= t) {
+            nodes[*i] = Some(start_node(&world, &store, &truth, *i, false));
+            lock(&world).fault("restart");
+        }
+        down.retain(|(_, at)| *at > t);
+        let (crash, step, force) = draw(&world, |w| (w.chance(0.01), w.chance(0.01), w.chance(0.003)));
+        if crash {
+            let i = draw(&world, |w| w.below(s.coordinators as u64)) as usize;
+            if let Some((node, tasks)) = nodes[i].take() {
+                crash_node(&world, &node, tasks);
+                let back = draw(&world, |w| w.between(300, 3000));
+                down.push((i, now() + Duration::from_millis(back)));
+            }
+        }
+        if step {
+            // An NTP step or drift change within the margin.
+            let i = draw(&world, |w| w.below(s.coordinators as u64)) as usize;
+            if let Some((node, _)) = &nodes[i] {
+                let (delta, ppm) = draw(&world, |w| (w.between(0, 40) as i64 - 20, w.between(0, 40) as i64 - 20));
+                let off = node.clock.wall_us() / 1000 - truth.wall_us() / 1000;
+                if (off + delta).abs() <= (SKEW_MARGIN_MS / 2 - 10) as i64 {
+                    node.clock.step(delta);
+                }
+                node.clock.set_drift_ppm(ppm);
+                lock(&world).fault("clock_step");
+            }
+        }
+        if force {
+            let i = draw(&world, |w| w.below(s.coordinators as u64)) as usize;
+            if let Some((node, _)) = &nodes[i] {
+                let k = key(draw(&world, |w| w.below(KEYS as u64)));
+                lock(&world).fault("force_release");
+                // Every belief from before the force-release is cut (the operator evicts whoever
+                // held it; it may have landed even when unanswered).
+                let at = now();
+                lock(&world).events.push(Event::Force { key: k.clone(), at });
+                let _ = node.coord.force_release(&k).await;
+            }
+        }
+    }
+    // Drain: no new sessions, no more faults; every client ends what it holds.
+    lock(&world).stop = true;
+    store.set_faults(Faults { attempt_timeout: ATTEMPT_TIMEOUT, ..Faults::none() });
+    for (i, _) in down.drain(..) {
+        nodes[i] = Some(start_node(&world, &store, &truth, i, false));
+    }
+    let mut all: Vec<Running> = nodes.into_iter().flatten().collect();
+    all.extend(rogue);
+    for (_, tasks) in all.iter_mut() {
+        for t in tasks.drain(..) {
+            let _ = t.await;
+        }
+    }
+    // Orphaned fail-closed leases are released by a process that knows their ids.
+    let final_node = start_node(&world, &store, &truth, 99, false).0;
+    let orphans = std::mem::take(&mut lock(&world).orphans);
+    for (k, id) in orphans {
+        let _ = release_until_done(&final_node.coord, &k, &id).await;
+    }
+    // Past every lease and keep-alive deadline: every key must be free to take.
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let checker = &final_node.coord;
+    for i in 0..KEYS as u64 {
+        let k = key(i);
+        let opts = AcquireOptions { wait: Some(Duration::from_secs(5)), ..Default::default() };
+        match checker.acquire(&k, "checker", Some(Duration::from_secs(1)), opts).await {
+            Ok(l) => {
+                let _ = checker.release(&k, &l.lease_id).await;
+            }
+            Err(e) => {
+                let mut v =
+                    Violation::new("key_unusable", &k, format!("after every lease ended, {k} could not be taken: {e}"));
+                // Known finding: held by a fail-closed acquire that landed (held in the network)
+                // after its caller had given up on it: nobody was ever told of the lease.
+                let ghost = store.peek(&k).filter(|r| r.expires_at_ms.is_none()).is_some_and(|r| {
+                    let id = r.lease_id.expose();
+                    !lock(&world)
+                        .events
+                        .iter()
+                        .any(|e| matches!(e, Event::Told { key, lease, .. } if *key == k && lease == id))
+                });
+                if ghost {
+                    v.kind = "stale_acquire_holds_key";
+                    v.known = true;
+                }
+                lock(&world).violations.push(v);
+            }
+        }
+    }
+    for i in 0..WORK as u64 {
+        let k = work_key(i);
+        match store.peek(&k) {
+            Some(r)
+                if r.state.as_deref() == Some(todo(s.seed).as_str())
+                    || r.state.as_deref() == Some(done(s.seed).as_str()) =>
+            {
+                if r.is_held(checker.now_ms()) {
+                    lock(&world).violations.push(Violation::new(
+                        "key_unusable",
+                        &k,
+                        format!("work item {k} is still held after every lease ended"),
+                    ));
+                }
+            }
+            other => {
+                let mut v = Violation::new(
+                    "work_item_lost",
+                    &k,
+                    format!("work item {k} left its states: {:?}", other.map(|r| r.state)),
+                );
+                // Known finding, reported from the store's log (deleted by TTL in its state).
+                v.known = store_log(&store)
+                    .iter()
+                    .any(|a| a.key == k && a.ttl && a.old.as_ref().is_some_and(|r| r.state.is_some()));
+                lock(&world).violations.push(v);
+            }
+        }
+    }
+    let log = store.take_log();
+    let mut w = lock(&world);
+    let events = std::mem::take(&mut w.events);
+    let mut violations = std::mem::take(&mut w.violations);
+    violations.extend(check::check(&events, &log, t0));
+    let findings = violations.iter().filter(|v| v.known).fold(BTreeMap::new(), |mut m, v| {
+        *m.entry(v.kind).or_default() += 1;
+        m
+    });
+    for v in violations.iter_mut() {
+        v.history = check::history(
+            &events,
+            &log,
+            t0,
+            &v.key,
+            v.at,
+            std::env::var("SIM_HISTORY").ok().and_then(|s| s.parse().ok()).unwrap_or(24),
+        );
+    }
+    let mut faults = fault_map(&store.fault_counts());
+    for (k, v) in &w.sim_faults {
+        faults.insert(k, *v);
+    }
+    Outcome {
+        seed: s.seed,
+        operations: w.ops,
+        violations,
+        findings,
+        faults,
+        trace_hash: check::trace_hash(&events, &log, t0),
+        virtual_ms: now().duration_since(t0).as_millis() as u64,
+    }
+}
+
+/// The store's log so far (kept in the store).
+fn store_log(store: &SimStore) -> Vec<leasehold::testing::Applied> {
+    let log = store.take_log();
+    store.put_back_log(log.clone());
+    log
+}
+
+fn fault_map(c: &FaultCounts) -> BTreeMap<&'static str, u64> {
+    BTreeMap::from([
+        ("lost_answer", c.lost_answer),
+        ("delayed_duplicate", c.delayed_duplicate),
+        ("refused", c.refused),
+        ("throttle", c.throttle),
+        ("stall", c.stall),
+        ("timeout", c.timeout),
+        ("ttl_delete", c.ttl_delete),
+    ])
+}
+
+fn start_node(world: &Shared, store: &SimStore, truth: &Arc<SimClock>, i: usize, rogue: bool) -> Running {
+    let (offset, ppm, clients) = draw(world, |w| {
+        let off = if rogue {
+            let o = w.between(2000, 5000) as i64;
+            if w.chance(0.5) {
+                o
+            } else {
+                -o
+            }
+        } else {
+            w.between(0, SKEW_MARGIN_MS - 20) as i64 - (SKEW_MARGIN_MS / 2 - 10) as i64
+        };
+        (off, w.between(0, 40) as i64 - 20, if rogue { 2 } else { 3 })
+    });
+    if offset != 0 {
+        lock(world).fault("clock_offset");
+    }
+    let clock = Arc::new(SimClock::offset_from(truth, offset));
+    clock.set_drift_ppm(ppm);
+    let handle = store.handle();
+    let coord = Coordinator::new(Arc::new(handle.clone()), config(clock.clone()));
+    let name = if rogue { format!("rogue{i}") } else { format!("c{i}") };
+    let node = Arc::new(Node { coord, store: handle, clock, name, rogue });
+    let mut tasks = Vec::new();
+    for c in 0..clients {
+        let (n, w) = (node.clone(), world.clone());
+        tasks.push(tokio::spawn(async move { client(n, w, c).await }));
+    }
+    if !rogue {
+        let (n, w) = (node.clone(), world.clone());
+        tasks.push(tokio::spawn(async move { sweeper(n, w).await }));
+    }
+    (node, tasks)
+}
+
+/// A crash: the process's tasks stop where they are, its requests are no longer sent, and
+/// what its clients believed ends with them.
+fn crash_node(world: &Shared, node: &Node, tasks: Vec<tokio::task::JoinHandle<()>>) {
+    for t in tasks {
+        t.abort();
+    }
+    node.store.stop();
+    let mut w = lock(world);
+    w.fault("crash");
+    let at = now();
+    let prefix = format!("{}/", node.name);
+    let ended: Vec<(String, String)> =
+        w.holding.iter().filter(|(c, _)| c.starts_with(&prefix)).flat_map(|(_, s)| s.iter().cloned()).collect();
+    w.holding.retain(|c, _| !c.starts_with(&prefix));
+    let ids: Vec<(String, String)> =
+        w.fail_closed.iter().filter(|(c, _)| c.starts_with(&prefix)).flat_map(|(_, s)| s.iter().cloned()).collect();
+    w.fail_closed.retain(|c, _| !c.starts_with(&prefix));
+    w.orphans.extend(ids.into_iter().map(|(k, id)| (k, LeaseId::from_string(id))));
+    for (key, lease) in ended {
+        w.events.push(Event::End { key, lease, at });
+    }
+}
+
+/// Counts one library call; false once the run has made its operations.
+fn op(world: &Shared) -> bool {
+    let mut w = lock(world);
+    w.ops += 1;
+    !w.stop
+}
+
+fn told(world: &Shared, client: &str, l: &Lease) {
+    let mut w = lock(world);
+    w.holding.entry(client.to_string()).or_default().insert((l.key.clone(), l.lease_id.expose().to_string()));
+    let at = now();
+    w.events.push(Event::Told {
+        key: l.key.clone(),
+        lease: l.lease_id.expose().to_string(),
+        fence: l.fence,
+        at,
+        until: l.safe_until,
+        client: client.to_string(),
+        batch: l.state.is_some(),
+    });
+}
+
+fn ended(world: &Shared, client: &str, key: &str, lease: &LeaseId) {
+    let mut w = lock(world);
+    if let Some(s) = w.holding.get_mut(client) {
+        s.remove(&(key.to_string(), lease.expose().to_string()));
+    }
+    let at = now();
+    w.events.push(Event::End { key: key.to_string(), lease: lease.expose().to_string(), at });
+}
+
+/// A write to the guarded resource, which honours fences: it accepts a fence not below the
+/// last one it accepted (the same lease may write again).
+fn write_resource(world: &Shared, key: &str, lease: &Lease, believed: bool) -> bool {
+    let mut w = lock(world);
+    let id = lease.lease_id.expose().to_string();
+    let last = w.resource.get(key).cloned();
+    let accepted = match &last {
+        None => true,
+        Some((f, l)) => lease.fence > *f || (lease.fence == *f && *l == id),
+    };
+    if let Some((f, l)) = &last {
+        if lease.fence == *f && *l != id {
+            let v = Violation::new(
+                "fence_shared",
+                key,
+                format!("the guarded resource saw two leases with fence {f}: the second would overwrite the first"),
+            );
+            w.violations.push(v);
+        }
+    }
+    if accepted {
+        w.resource.insert(key.to_string(), (lease.fence, id.clone()));
+    }
+    let at = now();
+    w.events.push(Event::Wrote { key: key.to_string(), lease: id, fence: lease.fence, at, accepted, believed });
+    accepted
+}
+
+/// One client: sessions of every kind until the run has made its operations.
+async fn client(node: Arc<Node>, world: Shared, n: usize) {
+    let name = format!("{}/{n}", node.name);
+    // Orphans of a crashed process are released first (their ids were kept).
+    if !node.rogue {
+        let orphans = std::mem::take(&mut lock(&world).orphans);
+        for (k, id) in orphans {
+            if !release_until_done(&node.coord, &k, &id).await {
+                lock(&world).orphans.push((k, id));
+            }
+        }
+    }
+    loop {
+        if lock(&world).stop {
+            return;
+        }
+        let kind = draw(&world, |w| w.below(100));
+        match kind {
+            0..=44 => plain(&node, &world, &name).await,
+            45..=54 => fail_closed(&node, &world, &name).await,
+            55..=69 => keepalive(&node, &world, &name).await,
+            _ => batch(&node, &world, &name).await,
+        }
+        let idle = draw(&world, |w| w.between(0, 300));
+        tokio::time::sleep(Duration::from_millis(idle)).await;
+    }
+}
+
+/// Acquire with an optional wait; checks that the acquire ends by its deadline.
+async fn acquire(
+    node: &Node,
+    world: &Shared,
+    k: &str,
+    name: &str,
+    duration: Option<Duration>,
+    mut opts: AcquireOptions,
+) -> Result<Lease, Error> {
+    let start = now();
+    let deadline = start + opts.wait.unwrap_or_default().max(Duration::from_secs(2));
+    opts.deadline = Some(deadline);
+    let r = node.coord.acquire(k, name, duration, opts).await;
+    let end = now();
+    // A request already sent is bounded by the attempt timeout.
+    if end > deadline + ATTEMPT_TIMEOUT + Duration::from_millis(1) {
+        let late = end.duration_since(deadline).as_millis();
+        lock(world).violations.push(Violation::new(
+            "wait_past_deadline",
+            k,
+            format!("{name}'s acquire ended {late} ms after its deadline"),
+        ));
+    }
+    if let Ok(l) = &r {
+        if node.rogue {
+            lock(world).violations.push(Violation::new(
+                "skewed_clock_granted",
+                k,
+                format!("{name}, whose clock is beyond the skew margin, was granted fence {}", l.fence),
+            ));
+        }
+        told(world, name, l);
+    }
+    r
+}
+
+/// A plain lease, maybe waited for: work, heartbeats, a pause now and then, release.
+async fn plain(node: &Node, world: &Shared, name: &str) {
+    let (k, wait, dur) = draw(world, |w| {
+        let wait = [0u64, 0, 300, 2000, 5000][w.below(5) as usize];
+        (key(w.below(KEYS as u64)), wait, w.between(300, 3000))
+    });
+    if !op(world) {
+        return;
+    }
+    let opts =
+        AcquireOptions { wait: Some(Duration::from_millis(wait)).filter(|w| !w.is_zero()), ..Default::default() };
+    let lease = match acquire(node, world, &k, name, Some(Duration::from_millis(dur)), opts).await {
+        Ok(l) => l,
+        Err(e) => {
+            // A lease that may have landed is released with the id the error names.
+            if let Some((_, id)) = e.unknown_leases().into_iter().next() {
+                if op(world) {
+                    let _ = node.coord.release(&k, &LeaseId::from_string(id)).await;
+                }
+            }
+            return;
+        }
+    };
+    hold(node, world, name, lease, None).await;
+}
+
+/// Holds `lease`: writes, heartbeats, maybe a pause; then releases (into `to` for a work item).
+async fn hold(node: &Node, world: &Shared, name: &str, mut lease: Lease, to: Option<String>) {
+    let k = lease.key.clone();
+    let steps = draw(world, |w| w.between(1, 5));
+    for _ in 0..steps {
+        let pause = draw(world, |w| w.chance(0.03));
+        if pause {
+            // Frozen past the lease (a GC pause), then resuming its writes as if nothing happened.
+            lock(world).fault("pause");
+            let past = draw(world, |w| w.between(100, 4000));
+            let until = lease.safe_until.unwrap_or_else(now);
+            tokio::time::sleep_until((until.max(now()) + Duration::from_millis(past)).into()).await;
+            write_resource(world, &k, &lease, false);
+        } else {
+            let left = lease.safe_until.map_or(500, |s| s.saturating_duration_since(now()).as_millis() as u64);
+            let work = draw(world, |w| w.between(0, left / 2));
+            tokio::time::sleep(Duration::from_millis(work)).await;
+            if lease.safe_until.is_none_or(|s| now() < s) {
+                write_resource(world, &k, &lease, true);
+            } else {
+                break;
+            }
+        }
+        if lease.safe_until.is_none() {
+            continue;
+        }
+        if !op(world) {
+            break;
+        }
+        let d = draw(world, |w| w.chance(0.5).then(|| Duration::from_millis(w.between(300, 3000))));
+        match node.coord.heartbeat(&k, &lease.lease_id, d).await {
+            Ok(l) => {
+                told(world, name, &l);
+                lease = l;
+            }
+            Err(Error::NotHolder { .. }) => {
+                ended(world, name, &k, &lease.lease_id);
+                return;
+            }
+            Err(_) => {
+                if lease.safe_until.is_some_and(|s| now() >= s) {
+                    break;
+                }
+            }
+        }
+    }
+    ended(world, name, &k, &lease.lease_id);
+    op(world);
+    let r = node.coord.release_to(&k, &lease.lease_id, to.as_deref()).await;
+    // (The release after an unknown outcome is awaited in its own arm.)
+    #[allow(clippy::collapsible_match)]
+    match (r, to) {
+        (Ok(rel), Some(to)) if !rel.already_released && rel.state.as_deref() == Some(to.as_str()) => {
+            let at = now();
+            lock(world).events.push(Event::Finished { key: k, lease: lease.lease_id.expose().to_string(), at });
+        }
+        (Err(e), _) if e.is_transient() && lease.safe_until.is_none() => {
+            if !release_until_done(&node.coord, &k, &lease.lease_id).await {
+                lock(world).orphans.push((k, lease.lease_id.clone()));
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Releases until the answer is definite; false if it never was.
+async fn release_until_done(coord: &Coordinator, k: &str, id: &LeaseId) -> bool {
+    for _ in 0..20 {
+        match coord.release(k, id).await {
+            Ok(_) | Err(Error::NotHolder { .. } | Error::NotFound { .. }) => return true,
+            Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
+        }
+    }
+    false
+}
+
+/// A fail-closed lease with the client's own lease_id: a lost answer is retried with it.
+async fn fail_closed(node: &Node, world: &Shared, name: &str) {
+    let (k, id) = draw(world, |w| {
+        let id = format!("fc-{:016x}{:016x}", split(&mut w.rng), split(&mut w.rng));
+        (key(w.below(KEYS as u64)), LeaseId::from_string(id))
+    });
+    // The id is kept (as a process would persist it) until a release is definite.
+    let entry = (k.clone(), id.expose().to_string());
+    lock(world).fail_closed.entry(name.to_string()).or_default().insert(entry.clone());
+    fail_closed_session(node, world, name, &k, &id).await;
+    // Released, or never definite: release what may have landed (and keep the id if even
+    // that fails).
+    if !release_until_done(&node.coord, &k, &id).await {
+        lock(world).orphans.push((k, id));
+    }
+    if let Some(s) = lock(world).fail_closed.get_mut(name) {
+        s.remove(&entry);
+    }
+}
+
+async fn fail_closed_session(node: &Node, world: &Shared, name: &str, k: &str, id: &LeaseId) {
+    let k = k.to_string();
+    for _ in 0..5 {
+        if !op(world) {
+            break;
+        }
+        let opts = AcquireOptions { lease_id: Some(id.clone()), ..Default::default() };
+        match acquire(node, world, &k, name, None, opts).await {
+            Ok(l) => return hold(node, world, name, l, None).await,
+            Err(Error::LeaseHeld { .. } | Error::NotHolder { .. }) => return,
+            // Unknown or failed: the same request again (idempotent with the same lease_id).
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
+/// A keep-alive lease bound to an execution: renewed by the sweep while the execution runs.
+async fn keepalive(node: &Node, world: &Shared, name: &str) {
+    let (k, dur, until, arn) = draw(world, |w| {
+        let arn = format!("exec-{:016x}", split(&mut w.rng));
+        (key(w.below(KEYS as u64)), w.between(800, 2000), w.between(2000, 8000), arn)
+    });
+    if !op(world) {
+        return;
+    }
+    lock(world).executions.insert(arn.clone(), true);
+    let ka = Keepalive { until_ms: node.coord.now_ms() + until, execution_arn: Some(arn.clone()) };
+    let opts = AcquireOptions { keepalive: Some(ka), ..Default::default() };
+    let lease = match acquire(node, world, &k, name, Some(Duration::from_millis(dur)), opts).await {
+        Ok(l) => l,
+        Err(e) => {
+            lock(world).executions.insert(arn, false);
+            if let Some((_, id)) = e.unknown_leases().into_iter().next() {
+                let _ = node.coord.release(&k, &LeaseId::from_string(id)).await;
+            }
+            return;
+        }
+    };
+    // The holder works within what it was told, writing with its fence.
+    let work = draw(world, |w| w.between(0, dur));
+    tokio::time::sleep(Duration::from_millis(work)).await;
+    let safe = lease.safe_until.is_none_or(|s| now() < s);
+    if safe {
+        write_resource(world, &k, &lease, true);
+    }
+    ended(world, name, &k, &lease.lease_id);
+    // The execution ends: it releases itself, or leaves the release to the sweep.
+    let end = draw(world, |w| w.below(3));
+    let extra = draw(world, |w| w.between(0, until));
+    tokio::time::sleep(Duration::from_millis(extra)).await;
+    lock(world).executions.insert(arn, false);
+    if end == 0 && op(world) {
+        let _ = node.coord.release(&k, &lease.lease_id).await;
+    }
+}
+
+/// The scheduled keep-alive sweep of a process: sometimes late, sometimes twice at once.
+async fn sweeper(node: Arc<Node>, world: Shared) {
+    let ex: Arc<dyn Executions> = Arc::new(SimExecutions(world.clone()));
+    loop {
+        let (every, twice) = draw(&world, |w| {
+            let late = w.chance(0.05);
+            if late {
+                w.fault("sweep_late");
+            }
+            (if late { w.between(2000, 6000) } else { w.between(200, 800) }, w.chance(0.05))
+        });
+        tokio::time::sleep(Duration::from_millis(every)).await;
+        if lock(&world).stop {
+            return;
+        }
+        lock(&world).ops += 1;
+        let deadline = now() + Duration::from_secs(2);
+        if twice {
+            lock(&world).fault("sweep_twice");
+            let (a, b) = (node.coord.clone(), node.coord.clone());
+            let (e1, e2) = (ex.clone(), ex.clone());
+            let t = tokio::spawn(async move { a.keepalive_sweep(Some(e1), 100, deadline).await });
+            b.keepalive_sweep(Some(e2), 100, deadline).await;
+            let _ = t.await;
+        } else {
+            node.coord.keepalive_sweep(Some(ex.clone()), 100, deadline).await;
+        }
+    }
+}
+
+/// A batch over the work items: take up to a few free items of the first state, work, and
+/// release each into the final state (or back, unfinished); a producer puts finished items back.
+async fn batch(node: &Node, world: &Shared, name: &str) {
+    let seed = lock(world).seed;
+    let (limit, dur, wait, refill) =
+        draw(world, |w| (w.between(1, 3) as u32, w.between(500, 3000), w.chance(0.3), w.chance(0.3)));
+    if refill {
+        let k = work_key(draw(world, |w| w.below(WORK as u64)));
+        if op(world) {
+            let _ = node.coord.put(&k, &todo(seed), name).await;
+        }
+        return;
+    }
+    if !op(world) {
+        return;
+    }
+    let opts = AcquireOptions { wait: wait.then(|| Duration::from_millis(1000)), ..Default::default() };
+    let leases = match node.coord.acquire_next(&todo(seed), limit, name, Some(Duration::from_millis(dur)), opts).await {
+        Ok(l) => l,
+        Err(e) => {
+            for (k, id) in e.unknown_leases() {
+                let _ = node.coord.release(&k, &LeaseId::from_string(id)).await;
+            }
+            return;
+        }
+    };
+    for l in &leases {
+        if node.rogue {
+            lock(world).violations.push(Violation::new(
+                "skewed_clock_granted",
+                &l.key,
+                format!("{name}, whose clock is beyond the skew margin, was granted a batch lease"),
+            ));
+        }
+        told(world, name, l);
+    }
+    for l in leases {
+        let finish = draw(world, |w| w.chance(0.8));
+        hold(node, world, name, l, finish.then(|| done(seed)).or(Some(todo(seed)))).await;
+    }
+}
