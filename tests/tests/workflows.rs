@@ -640,13 +640,13 @@ async fn single_flight_failing_work_still_releases() {
 async fn single_flight_keepalive_outlives_the_lease_duration() {
     tokio::task::spawn_blocking(stack).await.unwrap();
     let coord = coordinator().await;
-    // A 4 s lease held through 12 s of work: the scheduled sweep (the heartbeat function with
+    // An 8 s lease held through 24 s of work: the scheduled sweep (the heartbeat function with
     // EventBridge's Scheduled Event) renews it while the execution runs. The execution runs in
-    // the functions' region so that their DescribeExecution finds it. (4 s: one round of this
-    // loop, a sweep included, takes more than 2 s on a loaded machine.)
+    // the functions' region so that their DescribeExecution finds it. (8 s: one round of this
+    // loop, a sweep included, took more than 4 s on a heavily loaded machine.)
     let key = unique("keepalive");
     let until = coord.now_ms() + 10 * 60 * 1000;
-    let input = json!({"key": key, "duration_ms": 4000, "work_seconds": 12, "keepalive_until_ms": until});
+    let input = json!({"key": key, "duration_ms": 8000, "work_seconds": 24, "keepalive_until_ms": until});
     let run = start_in(&function_region(), SINGLE_FLIGHT, "", input).await;
     let lease = wait_acquired(&run, LONG).await;
     assert_eq!(lease["keepalive"]["until_ms"].as_u64(), Some(until), "{lease}");
@@ -677,7 +677,7 @@ async fn single_flight_keepalive_outlives_the_lease_duration() {
         }
         tokio::time::sleep(Duration::from_millis(700)).await;
     };
-    assert!(held_past_first_expiry, "the sweep kept the 4 s lease alive");
+    assert!(held_past_first_expiry, "the sweep kept the 8 s lease alive");
     assert_eq!(end.status, ExecutionStatus::Succeeded, "{}", end.describe());
     assert!(renewed >= 3, "renewed {renewed} times");
     let released = end.output["released_at_ms"].as_u64().unwrap();
