@@ -89,7 +89,9 @@ impl Coordinator {
 
     /// One store write in a task of its own, answered through a channel. When nobody is left to
     /// take the answer (the caller's future was dropped) and the write granted, or may have
-    /// granted, the lease `lease_id`, that lease is released at once.
+    /// granted, the lease `lease_id`, that lease is released at once: by the task when the
+    /// caller left before the answer was sent, or by the caller's side when it left after the
+    /// answer was sent but before it was read ([`Unread`]).
     pub(crate) async fn update_detached(
         &self,
         key: &str,
@@ -98,22 +100,19 @@ impl Coordinator {
         lease_id: LeaseId,
     ) -> Result<Write> {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let (coord, key) = (self.clone(), key.to_string());
+        let (coord, task_key, task_id) = (self.clone(), key.to_string(), lease_id.clone());
         tokio::spawn(async move {
-            let answer = coord.store.update(&key, &cond, &m).await;
+            let answer = coord.store.update(&task_key, &cond, &m).await;
             if let Err(answer) = tx.send(answer) {
-                let granted = match answer {
-                    Ok(Write::Applied(r) | Write::Rejected(Some(r))) => r.lease_id == lease_id,
-                    Ok(Write::Rejected(None)) => false,
-                    // It may have landed: look.
-                    Err(e) => e.may_have_landed(),
-                };
-                if granted {
-                    coord.release_departed(&key, &lease_id).await;
+                if grants(&answer, &task_id) {
+                    coord.release_departed(&task_key, &task_id).await;
                 }
             }
         });
-        rx.await.unwrap_or_else(|_| Err(Error::StoreUnavailable("the store request ended without an answer".into())))
+        let mut unread = Unread { rx: Some(rx), coord: self.clone(), key: key.to_string(), lease_id };
+        let answer = unread.rx.as_mut().expect("unread").await;
+        unread.rx = None;
+        answer.unwrap_or_else(|_| Err(Error::StoreUnavailable("the store request ended without an answer".into())))
     }
 
     /// Releases the lease `lease_id` granted to an acquire that left before it could be told
@@ -175,6 +174,41 @@ impl Failed {
                 ),
             ),
             e => e,
+        }
+    }
+}
+
+/// Did this answer grant, or may it have granted, the lease `lease_id`?
+fn grants(answer: &Result<Write>, lease_id: &LeaseId) -> bool {
+    match answer {
+        Ok(Write::Applied(r) | Write::Rejected(Some(r))) => &r.lease_id == lease_id,
+        Ok(Write::Rejected(None)) => false,
+        // It may have landed: look.
+        Err(e) => e.may_have_landed(),
+    }
+}
+
+/// The caller's side of a detached write. Dropped with an answer sent but not yet read (the
+/// caller's future was dropped in between), it releases what that answer granted.
+struct Unread {
+    rx: Option<tokio::sync::oneshot::Receiver<Result<Write>>>,
+    coord: Coordinator,
+    key: String,
+    lease_id: LeaseId,
+}
+
+impl Drop for Unread {
+    fn drop(&mut self) {
+        let Some(mut rx) = self.rx.take() else { return };
+        // Closing first: an answer not sent yet stays with the task, which releases it.
+        rx.close();
+        let Ok(answer) = rx.try_recv() else { return };
+        if !grants(&answer, &self.lease_id) {
+            return;
+        }
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let (coord, key, id) = (self.coord.clone(), self.key.clone(), self.lease_id.clone());
+            rt.spawn(async move { coord.release_departed(&key, &id).await });
         }
     }
 }
