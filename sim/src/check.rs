@@ -75,8 +75,6 @@ fn told_in_time(events: &[Event], t0: Instant, out: &mut Vec<Violation>) {
     for e in events {
         let Event::Told { key, lease, at, until: Some(until), client, batch, .. } = e else { continue };
         if until < at {
-            // Known finding for batches: a batch answers once every candidate is settled, and a
-            // lease taken early in it may be past its safe time by then.
             let mut v = Violation::new(
                 if *batch { "batch_lease_told_late" } else { "told_past_safe_time" },
                 key,
@@ -87,17 +85,13 @@ fn told_in_time(events: &[Event], t0: Instant, out: &mut Vec<Violation>) {
                 ),
             );
             v.at = Some(*at);
-            v.known = *batch;
             out.push(v);
-            if !*batch {
-                return;
-            }
+            return;
         }
     }
 }
 
-/// Known finding: an item in a work state deleted by TTL (a renewal whose answer was lost
-/// left the TTL it wrote; only an answered renewal removes it).
+/// No item in a work state is deleted by TTL (a key in a state is kept until it is taken).
 fn ttl_on_work_items(log: &[Applied], out: &mut Vec<Violation>) {
     for a in log.iter().filter(|a| a.ttl) {
         if let Some(old) = a.old.as_ref().filter(|r| r.state.is_some()) {
@@ -110,7 +104,6 @@ fn ttl_on_work_items(log: &[Applied], out: &mut Vec<Violation>) {
                 ),
             );
             v.at = Some(a.at);
-            v.known = true;
             out.push(v);
         }
     }

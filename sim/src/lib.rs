@@ -339,8 +339,8 @@ async fn simulate(s: Settings) -> Outcome {
             Err(e) => {
                 let mut v =
                     Violation::new("key_unusable", &k, format!("after every lease ended, {k} could not be taken: {e}"));
-                // Known finding: held by a fail-closed acquire that landed (held in the network)
-                // after its caller had given up on it: nobody was ever told of the lease.
+                // Held by a lease nobody was told of (a fail-closed acquire that landed, held in
+                // the network, after its caller had given up on it: DESIGN.md, "acquire").
                 let ghost = store.peek(&k).filter(|r| r.expires_at_ms.is_none()).is_some_and(|r| {
                     let id = r.lease_id.expose();
                     !lock(&world)
@@ -350,7 +350,6 @@ async fn simulate(s: Settings) -> Outcome {
                 });
                 if ghost {
                     v.kind = "stale_acquire_holds_key";
-                    v.known = true;
                 }
                 lock(&world).violations.push(v);
             }
@@ -377,10 +376,13 @@ async fn simulate(s: Settings) -> Outcome {
                     &k,
                     format!("work item {k} left its states: {:?}", other.map(|r| r.state)),
                 );
-                // Known finding, reported from the store's log (deleted by TTL in its state).
-                v.known = store_log(&store)
+                // Deleted by TTL in its state (the store's log says so).
+                if store_log(&store)
                     .iter()
-                    .any(|a| a.key == k && a.ttl && a.old.as_ref().is_some_and(|r| r.state.is_some()));
+                    .any(|a| a.key == k && a.ttl && a.old.as_ref().is_some_and(|r| r.state.is_some()))
+                {
+                    v.kind = "work_item_deleted_by_ttl";
+                }
                 lock(&world).violations.push(v);
             }
         }

@@ -227,6 +227,7 @@ impl Coordinator {
             let next = match answer {
                 AcquireAnswer::Granted(r) => self.on_granted(a, r, sent, now).await?,
                 AcquireAnswer::Above(r) => self.on_above(a, r).await?,
+                AcquireAnswer::Early(r) => self.on_early(a, r, now).await?,
                 AcquireAnswer::Moved(r) => self.on_moved(a, r)?,
                 AcquireAnswer::Ended(reason) => self.on_ended(a, reason)?,
                 AcquireAnswer::Held(r) => self.on_held(a, r).await?,
@@ -353,6 +354,24 @@ impl Coordinator {
         if self.monotonic() >= a.deadline {
             return Err(Error::StoreUnavailable(format!("{:?} kept changing hands until the deadline", a.ask.key)));
         }
+        Ok(Next::Again)
+    }
+
+    /// Free, but released after this attempt's `:now` (the releaser's clock is ahead of ours,
+    /// within the skew margin): an acquire never takes a key released after it was sent (one
+    /// held in the network may have been given up on by its caller). Go again once this clock
+    /// has passed the release.
+    async fn on_early(&self, a: &mut Attempts<'_>, r: Record, now: u64) -> Result<Next> {
+        let ahead = r.released_at_ms.unwrap_or(now).saturating_sub(now) + 1;
+        let until = self.monotonic() + Duration::from_millis(ahead);
+        if until >= a.deadline {
+            return Err(Error::LeaseHeld {
+                key: a.ask.key.to_string(),
+                holder: r.holder,
+                expires_at_ms: r.released_at_ms,
+            });
+        }
+        tokio::time::sleep_until(until.into()).await;
         Ok(Next::Again)
     }
 

@@ -11,12 +11,15 @@ use super::Visit;
 #[derive(Debug, Clone, PartialEq)]
 pub enum Condition {
     /// The key can be taken with fence `fence` by `lease_id`: no item, or an item whose expiry
-    /// is present and `<= now_ms`, whose last fence is below `fence`, whose last lease is not
+    /// is present and `<= now_ms`, which was not released after `now_ms` (an acquire held in the
+    /// network never takes a key released after it was sent: its caller may have given up on
+    /// it), whose last fence is below `fence`, whose last lease is not
     /// `lease_id` (a lease_id is single-use: once its lease ended it is never granted again),
     /// without queued waiters (a free key with waiters belongs to the head waiter), without a
     /// grant still marked undelivered (its waiter is told before the key moves on), and which is
     /// in no work state (a key in a state is taken with [`Condition::FreeIn`], which keeps its
-    /// state). DynamoDB: `attribute_not_exists(fence) OR (expires_at_ms <= :now AND fence <
+    /// state). DynamoDB: `attribute_not_exists(fence) OR (expires_at_ms <= :now AND
+    /// (attribute_not_exists(released_at_ms) OR released_at_ms <= :now) AND fence <
     /// :fence AND lease_id <> :lease_id AND (attribute_not_exists(queue_tail) OR queue_tail <=
     /// queue_head) AND attribute_not_exists(state_shard) AND attribute_not_exists(pending_token))`
     /// (every item has a fence)
@@ -26,13 +29,15 @@ pub enum Condition {
     /// duplicate of a heartbeat whose retry already landed is refused). With `expires_at_ms`
     /// (a heartbeat naming its duration) the current expiry must not be later than the new one;
     /// without (extend by the stored duration) the lease must have a stored duration. Either
-    /// way the expiry never moves backwards.
+    /// way the expiry never moves backwards. With `ttl` (the renewal writes a TTL) the item must
+    /// be in no work state: a key in a state keeps no TTL, and its renewal is sent without one
+    /// (removing any), so that no renewal, answered or not, leaves a TTL on it.
     /// DynamoDB: `lease_id = :lease_id AND attribute_not_exists(released_at_ms) AND
     /// (attribute_not_exists(expires_at_ms) OR expires_at_ms > :now) AND
     /// (attribute_not_exists(renewed_at_ms) OR renewed_at_ms < :now) AND`
     /// `(attribute_not_exists(expires_at_ms) OR expires_at_ms <= :expires_at)` |
-    /// `attribute_exists(duration_ms)`
-    Renew { lease_id: LeaseId, now_ms: u64, expires_at_ms: Option<u64> },
+    /// `attribute_exists(duration_ms)`, and with `ttl` ` AND attribute_not_exists(state_shard)`
+    Renew { lease_id: LeaseId, now_ms: u64, expires_at_ms: Option<u64>, ttl: bool },
     /// The item carries `lease_id` and has not been released (a release or force-release
     /// already ended it). DynamoDB: `lease_id = :lease_id AND attribute_not_exists(released_at_ms)`
     Unreleased { lease_id: LeaseId },
@@ -132,14 +137,16 @@ impl Condition {
             (Condition::Free { .. }, None) => true,
             (Condition::Free { now_ms, fence, lease_id }, Some(r)) => {
                 matches!(r.expires_at_ms, Some(e) if e <= *now_ms)
+                    && r.released_at_ms.is_none_or(|t| t <= *now_ms)
                     && r.fence < *fence
                     && &r.lease_id != lease_id
                     && r.queue_len() == 0
                     && r.state.is_none()
                     && r.pending_token.is_none()
             }
-            (Condition::Renew { lease_id, now_ms, expires_at_ms }, Some(r)) => {
+            (Condition::Renew { lease_id, now_ms, expires_at_ms, ttl }, Some(r)) => {
                 r.is_live_for(lease_id, *now_ms)
+                    && (!ttl || r.state.is_none())
                     && r.renewed_at_ms.is_none_or(|t| t < *now_ms)
                     && match expires_at_ms {
                         Some(new) => r.expires_at_ms.is_none_or(|e| e <= *new),
