@@ -66,7 +66,64 @@ pub(crate) fn check(events: &[Event], log: &[Applied], t0: Instant) -> Vec<Viola
     told_in_time(events, t0, &mut out);
     finished(events, log, &mut out);
     ttl_on_work_items(log, &mut out);
+    queues(log, &mut out);
+    releases(events, log, &mut out);
     out
+}
+
+/// The waiter queue: a key's grants to its waiters go in queue order (each grant's sequence
+/// number above the last), and a waiter takes one slot (an enqueue never lands on a queue
+/// whose last slot is already its own).
+fn queues(log: &[Applied], out: &mut Vec<Violation>) {
+    let mut last: BTreeMap<&str, u64> = BTreeMap::new();
+    for a in log {
+        match (&a.mutation, &a.old) {
+            (Some(Mutation::Grant { seq, .. }), _) => {
+                let before = last.insert(a.key.as_str(), *seq).unwrap_or(0);
+                if *seq <= before {
+                    let mut v = Violation::new(
+                        "queue_not_fifo",
+                        &a.key,
+                        format!("waiter {seq} was granted the key after waiter {before}"),
+                    );
+                    v.at = Some(a.at);
+                    out.push(v);
+                }
+            }
+            (Some(Mutation::Enqueue { lease_id, .. }), Some(old))
+                if old.queue_len() > 0 && old.queue_tail_lease_id.as_ref() == Some(lease_id) =>
+            {
+                let mut v = Violation::new(
+                    "enqueued_twice",
+                    &a.key,
+                    format!("waiter {} took a second slot behind its own", short(lease_id.expose())),
+                );
+                v.at = Some(a.at);
+                out.push(v);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// A release is never answered `NotHolder` while the key's item says a hand-over released that
+/// lease and granted the key on (`released_lease_id`): the answer must be `already_released`.
+/// (A release whose answer was lost, retried after an ordinary acquire replaced the whole item,
+/// can only be answered `NotHolder`.)
+fn releases(events: &[Event], log: &[Applied], out: &mut Vec<Violation>) {
+    for e in events {
+        let Event::ReleaseRefused { key, lease, at } = e else { continue };
+        let item = log.iter().filter(|a| a.key == *key && a.at <= *at).last().and_then(|a| a.new.as_ref());
+        if item.is_some_and(|r| r.released_lease_id.as_ref().is_some_and(|id| id.expose() == lease)) {
+            let mut v = Violation::new(
+                "release_not_holder",
+                key,
+                format!("the release of lease {}, handed on by a hand-over, was answered NotHolder", short(lease)),
+            );
+            v.at = Some(*at);
+            out.push(v);
+        }
+    }
 }
 
 /// A grant or renewal is never handed to a holder after its safe time has passed (a late
@@ -142,6 +199,9 @@ pub(crate) fn history(
             ),
             Event::Finished { key: k, lease, at } if k == key => {
                 (ms(t0, *at), format!("lease {} released into the final state", short(lease)))
+            }
+            Event::ReleaseRefused { key: k, lease, at } if k == key => {
+                (ms(t0, *at), format!("lease {} release answered NotHolder", short(lease)))
             }
             _ => continue,
         };
@@ -366,6 +426,12 @@ pub(crate) fn trace_hash(events: &[Event], log: &[Applied], t0: Instant) -> u64 
                 eat(&fence.to_le_bytes());
                 eat(&us(*at).to_le_bytes());
                 eat(&[*accepted as u8]);
+            }
+            Event::ReleaseRefused { key, lease, at } => {
+                eat(b"R");
+                eat(key.as_bytes());
+                eat(lease.as_bytes());
+                eat(&us(*at).to_le_bytes());
             }
             Event::Finished { key, lease, at } => {
                 eat(b"D");

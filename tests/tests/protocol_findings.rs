@@ -64,21 +64,23 @@ impl Clock for Ahead {
     }
 }
 
-/// The acquire condition refuses a key released after the attempt's `:now`: a coordinator whose
-/// clock is behind the releaser's (within the skew margin) goes again once its clock has
-/// passed the release, and is granted the key within the call (no `LeaseHeld`).
+/// The fail-closed acquire's condition refuses a key released after the attempt's `:now`: a
+/// coordinator whose clock is behind the releaser's goes again once its clock has passed the
+/// release, and is granted the key within the call (no `LeaseHeld`). A timed acquire is not
+/// held back by a releaser's clock at all.
 async fn an_acquire_right_after_a_release_by_a_clock_ahead_is_granted(b: Backend) {
     let ahead_us = 40_000; // 40 ms, within the test skew margin of 50 ms
     let cfg = Config { clock: Arc::new(Ahead(ahead_us)), ..test_config() };
     let releaser = b.coordinator(cfg);
     let taker = b.coordinator(test_config());
-    for _ in 0..3 {
+    for fail_closed in [true, false, true] {
         let l = releaser.acquire("ahead", "r", secs(30), AcquireOptions::default()).await.unwrap();
         // Held long enough that the key is free to the taker's clock at once (the release
         // frees it at the acquire's time), while its `released_at_ms` is still ahead.
         tokio::time::sleep(Duration::from_millis(100)).await;
         releaser.release("ahead", &l.lease_id).await.unwrap();
-        let next = taker.acquire("ahead", "t", secs(30), AcquireOptions::default()).await.unwrap();
+        let (d, id) = if fail_closed { (None, Some(LeaseId::generate())) } else { (secs(30), None) };
+        let next = taker.acquire("ahead", "t", d, AcquireOptions { lease_id: id, ..Default::default() }).await.unwrap();
         assert!(next.fence > l.fence);
         taker.release("ahead", &next.lease_id).await.unwrap();
         // Let the taker's clock pass its own release before the releaser acquires again.

@@ -293,6 +293,10 @@ impl Coordinator {
                 |now| {
                     fence = self.next_fence(key, seen)?;
                     let cond = match visit {
+                        // Fail-closed: never on a key released after this attempt's clock.
+                        None if template.duration_ms.is_none() => {
+                            Condition::FreeAfter { now_ms: now, fence, lease_id: lease_id.clone() }
+                        }
                         None => Condition::Free { now_ms: now, fence, lease_id: lease_id.clone() },
                         Some(v) => {
                             Condition::FreeIn { now_ms: now, fence, lease_id: lease_id.clone(), visit: v.clone() }
@@ -315,7 +319,8 @@ impl Coordinator {
         if a.ask.want.is_some() && matches!(w, Write::Rejected(None)) {
             return Err(Error::NotFound { key: key.to_string() });
         }
-        Ok((sort_acquire(w, lease_id, fence, now, visit.as_ref())?, sent, now))
+        let after = visit.is_none() && template.duration_ms.is_none();
+        Ok((sort_acquire(w, lease_id, fence, now, visit.as_ref(), after)?, sent, now))
     }
 
     /// The lease is ours, and usable unless the answer came after its safe time (a stalled
@@ -357,8 +362,8 @@ impl Coordinator {
         Ok(Next::Again)
     }
 
-    /// Free, but released after this attempt's `:now` (the releaser's clock is ahead of ours,
-    /// within the skew margin): an acquire never takes a key released after it was sent (one
+    /// Free, but released after this fail-closed attempt's `:now` (the releaser's clock is
+    /// ahead of ours): a fail-closed acquire never takes a key released after it was sent (one
     /// held in the network may have been given up on by its caller). Go again once this clock
     /// has passed the release.
     async fn on_early(&self, a: &mut Attempts<'_>, r: Record, now: u64) -> Result<Next> {

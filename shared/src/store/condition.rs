@@ -11,19 +11,25 @@ use super::Visit;
 #[derive(Debug, Clone, PartialEq)]
 pub enum Condition {
     /// The key can be taken with fence `fence` by `lease_id`: no item, or an item whose expiry
-    /// is present and `<= now_ms`, which was not released after `now_ms` (an acquire held in the
-    /// network never takes a key released after it was sent: its caller may have given up on
-    /// it), whose last fence is below `fence`, whose last lease is not
+    /// is present and `<= now_ms`, whose last fence is below `fence`, whose last lease is not
     /// `lease_id` (a lease_id is single-use: once its lease ended it is never granted again),
     /// without queued waiters (a free key with waiters belongs to the head waiter), without a
     /// grant still marked undelivered (its waiter is told before the key moves on), and which is
     /// in no work state (a key in a state is taken with [`Condition::FreeIn`], which keeps its
-    /// state). DynamoDB: `attribute_not_exists(fence) OR (expires_at_ms <= :now AND
-    /// (attribute_not_exists(released_at_ms) OR released_at_ms <= :now) AND fence <
+    /// state). DynamoDB: `attribute_not_exists(fence) OR (expires_at_ms <= :now AND fence <
     /// :fence AND lease_id <> :lease_id AND (attribute_not_exists(queue_tail) OR queue_tail <=
     /// queue_head) AND attribute_not_exists(state_shard) AND attribute_not_exists(pending_token))`
     /// (every item has a fence)
     Free { now_ms: u64, fence: u64, lease_id: LeaseId },
+    /// [`Condition::Free`] for a fail-closed acquire (no expiry: a lease nobody knows of would
+    /// hold the key until an operator frees it), which also requires that the key was not
+    /// released after `now_ms`: an attempt held in the network never takes a key released
+    /// after it was sent (its caller may have given up on it). DynamoDB:
+    /// `attribute_not_exists(fence) OR (expires_at_ms <= :now AND (attribute_not_exists(released_at_ms)
+    /// OR released_at_ms <= :now) AND fence < :fence AND lease_id <> :lease_id AND
+    /// (attribute_not_exists(queue_tail) OR queue_tail <= queue_head) AND
+    /// attribute_not_exists(state_shard) AND attribute_not_exists(pending_token))`
+    FreeAfter { now_ms: u64, fence: u64, lease_id: LeaseId },
     /// `lease_id` holds the key and this renewal is newer than the last one: same lease_id, not
     /// released, no expiry or expiry `> now_ms`, and no renewal at or after `now_ms` (a delayed
     /// duplicate of a heartbeat whose retry already landed is refused). With `expires_at_ms`
@@ -134,10 +140,13 @@ impl Condition {
     /// Reference semantics: does the condition hold for the current item (`None`: no item)?
     pub fn holds(&self, item: Option<&Record>) -> bool {
         match (self, item) {
-            (Condition::Free { .. }, None) => true,
+            (Condition::Free { .. } | Condition::FreeAfter { .. }, None) => true,
+            (Condition::FreeAfter { now_ms, fence, lease_id }, Some(r)) => {
+                r.released_at_ms.is_none_or(|t| t <= *now_ms)
+                    && Condition::Free { now_ms: *now_ms, fence: *fence, lease_id: lease_id.clone() }.holds(Some(r))
+            }
             (Condition::Free { now_ms, fence, lease_id }, Some(r)) => {
                 matches!(r.expires_at_ms, Some(e) if e <= *now_ms)
-                    && r.released_at_ms.is_none_or(|t| t <= *now_ms)
                     && r.fence < *fence
                     && &r.lease_id != lease_id
                     && r.queue_len() == 0

@@ -61,7 +61,7 @@ fn id(lease_id: &crate::model::LeaseId) -> AttributeValue {
 fn condition_guard(c: &Condition) -> Guard {
     use Condition::*;
     match c {
-        Free { .. } | Renew { .. } | Unreleased { .. } | Exists | Live { .. } => lease_guard(c),
+        Free { .. } | FreeAfter { .. } | Renew { .. } | Unreleased { .. } | Exists | Live { .. } => lease_guard(c),
         FenceIs(_) | FenceAndExpiry { .. } | NotLease => read_guard(c),
         Queueable { .. }
         | HandOver { .. }
@@ -111,6 +111,14 @@ fn lease_guard(c: &Condition) -> Guard {
         // No item (every item has a fence), or one that expired, with a lower fence and another
         // lease_id, no queued waiter, no work state and no undelivered grant.
         Condition::Free { now_ms, fence, lease_id } => guard(
+            "attribute_not_exists(fence) OR (expires_at_ms <= :now AND fence < :fence AND lease_id <> :lease_id \
+             AND (attribute_not_exists(queue_tail) OR queue_tail <= queue_head) AND attribute_not_exists(state_shard) \
+             AND attribute_not_exists(pending_token))",
+            [("now", num(*now_ms)), ("fence", num(*fence)), ("lease_id", id(lease_id))],
+        ),
+        // A fail-closed acquire: also not released after this attempt's clock (a stale attempt
+        // never takes a key released after it was sent).
+        Condition::FreeAfter { now_ms, fence, lease_id } => guard(
             "attribute_not_exists(fence) OR (expires_at_ms <= :now AND (attribute_not_exists(released_at_ms) \
              OR released_at_ms <= :now) AND fence < :fence AND lease_id <> :lease_id \
              AND (attribute_not_exists(queue_tail) OR queue_tail <= queue_head) AND attribute_not_exists(state_shard) \
@@ -664,6 +672,7 @@ mod tests {
         let (now, ttl) = (1, Some(2));
         let writes = [
             (Condition::Free { now_ms: now, fence: 3, lease_id: id.clone() }, None),
+            (Condition::FreeAfter { now_ms: now, fence: 3, lease_id: id.clone() }, None),
             (
                 Condition::Renew { lease_id: id.clone(), now_ms: now, expires_at_ms: Some(4), ttl: true },
                 Some(Mutation::Extend { now_ms: now, duration_ms: Some(3), ttl }),
@@ -809,6 +818,7 @@ mod tests {
         let visit = Visit { state: "S".into(), shard: "S#0".into(), since_ms: 1, attempts: 0 };
         let all = [
             Condition::Free { now_ms: 1, fence: 3, lease_id: id.clone() },
+            Condition::FreeAfter { now_ms: 1, fence: 3, lease_id: id.clone() },
             Condition::Renew { lease_id: id.clone(), now_ms: 1, expires_at_ms: Some(4), ttl: true },
             Condition::Renew { lease_id: id.clone(), now_ms: 1, expires_at_ms: None, ttl: true },
             Condition::Renew { lease_id: id.clone(), now_ms: 1, expires_at_ms: Some(4), ttl: false },
