@@ -77,6 +77,11 @@ pub(crate) fn check(events: &[Event], log: &[Applied], t0: Instant) -> Vec<Viola
 fn queues(log: &[Applied], out: &mut Vec<Violation>) {
     let mut last: BTreeMap<&str, u64> = BTreeMap::new();
     for a in log {
+        // A queue that starts anew (the item replaced, or no counters yet): its order starts
+        // over (its numbers come from the enqueuer's clock; see `queue_seq_reused`).
+        if a.new.as_ref().is_none_or(|r| r.queue_head.is_none()) {
+            last.remove(a.key.as_str());
+        }
         match (&a.mutation, &a.old) {
             (Some(Mutation::Grant { seq, .. }), _) => {
                 let before = last.insert(a.key.as_str(), *seq).unwrap_or(0);
