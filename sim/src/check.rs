@@ -124,7 +124,7 @@ fn queues(log: &[Applied], out: &mut Vec<Violation>) {
 fn releases(events: &[Event], log: &[Applied], out: &mut Vec<Violation>) {
     for e in events {
         let Event::ReleaseRefused { key, lease, at } = e else { continue };
-        let item = log.iter().filter(|a| a.key == *key && a.at <= *at).last().and_then(|a| a.new.as_ref());
+        let item = log.iter().rev().find(|a| a.key == *key && a.at <= *at).and_then(|a| a.new.as_ref());
         if item.is_some_and(|r| r.released_lease_id.as_ref().is_some_and(|id| id.expose() == lease)) {
             let mut v = Violation::new(
                 "release_not_holder",

@@ -516,7 +516,7 @@ fn start_node(world: &Shared, store: &SimStore, truth: &Arc<SimClock>, i: usize,
     let handle = store.handle();
     let mut coord = Coordinator::new(Arc::new(handle.clone()), config(clock.clone()));
     // Every other coordinator serves queues (a Lambda function); the rest are library users.
-    let serves_queues = !rogue && i % 2 == 0;
+    let serves_queues = !rogue && i.is_multiple_of(2);
     if serves_queues {
         coord = coord.with_deliver(Arc::new(SimSfn(world.clone())));
     }
