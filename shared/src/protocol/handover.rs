@@ -1,4 +1,8 @@
-//! TODO
+//! The in-process hand-over (DESIGN.md, "In-process waiters"): a release of this coordinator
+//! grants the key to the sleeping head of its line in the release's own write; a key freed
+//! here wakes that head; fairness across processes (a key left free for another process's
+//! waiter, the "awaited elsewhere" mark); and a waiter's place in line, which gives back a
+//! grant its dropped acquire never read (DESIGN.md, "Cancellation").
 
 use super::*;
 
