@@ -93,14 +93,7 @@ impl Coordinator {
         // `wrong_lease_id`): the grant keeps its id and fence.
         lease.released = Some((lease_id.clone(), r.fence));
         let cond = Condition::HandTo { lease_id: lease_id.clone(), fence: r.fence, now_ms: now };
-        let released = Released {
-            key: key.to_string(),
-            fence: r.fence,
-            released_at_ms: now,
-            free_at_ms: now,
-            already_released: false,
-            state: None,
-        };
+        let released = Released::at(key, r.fence, now, false, None);
         let waiter = lease.lease_id.clone();
         match self.store.update(key, &cond, &Mutation::Acquire(lease)).await {
             Ok(Write::Applied(g)) => {

@@ -345,15 +345,7 @@ impl Coordinator {
             Write::Rejected(r) => return Ok(Err((r, now))),
         };
         let h = r.slot(lease_id).expect("a released holder has its entry");
-        let at = h.released_at_ms.unwrap_or(now);
-        Ok(Ok(Released {
-            key: key.to_string(),
-            fence: h.fence,
-            released_at_ms: at,
-            free_at_ms: at,
-            already_released: already,
-            state: None,
-        }))
+        Ok(Ok(Released::at(key, h.fence, h.released_at_ms.unwrap_or(now), already, None)))
     }
 
     pub(crate) fn slot_or_plain_not_holder(
