@@ -22,6 +22,7 @@ use leasehold::{
 };
 
 mod check;
+thread_local! { static T0: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) }; }
 pub use check::Violation;
 
 /// The wall time every run starts at (2027-01-15).
@@ -245,6 +246,7 @@ fn config(clock: Arc<SimClock>) -> Config {
 
 async fn simulate(s: Settings) -> Outcome {
     let t0 = now();
+    T0.with(|c| c.set(Some(t0)));
     let truth = Arc::new(SimClock::new(EPOCH_MS));
     let mut faults = Faults::all(s.fault_rate);
     faults.attempt_timeout = ATTEMPT_TIMEOUT;
@@ -970,6 +972,16 @@ impl Deliver for SimSfn {
                 }
             }
         };
+        if std::env::var("LH_TRACE").is_ok() {
+            eprintln!(
+                "TRACE {} ms sfn success token {} lease {} fence {} -> {:?}",
+                now().duration_since(T0.with(|c| c.get().unwrap())).as_millis(),
+                token,
+                lease.lease_id.expose(),
+                lease.fence,
+                answer
+            );
+        }
         let exec = match answer {
             Ok(exec) => exec,
             Err(e) => return Err(e),
@@ -1075,6 +1087,23 @@ async fn queued(node: &Arc<Node>, world: &Shared, name: &str) {
             }
             // The invocation failed: Step Functions retries it (same input).
             Err(e) if e.is_transient() || matches!(e, Error::OutcomeUnknown { .. }) => {
+                // Step Functions retries a task only while it waits: a task whose token a
+                // delivery already completed (`SendTaskSuccess` landed while this invocation
+                // ran) has moved on with its lease, and its invocation's late failure is
+                // ignored; a task that timed out is not retried either.
+                if lock(world).tasks.get(&token).is_some_and(|t| t.closed) {
+                    waiting = true;
+                    break;
+                }
+                if std::env::var("LH_TRACE").is_ok() {
+                    eprintln!(
+                        "TRACE {} ms invocation failed {} lease {}: {}",
+                        now().duration_since(T0.with(|c| c.get().unwrap())).as_millis(),
+                        exec,
+                        lease_id.expose(),
+                        e
+                    );
+                }
                 lock(world).fault("invocation_retried");
                 tokio::time::sleep(Duration::from_millis(300)).await;
             }
