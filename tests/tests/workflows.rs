@@ -1054,6 +1054,12 @@ async fn concurrency_limited_works_at_most_n_items_at_once() {
     assert!(most >= 2, "the slots were shared: at most {most} at once");
     let polls = state_edges(&run, "WaitForSlot").await;
     assert!(!polls.is_empty(), "no iteration ever found the semaphore full");
+    println!(
+        "concurrency limited: 20 items on 3 slots: at most {most} in Work at once, {} polls of a full semaphore, \
+         {} history events",
+        polls.len() / 2,
+        end.history.len()
+    );
     // From the work function: the same bound, each item once, fences all distinct.
     let seen = limited().seen(&key);
     assert!(seen.most <= 3, "the work function ran {} items at once: {seen:?}", seen.most);
