@@ -14,7 +14,8 @@
 //!   someone cleans it.
 //!
 //! Reported per side: acquisitions, per-worker min..max and max/min, every request per
-//! acquisition (proxy count, releases included), the most holders seen at once (must be <= 4).
+//! acquisition (proxy count, releases included), the most holders seen at once (must be <= 4),
+//! acquires that failed with a transient error (the worker tries again).
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
@@ -39,6 +40,8 @@ const POLL: Duration = Duration::from_millis(10);
 struct Slots {
     now: AtomicI64,
     most: AtomicI64,
+    /// Acquires that failed with a transient error (the worker then tries again).
+    errors: AtomicI64,
 }
 
 impl Slots {
@@ -56,6 +59,7 @@ struct Round {
     per_worker: Vec<u64>,
     requests: u64,
     most: i64,
+    errors: i64,
     secs: f64,
 }
 
@@ -93,6 +97,12 @@ async fn leasehold_worker(c: Coordinator, key: String, w: usize, stop_at: Instan
         let l = match c.acquire(&key, &format!("w{w}"), Some(LEASE), opts).await {
             Ok(l) => l,
             Err(Error::LeaseHeld { .. }) => continue,
+            // Counted and reported: e.g. "kept changing until the deadline" when the takes of
+            // many contenders keep changing the item under a loaded machine.
+            Err(e) if e.is_transient() => {
+                slots.errors.fetch_add(1, Ordering::SeqCst);
+                continue;
+            }
             Err(e) => panic!("acquire: {e}"),
         };
         slots.enter();
@@ -221,7 +231,8 @@ async fn round(s: &Setup, side: Side, tag: &str, length: Duration) -> Round {
         per_worker.push(t.await.expect("worker"));
     }
     let secs = start.elapsed().as_secs_f64();
-    Round { per_worker, requests: s.proxy.total(), most: slots.most.load(Ordering::SeqCst), secs }
+    let (most, errors) = (slots.most.load(Ordering::SeqCst), slots.errors.load(Ordering::SeqCst));
+    Round { per_worker, requests: s.proxy.total(), most, errors, secs }
 }
 
 scenario_run!(parent_only report);
@@ -253,8 +264,8 @@ async fn report(s: &Setup, p: &Params, _: &mut Rss) {
         }
     }
     println!(
-        "{:<20} {:>8} {:>8} {:>12} {:>9} {:>9} {:>6}   per round",
-        "side", "acq", "acq/s", "per-worker", "max/min", "req/acq", "most"
+        "{:<20} {:>8} {:>8} {:>12} {:>9} {:>9} {:>6} {:>7}   per round",
+        "side", "acq", "acq/s", "per-worker", "max/min", "req/acq", "most", "errors"
     );
     let mut totals = Vec::new();
     for (side, rs) in sides.iter().zip(&results) {
@@ -268,10 +279,11 @@ async fn report(s: &Setup, p: &Params, _: &mut Rss) {
         let secs: f64 = rs.iter().map(|r| r.secs).sum();
         let reqs: u64 = rs.iter().map(|r| r.requests).sum();
         let most = rs.iter().map(|r| r.most).max().unwrap_or(0);
+        let errors: i64 = rs.iter().map(|r| r.errors).sum();
         let (mx, mn) = (*per.iter().max().unwrap(), *per.iter().min().unwrap());
         totals.push(acq);
         println!(
-            "{:<20} {:>8} {:>8.0} {:>12} {:>9} {:>9.2} {:>6}   {}",
+            "{:<20} {:>8} {:>8.0} {:>12} {:>9} {:>9.2} {:>6} {:>7}   {}",
             side.name(),
             acq,
             acq as f64 / secs,
@@ -279,6 +291,7 @@ async fn report(s: &Setup, p: &Params, _: &mut Rss) {
             if mn == 0 { "inf".to_string() } else { format!("{:.2}", mx as f64 / mn as f64) },
             reqs as f64 / acq.max(1) as f64,
             most,
+            errors,
             rs.iter().map(|r| r.per_worker.iter().sum::<u64>().to_string()).collect::<Vec<_>>().join(", ")
         );
         assert!(most <= SLOTS as i64, "{}: {most} holders at once on {SLOTS} slots", side.name());
