@@ -269,7 +269,7 @@ async fn report(s: &Setup, p: &Params, _: &mut Rss) {
     );
     let mut totals = Vec::new();
     for (side, rs) in sides.iter().zip(&results) {
-        let mut per = vec![0u64; WORKERS];
+        let mut per = [0u64; WORKERS];
         for r in rs {
             for (w, n) in r.per_worker.iter().enumerate() {
                 per[w] += n;
