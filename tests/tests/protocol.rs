@@ -1321,6 +1321,7 @@ both_backends!(
     semaphore_and_plain_lease_on_one_key,
     semaphore_validation,
     semaphore_map_stays_bounded,
+    semaphore_hands_freed_slots_to_waiters_in_arrival_order,
 );
 
 fn slots(n: u32) -> AcquireOptions {
@@ -1495,14 +1496,15 @@ async fn semaphore_lease_ids_are_single_use(b: Backend) {
 /// 16 tasks on 4 slots, random holds, some holders never releasing (their slot frees by
 /// expiry): at no instant do more than 4 believe they hold, judged by each one's `safe_until`.
 async fn semaphore_never_admits_more_than_n(b: Backend) {
-    // Waiters poll often, so that a free slot is contended by many.
+    // Waiters poll often, so that a free slot is contended by many: four coordinators (each
+    // lets only the head of its line take), four tasks each.
     let mut cfg = test_config();
     cfg.poll_max = Duration::from_millis(50);
-    let c = b.coordinator(cfg);
+    let cs: Vec<Coordinator> = (0..4).map(|_| b.coordinator(cfg.clone())).collect();
     let spans = Arc::new(Mutex::new(Vec::<(Instant, Instant)>::new()));
     let mut tasks = Vec::new();
     for t in 0..16u64 {
-        let (c, spans) = (c.clone(), spans.clone());
+        let (c, spans) = (cs[t as usize % 4].clone(), spans.clone());
         tasks.push(tokio::spawn(async move {
             for round in 0..3u64 {
                 let opts = AcquireOptions { wait: secs(60), ..slots(4) };
@@ -1535,6 +1537,62 @@ async fn semaphore_never_admits_more_than_n(b: Backend) {
     }
     assert!(most <= 4, "{most} believed holders at once on 4 slots");
     assert!(most >= 3, "the slots were shared: {most}");
+}
+
+/// Waiting takes line up in their coordinator: each slot it frees goes at once to the longest
+/// waiter, not to whoever polls next. The holders' leases are long and the waiters' polls rare,
+/// so only the wake-up can serve them within the bound.
+async fn semaphore_hands_freed_slots_to_waiters_in_arrival_order(b: Backend) {
+    let mut cfg = test_config();
+    cfg.poll_max = Duration::from_secs(60);
+    let c = b.coordinator(cfg);
+    let key = "sem/fifo";
+    let a = c.acquire(key, "a", secs(120), slots(2)).await.unwrap();
+    let b2 = c.acquire(key, "b", secs(120), slots(2)).await.unwrap();
+    let order = Arc::new(Mutex::new(Vec::<(String, u64)>::new()));
+    let mut waiters = Vec::new();
+    for (i, w) in ["w1", "w2", "w3"].into_iter().enumerate() {
+        let (cw, order) = (c.clone(), order.clone());
+        waiters.push(tokio::spawn(async move {
+            let opts = AcquireOptions { wait: secs(100), ..slots(2) };
+            let l = cw.acquire(key, w, secs(120), opts).await.unwrap();
+            order.lock().unwrap().push((w.to_string(), l.fence));
+            l
+        }));
+        // Each joins the line before the next arrives.
+        let start = Instant::now();
+        while c.waiting(key) < i + 1 {
+            assert!(start.elapsed() < Duration::from_secs(20), "{w} never joined the coordinator's line");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    let served = |n: usize| {
+        let order = order.clone();
+        async move {
+            let start = Instant::now();
+            while order.lock().unwrap().len() < n {
+                assert!(start.elapsed() < Duration::from_secs(20), "a freed slot was not handed on: {n}");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    };
+    c.release(key, &a.lease_id).await.unwrap();
+    served(1).await;
+    c.release(key, &b2.lease_id).await.unwrap();
+    served(2).await;
+    let first = waiters.remove(0).await.unwrap();
+    c.release(key, &first.lease_id).await.unwrap();
+    served(3).await;
+    let order = order.lock().unwrap().clone();
+    let names: Vec<&str> = order.iter().map(|(w, _)| w.as_str()).collect();
+    assert_eq!(names, ["w1", "w2", "w3"], "slots went to the waiters in arrival order");
+    assert!(order.windows(2).all(|p| p[0].1 < p[1].1), "fences grow in grant order: {order:?}");
+    assert!(order[0].1 > b2.fence);
+    for w in waiters {
+        let l = w.await.unwrap();
+        c.release(key, &l.lease_id).await.unwrap();
+    }
+    assert_eq!(c.waiting(key), 0);
 }
 
 async fn semaphore_slots_one_writes_todays_item(b: Backend) {

@@ -22,19 +22,11 @@ impl Ask<'_> {
     /// (or, in a hand-over, to the releaser).
     fn lease(&self, lease_id: &LeaseId, poll_ms: Option<u64>) -> NewLease {
         NewLease {
-            holder: self.holder.to_string(),
-            lease_id: lease_id.clone(),
-            now_ms: 0,
-            duration_ms: self.duration.map(|d| d.as_millis() as u64),
             min_hold_ms: self.opts.min_hold.unwrap_or_default().as_millis() as u64,
             metadata: self.opts.metadata.clone(),
             keepalive: self.opts.keepalive.clone(),
-            ttl: None,
-            fence: 0,
             poll_ms,
-            visit: None,
-            handed_in: None,
-            released: None,
+            ..NewLease::new(self.holder, lease_id.clone(), 0, self.duration.map(|d| d.as_millis() as u64), 0)
         }
     }
 }

@@ -1,4 +1,6 @@
-//! TODO
+//! Heartbeat: a live lease's expiry moved on from now, in one conditional write that never
+//! moves it backwards (DESIGN.md, "heartbeat(key, lease_id, duration?)"); a key seen as a semaphore renews the holder's
+//! slot instead. Also why a lease_id is not the holder, for every operation's `NotHolder`.
 
 use super::*;
 

@@ -253,21 +253,7 @@ mod tests {
     use crate::store::{Mutation, NewLease, Visit};
 
     fn lease(holder: &str, id: &str, now: u64, fence: u64) -> NewLease {
-        NewLease {
-            holder: holder.into(),
-            lease_id: LeaseId::from_string(id),
-            now_ms: now,
-            duration_ms: Some(1000),
-            min_hold_ms: 0,
-            metadata: None,
-            keepalive: None,
-            ttl: None,
-            fence,
-            poll_ms: None,
-            visit: None,
-            released: None,
-            handed_in: None,
-        }
+        NewLease::new(holder, LeaseId::from_string(id), now, Some(1000), fence)
     }
 
     fn apply(m: &Mutation, old: Option<&Record>) -> (Record, Vec<Event>) {

@@ -44,6 +44,27 @@ pub struct Visit {
 }
 
 impl NewLease {
+    /// The lease `lease_id` of `holder`, written at `now_ms` for `duration_ms` (none: held
+    /// until released) at `fence`; no min_hold, metadata, keep-alive, TTL, poll hint, visit,
+    /// hand-over or released lease: those the caller sets.
+    pub fn new(holder: &str, lease_id: LeaseId, now_ms: u64, duration_ms: Option<u64>, fence: u64) -> NewLease {
+        NewLease {
+            holder: holder.to_string(),
+            lease_id,
+            now_ms,
+            duration_ms,
+            min_hold_ms: 0,
+            metadata: None,
+            keepalive: None,
+            ttl: None,
+            fence,
+            poll_ms: None,
+            visit: None,
+            handed_in: None,
+            released: None,
+        }
+    }
+
     /// The whole item an acquire writes for `key`: nothing of the previous lease survives.
     pub fn record(&self, key: &str) -> Record {
         Record {

@@ -671,19 +671,9 @@ mod tests {
                 Condition::HandOver { fence: 3, now_ms: now, head: 5 },
                 Some(Mutation::Grant {
                     lease: NewLease {
-                        holder: "h".into(),
-                        lease_id: id.clone(),
-                        now_ms: now,
-                        duration_ms: Some(3),
-                        min_hold_ms: 0,
-                        metadata: None,
-                        keepalive: None,
                         ttl,
-                        fence: 4,
-                        poll_ms: None,
-                        visit: None,
-                        handed_in: None,
                         released: Some((id.clone(), 2)),
+                        ..NewLease::new("h", id.clone(), now, Some(3), 4)
                     },
                     seq: 6,
                     token: "t".into(),
