@@ -58,7 +58,7 @@ impl Coordinator {
                 // one try of at most 1 s (and never past the heartbeat's deadline) before the
                 // answer, and any retries run after it, so a slow store cannot hold a landed
                 // renewal back past the holder's safe time.
-                if r.state.is_some() && r.ttl.is_some() {
+                if self.keeps_no_ttl(&r) {
                     let bound = deadline.min(self.monotonic() + Duration::from_secs(1));
                     let cond = Condition::FenceIs(r.fence);
                     let once = self.store.update(key, &cond, &Mutation::ClearTtl);
