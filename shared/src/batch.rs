@@ -105,6 +105,7 @@ impl Coordinator {
                         holder: holder.to_string(),
                         state: state.to_string(),
                         shard: shard.clone(),
+                        ttl: self.state_ttl(state, now),
                     },
                 ))
             })

@@ -459,6 +459,13 @@ pub struct Released {
     pub state: Option<String>,
 }
 
+impl Released {
+    /// A release at `at_ms` that left the key free, or granted it on, at that instant.
+    pub(crate) fn at(key: &str, fence: u64, at_ms: u64, already_released: bool, state: Option<String>) -> Released {
+        Released { key: key.to_string(), fence, released_at_ms: at_ms, free_at_ms: at_ms, already_released, state }
+    }
+}
+
 /// A queued acquire (DESIGN.md, "The waiter queue"), as its waiter item stores it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Waiter {

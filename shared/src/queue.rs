@@ -420,21 +420,13 @@ impl Coordinator {
     /// The lease a grant gives `waiter` on the item `r` read at `now`: the waiter's own
     /// lease_id, duration, metadata and keep-alive, and a fence above every earlier one.
     fn waiter_lease(&self, key: &str, r: &Record, waiter: &Waiter, now: u64) -> Result<NewLease> {
+        let fence = self.next_fence(key, Some(r.fence))?;
         Ok(NewLease {
-            holder: waiter.holder.clone(),
-            lease_id: waiter.lease_id.clone(),
-            now_ms: now,
-            duration_ms: Some(waiter.duration_ms),
-            min_hold_ms: 0,
             metadata: waiter.metadata.clone(),
             keepalive: waiter.keepalive.clone(),
             // A key in a work state is kept until it is taken: no TTL (as for a batch grant).
             ttl: r.state.is_none().then(|| self.ttl_after(now + waiter.duration_ms)),
-            fence: self.next_fence(key, Some(r.fence))?,
-            poll_ms: None,
-            visit: None,
-            handed_in: None,
-            released: None,
+            ..NewLease::new(&waiter.holder, waiter.lease_id.clone(), now, Some(waiter.duration_ms), fence)
         })
     }
 
@@ -532,25 +524,11 @@ impl Coordinator {
                     && g.lease_id == waiter.lease_id
                     && g.queue_head == Some(seq) =>
             {
-                return Ok(Some(Released {
-                    key: key.to_string(),
-                    fence: r.fence,
-                    released_at_ms: g.acquired_at_ms,
-                    free_at_ms: g.acquired_at_ms,
-                    already_released: tries == 1,
-                    state: r.state.clone(),
-                }));
+                return Ok(Some(Released::at(key, r.fence, g.acquired_at_ms, tries == 1, r.state.clone())));
             }
             Write::Rejected(_) => return Ok(None),
         };
-        let released = Released {
-            key: key.to_string(),
-            fence: r.fence,
-            released_at_ms: now,
-            free_at_ms: now,
-            already_released: false,
-            state: r.state.clone(),
-        };
+        let released = Released::at(key, r.fence, now, false, r.state.clone());
         let mut served = Served::default();
         if self.deliver_grant(&deliver, key, &granted, sent, now, &waiter, &mut served).await? {
             if let Err(e) = self.serve_queue(key).await {

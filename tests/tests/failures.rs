@@ -203,21 +203,7 @@ async fn an_implausibly_far_fence_is_never_copied(b: Backend) {
 
 /// Writes an expired lease item with `fence` directly (what another coordinator left).
 async fn put(store: &Arc<dyn Store>, key: &str, fence: u64, now: u64) {
-    let n = NewLease {
-        holder: "gone".into(),
-        lease_id: LeaseId::generate(),
-        now_ms: now - 5000,
-        duration_ms: Some(1000),
-        min_hold_ms: 0,
-        metadata: None,
-        keepalive: None,
-        ttl: None,
-        fence,
-        poll_ms: None,
-        visit: None,
-        handed_in: None,
-        released: None,
-    };
+    let n = NewLease::new("gone", LeaseId::generate(), now - 5000, Some(1000), fence);
     let w = store.update(key, &Condition::Exists, &Mutation::Acquire(n.clone())).await.unwrap();
     if let Write::Rejected(_) = w {
         let free = Condition::Free { now_ms: now, fence: u64::MAX, lease_id: LeaseId::generate() };

@@ -220,3 +220,27 @@ fn the_code_map_matches_the_tree() {
     assert!(missing.is_empty(), "files the code map does not name: {missing:?}");
     assert!(stale.is_empty(), "the code map names files that do not exist: {stale:?}");
 }
+
+/// Every source file of the workspace opens with a module comment that says what the file is
+/// for: a reader following a command lands on a file and learns its concern first. A
+/// placeholder (`TODO`, `FIXME`, `XXX`) does not count.
+#[test]
+fn every_source_file_says_what_it_is_for() {
+    let root = repo_root();
+    let mut missing = Vec::new();
+    for dir in ["shared/src", "cli/src", "sim/src", "bench/src", "tests/src", "functions"] {
+        for (path, text) in sources(&root.join(dir)) {
+            let doc: String = text
+                .lines()
+                .take_while(|l| l.starts_with("//!"))
+                .map(|l| l.trim_start_matches("//!").trim())
+                .collect::<Vec<_>>()
+                .join(" ");
+            let placeholder = ["TODO", "FIXME", "XXX"].iter().any(|p| doc.trim().starts_with(p));
+            if doc.split_whitespace().count() < 4 || placeholder {
+                missing.push(path.strip_prefix(&root).unwrap().display().to_string());
+            }
+        }
+    }
+    assert!(missing.is_empty(), "files without a module comment saying what they are for: {missing:?}");
+}

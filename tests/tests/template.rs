@@ -159,7 +159,11 @@ fn lease_table_matches_the_store() {
         gsis[1]["KeySchema"],
         json!([{"AttributeName": attr::STATE_SHARD, "KeyType": "HASH"}, {"AttributeName": attr::EXPIRES_AT, "KeyType": "RANGE"}])
     );
-    assert_eq!(gsis[1]["Projection"], json!({"ProjectionType": "ALL"}));
+    // Only what a batch's candidate needs (the attributes the store's candidate Query names).
+    assert_eq!(
+        gsis[1]["Projection"],
+        json!({"ProjectionType": "INCLUDE", "NonKeyAttributes": leasehold::store::dynamo::STATE_INDEX_ATTRIBUTES})
+    );
     // The queue index, as `DynamoStore::create_table` makes it.
     assert_eq!(gsis[2]["IndexName"], leasehold::store::dynamo::QUEUE_INDEX);
     assert_eq!(gsis[2]["KeySchema"], json!([{"AttributeName": attr::Q_SHARD, "KeyType": "HASH"}]));
@@ -215,10 +219,14 @@ fn lease_table_is_the_cli_table() {
         .map(|i| {
             let mut keys = vec![json!({"AttributeName": i.hash.0, "KeyType": "HASH"})];
             keys.extend(i.range.map(|r| json!({"AttributeName": r.0, "KeyType": "RANGE"})));
+            let mut projection = json!({"ProjectionType": i.projection});
+            if !i.non_key.is_empty() {
+                projection["NonKeyAttributes"] = json!(i.non_key);
+            }
             json!({
                 "IndexName": i.name,
                 "KeySchema": keys,
-                "Projection": {"ProjectionType": i.projection},
+                "Projection": projection,
             })
         })
         .collect();

@@ -22,19 +22,11 @@ impl Ask<'_> {
     /// (or, in a hand-over, to the releaser).
     fn lease(&self, lease_id: &LeaseId, poll_ms: Option<u64>) -> NewLease {
         NewLease {
-            holder: self.holder.to_string(),
-            lease_id: lease_id.clone(),
-            now_ms: 0,
-            duration_ms: self.duration.map(|d| d.as_millis() as u64),
             min_hold_ms: self.opts.min_hold.unwrap_or_default().as_millis() as u64,
             metadata: self.opts.metadata.clone(),
             keepalive: self.opts.keepalive.clone(),
-            ttl: None,
-            fence: 0,
             poll_ms,
-            visit: None,
-            handed_in: None,
-            released: None,
+            ..NewLease::new(self.holder, lease_id.clone(), 0, self.duration.map(|d| d.as_millis() as u64), 0)
         }
     }
 }
@@ -299,8 +291,12 @@ impl Coordinator {
                     };
                     let lease = NewLease {
                         now_ms: now,
-                        // A key in a work state is kept until it is taken: no TTL.
-                        ttl: template.duration_ms.filter(|_| visit.is_none()).map(|d| self.ttl_after(now + d)),
+                        // A key in a work state is kept until it is taken: no TTL; one in a
+                        // terminal state keeps a TTL (a lease's, as a key in no state).
+                        ttl: template
+                            .duration_ms
+                            .filter(|_| visit.as_ref().is_none_or(|v| self.is_terminal(&v.state)))
+                            .map(|d| self.ttl_after(now + d)),
                         fence,
                         visit: visit.as_ref().map(|v| Visit { attempts: v.attempts.saturating_add(1), ..v.clone() }),
                         ..template.clone()

@@ -1,4 +1,6 @@
-//! TODO
+//! The clock check (DESIGN.md, "Clocks"): before a write judges or sets an expiry, this
+//! coordinator's clock must agree with the store's, judged from the `Date` of recent answers;
+//! a clock certainly beyond the skew margin is refused with `ClockSkew`.
 
 use super::*;
 

@@ -1,4 +1,7 @@
-//! TODO
+//! What an answer means, apart from any I/O: the fence an attempt writes, and the sorting of
+//! an acquire's, a release's and a semaphore take's answer into the cases the loops act on
+//! (DESIGN.md, "Operations: one request each": each case beside the condition that
+//! produced it).
 
 use super::*;
 

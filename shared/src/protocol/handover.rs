@@ -1,4 +1,8 @@
-//! TODO
+//! The in-process hand-over (DESIGN.md, "In-process waiters"): a release of this coordinator
+//! grants the key to the sleeping head of its line in the release's own write; a key freed
+//! here wakes that head; fairness across processes (a key left free for another process's
+//! waiter, the "awaited elsewhere" mark); and a waiter's place in line, which gives back a
+//! grant its dropped acquire never read (DESIGN.md, "Cancellation").
 
 use super::*;
 
@@ -89,14 +93,7 @@ impl Coordinator {
         // `wrong_lease_id`): the grant keeps its id and fence.
         lease.released = Some((lease_id.clone(), r.fence));
         let cond = Condition::HandTo { lease_id: lease_id.clone(), fence: r.fence, now_ms: now };
-        let released = Released {
-            key: key.to_string(),
-            fence: r.fence,
-            released_at_ms: now,
-            free_at_ms: now,
-            already_released: false,
-            state: None,
-        };
+        let released = Released::at(key, r.fence, now, false, None);
         let waiter = lease.lease_id.clone();
         match self.store.update(key, &cond, &Mutation::Acquire(lease)).await {
             Ok(Write::Applied(g)) => {

@@ -1,4 +1,6 @@
-//! TODO
+//! Heartbeat: a live lease's expiry moved on from now, in one conditional write that never
+//! moves it backwards (DESIGN.md, "heartbeat(key, lease_id, duration?)"); a key seen as a semaphore renews the holder's
+//! slot instead. Also why a lease_id is not the holder, for every operation's `NotHolder`.
 
 use super::*;
 
@@ -56,7 +58,7 @@ impl Coordinator {
                 // one try of at most 1 s (and never past the heartbeat's deadline) before the
                 // answer, and any retries run after it, so a slow store cannot hold a landed
                 // renewal back past the holder's safe time.
-                if r.state.is_some() && r.ttl.is_some() {
+                if self.keeps_no_ttl(&r) {
                     let bound = deadline.min(self.monotonic() + Duration::from_secs(1));
                     let cond = Condition::FenceIs(r.fence);
                     let once = self.store.update(key, &cond, &Mutation::ClearTtl);

@@ -1,4 +1,5 @@
-//! TODO
+//! Reads for operators and callers: one key's public state, and the keys held now (never a
+//! lease_id).
 
 use super::*;
 

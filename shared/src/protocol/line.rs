@@ -255,6 +255,12 @@ impl Ticket {
         }
     }
 
+    /// Sleeps `pause` or until woken, whichever comes first, offering nothing: a semaphore's
+    /// waiter, woken by a slot this coordinator frees, takes it by itself.
+    pub async fn wait_woken(&self, pause: Duration) {
+        let _ = tokio::time::timeout(pause, self.slot.notify.notified()).await;
+    }
+
     /// Has this waiter left (its deadline came while a release was writing its grant)?
     pub fn departed(&self) -> bool {
         matches!(*self.hand(), Hand::Gone)

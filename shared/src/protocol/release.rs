@@ -69,14 +69,8 @@ impl Coordinator {
                 // Released by a hand-over that granted the key on in the same write (or right
                 // after): the grant keeps the released lease's id and fence.
                 ReleaseAnswer::HandedOn(r) => {
-                    return Ok(Released {
-                        key: key.to_string(),
-                        fence: r.released_fence.unwrap_or(r.fence),
-                        released_at_ms: r.acquired_at_ms,
-                        free_at_ms: r.acquired_at_ms,
-                        already_released: true,
-                        state: r.state.clone(),
-                    })
+                    let fence = r.released_fence.unwrap_or(r.fence);
+                    return Ok(Released::at(key, fence, r.acquired_at_ms, true, r.state.clone()));
                 }
                 // A semaphore's item: the holder's own release (DESIGN.md, "Semaphores").
                 ReleaseAnswer::NotHolder(Some(r)) if r.slots.is_some() && state.is_none() => {
@@ -107,7 +101,12 @@ impl Coordinator {
                     None => (Condition::Unreleased { lease_id }, Mutation::Release { now_ms: now, ttl }),
                     Some(s) => (
                         Condition::Live { lease_id, now_ms: now },
-                        Mutation::ReleaseTo { now_ms: now, state: s.to_string(), shard: self.state_shard(key, s) },
+                        Mutation::ReleaseTo {
+                            now_ms: now,
+                            state: s.to_string(),
+                            shard: self.state_shard(key, s),
+                            ttl: self.state_ttl(s, now),
+                        },
                     ),
                 })
             })

@@ -1,4 +1,7 @@
-//! TODO
+//! Retries: reads sent again until the request's deadline, writes re-sent with the same
+//! lease_id so that an ambiguous failure is recognised from the item that comes back, and
+//! writes run in a task of their own so that a caller dropped mid-flight strands no grant
+//! (DESIGN.md, "Failure cases", and "Cancellation" under "In-process waiters").
 
 use super::*;
 

@@ -5,6 +5,7 @@
 
 use super::*;
 use crate::model::SlotHolder;
+use crate::protocol::line::Ticket;
 
 /// A grant that saw more entries than N + this tidies the ended ones away.
 const TIDY_ABOVE: usize = 16;
@@ -30,6 +31,8 @@ struct Take<'a> {
     seen: Option<u64>,
     how: How,
     landed: bool,
+    /// A waiting take's place in this coordinator's line for the key.
+    ticket: Option<Ticket>,
 }
 
 impl Take<'_> {
@@ -72,8 +75,12 @@ impl Coordinator {
         let lease_id = opts.lease_id.clone().unwrap_or_else(LeaseId::generate);
         let slots = opts.slots.unwrap_or(1);
         let duration_ms = duration.as_millis() as u64;
-        let mut t =
-            Take { key, holder, duration_ms, opts, slots, lease_id, seen: None, how: How::Blind, landed: false };
+        // Waiting takes of this coordinator line up per key, as a lease's acquires do: only
+        // the head sends, and a slot this coordinator frees wakes it at once, so the slots
+        // freed here go to its waiters in arrival order.
+        let ticket = (!opts.wait.unwrap_or_default().is_zero()).then(|| self.wakeups.enter(key));
+        let (seen, how, landed) = (None, How::Blind, false);
+        let mut t = Take { key, holder, duration_ms, opts, slots, lease_id, seen, how, landed, ticket };
         let res = self.takes(&mut t, wait_deadline, deadline).await;
         res.map_err(|e| {
             let open = matches!(e, Error::StoreUnavailable(_) | Error::Throttled(_) | Error::LeaseHeld { .. });
@@ -89,6 +96,7 @@ impl Coordinator {
     /// The loop of a semaphore acquire: the clock check, one take, what its answer means.
     async fn takes(&self, t: &mut Take<'_>, wait_deadline: Instant, deadline: Instant) -> Result<Lease> {
         loop {
+            self.await_slot_turn(t, wait_deadline).await;
             self.check_clock(t.key).await?;
             let (w, sent, now, fence) = self.take_once(t, deadline).await?;
             match sort_take(w, &t.lease_id, fence, now, t.slots) {
@@ -122,6 +130,19 @@ impl Coordinator {
             if self.monotonic() >= deadline {
                 return Err(Error::StoreUnavailable(format!("{:?} kept changing until the deadline", t.key)));
             }
+        }
+    }
+
+    /// Behind the head of this coordinator's line nothing is sent (one last take at the wait's
+    /// end). A head that leaves, with a slot or without, wakes the next one: another slot may
+    /// be free.
+    async fn await_slot_turn(&self, t: &Take<'_>, wait_deadline: Instant) {
+        while let Some(ticket) = &t.ticket {
+            let now = self.monotonic();
+            if ticket.is_head() || now >= wait_deadline {
+                return;
+            }
+            ticket.wait_woken(self.config.poll_max.min(wait_deadline - now)).await;
         }
     }
 
@@ -192,7 +213,11 @@ impl Coordinator {
         let until = expires.map_or(self.config.poll_max, |e| Duration::from_millis(e.saturating_sub(now) + 1));
         let base = until.min(self.config.poll_max);
         let pause = crate::backoff::uniform(base / 2, base * 3 / 2).min(left);
-        tokio::time::sleep(pause).await;
+        match &t.ticket {
+            // A slot freed by this coordinator wakes the head at once.
+            Some(ticket) => ticket.wait_woken(pause).await,
+            None => tokio::time::sleep(pause).await,
+        }
         Ok(())
     }
 }
@@ -312,20 +337,15 @@ impl Coordinator {
             .await
             .map_err(|f| f.into_error(key))?;
         let (r, already) = match w {
-            Write::Applied(r) => (r, false),
+            Write::Applied(r) => {
+                self.wakeups.wake(key);
+                (r, false)
+            }
             Write::Rejected(Some(r)) if r.slot(lease_id).is_some_and(|h| h.released_at_ms.is_some()) => (r, true),
             Write::Rejected(r) => return Ok(Err((r, now))),
         };
         let h = r.slot(lease_id).expect("a released holder has its entry");
-        let at = h.released_at_ms.unwrap_or(now);
-        Ok(Ok(Released {
-            key: key.to_string(),
-            fence: h.fence,
-            released_at_ms: at,
-            free_at_ms: at,
-            already_released: already,
-            state: None,
-        }))
+        Ok(Ok(Released::at(key, h.fence, h.released_at_ms.unwrap_or(now), already, None)))
     }
 
     pub(crate) fn slot_or_plain_not_holder(
@@ -372,7 +392,10 @@ impl Coordinator {
                 .await
                 .map_err(|f| f.into_error(key))?;
             match w {
-                Write::Applied(r) => return Ok(Some(r.state(now))),
+                Write::Applied(r) => {
+                    self.wakeups.wake(key);
+                    return Ok(Some(r.state(now)));
+                }
                 _ if self.monotonic() >= deadline => {
                     return Err(Error::StoreUnavailable(format!("{key:?} kept changing until the deadline")))
                 }
