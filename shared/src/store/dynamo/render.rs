@@ -340,8 +340,13 @@ impl Expr {
         let p = format!(":{name}");
         // One placeholder, one value: a condition and an update naming the same placeholder for
         // two values would silently check the wrong one.
-        if let Some(old) = self.values.insert(p.clone(), value.clone()) {
-            assert_eq!(old, value, "placeholder {p} bound to two values");
+        match self.values.entry(p.clone()) {
+            std::collections::hash_map::Entry::Occupied(old) => {
+                assert_eq!(old.get(), &value, "placeholder {p} bound to two values")
+            }
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                slot.insert(value);
+            }
         }
         p
     }
