@@ -162,12 +162,28 @@ impl Coordinator {
         let item_opts = AcquireOptions { wait: None, deadline: Some(deadline), ..opts };
         loop {
             self.check_clock(state).await?;
-            let round = self.take(state, limit, holder, duration, &item_opts).await;
+            let mut round = self.take(state, limit, holder, duration, &item_opts).await;
             if !round.leases.is_empty() {
                 // The leases taken are the answer, even if the store failed on other
                 // candidates: an error would strand them until they expire.
                 self.release_unknown(&round.unknown).await;
-                return Ok(round.leases);
+                // A lease whose safe time passed while the other candidates were settled is of
+                // no use to its holder: it is not told, and is released (as a single acquire
+                // drops a late grant; best effort, off the answer's path).
+                let now = self.monotonic();
+                let late: Vec<Lease> =
+                    round.leases.extract_if(.., |l| l.safe_until.is_some_and(|s| s <= now)).collect();
+                if !late.is_empty() {
+                    let c = self.clone();
+                    tokio::spawn(async move {
+                        for l in late {
+                            c.drop_late_grant(&l.key, &l.lease_id).await;
+                        }
+                    });
+                }
+                if !round.leases.is_empty() {
+                    return Ok(round.leases);
+                }
             }
             if let Some(e) = round.error {
                 if round.unknown.is_empty() {

@@ -228,10 +228,12 @@ impl Coordinator {
                 Outcome::Released,
             )
         } else {
-            let ttl = self.ttl_after(now + rec.duration_ms.unwrap_or(0));
+            // A key in a work state keeps no TTL (and the condition checks the index's copy).
+            let stateless = rec.state.is_none();
+            let ttl = stateless.then(|| self.ttl_after(now + rec.duration_ms.unwrap_or(0)));
             (
-                Condition::Renew { lease_id: rec.lease_id.clone(), now_ms: now, expires_at_ms: None },
-                Mutation::Extend { now_ms: now, duration_ms: None, ttl: Some(ttl) },
+                Condition::Renew { lease_id: rec.lease_id.clone(), now_ms: now, expires_at_ms: None, ttl: stateless },
+                Mutation::Extend { now_ms: now, duration_ms: None, ttl },
                 Outcome::Renewed,
             )
         };

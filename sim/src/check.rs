@@ -66,7 +66,75 @@ pub(crate) fn check(events: &[Event], log: &[Applied], t0: Instant) -> Vec<Viola
     told_in_time(events, t0, &mut out);
     finished(events, log, &mut out);
     ttl_on_work_items(log, &mut out);
+    queues(log, &mut out);
+    releases(events, log, &mut out);
     out
+}
+
+/// The waiter queue: a key's grants to its waiters go in queue order (each grant's sequence
+/// number above the last), and a waiter takes one slot (an enqueue never lands on a queue
+/// whose last slot is already its own).
+fn queues(log: &[Applied], out: &mut Vec<Violation>) {
+    let mut last: BTreeMap<&str, u64> = BTreeMap::new();
+    for a in log {
+        // A queue that starts anew (the item replaced, or no counters yet): its order starts
+        // over (its numbers come from the enqueuer's clock; see `queue_seq_reused`).
+        if a.new.as_ref().is_none_or(|r| r.queue_head.is_none()) {
+            last.remove(a.key.as_str());
+        }
+        match (&a.mutation, &a.old) {
+            (Some(Mutation::Grant { seq, .. }), _) => {
+                let before = last.insert(a.key.as_str(), *seq).unwrap_or(0);
+                if *seq <= before {
+                    // Known finding when the sequence number repeats: a queue's counters start
+                    // at the clock in µs, and a later queue on the key started at the same µs
+                    // (virtual time stands still between requests) reuses the earlier queue's
+                    // numbers, and its waiter items (DESIGN.md, "Simulation").
+                    let reused = *seq == before;
+                    let mut v = Violation::new(
+                        if reused { "queue_seq_reused" } else { "queue_not_fifo" },
+                        &a.key,
+                        format!("waiter {seq} was granted the key after waiter {before}"),
+                    );
+                    v.at = Some(a.at);
+                    v.known = reused;
+                    out.push(v);
+                }
+            }
+            (Some(Mutation::Enqueue { lease_id, .. }), Some(old))
+                if old.queue_len() > 0 && old.queue_tail_lease_id.as_ref() == Some(lease_id) =>
+            {
+                let mut v = Violation::new(
+                    "enqueued_twice",
+                    &a.key,
+                    format!("waiter {} took a second slot behind its own", short(lease_id.expose())),
+                );
+                v.at = Some(a.at);
+                out.push(v);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// A release is never answered `NotHolder` while the key's item says a hand-over released that
+/// lease and granted the key on (`released_lease_id`): the answer must be `already_released`.
+/// (A release whose answer was lost, retried after an ordinary acquire replaced the whole item,
+/// can only be answered `NotHolder`.)
+fn releases(events: &[Event], log: &[Applied], out: &mut Vec<Violation>) {
+    for e in events {
+        let Event::ReleaseRefused { key, lease, at } = e else { continue };
+        let item = log.iter().rev().find(|a| a.key == *key && a.at <= *at).and_then(|a| a.new.as_ref());
+        if item.is_some_and(|r| r.released_lease_id.as_ref().is_some_and(|id| id.expose() == lease)) {
+            let mut v = Violation::new(
+                "release_not_holder",
+                key,
+                format!("the release of lease {}, handed on by a hand-over, was answered NotHolder", short(lease)),
+            );
+            v.at = Some(*at);
+            out.push(v);
+        }
+    }
 }
 
 /// A grant or renewal is never handed to a holder after its safe time has passed (a late
@@ -75,8 +143,6 @@ fn told_in_time(events: &[Event], t0: Instant, out: &mut Vec<Violation>) {
     for e in events {
         let Event::Told { key, lease, at, until: Some(until), client, batch, .. } = e else { continue };
         if until < at {
-            // Known finding for batches: a batch answers once every candidate is settled, and a
-            // lease taken early in it may be past its safe time by then.
             let mut v = Violation::new(
                 if *batch { "batch_lease_told_late" } else { "told_past_safe_time" },
                 key,
@@ -87,17 +153,13 @@ fn told_in_time(events: &[Event], t0: Instant, out: &mut Vec<Violation>) {
                 ),
             );
             v.at = Some(*at);
-            v.known = *batch;
             out.push(v);
-            if !*batch {
-                return;
-            }
+            return;
         }
     }
 }
 
-/// Known finding: an item in a work state deleted by TTL (a renewal whose answer was lost
-/// left the TTL it wrote; only an answered renewal removes it).
+/// No item in a work state is deleted by TTL (a key in a state is kept until it is taken).
 fn ttl_on_work_items(log: &[Applied], out: &mut Vec<Violation>) {
     for a in log.iter().filter(|a| a.ttl) {
         if let Some(old) = a.old.as_ref().filter(|r| r.state.is_some()) {
@@ -110,7 +172,6 @@ fn ttl_on_work_items(log: &[Applied], out: &mut Vec<Violation>) {
                 ),
             );
             v.at = Some(a.at);
-            v.known = true;
             out.push(v);
         }
     }
@@ -149,6 +210,9 @@ pub(crate) fn history(
             ),
             Event::Finished { key: k, lease, at } if k == key => {
                 (ms(t0, *at), format!("lease {} released into the final state", short(lease)))
+            }
+            Event::ReleaseRefused { key: k, lease, at } if k == key => {
+                (ms(t0, *at), format!("lease {} release answered NotHolder", short(lease)))
             }
             _ => continue,
         };
@@ -274,6 +338,7 @@ fn fences(events: &[Event], log: &[Applied], out: &mut Vec<Violation>) {
     }
     let mut top: BTreeMap<&str, u64> = BTreeMap::new();
     let mut granted: BTreeSet<(&str, &str)> = BTreeSet::new();
+    let mut seqs: BTreeSet<(&str, u64)> = BTreeSet::new();
     for a in log {
         let grant = match a.mutation.as_ref() {
             Some(Mutation::Acquire(n)) => Some(n),
@@ -291,7 +356,12 @@ fn fences(events: &[Event], log: &[Applied], out: &mut Vec<Violation>) {
                 v.at = Some(a.at);
                 out.push(v);
             }
-            if !granted.insert((a.key.as_str(), n.lease_id.expose())) {
+            // A queue sequence number granted again (reported by `queues`, a known finding).
+            let reused = match a.mutation.as_ref() {
+                Some(Mutation::Grant { seq, .. }) => !seqs.insert((a.key.as_str(), *seq)),
+                _ => false,
+            };
+            if !granted.insert((a.key.as_str(), n.lease_id.expose())) && !reused {
                 // Known finding when nobody was told of the first grant (a coordinator's retry
                 // of its own generated id, after the first attempt's lost grant expired and
                 // another lease came and went): no holder ever believed it twice.
@@ -373,6 +443,12 @@ pub(crate) fn trace_hash(events: &[Event], log: &[Applied], t0: Instant) -> u64 
                 eat(&fence.to_le_bytes());
                 eat(&us(*at).to_le_bytes());
                 eat(&[*accepted as u8]);
+            }
+            Event::ReleaseRefused { key, lease, at } => {
+                eat(b"R");
+                eat(key.as_bytes());
+                eat(lease.as_bytes());
+                eat(&us(*at).to_le_bytes());
             }
             Event::Finished { key, lease, at } => {
                 eat(b"D");

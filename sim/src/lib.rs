@@ -15,6 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use leasehold::queue::{Deliver, DeliveryError};
 use leasehold::testing::{FaultCounts, Faults, SimClock, SimStore};
 use leasehold::{
     AcquireOptions, Clock, Config, Coordinator, Error, ExecutionState, Executions, Keepalive, Lease, LeaseId,
@@ -92,6 +93,8 @@ pub(crate) enum Event {
     Wrote { key: String, lease: String, fence: u64, at: Instant, accepted: bool, believed: bool },
     /// A release into the final work state was answered as done.
     Finished { key: String, lease: String, at: Instant },
+    /// A release sent within the lease's safe time was answered `NotHolder`.
+    ReleaseRefused { key: String, lease: String, at: Instant },
 }
 
 /// The shared state of a run.
@@ -114,6 +117,29 @@ struct World {
     orphans: Vec<(String, LeaseId)>,
     sim_faults: BTreeMap<&'static str, u64>,
     seed: u64,
+    /// The simulated Step Functions' tasks waiting on task tokens, by token.
+    tasks: BTreeMap<String, Task>,
+    /// Executions holding a lease delivered to them (awaited at the end).
+    exec_tasks: Vec<tokio::task::JoinHandle<()>>,
+    /// The coordinator the executions' functions call (never crashes: a Lambda function).
+    functions: Option<Arc<Node>>,
+    /// The run is over: the functions' queue sweep stops.
+    end: bool,
+}
+
+/// A `.waitForTaskToken` task of an execution (DESIGN.md, "The waiter queue").
+#[derive(Debug, Clone)]
+struct Task {
+    /// The execution's name (the client name its lease is told to).
+    exec: String,
+    key: String,
+    lease_id: String,
+    /// Its timeout (the task's `TimeoutSeconds`): later deliveries answer `TaskTimedOut`.
+    timeout: Instant,
+    /// Closed: succeeded (the lease delivered), failed, or timed out.
+    closed: bool,
+    /// Its execution was stopped and deleted: deliveries answer `TaskDoesNotExist`.
+    deleted: bool,
 }
 
 type Shared = Arc<Mutex<World>>;
@@ -166,6 +192,9 @@ struct Node {
     name: String,
     /// Beyond the skew margin: every expiry it judges must be refused.
     rogue: bool,
+    /// Serves waiter queues (delivers grants to the simulated Step Functions), as the Lambda
+    /// functions do; the others are library users.
+    serves_queues: bool,
 }
 
 /// A coordinator process and its tasks (clients, sweeper).
@@ -235,6 +264,10 @@ async fn simulate(s: Settings) -> Outcome {
         fail_closed: BTreeMap::new(),
         sim_faults: BTreeMap::new(),
         seed: s.seed,
+        tasks: BTreeMap::new(),
+        exec_tasks: Vec::new(),
+        functions: None,
+        end: false,
     }));
     // The work items enter their first state (no faults yet: setup).
     {
@@ -244,6 +277,13 @@ async fn simulate(s: Settings) -> Outcome {
         }
     }
     store.set_faults(faults);
+    // The functions (Lambda) that executions call, and their scheduled queue sweep.
+    let functions = functions_node(&world, &store, &truth);
+    lock(&world).functions = Some(functions.clone());
+    let queue_sweep = {
+        let (n, w) = (functions.clone(), world.clone());
+        tokio::spawn(async move { queue_sweeper(n, w).await })
+    };
     let mut nodes: Vec<Option<Running>> = Vec::new();
     for i in 0..s.coordinators {
         nodes.push(Some(start_node(&world, &store, &truth, i, false)));
@@ -320,6 +360,18 @@ async fn simulate(s: Settings) -> Outcome {
             let _ = t.await;
         }
     }
+    // Queued waiters are served (by the functions' queue sweep) and their executions end.
+    tokio::time::sleep(Duration::from_secs(25)).await;
+    loop {
+        let execs = std::mem::take(&mut lock(&world).exec_tasks);
+        if execs.is_empty() {
+            break;
+        }
+        for t in execs {
+            let _ = t.await;
+        }
+    }
+    lost_waiters(&world);
     // Orphaned fail-closed leases are released by a process that knows their ids.
     let final_node = start_node(&world, &store, &truth, 99, false).0;
     let orphans = std::mem::take(&mut lock(&world).orphans);
@@ -339,8 +391,8 @@ async fn simulate(s: Settings) -> Outcome {
             Err(e) => {
                 let mut v =
                     Violation::new("key_unusable", &k, format!("after every lease ended, {k} could not be taken: {e}"));
-                // Known finding: held by a fail-closed acquire that landed (held in the network)
-                // after its caller had given up on it: nobody was ever told of the lease.
+                // Held by a lease nobody was told of (a fail-closed acquire that landed, held in
+                // the network, after its caller had given up on it: DESIGN.md, "acquire").
                 let ghost = store.peek(&k).filter(|r| r.expires_at_ms.is_none()).is_some_and(|r| {
                     let id = r.lease_id.expose();
                     !lock(&world)
@@ -350,7 +402,6 @@ async fn simulate(s: Settings) -> Outcome {
                 });
                 if ghost {
                     v.kind = "stale_acquire_holds_key";
-                    v.known = true;
                 }
                 lock(&world).violations.push(v);
             }
@@ -377,14 +428,19 @@ async fn simulate(s: Settings) -> Outcome {
                     &k,
                     format!("work item {k} left its states: {:?}", other.map(|r| r.state)),
                 );
-                // Known finding, reported from the store's log (deleted by TTL in its state).
-                v.known = store_log(&store)
+                // Deleted by TTL in its state (the store's log says so).
+                if store_log(&store)
                     .iter()
-                    .any(|a| a.key == k && a.ttl && a.old.as_ref().is_some_and(|r| r.state.is_some()));
+                    .any(|a| a.key == k && a.ttl && a.old.as_ref().is_some_and(|r| r.state.is_some()))
+                {
+                    v.kind = "work_item_deleted_by_ttl";
+                }
                 lock(&world).violations.push(v);
             }
         }
     }
+    lock(&world).end = true;
+    let _ = queue_sweep.await;
     let log = store.take_log();
     let mut w = lock(&world);
     let events = std::mem::take(&mut w.events);
@@ -458,9 +514,14 @@ fn start_node(world: &Shared, store: &SimStore, truth: &Arc<SimClock>, i: usize,
     let clock = Arc::new(SimClock::offset_from(truth, offset));
     clock.set_drift_ppm(ppm);
     let handle = store.handle();
-    let coord = Coordinator::new(Arc::new(handle.clone()), config(clock.clone()));
+    let mut coord = Coordinator::new(Arc::new(handle.clone()), config(clock.clone()));
+    // Every other coordinator serves queues (a Lambda function); the rest are library users.
+    let serves_queues = !rogue && i.is_multiple_of(2);
+    if serves_queues {
+        coord = coord.with_deliver(Arc::new(SimSfn(world.clone())));
+    }
     let name = if rogue { format!("rogue{i}") } else { format!("c{i}") };
-    let node = Arc::new(Node { coord, store: handle, clock, name, rogue });
+    let node = Arc::new(Node { coord, store: handle, clock, name, rogue, serves_queues });
     let mut tasks = Vec::new();
     for c in 0..clients {
         let (n, w) = (node.clone(), world.clone());
@@ -573,9 +634,10 @@ async fn client(node: Arc<Node>, world: Shared, n: usize) {
         }
         let kind = draw(&world, |w| w.below(100));
         match kind {
-            0..=44 => plain(&node, &world, &name).await,
-            45..=54 => fail_closed(&node, &world, &name).await,
-            55..=69 => keepalive(&node, &world, &name).await,
+            0..=39 => plain(&node, &world, &name).await,
+            40..=49 => fail_closed(&node, &world, &name).await,
+            50..=62 => keepalive(&node, &world, &name).await,
+            63..=74 => queued(&node, &world, &name).await,
             _ => batch(&node, &world, &name).await,
         }
         let idle = draw(&world, |w| w.between(0, 300));
@@ -693,7 +755,15 @@ async fn hold(node: &Node, world: &Shared, name: &str, mut lease: Lease, to: Opt
     }
     ended(world, name, &k, &lease.lease_id);
     op(world);
+    let sent = now();
     let r = node.coord.release_to(&k, &lease.lease_id, to.as_deref()).await;
+    // A release sent while the lease was live (its safe time) finds it ours, released by an
+    // earlier try of its own (`already_released`), or handed on: never `NotHolder`, unless an
+    // operator evicted it (the checker allows for that).
+    if matches!(r, Err(Error::NotHolder { .. })) && lease.safe_until.is_some_and(|s| sent < s) {
+        let (key, id) = (k.clone(), lease.lease_id.expose().to_string());
+        lock(world).events.push(Event::ReleaseRefused { key, lease: id, at: now() });
+    }
     // (The release after an unknown outcome is awaited in its own arm.)
     #[allow(clippy::collapsible_match)]
     match (r, to) {
@@ -866,5 +936,191 @@ async fn batch(node: &Node, world: &Shared, name: &str) {
     for l in leases {
         let finish = draw(world, |w| w.chance(0.8));
         hold(node, world, name, l, finish.then(|| done(seed)).or(Some(todo(seed)))).await;
+    }
+}
+
+/// The simulated Step Functions: task tokens, `SendTaskSuccess` / `SendTaskFailure` with
+/// latency, refusals and lost answers (the call lands, the answer never comes: the caller's
+/// 3 s client timeout), token timeouts and deleted executions. A closed task answers
+/// `TaskTimedOut`, an unknown or deleted one `TaskDoesNotExist`, as Step Functions does.
+struct SimSfn(Shared);
+
+#[async_trait::async_trait]
+impl Deliver for SimSfn {
+    async fn success(&self, token: &str, lease: &Lease) -> Result<(), DeliveryError> {
+        let (latency, fault) = draw(&self.0, |w| (w.between(5, 80), w.below(100)));
+        tokio::time::sleep(Duration::from_millis(latency)).await;
+        if fault < 4 {
+            lock(&self.0).fault("sfn_throttled");
+            return Err(DeliveryError::Transient("ThrottlingException".into()));
+        }
+        let answer = {
+            let mut w = lock(&self.0);
+            let at = now();
+            match w.tasks.get_mut(token) {
+                None => Err(DeliveryError::Gone("TaskDoesNotExist".into())),
+                Some(t) if t.deleted => Err(DeliveryError::Gone("TaskDoesNotExist".into())),
+                Some(t) if t.closed || at >= t.timeout => {
+                    t.closed = true;
+                    Err(DeliveryError::Gone("TaskTimedOut".into()))
+                }
+                Some(t) => {
+                    t.closed = true;
+                    Ok(t.exec.clone())
+                }
+            }
+        };
+        let exec = match answer {
+            Ok(exec) => exec,
+            Err(e) => return Err(e),
+        };
+        // The task has its output: the execution holds the lease (heartbeats, writes, release
+        // through the functions).
+        if lease.key.is_empty() || lease.safe_until.is_some_and(|s| s <= now()) {
+            // Delivered too late to use: the execution does not use it (it ends with its
+            // duration).
+            lock(&self.0).fault("sfn_late_delivery");
+        } else {
+            told(&self.0, &exec, lease);
+            let (w, l) = (self.0.clone(), lease.clone());
+            let node = lock(&self.0).functions.clone().expect("the functions");
+            let h = tokio::spawn(async move { hold(&node, &w, &exec, l, None).await });
+            lock(&self.0).exec_tasks.push(h);
+        }
+        if fault < 10 {
+            // Landed, but the answer is lost: the client's timeout.
+            lock(&self.0).fault("sfn_lost_answer");
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            return Err(DeliveryError::Transient("timeout".into()));
+        }
+        Ok(())
+    }
+
+    async fn failure(&self, token: &str, _error: &str, _cause: &str) -> Result<(), DeliveryError> {
+        let latency = draw(&self.0, |w| w.between(5, 80));
+        tokio::time::sleep(Duration::from_millis(latency)).await;
+        let mut w = lock(&self.0);
+        let at = now();
+        match w.tasks.get_mut(token) {
+            Some(t) if !t.deleted && !t.closed && at < t.timeout => {
+                t.closed = true;
+                Ok(())
+            }
+            Some(t) if !t.deleted => Err(DeliveryError::Gone("TaskTimedOut".into())),
+            _ => Err(DeliveryError::Gone("TaskDoesNotExist".into())),
+        }
+    }
+}
+
+/// The functions' coordinator: serves queues, never crashes (a Lambda function).
+fn functions_node(world: &Shared, store: &SimStore, truth: &Arc<SimClock>) -> Arc<Node> {
+    let clock = Arc::new(SimClock::offset_from(truth, 0));
+    let handle = store.handle();
+    let coord =
+        Coordinator::new(Arc::new(handle.clone()), config(clock.clone())).with_deliver(Arc::new(SimSfn(world.clone())));
+    Arc::new(Node { coord, store: handle, clock, name: "fn".into(), rogue: false, serves_queues: true })
+}
+
+/// The scheduled queue sweep (the heartbeat function's), until the run is over.
+async fn queue_sweeper(node: Arc<Node>, world: Shared) {
+    loop {
+        let every = draw(&world, |w| w.between(500, 1500));
+        tokio::time::sleep(Duration::from_millis(every)).await;
+        if lock(&world).end {
+            return;
+        }
+        let _ = node.coord.sweep_queues(now() + Duration::from_secs(2)).await;
+    }
+}
+
+/// A Step Functions execution that waits for a key in its queue (QueuedSingleFlight): the
+/// acquire function enqueues it with the task token (a retried invocation sends the same
+/// lease_id and token); the execution learns its lease only from `SendTaskSuccess`. Some
+/// executions are stopped and deleted while they wait.
+async fn queued(node: &Arc<Node>, world: &Shared, name: &str) {
+    let (k, dur, timeout, tag, delete) = draw(world, |w| {
+        (key(w.below(KEYS as u64)), w.between(800, 3000), w.between(2000, 40000), split(&mut w.rng), w.chance(0.1))
+    });
+    if !op(world) {
+        return;
+    }
+    let exec = format!("{name}/exec-{tag:016x}");
+    let token = format!("token-{tag:016x}");
+    let lease_id = LeaseId::from_string(format!("q-{tag:016x}"));
+    lock(world).tasks.insert(
+        token.clone(),
+        Task {
+            exec: exec.clone(),
+            key: k.clone(),
+            lease_id: lease_id.expose().to_string(),
+            timeout: now() + Duration::from_millis(timeout),
+            closed: false,
+            deleted: false,
+        },
+    );
+    // The acquire function: this process when it serves queues, else the functions.
+    let f = if node.serves_queues { node.clone() } else { lock(world).functions.clone().expect("the functions") };
+    let opts = AcquireOptions { lease_id: Some(lease_id.clone()), ..Default::default() };
+    let timeout_at_ms = f.coord.now_ms() + timeout;
+    let mut waiting = false;
+    for _ in 0..3 {
+        match f
+            .coord
+            .acquire_or_enqueue(&k, &exec, Duration::from_millis(dur), opts.clone(), &token, Some(timeout_at_ms))
+            .await
+        {
+            Ok(_) => {
+                waiting = true;
+                break;
+            }
+            // The invocation failed: Step Functions retries it (same input).
+            Err(e) if e.is_transient() || matches!(e, Error::OutcomeUnknown { .. }) => {
+                lock(world).fault("invocation_retried");
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+            Err(_) => break,
+        }
+    }
+    if !waiting {
+        // The task failed (its invocation did): it waits for nothing more. (A slot it may have
+        // taken, or a grant made to it, is the queue's to skip or revoke.)
+        if let Some(t) = lock(world).tasks.get_mut(&token) {
+            t.closed = true;
+        }
+        return;
+    }
+    if delete {
+        let after = draw(world, |w| w.between(0, timeout));
+        let w = world.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(after)).await;
+            let mut w = lock(&w);
+            if let Some(t) = w.tasks.get_mut(&token) {
+                if !t.closed {
+                    t.deleted = true;
+                    w.fault("execution_deleted");
+                }
+            }
+        });
+    }
+}
+
+/// No queued waiter is lost while its execution lives: at the end of the run (every holder
+/// gone, the queue sweep running), each task still waiting within its timeout is a violation.
+fn lost_waiters(world: &Shared) {
+    let mut w = lock(world);
+    let at = now();
+    let lost: Vec<Task> = w.tasks.values().filter(|t| !t.closed && !t.deleted && t.timeout > at).cloned().collect();
+    for t in lost {
+        let mut v = Violation::new(
+            "waiter_lost",
+            &t.key,
+            format!("{} (lease {}) still waits, unserved, after every lease ended", t.exec, &t.lease_id[..10]),
+        );
+        // Known finding (DESIGN.md, "Simulation"): a waiter whose item was written after its
+        // slot's grace, the slot already skipped, is never served though its acquire answered
+        // that it was queued.
+        v.known = true;
+        w.violations.push(v);
     }
 }

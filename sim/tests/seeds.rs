@@ -52,3 +52,24 @@ fn regression_seeds_end_every_acquire_by_its_deadline() {
         assert!(late.is_empty(), "seed {seed}: {late:?}");
     }
 }
+
+/// Regression seed of this round's findings (DESIGN.md, "Simulation"): with the simulation as
+/// it is now, seed 1 finds each of these with its fix reverted:
+/// - a fail-closed acquire held in the network that took a key released after it was sent
+///   (`stale_acquire_holds_key`; fixed by `FreeAfter`);
+/// - a batch lease told after its safe time (`batch_lease_told_late`; `acquire_next` now
+///   releases it instead);
+/// - a waiter taking a second slot behind its own (`enqueued_twice`; the enqueue's
+///   `queue_tail_lease_id` clause).
+///
+/// Run in a fresh process: the queue sweep's rotating start is a process-wide static, which
+/// the seeds running beside it in this process would move.
+#[test]
+fn regression_seed_1_keeps_every_promise() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_leasehold-sim"))
+        .args(["--seed", "1"])
+        .output()
+        .expect("run the simulator");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "seed 1:\n{text}");
+}

@@ -219,6 +219,7 @@ impl Coordinator {
             let next = match answer {
                 AcquireAnswer::Granted(r) => self.on_granted(a, r, sent, now).await?,
                 AcquireAnswer::Above(r) => self.on_above(a, r).await?,
+                AcquireAnswer::Early(r) => self.on_early(a, r, now).await?,
                 AcquireAnswer::Moved(r) => self.on_moved(a, r)?,
                 AcquireAnswer::Ended(reason) => self.on_ended(a, reason)?,
                 AcquireAnswer::Held(r) => self.on_held(a, r).await?,
@@ -284,6 +285,10 @@ impl Coordinator {
                 |now| {
                     fence = self.next_fence(key, seen)?;
                     let cond = match visit {
+                        // Fail-closed: never on a key released after this attempt's clock.
+                        None if template.duration_ms.is_none() => {
+                            Condition::FreeAfter { now_ms: now, fence, lease_id: lease_id.clone() }
+                        }
                         None => Condition::Free { now_ms: now, fence, lease_id: lease_id.clone() },
                         Some(v) => {
                             Condition::FreeIn { now_ms: now, fence, lease_id: lease_id.clone(), visit: v.clone() }
@@ -310,7 +315,8 @@ impl Coordinator {
         if a.ask.want.is_some() && matches!(w, Write::Rejected(None)) {
             return Err(Error::NotFound { key: key.to_string() });
         }
-        Ok((sort_acquire(w, lease_id, fence, now, visit.as_ref())?, sent, now))
+        let after = visit.is_none() && template.duration_ms.is_none();
+        Ok((sort_acquire(w, lease_id, fence, now, visit.as_ref(), after)?, sent, now))
     }
 
     /// The lease is ours, and usable unless the answer came after its safe time (a stalled
@@ -349,6 +355,24 @@ impl Coordinator {
         if self.monotonic() >= a.deadline {
             return Err(Error::StoreUnavailable(format!("{:?} kept changing hands until the deadline", a.ask.key)));
         }
+        Ok(Next::Again)
+    }
+
+    /// Free, but released after this fail-closed attempt's `:now` (the releaser's clock is
+    /// ahead of ours): a fail-closed acquire never takes a key released after it was sent (one
+    /// held in the network may have been given up on by its caller). Go again once this clock
+    /// has passed the release.
+    async fn on_early(&self, a: &mut Attempts<'_>, r: Record, now: u64) -> Result<Next> {
+        let ahead = r.released_at_ms.unwrap_or(now).saturating_sub(now) + 1;
+        let until = self.monotonic() + Duration::from_millis(ahead);
+        if until >= a.deadline {
+            return Err(Error::LeaseHeld {
+                key: a.ask.key.to_string(),
+                holder: r.holder,
+                expires_at_ms: r.released_at_ms,
+            });
+        }
+        tokio::time::sleep_until(until.into()).await;
         Ok(Next::Again)
     }
 

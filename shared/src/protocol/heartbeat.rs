@@ -39,47 +39,52 @@ impl Coordinator {
             }
         }
         let max = self.max_duration_ms();
-        let (w, sent, now) = self
-            .write(key, deadline, |now| {
-                let cond = Condition::Renew {
-                    lease_id: lease_id.clone(),
-                    now_ms: now,
-                    expires_at_ms: duration_ms.map(|d| now + d),
-                };
-                let ttl = Some(self.ttl_after(now + duration_ms.unwrap_or(max)));
-                Ok((cond, Mutation::Extend { now_ms: now, duration_ms, ttl }))
-            })
-            .await
-            .map_err(|f| f.into_error(key))?;
-        match w {
-            Write::Applied(r) => {
-                check_fence(&r)?;
-                // A key in a work state keeps no TTL. The renewal has landed: the removal gets
-                // one try of at most 1 s (and never past the heartbeat's deadline) before the
-                // answer, and any retries run after it, so a slow store cannot hold a landed
-                // renewal back past the holder's safe time.
-                if self.keeps_no_ttl(&r) {
-                    let bound = deadline.min(self.monotonic() + Duration::from_secs(1));
-                    let cond = Condition::FenceIs(r.fence);
-                    let once = self.store.update(key, &cond, &Mutation::ClearTtl);
-                    if !matches!(tokio::time::timeout_at(bound.into(), once).await, Ok(Ok(_))) {
-                        let (c, k, r) = (self.clone(), key.to_string(), r.clone());
-                        tokio::spawn(async move { c.keep_queued(&k, &r).await });
-                    }
+        // A key in a work state keeps no TTL: a renewal writing one is conditional on no state,
+        // and one refused because the key is in a state goes again without (removing any TTL a
+        // release or force-release left). No renewal, answered or not, leaves a TTL on a work
+        // item (DESIGN.md, "Work items and batch leases").
+        let mut in_state = false;
+        let mut terminal = false;
+        loop {
+            let (w, sent, now) = self
+                .write(key, deadline, |now| {
+                    let cond = Condition::Renew {
+                        lease_id: lease_id.clone(),
+                        now_ms: now,
+                        expires_at_ms: duration_ms.map(|d| now + d),
+                        ttl: !in_state,
+                    };
+                    let ttl = (!in_state || terminal).then(|| self.ttl_after(now + duration_ms.unwrap_or(max)));
+                    Ok((cond, Mutation::Extend { now_ms: now, duration_ms, ttl }))
+                })
+                .await
+                .map_err(|f| f.into_error(key))?;
+            return match w {
+                Write::Applied(r) => {
+                    check_fence(&r)?;
+                    Ok(r.lease(sent, now, self.skew_ms()))
                 }
-                Ok(r.lease(sent, now, self.skew_ms()))
-            }
-            // Still ours, but not extended: a fail-closed lease (nothing to extend), a later
-            // renewal already landed, or the new expiry would be earlier. The lease as it is.
-            Write::Rejected(Some(r)) if r.is_live_for(lease_id, now) => {
-                check_fence(&r)?;
-                Ok(r.lease(sent, now, self.skew_ms()))
-            }
-            // A semaphore's item: the holder's own renewal (DESIGN.md, "Semaphores").
-            Write::Rejected(Some(r)) if r.slots.is_some() => {
-                self.heartbeat_slot(key, lease_id, duration, deadline, &r).await
-            }
-            Write::Rejected(r) => Err(self.not_holder(key, lease_id, r.as_ref(), now)),
+                // Refused for the TTL alone: the same renewal without it; in a terminal state,
+                // whose keys keep a lease's TTL (DESIGN.md, "Terminal states"), with it but
+                // without the clause (the state cannot change while this lease is live: only
+                // its holder's release moves it, and that ends the lease).
+                Write::Rejected(Some(r)) if !in_state && r.state.is_some() && r.is_live_for(lease_id, now) => {
+                    in_state = true;
+                    terminal = r.state.as_deref().is_some_and(|s| self.is_terminal(s));
+                    continue;
+                }
+                // Still ours, but not extended: a fail-closed lease (nothing to extend), a later
+                // renewal already landed, or the new expiry would be earlier. The lease as it is.
+                Write::Rejected(Some(r)) if r.is_live_for(lease_id, now) => {
+                    check_fence(&r)?;
+                    Ok(r.lease(sent, now, self.skew_ms()))
+                }
+                // A semaphore's item: the holder's own renewal (DESIGN.md, "Semaphores").
+                Write::Rejected(Some(r)) if r.slots.is_some() => {
+                    self.heartbeat_slot(key, lease_id, duration, deadline, &r).await
+                }
+                Write::Rejected(r) => Err(self.not_holder(key, lease_id, r.as_ref(), now)),
+            };
         }
     }
 

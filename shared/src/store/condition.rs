@@ -21,18 +21,29 @@ pub enum Condition {
     /// queue_head) AND attribute_not_exists(state_shard) AND attribute_not_exists(pending_token))`
     /// (every item has a fence)
     Free { now_ms: u64, fence: u64, lease_id: LeaseId },
+    /// [`Condition::Free`] for a fail-closed acquire (no expiry: a lease nobody knows of would
+    /// hold the key until an operator frees it), which also requires that the key was not
+    /// released after `now_ms`: an attempt held in the network never takes a key released
+    /// after it was sent (its caller may have given up on it). DynamoDB:
+    /// `attribute_not_exists(fence) OR (expires_at_ms <= :now AND (attribute_not_exists(released_at_ms)
+    /// OR released_at_ms <= :now) AND fence < :fence AND lease_id <> :lease_id AND
+    /// (attribute_not_exists(queue_tail) OR queue_tail <= queue_head) AND
+    /// attribute_not_exists(state_shard) AND attribute_not_exists(pending_token))`
+    FreeAfter { now_ms: u64, fence: u64, lease_id: LeaseId },
     /// `lease_id` holds the key and this renewal is newer than the last one: same lease_id, not
     /// released, no expiry or expiry `> now_ms`, and no renewal at or after `now_ms` (a delayed
     /// duplicate of a heartbeat whose retry already landed is refused). With `expires_at_ms`
     /// (a heartbeat naming its duration) the current expiry must not be later than the new one;
     /// without (extend by the stored duration) the lease must have a stored duration. Either
-    /// way the expiry never moves backwards.
+    /// way the expiry never moves backwards. With `ttl` (the renewal writes a TTL) the item must
+    /// be in no work state: a key in a state keeps no TTL, and its renewal is sent without one
+    /// (removing any), so that no renewal, answered or not, leaves a TTL on it.
     /// DynamoDB: `lease_id = :lease_id AND attribute_not_exists(released_at_ms) AND
     /// (attribute_not_exists(expires_at_ms) OR expires_at_ms > :now) AND
     /// (attribute_not_exists(renewed_at_ms) OR renewed_at_ms < :now) AND`
     /// `(attribute_not_exists(expires_at_ms) OR expires_at_ms <= :expires_at)` |
-    /// `attribute_exists(duration_ms)`
-    Renew { lease_id: LeaseId, now_ms: u64, expires_at_ms: Option<u64> },
+    /// `attribute_exists(duration_ms)`, and with `ttl` ` AND attribute_not_exists(state_shard)`
+    Renew { lease_id: LeaseId, now_ms: u64, expires_at_ms: Option<u64>, ttl: bool },
     /// The item carries `lease_id` and has not been released (a release or force-release
     /// already ended it). DynamoDB: `lease_id = :lease_id AND attribute_not_exists(released_at_ms)`
     Unreleased { lease_id: LeaseId },
@@ -129,7 +140,11 @@ impl Condition {
     /// Reference semantics: does the condition hold for the current item (`None`: no item)?
     pub fn holds(&self, item: Option<&Record>) -> bool {
         match (self, item) {
-            (Condition::Free { .. }, None) => true,
+            (Condition::Free { .. } | Condition::FreeAfter { .. }, None) => true,
+            (Condition::FreeAfter { now_ms, fence, lease_id }, Some(r)) => {
+                r.released_at_ms.is_none_or(|t| t <= *now_ms)
+                    && Condition::Free { now_ms: *now_ms, fence: *fence, lease_id: lease_id.clone() }.holds(Some(r))
+            }
             (Condition::Free { now_ms, fence, lease_id }, Some(r)) => {
                 matches!(r.expires_at_ms, Some(e) if e <= *now_ms)
                     && r.fence < *fence
@@ -138,8 +153,9 @@ impl Condition {
                     && r.state.is_none()
                     && r.pending_token.is_none()
             }
-            (Condition::Renew { lease_id, now_ms, expires_at_ms }, Some(r)) => {
+            (Condition::Renew { lease_id, now_ms, expires_at_ms, ttl }, Some(r)) => {
                 r.is_live_for(lease_id, *now_ms)
+                    && (!ttl || r.state.is_none())
                     && r.renewed_at_ms.is_none_or(|t| t < *now_ms)
                     && match expires_at_ms {
                         Some(new) => r.expires_at_ms.is_none_or(|e| e <= *new),

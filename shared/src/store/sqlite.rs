@@ -465,11 +465,13 @@ fn apply(tx: &Connection, op: &Op) -> rusqlite::Result<Result<Done>> {
                 Ok(old) => old,
                 Err(e) => return Ok(Err(e)),
             };
-            if !condition.holds(old.as_ref()) {
+            // No item: nothing to delete, whatever the condition (a waiter item two servers
+            // of one queue both delete).
+            let Some(item) = old.clone().filter(|_| condition.holds(old.as_ref())) else {
                 return Ok(Ok(Done::Write(Write::Rejected(old))));
-            }
+            };
             tx.prepare_cached("DELETE FROM leases WHERE key = ?1")?.execute([key])?;
-            Ok(Ok(Done::Write(Write::Applied(old.expect("condition held on an existing item")))))
+            Ok(Ok(Done::Write(Write::Applied(item))))
         }
         Op::Purge { now_ms } => {
             let n = tx

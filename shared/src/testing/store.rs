@@ -351,11 +351,12 @@ impl SimStore {
             }
             Op::Delete(key, cond) => {
                 let old = s.items.get(key).cloned();
-                if cond.holds(old.as_ref()) {
+                if let Some(o) = old.clone().filter(|_| cond.holds(old.as_ref())) {
                     s.items.remove(key);
-                    s.changed(now, key, None, old.clone(), None);
-                    Done::Write(Write::Applied(old.expect("the condition held on an item")))
+                    s.changed(now, key, None, old, None);
+                    Done::Write(Write::Applied(o))
                 } else {
+                    // (No item: nothing to delete, whatever the condition.)
                     Done::Write(Write::Rejected(old))
                 }
             }

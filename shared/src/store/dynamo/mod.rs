@@ -381,7 +381,8 @@ impl Store for DynamoStore {
         match res {
             Ok(out) => match out.attributes() {
                 Some(item) => Ok(Write::Applied(record_from_item(item)?)),
-                None => Err(Error::StoreUnavailable("DeleteItem returned no attributes".into())),
+                // No item was there: nothing deleted (as the embedded store answers).
+                None => Ok(Write::Rejected(None)),
             },
             Err(e) => rejected_or_err(e, |e| match e {
                 aws_sdk_dynamodb::operation::delete_item::DeleteItemError::ConditionalCheckFailedException(c) => {

@@ -61,7 +61,7 @@ fn id(lease_id: &crate::model::LeaseId) -> AttributeValue {
 fn condition_guard(c: &Condition) -> Guard {
     use Condition::*;
     match c {
-        Free { .. } | Renew { .. } | Unreleased { .. } | Exists | Live { .. } => lease_guard(c),
+        Free { .. } | FreeAfter { .. } | Renew { .. } | Unreleased { .. } | Exists | Live { .. } => lease_guard(c),
         FenceIs(_) | FenceAndExpiry { .. } | NotLease => read_guard(c),
         Queueable { .. }
         | HandOver { .. }
@@ -116,15 +116,39 @@ fn lease_guard(c: &Condition) -> Guard {
              AND attribute_not_exists(pending_token))",
             [("now", num(*now_ms)), ("fence", num(*fence)), ("lease_id", id(lease_id))],
         ),
+        // A fail-closed acquire: also not released after this attempt's clock (a stale attempt
+        // never takes a key released after it was sent).
+        Condition::FreeAfter { now_ms, fence, lease_id } => guard(
+            "attribute_not_exists(fence) OR (expires_at_ms <= :now AND (attribute_not_exists(released_at_ms) \
+             OR released_at_ms <= :now) AND fence < :fence AND lease_id <> :lease_id \
+             AND (attribute_not_exists(queue_tail) OR queue_tail <= queue_head) AND attribute_not_exists(state_shard) \
+             AND attribute_not_exists(pending_token))",
+            [("now", num(*now_ms)), ("fence", num(*fence)), ("lease_id", id(lease_id))],
+        ),
         // This lease, live, and this renewal newer than the last one; the expiry never moves
         // backwards (a given expiry), or the lease has a stored duration to extend by.
-        Condition::Renew { lease_id, now_ms, expires_at_ms: Some(x) } => guard(
+        // With a TTL, only on a key in no work state (a key in a state keeps none: its renewal
+        // is sent without one, and removes any).
+        Condition::Renew { lease_id, now_ms, expires_at_ms: Some(x), ttl: true } => guard(
+            "lease_id = :lease_id AND attribute_not_exists(released_at_ms) AND (attribute_not_exists(expires_at_ms) \
+             OR expires_at_ms > :now) AND (attribute_not_exists(renewed_at_ms) OR renewed_at_ms < :now) \
+             AND (attribute_not_exists(expires_at_ms) OR expires_at_ms <= :expires_at) \
+             AND attribute_not_exists(state_shard)",
+            [("lease_id", id(lease_id)), ("now", num(*now_ms)), ("expires_at", num(*x))],
+        ),
+        Condition::Renew { lease_id, now_ms, expires_at_ms: Some(x), ttl: false } => guard(
             "lease_id = :lease_id AND attribute_not_exists(released_at_ms) AND (attribute_not_exists(expires_at_ms) \
              OR expires_at_ms > :now) AND (attribute_not_exists(renewed_at_ms) OR renewed_at_ms < :now) \
              AND (attribute_not_exists(expires_at_ms) OR expires_at_ms <= :expires_at)",
             [("lease_id", id(lease_id)), ("now", num(*now_ms)), ("expires_at", num(*x))],
         ),
-        Condition::Renew { lease_id, now_ms, expires_at_ms: None } => guard(
+        Condition::Renew { lease_id, now_ms, expires_at_ms: None, ttl: true } => guard(
+            "lease_id = :lease_id AND attribute_not_exists(released_at_ms) AND (attribute_not_exists(expires_at_ms) \
+             OR expires_at_ms > :now) AND (attribute_not_exists(renewed_at_ms) OR renewed_at_ms < :now) \
+             AND attribute_exists(duration_ms) AND attribute_not_exists(state_shard)",
+            [("lease_id", id(lease_id)), ("now", num(*now_ms))],
+        ),
+        Condition::Renew { lease_id, now_ms, expires_at_ms: None, ttl: false } => guard(
             "lease_id = :lease_id AND attribute_not_exists(released_at_ms) AND (attribute_not_exists(expires_at_ms) \
              OR expires_at_ms > :now) AND (attribute_not_exists(renewed_at_ms) OR renewed_at_ms < :now) \
              AND attribute_exists(duration_ms)",
@@ -316,8 +340,13 @@ impl Expr {
         let p = format!(":{name}");
         // One placeholder, one value: a condition and an update naming the same placeholder for
         // two values would silently check the wrong one.
-        if let Some(old) = self.values.insert(p.clone(), value.clone()) {
-            assert_eq!(old, value, "placeholder {p} bound to two values");
+        match self.values.entry(p.clone()) {
+            std::collections::hash_map::Entry::Occupied(old) => {
+                assert_eq!(old.get(), &value, "placeholder {p} bound to two values")
+            }
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                slot.insert(value);
+            }
         }
         p
     }
@@ -650,13 +679,22 @@ mod tests {
         let (now, ttl) = (1, Some(2));
         let writes = [
             (Condition::Free { now_ms: now, fence: 3, lease_id: id.clone() }, None),
+            (Condition::FreeAfter { now_ms: now, fence: 3, lease_id: id.clone() }, None),
             (
-                Condition::Renew { lease_id: id.clone(), now_ms: now, expires_at_ms: Some(4) },
+                Condition::Renew { lease_id: id.clone(), now_ms: now, expires_at_ms: Some(4), ttl: true },
                 Some(Mutation::Extend { now_ms: now, duration_ms: Some(3), ttl }),
             ),
             (
-                Condition::Renew { lease_id: id.clone(), now_ms: now, expires_at_ms: None },
+                Condition::Renew { lease_id: id.clone(), now_ms: now, expires_at_ms: None, ttl: true },
                 Some(Mutation::Extend { now_ms: now, duration_ms: None, ttl }),
+            ),
+            (
+                Condition::Renew { lease_id: id.clone(), now_ms: now, expires_at_ms: Some(4), ttl: false },
+                Some(Mutation::Extend { now_ms: now, duration_ms: Some(3), ttl: None }),
+            ),
+            (
+                Condition::Renew { lease_id: id.clone(), now_ms: now, expires_at_ms: None, ttl: false },
+                Some(Mutation::Extend { now_ms: now, duration_ms: None, ttl: None }),
             ),
             (Condition::Unreleased { lease_id: id.clone() }, Some(Mutation::Release { now_ms: now, ttl: 2 })),
             (Condition::Exists, Some(Mutation::ForceRelease { now_ms: now, ttl: 2 })),
@@ -798,8 +836,11 @@ mod tests {
         let visit = Visit { state: "S".into(), shard: "S#0".into(), since_ms: 1, attempts: 0 };
         let all = [
             Condition::Free { now_ms: 1, fence: 3, lease_id: id.clone() },
-            Condition::Renew { lease_id: id.clone(), now_ms: 1, expires_at_ms: Some(4) },
-            Condition::Renew { lease_id: id.clone(), now_ms: 1, expires_at_ms: None },
+            Condition::FreeAfter { now_ms: 1, fence: 3, lease_id: id.clone() },
+            Condition::Renew { lease_id: id.clone(), now_ms: 1, expires_at_ms: Some(4), ttl: true },
+            Condition::Renew { lease_id: id.clone(), now_ms: 1, expires_at_ms: None, ttl: true },
+            Condition::Renew { lease_id: id.clone(), now_ms: 1, expires_at_ms: Some(4), ttl: false },
+            Condition::Renew { lease_id: id.clone(), now_ms: 1, expires_at_ms: None, ttl: false },
             Condition::Unreleased { lease_id: id.clone() },
             Condition::Exists,
             Condition::FenceIs(3),

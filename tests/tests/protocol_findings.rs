@@ -1,0 +1,137 @@
+//! Protocol defects the deterministic simulation found (DESIGN.md, "Simulation"), each
+//! replayed here against both stores: the embedded one and DynamoDB Local.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use leasehold::{AcquireOptions, Clock, Config, Coordinator, Error, LeaseId, SystemClock};
+use leasehold_tests::{both_backends, test_config, Backend, Fault, Faulty};
+
+both_backends!(
+    a_stale_fail_closed_acquire_never_takes_a_key_released_after_it_was_sent,
+    an_acquire_right_after_a_release_by_a_clock_ahead_is_granted,
+    an_unanswered_renewal_leaves_no_ttl_on_a_work_item,
+    a_renewal_of_a_work_item_extends_it_without_a_ttl,
+);
+
+fn secs(s: u64) -> Option<Duration> {
+    Some(Duration::from_secs(s))
+}
+
+/// Seed 3 of the simulation. A fail-closed acquire (the caller's own lease_id) is held in the
+/// network past its attempt timeout; its retry finds the key held by another lease, and the
+/// caller's release of its lease_id finds that other lease (`NotHolder`): the caller believes
+/// its lease_id holds nothing. That lease is then released, and the stale first attempt lands.
+/// It must be refused: otherwise the key is held, with no expiry, by a lease nobody knows of.
+async fn a_stale_fail_closed_acquire_never_takes_a_key_released_after_it_was_sent(b: Backend) {
+    let faulty = Faulty::new(b.store());
+    let c = Coordinator::new(faulty.clone(), test_config());
+    let other = b.coordinator(test_config());
+    let held = other.acquire("fc-stale", "other", secs(60), AcquireOptions::default()).await.unwrap();
+    // Make sure the stale attempt's clock is past the grant it will find (as in the run).
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let id = LeaseId::generate();
+    // The first attempt is held in the network for 3 s, to land after everything below.
+    faulty.inject(&[Fault::DelayedDuplicate(Duration::from_secs(3))]);
+    let sent = Instant::now();
+    let r = c.acquire("fc-stale", "h", None, AcquireOptions { lease_id: Some(id.clone()), ..Default::default() }).await;
+    assert!(r.is_err(), "the key is held: {r:?}");
+    assert_eq!(faulty.injected.load(Ordering::SeqCst), 1);
+    // The caller gives up: its release finds another lease.
+    let rel = c.release("fc-stale", &id).await;
+    assert!(matches!(rel, Err(Error::NotHolder { .. })), "{rel:?}");
+    other.release("fc-stale", &held.lease_id).await.unwrap();
+    assert!(sent.elapsed() < Duration::from_secs(3), "the stale attempt must land after the release");
+    // The stale attempt lands (3 s after it was sent), and is refused.
+    tokio::time::sleep(Duration::from_secs(3).saturating_sub(sent.elapsed()) + Duration::from_millis(700)).await;
+    let s = other.get("fc-stale").await.unwrap();
+    assert!(!s.held, "the key is held by a lease nobody was told of: {s:?}");
+    let next = other.acquire("fc-stale", "next", secs(5), AcquireOptions::default()).await.unwrap();
+    assert!(next.fence > held.fence);
+}
+
+/// A wall clock `ahead` of the machine's.
+#[derive(Debug)]
+struct Ahead(i64);
+
+impl Clock for Ahead {
+    fn wall_us(&self) -> i64 {
+        SystemClock.wall_us() + self.0
+    }
+    fn now(&self) -> Instant {
+        SystemClock.now()
+    }
+}
+
+/// The fail-closed acquire's condition refuses a key released after the attempt's `:now`: a
+/// coordinator whose clock is behind the releaser's goes again once its clock has passed the
+/// release, and is granted the key within the call (no `LeaseHeld`). A timed acquire is not
+/// held back by a releaser's clock at all.
+async fn an_acquire_right_after_a_release_by_a_clock_ahead_is_granted(b: Backend) {
+    let ahead_us = 40_000; // 40 ms, within the test skew margin of 50 ms
+    let cfg = Config { clock: Arc::new(Ahead(ahead_us)), ..test_config() };
+    let releaser = b.coordinator(cfg);
+    let taker = b.coordinator(test_config());
+    for fail_closed in [true, false, true] {
+        let l = releaser.acquire("ahead", "r", secs(30), AcquireOptions::default()).await.unwrap();
+        // Held long enough that the key is free to the taker's clock at once (the release
+        // frees it at the acquire's time), while its `released_at_ms` is still ahead.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        releaser.release("ahead", &l.lease_id).await.unwrap();
+        let (d, id) = if fail_closed { (None, Some(LeaseId::generate())) } else { (secs(30), None) };
+        let next = taker.acquire("ahead", "t", d, AcquireOptions { lease_id: id, ..Default::default() }).await.unwrap();
+        assert!(next.fence > l.fence);
+        taker.release("ahead", &next.lease_id).await.unwrap();
+        // Let the taker's clock pass its own release before the releaser acquires again.
+        tokio::time::sleep(Duration::from_millis(60)).await;
+    }
+}
+
+/// Seed 149 of the simulation. A renewal of a batch lease (a key in a work state) whose answer
+/// is lost must not leave a TTL on the work item (TTL would delete it).
+async fn an_unanswered_renewal_leaves_no_ttl_on_a_work_item(b: Backend) {
+    let faulty = Faulty::new(b.store());
+    let c = Coordinator::new(faulty.clone(), test_config());
+    c.put("wi-ttl", "todo-ttl", "producer").await.unwrap();
+    let leases = c.acquire_next("todo-ttl", 1, "h", secs(30), AcquireOptions::default()).await.unwrap();
+    assert_eq!(leases.len(), 1);
+    let l = &leases[0];
+    assert_eq!(b.store().get("wi-ttl").await.unwrap().unwrap().ttl, None);
+    // Every answer of the renewal is lost (its writes are made), and the caller gives up.
+    let mut cfg = test_config();
+    cfg.retry_budget = Duration::from_millis(1);
+    let impatient = Coordinator::new(faulty.clone(), cfg);
+    faulty.inject(&[Fault::LoseResponse; 20]);
+    let r = impatient.heartbeat("wi-ttl", &l.lease_id, secs(40)).await;
+    assert!(r.is_err(), "{r:?}");
+    faulty.plan.lock().unwrap().clear();
+    let item = b.store().get("wi-ttl").await.unwrap().unwrap();
+    assert_eq!(item.state.as_deref(), Some("todo-ttl"));
+    assert_eq!(item.ttl, None, "a renewal left a TTL on a work item: {item:?}");
+}
+
+/// The renewal of a work item extends it, keeps its state and writes no TTL, and so does the
+/// renewal of a plain lease write one.
+async fn a_renewal_of_a_work_item_extends_it_without_a_ttl(b: Backend) {
+    let c = b.coordinator(test_config());
+    c.put("wi-renew", "todo-renew", "producer").await.unwrap();
+    let leases = c.acquire_next("todo-renew", 1, "h", secs(30), AcquireOptions::default()).await.unwrap();
+    let l = &leases[0];
+    for d in [secs(40), None] {
+        let h = c.heartbeat("wi-renew", &l.lease_id, d).await.unwrap();
+        assert_eq!(h.fence, l.fence);
+        assert!(h.expires_at_ms >= l.expires_at_ms);
+        let item = b.store().get("wi-renew").await.unwrap().unwrap();
+        assert_eq!(item.state.as_deref(), Some("todo-renew"));
+        assert_eq!(item.ttl, None, "{item:?}");
+    }
+    let plain = c.acquire("plain-renew", "h", secs(30), AcquireOptions::default()).await.unwrap();
+    let before = b.store().get("plain-renew").await.unwrap().unwrap().ttl.expect("a plain lease has a TTL");
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    c.heartbeat("plain-renew", &plain.lease_id, secs(40)).await.unwrap();
+    let after = b.store().get("plain-renew").await.unwrap().unwrap().ttl.expect("a plain lease keeps a TTL");
+    assert!(after > before, "the renewal moved the TTL: {before} -> {after}");
+    let r = c.heartbeat("wi-renew", &LeaseId::generate(), None).await;
+    assert!(matches!(r, Err(Error::NotHolder { .. })), "{r:?}");
+}
