@@ -1,6 +1,6 @@
 //! leasehold benchmarks on DynamoDB Local, behind a request-counting proxy.
 //!
-//! `leasehold-bench [--quick] [--scenarios m1,m2,m3,m4,serve-m3,batch] [--m1-cycles N] [--warmup N]
+//! `leasehold-bench [--quick] [--scenarios m1,m2,m3,m4,serve-m3,batch,sem] [--m1-cycles N] [--warmup N]
 //! [--batch-items N]` starts
 //! DynamoDB Local and the proxy, then runs every scenario for every library in a child process
 //! of its own (separate clients, separate peak RSS), interleaving the libraries round by
@@ -14,7 +14,9 @@
 //! starts each M1 round. This is a benchmark, not a test: it asserts nothing and prints
 //! figures. Two scenarios run only when named: `serve-m3` (M3's shape over HTTP through
 //! `leasehold serve` on the embedded store, with in-process wake-ups) and `batch` (8 workers
-//! drain a work state against a hand-written Query + UpdateItem floor).
+//! drain a work state against a hand-written Query + UpdateItem floor). `sem` (16 workers on a
+//! semaphore of 4 slots against the counter-and-map floor of AWS's concurrency-control sample)
+//! runs only when named too.
 
 //!
 //! One module per scenario, each with a `run` for both sides of a [`Step`]; the
@@ -28,6 +30,7 @@ mod m1;
 mod m2;
 mod m3;
 mod m4;
+mod sem;
 mod serve_m3;
 
 use harness::{ChildArgs, Params, Rss, Step};
@@ -45,6 +48,7 @@ async fn scenario(name: &str, step: Step<'_>) -> Option<Value> {
         "m4" => m4::run(step).await,
         "serve-m3" => serve_m3::run(step).await,
         "batch" => batch::run(step).await,
+        "sem" => sem::run(step).await,
         other => panic!("unknown scenario {other}"),
     }
 }

@@ -83,8 +83,13 @@ exits 0 but the key cannot be moved into --done, the key stays in its state and 
 on again (work items are at least once): run exits 76 if the lease was no longer its own
 (expired and taken, force-released), 77 if the store could not be reached.
 
+With --slots N, KEY is a semaphore of N slots (DESIGN.md, \"Semaphores\"): run takes one of
+them, so at most N commands hold KEY at once; each gets a fence of its own, and a full
+semaphore is waited for (or skipped) like a held lease.
+
 Examples:
   leasehold run jobs/nightly -- ./nightly.sh --full
+  leasehold run partner-api --slots 4 -- ./call-partner.sh      # at most 4 at once, on any host
   while leasehold run --next PENDING --skip-if-held -- ./process.sh; do :; done   # drain a state
   leasehold run jobs/nightly --skip-if-held -- ./nightly.sh      # cron: skip if another host runs it
   leasehold run db/migrate --wait 5m --duration 1m -- make migrate
@@ -118,6 +123,10 @@ pub struct RunArgs {
     /// Who holds the lease (shown to others) [default: user@hostname]
     #[arg(long, env = "LEASEHOLD_HOLDER")]
     pub holder: Option<String>,
+    /// Hold one of N slots of KEY, a semaphore: at most N commands run at once (1..=1000; 1 is
+    /// a plain lease)
+    #[arg(long, value_name = "N", conflicts_with_all = ["next", "min_hold"])]
+    pub slots: Option<u32>,
     /// Time between SIGTERM and SIGKILL when the command must stop (at most (2/3 --duration - skew margin) / 2)
     #[arg(long, default_value = "10s", value_parser = duration::parse, value_name = "D")]
     pub grace: Duration,
@@ -573,7 +582,12 @@ async fn acquire(
             Some(w) => w.saturating_sub(started.elapsed()),
             None => max_wait,
         };
-        let opts = AcquireOptions { wait: Some(wait), min_hold: args.min_hold, ..AcquireOptions::default() };
+        let opts = AcquireOptions {
+            wait: Some(wait),
+            min_hold: args.min_hold,
+            slots: args.slots,
+            ..AcquireOptions::default()
+        };
         let hold = coord.hold(&args.key, holder, args.duration, opts);
         tokio::pin!(hold);
         let every = Duration::from_millis(250);

@@ -105,6 +105,7 @@ impl Coordinator {
                         holder: holder.to_string(),
                         state: state.to_string(),
                         shard: shard.clone(),
+                        ttl: self.state_ttl(state, now),
                     },
                 ))
             })
@@ -166,20 +167,7 @@ impl Coordinator {
                 // The leases taken are the answer, even if the store failed on other
                 // candidates: an error would strand them until they expire.
                 self.release_unknown(&round.unknown).await;
-                // A lease whose safe time passed while the other candidates were settled is of
-                // no use to its holder: it is not told, and is released (as a single acquire
-                // drops a late grant; best effort, off the answer's path).
-                let now = self.monotonic();
-                let late: Vec<Lease> =
-                    round.leases.extract_if(.., |l| l.safe_until.is_some_and(|s| s <= now)).collect();
-                if !late.is_empty() {
-                    let c = self.clone();
-                    tokio::spawn(async move {
-                        for l in late {
-                            c.drop_late_grant(&l.key, &l.lease_id).await;
-                        }
-                    });
-                }
+                self.drop_late_leases(&mut round.leases);
                 if !round.leases.is_empty() {
                     return Ok(round.leases);
                 }
@@ -204,6 +192,22 @@ impl Coordinator {
                 return Ok(Vec::new());
             }
             tokio::time::sleep(jitter(self.config().poll_max).min(wait_deadline - now)).await;
+        }
+    }
+
+    /// A lease whose safe time passed while the other candidates were settled is of no use to
+    /// its holder: it is taken out of the answer and released (as a single acquire drops a
+    /// late grant; best effort, off the answer's path).
+    fn drop_late_leases(&self, leases: &mut Vec<Lease>) {
+        let now = self.monotonic();
+        let late: Vec<Lease> = leases.extract_if(.., |l| l.safe_until.is_some_and(|s| s <= now)).collect();
+        if !late.is_empty() {
+            let c = self.clone();
+            tokio::spawn(async move {
+                for l in late {
+                    c.drop_late_grant(&l.key, &l.lease_id).await;
+                }
+            });
         }
     }
 

@@ -29,7 +29,9 @@ fn env_u64(name: &str) -> Result<Option<u64>> {
 /// the scheduled keep-alive sweep: keep-alive leases must last 3 periods; 0 = no sweep),
 /// `LEASEHOLD_DATE_LAG_MS` (allowance for a late store `Date` header in the clock check, 0..=5000;
 /// see DESIGN.md, "Clocks"), `LEASEHOLD_STATE_SHARDS` (partitions of the work-state index per state, 1..=64; see
-/// DESIGN.md, "Work items and batch leases").
+/// DESIGN.md, "Work items and batch leases"), `LEASEHOLD_TERMINAL_STATES` (comma-separated work
+/// states whose keys get a TTL, e.g. `DONE,FAILED`) and `LEASEHOLD_TERMINAL_RETENTION_S` (how
+/// long they stay; see DESIGN.md, "Terminal states").
 pub fn config_from_env() -> Result<Config> {
     let mut c = Config::default();
     let ms = Duration::from_millis;
@@ -74,6 +76,17 @@ pub fn config_from_env() -> Result<Config> {
             return Err(Error::invalid("LEASEHOLD_STATE_SHARDS must be 1 to 64"));
         }
         c.state_shards = v as u32;
+    }
+    if let Ok(v) = std::env::var("LEASEHOLD_TERMINAL_STATES") {
+        let states: Vec<String> = v.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_string).collect();
+        for s in &states {
+            crate::validate::check_state(s)
+                .map_err(|e| Error::invalid(format!("LEASEHOLD_TERMINAL_STATES: {s:?}: {e}")))?;
+        }
+        c.terminal_states = states;
+    }
+    if let Some(v) = env_u64("LEASEHOLD_TERMINAL_RETENTION_S")? {
+        c.terminal_retention = Duration::from_secs(v);
     }
     if c.limits.min_duration > c.limits.max_duration {
         return Err(Error::invalid("LEASEHOLD_MIN_DURATION_MS exceeds LEASEHOLD_MAX_DURATION_MS"));

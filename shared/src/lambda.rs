@@ -540,10 +540,17 @@ pub(crate) async fn handler_from_env(function: Function) -> Result<Handler, Erro
     if let StoreChoice::Embedded { .. } = &choice {
         tracing::warn!(store = %choice.describe(), "LEASEHOLD_TABLE is not set: using the embedded store");
     }
-    let store = choice.open().await?;
+    // One SDK configuration (credentials chain, region, HTTP client) for every client of the
+    // process: loading it is most of what a function does before it is ready.
+    let conf = crate::store::dynamo::load_sdk_config(Duration::from_secs(3)).await;
+    let store: Arc<dyn crate::store::Store> = match &choice {
+        StoreChoice::Dynamo { table } => {
+            Arc::new(crate::store::DynamoStore::new(aws_sdk_dynamodb::Client::new(&conf), table.clone()))
+        }
+        StoreChoice::Embedded { .. } => choice.open().await?,
+    };
     // Every function may deliver a queued waiter's lease (acquire: a free key; release: the
     // hand-over; heartbeat: the sweep), and the heartbeat function describes executions.
-    let conf = crate::store::dynamo::load_sdk_config(Duration::from_secs(3)).await;
     let sfn = Arc::new(StepFunctions(aws_sdk_sfn::Client::new(&conf)));
     // DescribeExecution with adaptive retries (client-side rate limiting when throttled):
     // one sweep may describe hundreds of executions, and a failure counts against the sweep.

@@ -6,13 +6,30 @@
 //!   ([`Quotas::violations`]) and answers the task with that error, so the execution fails
 //!   and the test that checks the record fails too.
 //! - 25,000 events in one execution's history: [`history_events`] counts them from moto's
-//!   GetExecutionHistory and [`check_history`] records (and stops) an execution past them.
+//!   GetExecutionHistory and [`check_history_within`] records (and stops) an execution past
+//!   them. The limit is a parameter, so that a test can lower it ([`MAX_HISTORY_EVENTS`] is
+//!   Step Functions' own) and make a short drain cross it several times.
 //!
-//! The adapter also answers what a state machine's `arn:aws:states:::states:startExecution`
-//! task sends (moto sends every service call to `localhost:$MOTO_PORT`, the adapter): moto
-//! 5.2 cannot start a second execution in a region that already ran one, so
-//! [`start_execution_elsewhere`] creates the same state machine (definition and name) in an
-//! unused region and starts the execution there: a continue-as-new lands where moto can run it.
+//! A state machine's `arn:aws:states:::states:startExecution` task (the BatchProcessor's
+//! continue-as-new) cannot run on moto 5.2: its service integration hands the task's
+//! parameters, cased as Step Functions writes them (`StateMachineArn`, `Name`, `Input`), to
+//! boto3 unchanged (its `_normalise_parameters` does nothing; the mapping onto the API's
+//! members, `_to_boto_request`, is there but never called) with parameter validation off,
+//! and botocore's JSON serializer looks each name up among the API's members
+//! (`stateMachineArn`, `name`, `input`): `KeyError: 'StateMachineArn'` before any request is
+//! sent. The `.sync` and `.sync:2` variants and `aws-sdk:sfn:startExecution` go the same way,
+//! and the camel-cased names that botocore would take are not what Step Functions accepts,
+//! so no one definition runs on both. The tests therefore give moto the definition with each
+//! such task's `Resource` (only that) pointed at a Lambda function the adapter serves
+//! ([`route_start_execution_through_adapter`]): moto invokes it with the task's evaluated
+//! `Parameters` as the payload, and the adapter starts the execution on moto through its
+//! StartExecution API ([`start_execution_task`]) and answers what the integration answers
+//! (`ExecutionArn`, `StartDate`). The history is the same length (scheduled, started,
+//! succeeded: three events either way), so the history quota is measured as on AWS.
+//!
+//! moto 5.2 cannot start a second execution in a region that already ran one, so every
+//! execution the adapter starts ([`start_execution_elsewhere`], [`start_execution_task`]) runs
+//! the same state machine (definition and name) created in an unused region.
 
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
@@ -134,10 +151,9 @@ fn sfn_answer(status: u16, body: Value) -> Response<Full<Bytes>> {
         .expect("response")
 }
 
-/// Answers a state machine's `AWSStepFunctions.StartExecution` (`target`, `body`): the
-/// input quota, then the same state machine created in an unused region of moto at
-/// `moto_endpoint` and the execution started there (see the module comment). Other Step
-/// Functions calls are refused.
+/// Answers a Step Functions `AWSStepFunctions.StartExecution` call (`target`, `body`, wire
+/// names): the input quota, then the execution started in an unused region of moto at
+/// `moto_endpoint` ([`start_in_unused_region`]). Other Step Functions calls are refused.
 pub async fn start_execution_elsewhere(moto_endpoint: &str, target: &str, body: &[u8]) -> Response<Full<Bytes>> {
     if target != "AWSStepFunctions.StartExecution" {
         return sfn_answer(
@@ -147,28 +163,154 @@ pub async fn start_execution_elsewhere(moto_endpoint: &str, target: &str, body: 
     }
     let req: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
     // The wire names: stateMachineArn, name, input (a string; kept general).
-    let input = match &req["input"] {
-        Value::String(s) => s.clone(),
-        Value::Null => "{}".to_string(),
-        other => other.to_string(),
-    };
+    let input = input_text(&req["input"]);
     if Quotas::global().payload_exceeds("a StartExecution input", input.len()) {
         return sfn_answer(400, json!({"__type": "States.DataLimitExceeded", "message": "input too large"}));
     }
     let Some(arn) = req["stateMachineArn"].as_str() else {
         return sfn_answer(400, json!({"__type": "ValidationException", "message": "no StateMachineArn"}));
     };
-    // arn:aws:states:REGION:ACCOUNT:stateMachine:NAME
-    let parts: Vec<&str> = arn.split(':').collect();
-    if parts.len() < 7 {
-        return sfn_answer(400, json!({"__type": "InvalidArn", "message": arn}));
+    match start_in_unused_region(moto_endpoint, arn, req["name"].as_str(), &input).await {
+        Ok((execution_arn, started)) => sfn_answer(200, json!({"executionArn": execution_arn, "startDate": started})),
+        Err((code, message)) => sfn_answer(400, json!({"__type": code, "message": message})),
     }
-    let from = sfn_client(moto_endpoint, parts[3]).await;
+}
+
+/// A StartExecution input as Step Functions sends it: a string as it is, an object serialised.
+fn input_text(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Null => "{}".to_string(),
+        other => other.to_string(),
+    }
+}
+
+/// The Lambda function, served by the adapter, that stands for a `states:startExecution` task
+/// on moto (see the module comment).
+pub const START_EXECUTION_FUNCTION: &str = "leasehold-test-states-start-execution";
+
+/// The definition `definition` (JSON text) with the `Resource` of each
+/// `arn:aws:states:::states:startExecution` task, at any depth (Map and Parallel states
+/// included), pointed at [`START_EXECUTION_FUNCTION`]; every other field as written. Returns the
+/// definition and how many tasks were pointed.
+pub fn route_start_execution_through_adapter(definition: &str) -> (String, usize) {
+    fn visit(states: &mut serde_json::Map<String, Value>, n: &mut usize) {
+        for state in states.values_mut() {
+            if state["Type"] == "Task" && state["Resource"] == "arn:aws:states:::states:startExecution" {
+                state["Resource"] =
+                    json!(format!("arn:aws:lambda:us-east-1:123456789012:function:{START_EXECUTION_FUNCTION}"));
+                *n += 1;
+            }
+            for inner in ["ItemProcessor", "Iterator"] {
+                if let Some(s) = state.get_mut(inner).and_then(|p| p.get_mut("States")).and_then(Value::as_object_mut) {
+                    visit(s, n);
+                }
+            }
+            if let Some(branches) = state.get_mut("Branches").and_then(Value::as_array_mut) {
+                for b in branches {
+                    if let Some(s) = b.get_mut("States").and_then(Value::as_object_mut) {
+                        visit(s, n);
+                    }
+                }
+            }
+        }
+    }
+    let mut def: Value = serde_json::from_str(definition).expect("a definition is JSON");
+    let mut n = 0;
+    if let Some(states) = def.get_mut("States").and_then(Value::as_object_mut) {
+        visit(states, &mut n);
+    }
+    (def.to_string(), n)
+}
+
+/// True for an Invoke of [`START_EXECUTION_FUNCTION`] (`path`: the Invoke request's path,
+/// which names the function by its ARN).
+pub fn is_start_execution_task(path: &str) -> bool {
+    path.contains("/functions/") && path.contains(START_EXECUTION_FUNCTION)
+}
+
+/// Executions started by [`start_execution_task`]: name -> (input, execution ARN).
+static BY_NAME: Mutex<Vec<(String, String, String)>> = Mutex::new(Vec::new());
+
+/// Answers the Invoke of [`START_EXECUTION_FUNCTION`] as Step Functions' `states:startExecution`
+/// integration answers the task: `body` is the task's evaluated `Parameters`
+/// (`StateMachineArn`, `Name`, `Input` as an object or a string); the input quota; the
+/// execution started on moto at `moto_endpoint` ([`start_in_unused_region`]); the result
+/// `{"ExecutionArn", "StartDate"}`. StartExecution is idempotent by name as in AWS: a retry
+/// with the same name and input gets the same execution; another input under a name already
+/// used fails with `StepFunctions.ExecutionAlreadyExistsException`. Failures are function
+/// errors named as the integration names them.
+pub async fn start_execution_task(moto_endpoint: &str, body: &[u8]) -> Response<Full<Bytes>> {
+    let params: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    let input = input_text(&params["Input"]);
+    if Quotas::global().payload_exceeds("a StartExecution input", input.len()) {
+        return data_limit_error("the StartExecution input");
+    }
+    let Some(arn) = params["StateMachineArn"].as_str() else {
+        return function_error("StepFunctions.ValidationException", "no StateMachineArn");
+    };
+    let name = params["Name"].as_str().map(str::to_string);
+    if let Some(n) = &name {
+        let seen = BY_NAME.lock().unwrap().iter().find(|(m, _, _)| m == n).cloned();
+        match seen {
+            Some((_, i, e)) if i == input => return task_answer(json!({"ExecutionArn": e, "StartDate": 0})),
+            Some(_) => {
+                return function_error(
+                    "StepFunctions.ExecutionAlreadyExistsException",
+                    &format!("an execution named {n} exists with another input"),
+                )
+            }
+            None => {}
+        }
+    }
+    match start_in_unused_region(moto_endpoint, arn, name.as_deref(), &input).await {
+        Ok((execution_arn, started)) => {
+            if let Some(n) = name {
+                BY_NAME.lock().unwrap().push((n, input, execution_arn.clone()));
+            }
+            task_answer(json!({"ExecutionArn": execution_arn, "StartDate": started}))
+        }
+        Err((code, message)) => function_error(&format!("StepFunctions.{code}Exception"), &message),
+    }
+}
+
+fn task_answer(body: Value) -> Response<Full<Bytes>> {
+    Response::builder()
+        .status(200)
+        .header("x-amzn-requestid", request_id())
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .expect("response")
+}
+
+fn function_error(error_type: &str, message: &str) -> Response<Full<Bytes>> {
+    Response::builder()
+        .status(200)
+        .header("x-amzn-requestid", request_id())
+        .header("x-amz-function-error", "Unhandled")
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(json!({"errorType": error_type, "errorMessage": message}).to_string())))
+        .expect("response")
+}
+
+/// Starts an execution of the state machine `arn` (named `name`, with `input`) on moto at
+/// `moto_endpoint`: the same state machine (definition, name, role) created in an unused
+/// region and the execution started there, and recorded for [`started_by_machines`]. Returns
+/// the execution's ARN and start time (epoch seconds), or an error code and message.
+pub async fn start_in_unused_region(
+    moto_endpoint: &str,
+    arn: &str,
+    name: Option<&str>,
+    input: &str,
+) -> Result<(String, f64), (String, String)> {
+    // arn:aws:states:REGION:ACCOUNT:stateMachine:NAME
+    if arn.split(':').count() < 7 {
+        return Err(("InvalidArn".into(), arn.to_string()));
+    }
+    let from = sfn_client(moto_endpoint, region_of(arn)).await;
     let sm = match from.describe_state_machine().state_machine_arn(arn).send().await {
         Ok(sm) => sm,
-        Err(e) => {
-            return sfn_answer(400, json!({"__type": "StateMachineDoesNotExist", "message": format!("{e:?}")}));
-        }
+        Err(e) => return Err(("StateMachineDoesNotExist".into(), format!("{e:?}"))),
     };
     let region = next_execution_region("");
     let to = sfn_client(moto_endpoint, region).await;
@@ -179,22 +321,23 @@ pub async fn start_execution_elsewhere(moto_endpoint: &str, target: &str, body: 
         .role_arn(sm.role_arn())
         .send()
         .await
-        .unwrap_or_else(|e| panic!("create the continued state machine in {region}: {e:?}"));
-    let mut start = to.start_execution().state_machine_arn(created.state_machine_arn()).input(&input);
-    if let Some(name) = req["name"].as_str() {
-        start = start.name(name);
-    }
+        .unwrap_or_else(|e| panic!("create the state machine in {region}: {e:?}"));
+    let start = to
+        .start_execution()
+        .state_machine_arn(created.state_machine_arn())
+        .input(input)
+        .set_name(name.map(str::to_string));
     match start.send().await {
         Ok(out) => {
-            let parent = serde_json::from_str::<Value>(&input)
+            let parent = serde_json::from_str::<Value>(input)
                 .ok()
                 .and_then(|v| v["AWS_STEP_FUNCTIONS_STARTED_BY_EXECUTION_ID"].as_str().map(str::to_string))
                 .unwrap_or_default();
             STARTED.lock().unwrap().push((parent, out.execution_arn().to_string()));
             let started = out.start_date().secs() as f64 + f64::from(out.start_date().subsec_nanos()) / 1e9;
-            sfn_answer(200, json!({"executionArn": out.execution_arn(), "startDate": started}))
+            Ok((out.execution_arn().to_string(), started))
         }
-        Err(e) => sfn_answer(400, json!({"__type": "ExecutionStartFailed", "message": format!("{e:?}")})),
+        Err(e) => Err(("ExecutionStartFailed".into(), format!("{e:?}"))),
     }
 }
 
@@ -232,9 +375,15 @@ pub async fn history_events(client: &aws_sdk_sfn::Client, arn: &str) -> usize {
 /// Counts the execution's history events; past [`MAX_HISTORY_EVENTS`] the execution is
 /// stopped (Step Functions would have failed it) and the violation recorded. Returns the count.
 pub async fn check_history(client: &aws_sdk_sfn::Client, arn: &str) -> usize {
+    check_history_within(client, arn, MAX_HISTORY_EVENTS).await
+}
+
+/// [`check_history`] against `limit` events instead of Step Functions' own quota (a test's
+/// lowered quota).
+pub async fn check_history_within(client: &aws_sdk_sfn::Client, arn: &str, limit: usize) -> usize {
     let n = history_events(client, arn).await;
-    if n > MAX_HISTORY_EVENTS {
-        Quotas::global().record(format!("{arn}: {n} history events (limit {MAX_HISTORY_EVENTS})"));
+    if n > limit {
+        Quotas::global().record(format!("{arn}: {n} history events (limit {limit})"));
         let _ = client.stop_execution().execution_arn(arn).error("States.HistoryLimitExceeded").send().await;
     }
     n

@@ -123,6 +123,47 @@ fn racing_runs(t: &Target) {
 
 leasehold_tests::variants!(sync [embedded => &Target::embedded(), dynamodb => &Target::dynamo()]: racing_runs);
 
+/// `run --slots 2`: two commands hold the semaphore at once, each with a fence of its own; a
+/// third run is skipped (75) while both run, without running its command; both slots are free
+/// once the commands exit.
+fn runs_share_the_slots_of_a_semaphore(t: &Target) {
+    let dir = t.dir.path();
+    let (a, b, c, go) = (dir.join("a"), dir.join("b"), dir.join("c"), dir.join("go"));
+    let cmd = |f: &Path| {
+        sh(&format!(
+            "echo \"$LEASEHOLD_FENCE\" > '{}'; while [ ! -e '{}' ]; do sleep 0.05; done",
+            f.display(),
+            go.display()
+        ))
+    };
+    let (ca, cb) = (cmd(&a), cmd(&b));
+    let opts = |h: &'static str| ["--slots", "2", "--duration", "20s", "--holder", h];
+    let mut first = t.spawn(&run_args("sem/run", &opts("a"), &ca));
+    let mut second = t.spawn(&run_args("sem/run", &opts("b"), &cb));
+    eventually(LIMIT, "both commands to run at once", || !read(&a).trim().is_empty() && !read(&b).trim().is_empty());
+    let third = sh(&format!("touch '{}'", c.display()));
+    let out = t.run(&run_args("sem/run", &["--slots", "2", "--skip-if-held"], &third)).code(75);
+    assert!(out.stderr.contains("held"), "{out:?}");
+    assert!(!c.exists(), "the third command ran");
+    let state = t.run(&["get", "sem/run", "--json"]).ok().json();
+    assert_eq!((state["slots"].as_u64(), state["slots_taken"].as_u64()), (Some(2), Some(2)), "{state}");
+    std::fs::write(&go, "").unwrap();
+    for run in [&mut first, &mut second] {
+        let out = run.wait(LIMIT);
+        assert_eq!(out.code, 0, "{out:?}");
+    }
+    let (fa, fb): (u64, u64) = (read(&a).trim().parse().unwrap(), read(&b).trim().parse().unwrap());
+    assert_ne!(fa, fb, "each slot has a fence of its own");
+    let state = t.run(&["get", "sem/run", "--json"]).ok().json();
+    assert_eq!((state["held"].as_bool(), state["slots_taken"].as_u64()), (Some(false), Some(0)), "{state}");
+    // Free again: the third run gets a slot.
+    t.run(&run_args("sem/run", &["--slots", "2", "--skip-if-held"], &third)).ok();
+    assert!(c.exists());
+}
+
+leasehold_tests::variants!(sync [embedded => &Target::embedded(), dynamodb => &Target::dynamo()]:
+    runs_share_the_slots_of_a_semaphore);
+
 #[test]
 fn a_command_ignoring_sigterm_is_killed_after_the_grace_period() {
     let t = Target::embedded();

@@ -1674,3 +1674,89 @@ async fn semaphore_map_stays_bounded(b: Backend) {
     let r = b.store().get("sem/bound").await.unwrap().unwrap();
     assert_eq!(r.slots_taken, Some(0));
 }
+
+// The work-state index's INCLUDE projection and terminal states' TTL (DESIGN.md, "How one
+// state scales", "Terminal states").
+
+both_backends!(batch_listing_reads_whole_items, terminal_states_get_a_ttl);
+
+/// The work-state index projects only what a batch's candidate needs: a listing of a state
+/// still answers every key whole (metadata included, as `get` answers it), and `next` and
+/// `count` work from the index alone.
+async fn batch_listing_reads_whole_items(b: Backend) {
+    let c = b.coordinator(test_config());
+    let meta = json!({"order": 42, "note": "x".repeat(100)}).as_object().cloned();
+    let opts = AcquireOptions { metadata: meta.clone(), ..Default::default() };
+    let l = c.acquire("listed/a", "maker", secs(30), opts).await.unwrap();
+    c.release_to("listed/a", &l.lease_id, Some("LISTED")).await.unwrap();
+    c.put("listed/b", "LISTED", "producer").await.unwrap();
+    let listed = c.list_in_state("LISTED", 10).await.unwrap();
+    assert_eq!(listed.iter().map(|s| s.key.as_str()).collect::<Vec<_>>(), ["listed/a", "listed/b"]);
+    for s in &listed {
+        assert_eq!(s, &c.get(&s.key).await.unwrap(), "{}: listed as `get` answers it", s.key);
+    }
+    assert_eq!(listed[0].metadata, meta);
+    assert_eq!((listed[0].holder.as_str(), listed[0].fence), ("maker", l.fence));
+    assert_eq!(c.count_in_state("LISTED").await.unwrap(), 2);
+    let taken = c.acquire_next("LISTED", 10, "taker", secs(30), AcquireOptions::default()).await.unwrap();
+    assert_eq!(taken.iter().map(|l| l.key.as_str()).collect::<Vec<_>>(), ["listed/a", "listed/b"]);
+    assert!(taken[0].fence > l.fence);
+    for t in &taken {
+        assert_eq!((t.attempts, t.state.as_deref(), t.holder.as_str()), (Some(1), Some("LISTED"), "taker"));
+        let s = c.get(&t.key).await.unwrap();
+        assert!(s.held && s.fence == t.fence, "{s:?}");
+    }
+    // A held key is listed too, with its lease.
+    let held = c.list_in_state("LISTED", 10).await.unwrap();
+    assert!(held.iter().all(|s| s.held && s.holder == "taker"), "{held:?}");
+}
+
+/// Keys released or put into a terminal state get a TTL `terminal_retention` after they
+/// entered it (with the grace of every TTL); keys in other states keep none; a key leased out
+/// of a terminal state keeps a lease's TTL through its heartbeats and its release.
+async fn terminal_states_get_a_ttl(b: Backend) {
+    let mut cfg = test_config();
+    cfg.terminal_states = vec!["DONE".into(), "FAILED".into()];
+    cfg.terminal_retention = Duration::from_secs(3600);
+    let (lead_ms, grace_s) = (cfg.fence_lead.as_millis() as u64, cfg.ttl_grace.as_secs());
+    let c = b.coordinator(cfg);
+    // The TTL of a key that entered a terminal state between `before` and `after` (epoch ms).
+    let expected = |before: u64, after: u64| {
+        let at = |ms: u64| (ms + 3_600_000 + lead_ms).div_ceil(1000) + grace_s;
+        at(before)..=at(after)
+    };
+    let ttl = |key: &'static str| {
+        let c = c.clone();
+        async move { c.store().get(key).await.unwrap().unwrap().ttl }
+    };
+
+    c.put("term/a", "PENDING", "producer").await.unwrap();
+    assert_eq!(ttl("term/a").await, None, "a key in a state that is not terminal is kept until taken");
+    let before = c.now_ms();
+    c.put("term/b", "FAILED", "producer").await.unwrap();
+    let t = ttl("term/b").await.expect("a key put into a terminal state has a TTL");
+    assert!(expected(before, c.now_ms()).contains(&t), "{t}");
+
+    let l = c.acquire_next("PENDING", 1, "w", secs(30), AcquireOptions::default()).await.unwrap();
+    assert_eq!(ttl("term/a").await, None, "leased from a state that is not terminal");
+    let before = c.now_ms();
+    let r = c.release_to("term/a", &l[0].lease_id, Some("DONE")).await.unwrap();
+    assert_eq!(r.state.as_deref(), Some("DONE"));
+    let t = ttl("term/a").await.expect("a key released into a terminal state has a TTL");
+    assert!(expected(before, c.now_ms()).contains(&t), "{t}");
+    assert_eq!(c.count_in_state("DONE").await.unwrap(), 1, "counted until the TTL deletes it");
+
+    // Leased out of a terminal state (rare): a lease's TTL, kept by heartbeats and releases.
+    let l = c.acquire_next("DONE", 1, "w", secs(30), AcquireOptions::default()).await.unwrap();
+    let leased = ttl("term/a").await.expect("a lease's TTL");
+    assert!(leased >= (l[0].expires_at_ms.unwrap() + lead_ms) / 1000 + grace_s, "{leased}");
+    c.heartbeat("term/a", &l[0].lease_id, secs(30)).await.unwrap();
+    assert!(ttl("term/a").await.is_some(), "a heartbeat keeps it");
+    c.release("term/a", &l[0].lease_id).await.unwrap();
+    assert_eq!(c.get("term/a").await.unwrap().state.as_deref(), Some("DONE"));
+    assert!(ttl("term/a").await.is_some(), "a release keeping the terminal state keeps it");
+    // Moved back into a state that is not terminal: kept until taken again.
+    let l = c.acquire_next("DONE", 1, "w", secs(30), AcquireOptions::default()).await.unwrap();
+    c.release_to("term/a", &l[0].lease_id, Some("PENDING")).await.unwrap();
+    assert_eq!(ttl("term/a").await, None);
+}

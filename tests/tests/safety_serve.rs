@@ -18,8 +18,13 @@
 //! ahead and 5 s behind, beyond the margin: their holders must be refused (`ClockSkew`), never
 //! granted, and the honest holders must neither overlap nor lose the key.
 //!
-//! `short_serve_safety_run` (14 s) and `wrong_clocks_are_refused_through_serve` are in the
-//! normal suite; the long run (>= 60 s, `LEASEHOLD_SAFETY_SECS` to change it) is
+//! A semaphore run (`semaphore_serve_safety_run`) puts 16 holders on a semaphore of 4 slots, on
+//! the embedded store and on DynamoDB, with the fault proxy also between the holders and the
+//! servers: never more than 4 may believe at once, and every holder must be served.
+//!
+//! `short_serve_safety_run` (14 s), `wrong_clocks_are_refused_through_serve` and
+//! `short_semaphore_serve_safety_run::{embedded,dynamodb}` (16 s) are in the normal suite; the
+//! long runs (>= 60 s, `LEASEHOLD_SAFETY_SECS` to change it) are
 //! `cargo test -p leasehold-tests --test safety_serve -- --ignored --nocapture`.
 
 mod cli_support;
@@ -35,7 +40,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
 use leasehold_tests::proxied_table;
-use leasehold_tests::proxy::ProxyFault;
+use leasehold_tests::proxy::{Proxy, ProxyFault};
 use serde_json::{json, Value};
 
 /// Lease duration the holders ask for.
@@ -496,4 +501,368 @@ async fn wrong_clocks_are_refused_through_serve() {
 async fn long_serve_safety_run() {
     let secs = std::env::var("LEASEHOLD_SAFETY_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(60);
     serve_safety_run(secs, &[]).await;
+}
+
+// ---- semaphores ---------------------------------------------------------------------------------
+
+/// The semaphore run: 16 holders on a semaphore of 4 slots.
+const SEM_SLOTS: u64 = 4;
+const SEM_HOLDERS: usize = 16;
+/// Clock offsets (s) of the semaphore run's two coordinators, within the margin.
+const SEM_CLOCKS: [f64; 2] = [0.0, 0.06];
+/// How long a holder never served by the end of the run keeps trying.
+const SEM_OVERTIME: Duration = Duration::from_secs(30);
+
+/// Where the semaphore run's `leasehold serve` processes keep the semaphore.
+#[derive(Clone, Copy, Debug)]
+enum SemStore {
+    /// `--db FILE`: both servers on one embedded store file.
+    Embedded,
+    /// `--table T` on DynamoDB Local, behind the DynamoDB fault proxy.
+    Dynamo,
+}
+
+struct SemShared {
+    /// The holders' entry points: the HTTP fault proxy in front of each server.
+    servers: Vec<String>,
+    key: String,
+    stop_at: Instant,
+    t0: Instant,
+    windows: Mutex<Vec<Window>>,
+    /// Acquisitions each holder believed.
+    served: Vec<AtomicU64>,
+    /// Holders first served after the end, in their overtime.
+    served_late: AtomicU64,
+    /// The lease_id each fence was granted to: two grants never share a fence.
+    fences: Mutex<BTreeMap<u64, String>>,
+    shared_fences: Mutex<Vec<String>>,
+    pauses: AtomicU64,
+    /// Heartbeats granted to a holder paused past its slot's expiry: must stay 0.
+    revived: AtomicU64,
+    totals: Totals,
+    missing_safe_for: AtomicBool,
+}
+
+impl SemShared {
+    /// An instant as ms since the run started.
+    fn ms(&self, t: Instant) -> i64 {
+        if t >= self.t0 {
+            t.duration_since(self.t0).as_millis() as i64
+        } else {
+            -(self.t0.duration_since(t).as_millis() as i64)
+        }
+    }
+}
+
+/// One semaphore holder: take a slot (waiting up to 1.5 s), renew it 1-3 times every 0.7 s
+/// while it believes it holds it, release it, pause 0.2-1.2 s; again until the run ends. One
+/// grant in eight, the holder is instead frozen past its slot's expiry (a GC pause, a stopped
+/// VM: its renewals freeze too); it believes until its safe time, and when it wakes its renewal
+/// must be refused.
+async fn sem_holder(sh: Arc<SemShared>, n: usize) {
+    let name = format!("s{n}");
+    let mut seed = 0x5E3A_F00D_u64 ^ ((n as u64 + 1) * 0x1000_0001);
+    let mut conn = Conn::new(&sh.servers[n % sh.servers.len()]);
+    let t = &sh.totals;
+    // A holder never served by the end keeps trying (the faults go on) for up to SEM_OVERTIME:
+    // the semaphore is not fair, so a waiter is only promised a slot eventually.
+    let unserved = || sh.served[n].load(Ordering::Relaxed) == 0;
+    while Instant::now() < sh.stop_at || (unserved() && Instant::now() < sh.stop_at + SEM_OVERTIME) {
+        let lease_id = format!("{:016x}{:016x}", rand(&mut seed), rand(&mut seed));
+        let acquire = json!({"holder": name, "duration_ms": LEASE_MS, "wait_ms": 1500, "lease_id": lease_id,
+                             "slots": SEM_SLOTS});
+        let mut granted = None;
+        for _attempt in 0..3 {
+            let (sent, sent_wall) = (Instant::now(), wall_ms());
+            t.requests.fetch_add(1, Ordering::Relaxed);
+            match tokio::time::timeout(Duration::from_secs(15), conn.post(&lease_path(&sh.key, "acquire"), &acquire))
+                .await
+            {
+                Ok(Ok((200, v))) => {
+                    granted = Some((sent, sent_wall, v));
+                    break;
+                }
+                Ok(Ok((409, _))) => {
+                    t.held.fetch_add(1, Ordering::Relaxed);
+                    break;
+                }
+                Ok(Ok((status, v))) => {
+                    t.error(format!("acquire {status} {}", v["error"].as_str().unwrap_or("?")));
+                    if status < 500 {
+                        break;
+                    }
+                }
+                Ok(Err(_)) | Err(_) => {
+                    conn.reset();
+                    t.error("acquire: no answer");
+                }
+            }
+        }
+        let Some((sent, sent_wall, answer)) = granted else { continue };
+        let start = Instant::now();
+        let fence = answer["fence"].as_u64().expect("fence in the acquire answer");
+        if let Some(other) = sh.fences.lock().unwrap().insert(fence, lease_id.clone()) {
+            if other != lease_id {
+                sh.shared_fences.lock().unwrap().push(format!("fence {fence} granted to {other} and {lease_id}"));
+            }
+        }
+        let mut believed_until = belief(sent, sent_wall, &answer, &sh.missing_safe_for);
+        t.acquired.fetch_add(1, Ordering::Relaxed);
+        let release = json!({"lease_id": lease_id});
+        let hb = json!({"lease_id": lease_id});
+        if believed_until <= start {
+            t.told_too_late.fetch_add(1, Ordering::Relaxed);
+            let _ = tokio::time::timeout(Duration::from_secs(5), conn.post(&lease_path(&sh.key, "release"), &release))
+                .await;
+            continue;
+        }
+        if sh.served[n].fetch_add(1, Ordering::Relaxed) == 0 && start >= sh.stop_at {
+            sh.served_late.fetch_add(1, Ordering::Relaxed);
+        }
+        let end = if rand(&mut seed).is_multiple_of(8) {
+            sh.pauses.fetch_add(1, Ordering::Relaxed);
+            tokio::time::sleep_until((start + Duration::from_millis(LEASE_MS + 400)).into()).await;
+            t.requests.fetch_add(1, Ordering::Relaxed);
+            let renewed =
+                tokio::time::timeout(Duration::from_secs(5), conn.post(&lease_path(&sh.key, "heartbeat"), &hb)).await;
+            match renewed {
+                Ok(Ok((200, v))) => {
+                    sh.revived.fetch_add(1, Ordering::Relaxed);
+                    eprintln!("{name}: renewed {v} after a pause past its slot's expiry");
+                }
+                Ok(Ok(_)) => {}
+                _ => conn.reset(),
+            }
+            believed_until
+        } else {
+            let mut next_renewal = start + RENEW_EVERY;
+            let mut end = None;
+            for _ in 0..1 + rand(&mut seed) % 3 {
+                tokio::time::sleep_until(next_renewal.min(believed_until).into()).await;
+                if Instant::now() >= believed_until {
+                    t.beliefs_ran_out.fetch_add(1, Ordering::Relaxed);
+                    end = Some(believed_until);
+                    break;
+                }
+                let (hb_sent, hb_wall) = (Instant::now(), wall_ms());
+                next_renewal = hb_sent + RENEW_EVERY;
+                t.requests.fetch_add(1, Ordering::Relaxed);
+                let answered =
+                    tokio::time::timeout_at(believed_until.into(), conn.post(&lease_path(&sh.key, "heartbeat"), &hb))
+                        .await;
+                let now = Instant::now();
+                match answered {
+                    Ok(Ok((200, v))) => {
+                        t.heartbeats.fetch_add(1, Ordering::Relaxed);
+                        let told = belief(hb_sent, hb_wall, &v, &sh.missing_safe_for);
+                        if told <= now {
+                            end = Some(now.min(believed_until));
+                            t.told_too_late.fetch_add(1, Ordering::Relaxed);
+                            break;
+                        }
+                        believed_until = told;
+                    }
+                    Ok(Ok((status, v))) => {
+                        t.error(format!("heartbeat {status} {}", v["error"].as_str().unwrap_or("?")));
+                        end = Some(now.min(believed_until));
+                        break;
+                    }
+                    Ok(Err(_)) => {
+                        conn.reset();
+                        t.error("heartbeat: no answer");
+                        end = Some(now.min(believed_until));
+                        break;
+                    }
+                    Err(_) => {
+                        conn.reset();
+                        t.beliefs_ran_out.fetch_add(1, Ordering::Relaxed);
+                        end = Some(believed_until);
+                        break;
+                    }
+                }
+            }
+            // Done: it stops believing as it sends the release.
+            end.unwrap_or_else(|| Instant::now().min(believed_until))
+        };
+        sh.windows.lock().unwrap().push(Window { holder: name.clone(), fence, start, end });
+        t.requests.fetch_add(1, Ordering::Relaxed);
+        match tokio::time::timeout(Duration::from_secs(5), conn.post(&lease_path(&sh.key, "release"), &release)).await {
+            Ok(Ok((200, _))) => {
+                t.releases.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(Ok((status, v))) => t.error(format!("release {status} {}", v["error"].as_str().unwrap_or("?"))),
+            _ => {
+                conn.reset();
+                t.error("release: no answer");
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200 + rand(&mut seed) % 1000)).await;
+    }
+}
+
+/// The most windows that intersect at one instant, and one such instant (ms since the start).
+fn most_at_once(sh: &SemShared) -> (usize, i64) {
+    let ws = sh.windows.lock().unwrap();
+    let mut edges: Vec<(Instant, i32)> = ws.iter().flat_map(|w| [(w.start, 1), (w.end, -1)]).collect();
+    // At equal instants an end counts before a start: the windows are half-open.
+    edges.sort_by_key(|(t, d)| (*t, *d));
+    let (mut now, mut most, mut at) = (0i64, 0i64, 0);
+    for (t, d) in edges {
+        now += d as i64;
+        if now > most {
+            (most, at) = (now, sh.ms(t));
+        }
+    }
+    (most.max(0) as usize, at)
+}
+
+/// The windows that contain the instant `at_ms` (ms since the start), in words.
+fn believers_at(sh: &SemShared, at_ms: i64) -> Vec<String> {
+    let ws = sh.windows.lock().unwrap();
+    ws.iter()
+        .filter(|w| sh.ms(w.start) <= at_ms && sh.ms(w.end) > at_ms)
+        .map(|w| format!("{} (fence {}) [{} ms, {} ms]", w.holder, w.fence, sh.ms(w.start), sh.ms(w.end)))
+        .collect()
+}
+
+/// 16 holders (plain HTTP clients believing exactly what they are told) on a semaphore of 4
+/// slots through two `leasehold serve` processes on one store, whose clocks differ by 60 ms.
+/// Between each holder and its server, the fault proxy delays duplicates (the request held
+/// 1 s, its connection closed without an answer, the original forwarded 1.85 s after it
+/// arrived, after the holder's retry) and loses answers (the request forwarded, the connection
+/// closed) on 10% of the requests; on DynamoDB, the proxy in front of DynamoDB Local does the
+/// same to 10% of the UpdateItems (takes, renewals, releases). One grant in eight is
+/// frozen past its slot's expiry. Never more than 4 holders may believe at once, no two grants
+/// may share a fence, no frozen holder's slot may be renewed after its expiry, and every
+/// holder must be served (one not served by the end keeps trying, faults and all, for up to
+/// 30 s more: the semaphore is not fair, it only promises a free slot to some waiter).
+async fn semaphore_serve_safety_run(store: SemStore, seconds: u64) {
+    let dir = leasehold_tests::TempDir::new("sem-safety");
+    let mut env = Vec::new();
+    let mut dynamo_proxy = None;
+    let store_args = match store {
+        SemStore::Embedded => vec!["--db".to_string(), dir.path().join("leases.db").display().to_string()],
+        SemStore::Dynamo => {
+            let (proxy, table, _) = proxied_table().await;
+            env = dynamo_env(&proxy.endpoint());
+            dynamo_proxy = Some(proxy);
+            vec!["--table".to_string(), table]
+        }
+    };
+    for (k, v) in [
+        ("LEASEHOLD_MIN_DURATION_MS", "100".to_string()),
+        ("LEASEHOLD_SKEW_MARGIN_MS", MARGIN_MS.to_string()),
+        ("LEASEHOLD_RETRY_BUDGET_MS", "2500".to_string()),
+        ("RUST_LOG", "warn".to_string()),
+    ] {
+        env.push((k.to_string(), v));
+    }
+    let servers = {
+        let (store_args, env) = (store_args.clone(), env.clone());
+        tokio::task::spawn_blocking(move || {
+            SEM_CLOCKS
+                .iter()
+                .map(|&o| Server::start_command(command_with_clock(o), &store_args, &env))
+                .collect::<Vec<_>>()
+        })
+        .await
+        .expect("start servers")
+    };
+    let duplicate =
+        ProxyFault::DelayedDuplicate { hold: Duration::from_millis(1000), forward_after: Duration::from_millis(1850) };
+    let mut http_proxies = Vec::new();
+    for (i, s) in servers.iter().enumerate() {
+        let p = Proxy::start(s.addr.parse().expect("server address")).await;
+        p.random_faults(100, &[duplicate, ProxyFault::DropResponse], 0x5E4A + i as u64);
+        http_proxies.push(p);
+    }
+    if let Some(p) = &dynamo_proxy {
+        p.random_faults_on("UpdateItem", 100, &[duplicate, ProxyFault::DropResponse], 0x5E4D);
+    }
+    let t0 = Instant::now();
+    let sh = Arc::new(SemShared {
+        servers: http_proxies.iter().map(|p| format!("127.0.0.1:{}", p.port)).collect(),
+        key: "semaphore".into(),
+        stop_at: t0 + Duration::from_secs(seconds),
+        t0,
+        windows: Mutex::default(),
+        served: (0..SEM_HOLDERS).map(|_| AtomicU64::new(0)).collect(),
+        served_late: AtomicU64::new(0),
+        fences: Mutex::default(),
+        shared_fences: Mutex::default(),
+        pauses: AtomicU64::new(0),
+        revived: AtomicU64::new(0),
+        totals: Totals::default(),
+        missing_safe_for: AtomicBool::new(false),
+    });
+    let tasks: Vec<_> = (0..SEM_HOLDERS).map(|n| tokio::spawn(sem_holder(sh.clone(), n))).collect();
+    for task in tasks {
+        task.await.expect("holder");
+    }
+    // Let the last delayed duplicates land before counting them.
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    let late = http_proxies.iter().map(|p| p.late_forwarded()).sum::<u64>()
+        + dynamo_proxy.as_ref().map_or(0, |p| p.late_forwarded());
+    let injected =
+        http_proxies.iter().map(|p| p.injected()).sum::<u64>() + dynamo_proxy.as_ref().map_or(0, |p| p.injected());
+    let (most, at) = most_at_once(&sh);
+    let served: Vec<u64> = sh.served.iter().map(|s| s.load(Ordering::Relaxed)).collect();
+    let shared = sh.shared_fences.lock().unwrap().clone();
+    let t = &sh.totals;
+    println!(
+        "semaphore serve safety ({store:?}): {seconds} s, {SEM_HOLDERS} holders on {SEM_SLOTS} slots through \
+         coordinators with clocks {SEM_CLOCKS:?} s: HTTP requests {}, acquisitions {}, served per holder {}..{} \
+         ({served:?}, {} first served in overtime), LeaseHeld {}, heartbeats {}, releases {}, pauses past expiry {}, renewed after expiry {}, \
+         beliefs run out {}, answers too late to believe {}, errors {:?}, DynamoDB requests {:?}, faults injected \
+         {injected}, duplicates forwarded late {late}, most believed holders at once {most} (at {at} ms), \
+         fences shared {}{}",
+        t.requests.load(Ordering::Relaxed),
+        t.acquired.load(Ordering::Relaxed),
+        served.iter().min().unwrap(),
+        served.iter().max().unwrap(),
+        sh.served_late.load(Ordering::Relaxed),
+        t.held.load(Ordering::Relaxed),
+        t.heartbeats.load(Ordering::Relaxed),
+        t.releases.load(Ordering::Relaxed),
+        sh.pauses.load(Ordering::Relaxed),
+        sh.revived.load(Ordering::Relaxed),
+        t.beliefs_ran_out.load(Ordering::Relaxed),
+        t.told_too_late.load(Ordering::Relaxed),
+        t.errors.lock().unwrap(),
+        dynamo_proxy.as_ref().map(|p| p.counts()),
+        shared.len(),
+        if sh.missing_safe_for.load(Ordering::Relaxed) { " (fallback belief: no safe_for_ms)" } else { "" },
+    );
+    assert!(
+        most <= SEM_SLOTS as usize,
+        "{most} holders believed they held one of {SEM_SLOTS} slots at {at} ms:\n{}",
+        believers_at(&sh, at).join("\n")
+    );
+    assert!(shared.is_empty(), "grants shared a fence:\n{}", shared.join("\n"));
+    assert_eq!(sh.revived.load(Ordering::Relaxed), 0, "a slot was renewed after its expiry");
+    assert!(served.iter().all(|&s| s >= 1), "a holder was never served: {served:?}");
+    // The run must have exercised what it claims to.
+    assert!(late > 0, "no delayed duplicate landed late");
+    assert!(sh.pauses.load(Ordering::Relaxed) > 0, "no holder was paused");
+    assert!(most >= 3, "the slots were never shared: at most {most} at once");
+    assert!(t.held.load(Ordering::Relaxed) > 0, "the semaphore was never full");
+    drop((http_proxies, servers, dir));
+}
+
+leasehold_tests::variants!(async [
+    embedded => SemStore::Embedded,
+    dynamodb => SemStore::Dynamo,
+]: short_semaphore_serve_safety_run);
+
+async fn short_semaphore_serve_safety_run(store: SemStore) {
+    semaphore_serve_safety_run(store, 16).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long run (>= 60 s per store): cargo test -p leasehold-tests --test safety_serve -- --ignored --nocapture"]
+async fn long_semaphore_serve_safety_run() {
+    let secs = std::env::var("LEASEHOLD_SAFETY_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(60);
+    for store in [SemStore::Embedded, SemStore::Dynamo] {
+        semaphore_serve_safety_run(store, secs).await;
+    }
 }

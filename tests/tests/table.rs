@@ -39,6 +39,20 @@ fn table_create_then_serve_answers_every_route() {
     let chk = table_cmd(&ep, &["table", "check"]).code(2);
     assert!(chk.stderr.contains("--table NAME or LEASEHOLD_TABLE"), "{chk:?}");
     table_cmd(&ep, &["--table", "leases", "table", "check"]).ok();
+    // The work-state index projects only what a batch's candidate needs (DynamoDB Local keeps
+    // an INCLUDE projection as asked).
+    set_local_credentials();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let d = rt.block_on(async { local.client().await.describe_table().table_name("leases").send().await.unwrap() });
+    let state = d.table().unwrap().global_secondary_indexes().iter().find(|g| g.index_name() == Some("state"));
+    let p = state.and_then(|g| g.projection()).expect("the state index's projection");
+    assert_eq!(p.projection_type(), Some(&aws_sdk_dynamodb::types::ProjectionType::Include));
+    let mut have = p.non_key_attributes().to_vec();
+    let mut want: Vec<String> =
+        leasehold::store::dynamo::STATE_INDEX_ATTRIBUTES.iter().map(|a| a.to_string()).collect();
+    have.sort();
+    want.sort();
+    assert_eq!(have, want);
 
     let server = Server::start(&["--table".into(), "leases".into()], &dynamo_env(&ep));
     let a = &server.addr;

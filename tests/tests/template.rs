@@ -106,9 +106,9 @@ fn sam_transform_output_is_clean_cloudformation() {
     for name in ["AcquireFunction", "HeartbeatFunction", "ReleaseFunction", "HistoryFunction"] {
         assert_eq!(out["Resources"][name]["Type"], "AWS::Lambda::Function", "{name}");
     }
-    // SingleFlight, QueuedSingleFlight, ScheduledJob, FencedUpdate (deployed only with a target
-    // table) and BatchProcessor (only with a batch work function).
-    assert_eq!(resources_of(out, "AWS::StepFunctions::StateMachine").len(), 5);
+    // SingleFlight, QueuedSingleFlight, ConcurrencyLimited, ScheduledJob, FencedUpdate (deployed
+    // only with a target table) and BatchProcessor (only with a batch work function).
+    assert_eq!(resources_of(out, "AWS::StepFunctions::StateMachine").len(), 6);
     let batch = &out["Resources"]["BatchProcessorStateMachine"];
     assert_eq!(batch["Condition"], "HasBatchWorkFunction");
     assert!(batch["Properties"]["DefinitionS3Location"].is_object(), "{batch}");
@@ -159,7 +159,11 @@ fn lease_table_matches_the_store() {
         gsis[1]["KeySchema"],
         json!([{"AttributeName": attr::STATE_SHARD, "KeyType": "HASH"}, {"AttributeName": attr::EXPIRES_AT, "KeyType": "RANGE"}])
     );
-    assert_eq!(gsis[1]["Projection"], json!({"ProjectionType": "ALL"}));
+    // Only what a batch's candidate needs (the attributes the store's candidate Query names).
+    assert_eq!(
+        gsis[1]["Projection"],
+        json!({"ProjectionType": "INCLUDE", "NonKeyAttributes": leasehold::store::dynamo::STATE_INDEX_ATTRIBUTES})
+    );
     // The queue index, as `DynamoStore::create_table` makes it.
     assert_eq!(gsis[2]["IndexName"], leasehold::store::dynamo::QUEUE_INDEX);
     assert_eq!(gsis[2]["KeySchema"], json!([{"AttributeName": attr::Q_SHARD, "KeyType": "HASH"}]));
@@ -215,10 +219,14 @@ fn lease_table_is_the_cli_table() {
         .map(|i| {
             let mut keys = vec![json!({"AttributeName": i.hash.0, "KeyType": "HASH"})];
             keys.extend(i.range.map(|r| json!({"AttributeName": r.0, "KeyType": "RANGE"})));
+            let mut projection = json!({"ProjectionType": i.projection});
+            if !i.non_key.is_empty() {
+                projection["NonKeyAttributes"] = json!(i.non_key);
+            }
             json!({
                 "IndexName": i.name,
                 "KeySchema": keys,
-                "Projection": {"ProjectionType": i.projection},
+                "Projection": projection,
             })
         })
         .collect();
@@ -542,6 +550,7 @@ fn outputs_name_every_entry_point() {
         r#"{"Ref":"SingleFlightStateMachine"}"#,
         r#"{"Ref":"ScheduledJobStateMachine"}"#,
         r#"{"Ref":"FencedUpdateStateMachine"}"#,
+        r#"{"Ref":"ConcurrencyLimitedStateMachine"}"#,
     ] {
         assert!(values.iter().any(|v| v.contains(needle)), "an output has {needle}: {values:?}");
     }
@@ -837,6 +846,76 @@ fn fenced_update_writes_with_the_fence_condition_and_releases_on_every_path() {
         res["Properties"]["DefinitionSubstitutions"]["FencedTargetTableName"],
         json!({"Ref": "FencedTargetTableName"})
     );
+}
+
+/// ConcurrencyLimited (DESIGN.md, "Semaphores"): each Map iteration takes a slot of the input's
+/// semaphore with a lease_id made once before its first attempt, polls a full semaphore with the
+/// same lease_id (bounded), releases on every path after a slot may have been taken, and its
+/// work step cannot outlast the default slot duration.
+#[test]
+fn concurrency_limited_takes_a_slot_per_item_and_releases_on_every_path() {
+    const M: &str = "ConcurrencyLimitedStateMachine";
+    let def = definition(M);
+    let map = &states(def)["ForEachItem"];
+    assert_eq!((map["Type"].as_str(), map["ItemsPath"].as_str()), (Some("Map"), Some("$.items")));
+    assert!(map["ItemSelector"].get("items.$").is_none(), "no iteration carries the whole list");
+    let it = &map["ItemProcessor"];
+    let all = states(it);
+    let acquire = &all["Acquire"];
+    assert_eq!(lambda_function(acquire), "${AcquireFunctionArn}");
+    assert_eq!(acquire["Parameters"]["Payload.$"], "$.request");
+    let request = &all["Request"]["Parameters"];
+    assert_eq!(request["slots.$"], "$.config.slots");
+    assert_eq!(request["lease_id.$"], "$.slot.lease_id");
+    assert_eq!(all["Init"]["Parameters"]["lease_id.$"], "States.UUID()");
+    assert!(!reachable(it, "Acquire").contains("Init"), "the lease_id is made once per iteration");
+    assert_eq!(all["CountPoll"]["Parameters"]["lease_id.$"], "$.slot.lease_id", "polls keep the lease_id");
+    // Full: wait and ask again, up to max_polls times.
+    let catches = acquire["Catch"].as_array().unwrap();
+    let held = catches.iter().find(|c| c["ErrorEquals"] == json!(["LeaseHeld"])).expect("LeaseHeld caught");
+    let full = reachable(it, held["Next"].as_str().unwrap());
+    for s in ["WaitForSlot", "Acquire", "NoSlot"] {
+        assert!(full.contains(s), "a full semaphore leads to {s}");
+    }
+    assert_eq!(all["WaitForSlot"]["Type"], "Wait");
+    assert!(!reachable(it, "NoSlot").contains("Release"), "LeaseHeld: nothing to release");
+    // Every other path after the acquire reaches the release.
+    let release = &all["Release"];
+    assert_eq!(lambda_function(release), "${ReleaseFunctionArn}");
+    assert_eq!(release["Parameters"]["Payload"], json!({"key.$": "$.request.key", "lease_id.$": "$.request.lease_id"}));
+    for (name, s) in all {
+        if s["Type"] != "Task" || name == "Release" {
+            continue;
+        }
+        let catches = s["Catch"].as_array().unwrap_or_else(|| panic!("{name} has no Catch"));
+        assert!(catches.iter().any(|c| c["ErrorEquals"] == json!(["States.ALL"])), "{name} catches States.ALL");
+        for c in catches {
+            if name == "Acquire" && c["ErrorEquals"] == json!(["LeaseHeld"]) {
+                continue;
+            }
+            assert!(reachable(it, c["Next"].as_str().unwrap()).contains("Release"), "{name}: {c}");
+        }
+        assert!(reachable(it, s["Next"].as_str().unwrap()).contains("Release"), "{name}");
+    }
+    assert!(reachable(it, release["Next"].as_str().unwrap()).contains("ItemDone"));
+    assert_eq!(reachable(it, it["StartAt"].as_str().unwrap()).len(), all.len(), "unreachable states");
+    // The work step ends before the default slot duration: every attempt's timeout and the
+    // pauses between them.
+    let work = &all["Work"];
+    let timeout = work["TimeoutSeconds"].as_u64().expect("Work TimeoutSeconds");
+    let retries: u64 = work["Retry"].as_array().unwrap().iter().map(|r| r["MaxAttempts"].as_u64().unwrap()).sum();
+    let pauses: u64 = (0..retries).map(|i| 2u64.pow(i as u32)).sum();
+    let duration_s = states(def)["Defaults"]["Parameters"]["defaults"]["duration_ms"].as_u64().unwrap() / 1000;
+    assert!(timeout * (retries + 1) + pauses < duration_s, "the work step can outlast its slot");
+    assert_eq!(work["ResultPath"], Value::Null);
+    assert!(work.as_object().unwrap().contains_key("ResultPath"));
+    // Policies: invoke the two functions (and the optional work function).
+    let policies = raw()["Resources"][M]["Properties"]["Policies"].as_array().unwrap();
+    let invoked: BTreeSet<String> = policies
+        .iter()
+        .filter_map(|p| p["LambdaInvokePolicy"]["FunctionName"]["Ref"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(invoked, BTreeSet::from(["AcquireFunction".to_string(), "ReleaseFunction".to_string()]));
 }
 
 // ---- hardening ------------------------------------------------------------------------------

@@ -87,3 +87,50 @@ async fn sqlite_purge_keeps_fences_monotonic() {
     assert_eq!(store.purge_expired(c.now_ms() + 10_000_000).await.unwrap(), 2, "only the timed items go");
     assert_eq!(c.get("forever").await.unwrap().fence, fc.fence);
 }
+
+/// [`short_ttl_config`] with DONE a terminal state kept one second.
+fn terminal_config() -> leasehold::Config {
+    let mut c = short_ttl_config();
+    c.terminal_states = vec!["DONE".into()];
+    c.terminal_retention = Duration::from_secs(1);
+    c
+}
+
+/// A key in a terminal state is deleted by TTL after its retention; a key in another state is
+/// kept (DynamoDB Local's sweeper, on a table without indexes as above).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamodb_ttl_deletes_keys_in_terminal_states_only() {
+    let local = tokio::task::spawn_blocking(dynamo_local).await.unwrap();
+    let store = leasehold::store::DynamoStore::new(local.client().await, "ttl-terminal");
+    store.create_table_with(false).await.unwrap();
+    let c = Coordinator::new(std::sync::Arc::new(store), terminal_config());
+    c.put("finished", "DONE", "producer").await.unwrap();
+    c.put("waiting", "PENDING", "producer").await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        match c.get("finished").await {
+            Err(Error::NotFound { .. }) => break,
+            Ok(_) => {
+                assert!(Instant::now() < deadline, "DynamoDB Local never swept the finished key");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    let w = c.get("waiting").await.unwrap();
+    assert_eq!(w.state.as_deref(), Some("PENDING"), "a key in a state that is not terminal is kept");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_purge_deletes_keys_in_terminal_states_only() {
+    let dir = TempDir::new("purge-terminal");
+    let store = SqliteStore::open(dir.path().join("l.db")).unwrap();
+    let c = Coordinator::new(std::sync::Arc::new(store.clone()), terminal_config());
+    c.put("finished", "DONE", "producer").await.unwrap();
+    c.put("waiting", "PENDING", "producer").await.unwrap();
+    assert_eq!(store.purge_expired(c.now_ms()).await.unwrap(), 0, "within its retention");
+    // Past the retention and the fence lead (the grace is 0 here).
+    assert_eq!(store.purge_expired(c.now_ms() + 5_000).await.unwrap(), 1);
+    assert!(matches!(c.get("finished").await, Err(Error::NotFound { .. })));
+    assert_eq!(c.get("waiting").await.unwrap().state.as_deref(), Some("PENDING"));
+}

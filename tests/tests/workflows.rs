@@ -27,7 +27,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use leasehold::store::DynamoStore;
 use leasehold::{Config, Coordinator, LeaseState};
-use leasehold_tests::emulator::{next_execution_region, serve_forever, Emulator, Moto, MOTO_REGIONS};
+use leasehold_tests::emulator::{next_execution_region, request_id, serve_forever, Emulator, Moto, MOTO_REGIONS};
 use leasehold_tests::{
     dynamo_local, free_port, http, sdk_config_for, set_local_credentials, sfn_quotas, statemachines,
 };
@@ -77,6 +77,10 @@ fn start_invoke_adapter(port: u16, emulator_port: u16, dynamo_port: u16, dynamo_
             let method = req.method().as_str().to_string();
             let path = req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or_default();
             let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+            if path.contains("/functions/limited/") {
+                // The ConcurrencyLimited workflow's work function (see `Limited`).
+                return limited().handle(&body).await;
+            }
             if path.contains("/functions/huge/") {
                 // A work function whose answer exceeds Step Functions' 256 KiB result quota.
                 return sfn_quotas::oversized_result(&path, 300 * 1024).await;
@@ -300,6 +304,7 @@ const SINGLE_FLIGHT: &str = "SingleFlightStateMachine";
 const SWEEP_PERIOD_MS: &str = "600";
 const KEEPALIVE_DURATION_MS: &str = "1800";
 const SCHEDULED: &str = "ScheduledJobStateMachine";
+const CONCURRENCY_LIMITED: &str = "ConcurrencyLimitedStateMachine";
 const FENCED: &str = "FencedUpdateStateMachine";
 static FENCED_TARGET: OnceLock<String> = OnceLock::new();
 
@@ -926,4 +931,157 @@ async fn http_refuses_invoke_only_fields() {
     assert!(inv.error_type.is_none(), "{:?}", inv.body);
     assert_eq!(inv.body["keepalive"]["execution_arn"], arn);
     coord.release(&key, &leasehold::LeaseId::from_string(inv.body["lease_id"].as_str().unwrap())).await.unwrap();
+}
+
+// ---- concurrency limited ------------------------------------------------------------------------
+
+/// The ConcurrencyLimited workflow's work function, served by the invoke adapter as
+/// `limited`: per key, how many calls run at once (the most seen), and each item index's calls.
+#[derive(Default)]
+struct Limited {
+    keys: std::sync::Mutex<std::collections::HashMap<String, LimitedKey>>,
+}
+
+#[derive(Default, Debug, Clone)]
+struct LimitedKey {
+    running: usize,
+    most: usize,
+    calls: std::collections::BTreeMap<u64, usize>,
+    fences: Vec<u64>,
+}
+
+/// How long one item's work takes.
+const LIMITED_WORK: Duration = Duration::from_millis(700);
+
+fn limited() -> &'static Limited {
+    static LIMITED: OnceLock<Limited> = OnceLock::new();
+    LIMITED.get_or_init(Limited::default)
+}
+
+impl Limited {
+    async fn handle(&self, body: &[u8]) -> hyper::Response<Full<Bytes>> {
+        let payload: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+        let key = payload["key"].as_str().unwrap_or("?").to_string();
+        {
+            let mut keys = self.keys.lock().unwrap();
+            let k = keys.entry(key.clone()).or_default();
+            k.running += 1;
+            k.most = k.most.max(k.running);
+            *k.calls.entry(payload["index"].as_u64().unwrap_or(u64::MAX)).or_default() += 1;
+            k.fences.extend(payload["fence"].as_u64());
+        }
+        tokio::time::sleep(LIMITED_WORK).await;
+        self.keys.lock().unwrap().get_mut(&key).expect("key").running -= 1;
+        hyper::Response::builder()
+            .status(200)
+            .header("x-amzn-requestid", request_id())
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(json!({"done": payload["index"]}).to_string())))
+            .expect("response")
+    }
+
+    fn seen(&self, key: &str) -> LimitedKey {
+        self.keys.lock().unwrap().get(key).cloned().unwrap_or_default()
+    }
+}
+
+/// The history's `StateEntered` and `StateExited` events of the states named `state`, in the
+/// order Step Functions recorded them (event id): +1 entered, -1 exited.
+async fn state_edges(run: &Run, state: &str) -> Vec<(i64, i32)> {
+    let mut edges = Vec::new();
+    let mut token: Option<String> = None;
+    loop {
+        let out = run
+            .client
+            .get_execution_history()
+            .execution_arn(&run.arn)
+            .max_results(1000)
+            .set_next_token(token.clone())
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("history: {}", aws_smithy_types_display(&e)));
+        for e in out.events() {
+            if e.state_entered_event_details().is_some_and(|d| d.name() == state) {
+                edges.push((e.id(), 1));
+            } else if e.state_exited_event_details().is_some_and(|d| d.name() == state) {
+                edges.push((e.id(), -1));
+            }
+        }
+        token = out.next_token().map(str::to_string);
+        if token.is_none() {
+            edges.sort();
+            return edges;
+        }
+    }
+}
+
+/// The most iterations inside `state` at once, by the history's order of events.
+fn most_inside(edges: &[(i64, i32)]) -> i32 {
+    edges
+        .iter()
+        .scan(0, |n, (_, d)| {
+            *n += d;
+            Some(*n)
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// 20 items on a semaphore of 3 slots: the Map runs 10 iterations at once, each takes a slot
+/// (polling every second while the semaphore is full), works 0.7 s and releases. The
+/// execution's history never has more than 3 iterations inside their Work state at once, the
+/// work function never runs more than 3 calls at once, every item is worked on exactly once
+/// and reported done, and the semaphore is empty afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrency_limited_works_at_most_n_items_at_once() {
+    tokio::task::spawn_blocking(stack).await.unwrap();
+    let key = unique("limited");
+    let items: Vec<Value> = (0..20).map(|i| json!({"n": i})).collect();
+    let input = json!({"key": key, "slots": 3, "items": items, "wait_ms": 0, "poll_seconds": 1, "duration_ms": 60000});
+    let run = start(CONCURRENCY_LIMITED, "limited", input).await;
+    let end = wait_end(&run, LONG).await;
+    assert_eq!(end.status, ExecutionStatus::Succeeded, "{}", end.describe());
+    let outcomes = end.output["items"].as_array().unwrap_or_else(|| panic!("no items: {}", end.describe()));
+    assert_eq!(outcomes.len(), 20, "{}", end.output);
+    for (i, o) in outcomes.iter().enumerate() {
+        assert_eq!((o["index"].as_u64(), o["outcome"].as_str()), (Some(i as u64), Some("done")), "{o}");
+    }
+    // From the history: never more than 3 iterations in their work step at once.
+    let work = state_edges(&run, "Work").await;
+    assert_eq!(work.iter().filter(|(_, d)| *d == 1).count(), 20, "every item entered its work step once");
+    let most = most_inside(&work);
+    assert!(most <= 3, "{most} iterations in their work step at once on 3 slots");
+    assert!(most >= 2, "the slots were shared: at most {most} at once");
+    let polls = state_edges(&run, "WaitForSlot").await;
+    assert!(!polls.is_empty(), "no iteration ever found the semaphore full");
+    println!(
+        "concurrency limited: 20 items on 3 slots: at most {most} in Work at once, {} polls of a full semaphore, \
+         {} history events",
+        polls.len() / 2,
+        end.history.len()
+    );
+    // From the work function: the same bound, each item once, fences all distinct.
+    let seen = limited().seen(&key);
+    assert!(seen.most <= 3, "the work function ran {} items at once: {seen:?}", seen.most);
+    let once: std::collections::BTreeMap<u64, usize> = (0..20).map(|i| (i, 1)).collect();
+    assert_eq!(seen.calls, once, "each item worked on once");
+    let mut fences = seen.fences.clone();
+    fences.sort();
+    fences.dedup();
+    assert_eq!(fences.len(), 20, "every slot had a fence of its own: {:?}", seen.fences);
+    // Every slot was released.
+    let st = lease_state(&key).await;
+    assert!(!st.held && st.slots_taken.unwrap_or(0) == 0, "{st:?}");
+}
+
+/// Bad input fails before any slot is taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrency_limited_refuses_bad_input() {
+    tokio::task::spawn_blocking(stack).await.unwrap();
+    let key = unique("limited-bad");
+    let run = start(CONCURRENCY_LIMITED, "limited", json!({"key": key, "items": [1, 2]})).await;
+    let end = wait_end(&run, LONG).await;
+    assert_eq!(end.status, ExecutionStatus::Failed, "{}", end.describe());
+    assert_eq!(end.error.as_deref(), Some("InvalidInput"));
+    assert!(!end.entered("Acquire"), "{}", end.describe());
 }

@@ -296,8 +296,12 @@ impl Coordinator {
                     };
                     let lease = NewLease {
                         now_ms: now,
-                        // A key in a work state is kept until it is taken: no TTL.
-                        ttl: template.duration_ms.filter(|_| visit.is_none()).map(|d| self.ttl_after(now + d)),
+                        // A key in a work state is kept until it is taken: no TTL; one in a
+                        // terminal state keeps a TTL (a lease's, as a key in no state).
+                        ttl: template
+                            .duration_ms
+                            .filter(|_| visit.as_ref().is_none_or(|v| self.is_terminal(&v.state)))
+                            .map(|d| self.ttl_after(now + d)),
                         fence,
                         visit: visit.as_ref().map(|v| Visit { attempts: v.attempts.saturating_add(1), ..v.clone() }),
                         ..template.clone()

@@ -5,9 +5,12 @@
 use super::*;
 
 impl Coordinator {
-    /// The coordinator's clock (epoch ms) at the monotonic instant `at`.
-    pub(crate) fn clock_at(&self, at: Instant) -> i64 {
-        self.now_ms() as i64 - self.monotonic().saturating_duration_since(at).as_millis() as i64
+    /// The coordinator's clock (epoch ms) at a monotonic instant, from one reading of both
+    /// clocks taken now (the instants asked about are before it): one reading for all the
+    /// samples of a check, not two per sample.
+    pub(crate) fn clock_at(&self) -> impl Fn(Instant) -> i64 {
+        let (wall, mono) = (self.now_ms() as i64, self.monotonic());
+        move |at| wall - mono.saturating_duration_since(at).as_millis() as i64
     }
 
     /// The measured offset `store clock - this clock` in ms (`lo`, `hi`), from the recent
@@ -15,7 +18,7 @@ impl Coordinator {
     /// store shares the machine's clock).
     pub fn clock_offset(&self) -> Option<(i64, i64)> {
         let samples = self.store.clock()?;
-        let o = samples.offset(self.monotonic(), |at| self.clock_at(at), self.config.date_lag.as_millis() as i64)?;
+        let o = samples.offset(self.monotonic(), self.clock_at(), self.config.date_lag.as_millis() as i64)?;
         Some((o.lo, o.hi))
     }
 
@@ -38,7 +41,7 @@ impl Coordinator {
             let _ = self.read(deadline, || self.store.get(key)).await;
         }
         let lag = self.config.date_lag.as_millis() as i64;
-        let Some(e) = samples.evidence(self.monotonic(), |at| self.clock_at(at), lag) else {
+        let Some(e) = samples.evidence(self.monotonic(), self.clock_at(), lag) else {
             return Err(Error::not_sent(
                 "no answer of the store in the last 5 minutes to check this coordinator's clock against; \
                  expiries are not judged without one",

@@ -44,6 +44,7 @@ impl Coordinator {
         // release or force-release left). No renewal, answered or not, leaves a TTL on a work
         // item (DESIGN.md, "Work items and batch leases").
         let mut in_state = false;
+        let mut terminal = false;
         loop {
             let (w, sent, now) = self
                 .write(key, deadline, |now| {
@@ -53,7 +54,7 @@ impl Coordinator {
                         expires_at_ms: duration_ms.map(|d| now + d),
                         ttl: !in_state,
                     };
-                    let ttl = (!in_state).then(|| self.ttl_after(now + duration_ms.unwrap_or(max)));
+                    let ttl = (!in_state || terminal).then(|| self.ttl_after(now + duration_ms.unwrap_or(max)));
                     Ok((cond, Mutation::Extend { now_ms: now, duration_ms, ttl }))
                 })
                 .await
@@ -63,9 +64,13 @@ impl Coordinator {
                     check_fence(&r)?;
                     Ok(r.lease(sent, now, self.skew_ms()))
                 }
-                // Refused for the TTL alone: the same renewal without it.
+                // Refused for the TTL alone: the same renewal without it; in a terminal state,
+                // whose keys keep a lease's TTL (DESIGN.md, "Terminal states"), with it but
+                // without the clause (the state cannot change while this lease is live: only
+                // its holder's release moves it, and that ends the lease).
                 Write::Rejected(Some(r)) if !in_state && r.state.is_some() && r.is_live_for(lease_id, now) => {
                     in_state = true;
+                    terminal = r.state.as_deref().is_some_and(|s| self.is_terminal(s));
                     continue;
                 }
                 // Still ours, but not extended: a fail-closed lease (nothing to extend), a later

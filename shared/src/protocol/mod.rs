@@ -68,6 +68,13 @@ pub struct Config {
     /// Partitions of the work-state index per state (DESIGN.md, "Work items and batch leases").
     /// A property of the table: every coordinator on one table must use the same number.
     pub state_shards: u32,
+    /// Work states keys end in (DESIGN.md, "Terminal states"): a key released or put into one
+    /// gets a TTL, so that finished keys do not pile up in the table and its index. Empty (the
+    /// default): every state keeps its keys until they are taken.
+    pub terminal_states: Vec<String>,
+    /// How long a key stays in a terminal state before TTL may delete it (counted from when it
+    /// entered the state; `ttl_grace` comes on top, as on every TTL).
+    pub terminal_retention: Duration,
     /// Allowance for a store `Date` header stamped before the answer left the server (DESIGN.md,
     /// "Clocks"): how late a stamp may be without being taken for a wrong clock here.
     pub date_lag: Duration,
@@ -90,6 +97,8 @@ impl Default for Config {
             clock_offset_ms: 0,
             fence_lead: Duration::from_secs(60),
             state_shards: 1,
+            terminal_states: Vec::new(),
+            terminal_retention: Duration::from_secs(30 * 24 * 3600),
             date_lag: Duration::from_millis(crate::clock::DATE_LAG_MS as u64),
             clock: Arc::new(SystemClock),
         }
@@ -189,6 +198,19 @@ impl Coordinator {
     pub(crate) fn ttl_after(&self, ms: u64) -> u64 {
         let lead = self.config.fence_lead.as_millis() as u64;
         ms.saturating_add(lead).div_ceil(1000) + self.config.ttl_grace.as_secs()
+    }
+
+    /// Is `state` one of [`Config::terminal_states`]?
+    pub(crate) fn is_terminal(&self, state: &str) -> bool {
+        self.config.terminal_states.iter().any(|s| s == state)
+    }
+
+    /// The TTL of a key entering `state` at `now_ms`: for a terminal state,
+    /// [`Config::terminal_retention`] later (with the grace and fence lead of every TTL);
+    /// `None` (kept until taken) for any other.
+    pub(crate) fn state_ttl(&self, state: &str, now_ms: u64) -> Option<u64> {
+        let retention = self.config.terminal_retention.as_millis() as u64;
+        self.is_terminal(state).then(|| self.ttl_after(now_ms.saturating_add(retention)))
     }
 
     pub(crate) fn max_duration_ms(&self) -> u64 {

@@ -101,7 +101,12 @@ impl Coordinator {
                     None => (Condition::Unreleased { lease_id }, Mutation::Release { now_ms: now, ttl }),
                     Some(s) => (
                         Condition::Live { lease_id, now_ms: now },
-                        Mutation::ReleaseTo { now_ms: now, state: s.to_string(), shard: self.state_shard(key, s) },
+                        Mutation::ReleaseTo {
+                            now_ms: now,
+                            state: s.to_string(),
+                            shard: self.state_shard(key, s),
+                            ttl: self.state_ttl(s, now),
+                        },
                     ),
                 })
             })

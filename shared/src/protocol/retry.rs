@@ -90,11 +90,13 @@ impl Coordinator {
         }
     }
 
-    /// One store write in a task of its own, answered through a channel. When nobody is left to
-    /// take the answer (the caller's future was dropped) and the write granted, or may have
-    /// granted, the lease `lease_id`, that lease is released at once: by the task when the
-    /// caller left before the answer was sent, or by the caller's side when it left after the
-    /// answer was sent but before it was read ([`Unread`]).
+    /// One store write that outlives its caller: it runs in the caller's task while the caller
+    /// waits for it, and when the caller's future is dropped with the request in flight (a
+    /// timeout, a disconnected HTTP client), the request moves into a task of its own, which
+    /// takes the answer and, if the write granted (or may have granted) the lease `lease_id`,
+    /// releases that lease at once (DESIGN.md, "Cancellation"). An answer is read in the same
+    /// poll that produces it, so no answer is left sent but unread. No task is spawned while the
+    /// caller stays: a task per acquire cost a wake-up of another worker thread.
     pub(crate) async fn update_detached(
         &self,
         key: &str,
@@ -102,20 +104,9 @@ impl Coordinator {
         m: Mutation,
         lease_id: LeaseId,
     ) -> Result<Write> {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let (coord, task_key, task_id) = (self.clone(), key.to_string(), lease_id.clone());
-        tokio::spawn(async move {
-            let answer = coord.store.update(&task_key, &cond, &m).await;
-            if let Err(answer) = tx.send(answer) {
-                if grants(&answer, &task_id) {
-                    coord.release_departed(&task_key, &task_id).await;
-                }
-            }
-        });
-        let mut unread = Unread { rx: Some(rx), coord: self.clone(), key: key.to_string(), lease_id };
-        let answer = unread.rx.as_mut().expect("unread").await;
-        unread.rx = None;
-        answer.unwrap_or_else(|_| Err(Error::StoreUnavailable("the store request ended without an answer".into())))
+        let (coord, task_key) = (self.clone(), key.to_string());
+        let request = Box::pin(async move { coord.store.update(&task_key, &cond, &m).await });
+        InFlight { request: Some(request), coord: self.clone(), key: key.to_string(), lease_id }.await
     }
 
     /// Releases the lease `lease_id` granted to an acquire that left before it could be told
@@ -191,27 +182,35 @@ fn grants(answer: &Result<Write>, lease_id: &LeaseId) -> bool {
     }
 }
 
-/// The caller's side of a detached write. Dropped with an answer sent but not yet read (the
-/// caller's future was dropped in between), it releases what that answer granted.
-struct Unread {
-    rx: Option<tokio::sync::oneshot::Receiver<Result<Write>>>,
+/// A detached write's request (see [`Coordinator::update_detached`]). Dropped before its answer
+/// came, it hands the request over to a task that releases what the answer grants.
+struct InFlight {
+    request: Option<std::pin::Pin<Box<dyn std::future::Future<Output = Result<Write>> + Send>>>,
     coord: Coordinator,
     key: String,
     lease_id: LeaseId,
 }
 
-impl Drop for Unread {
+impl std::future::Future for InFlight {
+    type Output = Result<Write>;
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<Write>> {
+        let answer = std::task::ready!(self.request.as_mut().expect("polled after its answer").as_mut().poll(cx));
+        self.request = None;
+        std::task::Poll::Ready(answer)
+    }
+}
+
+impl Drop for InFlight {
     fn drop(&mut self) {
-        let Some(mut rx) = self.rx.take() else { return };
-        // Closing first: an answer not sent yet stays with the task, which releases it.
-        rx.close();
-        let Ok(answer) = rx.try_recv() else { return };
-        if !grants(&answer, &self.lease_id) {
-            return;
-        }
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            let (coord, key, id) = (self.coord.clone(), self.key.clone(), self.lease_id.clone());
-            rt.spawn(async move { coord.release_departed(&key, &id).await });
-        }
+        let Some(request) = self.request.take() else { return };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        let (coord, key, id) = (self.coord.clone(), std::mem::take(&mut self.key), self.lease_id.clone());
+        rt.spawn(async move {
+            let answer = request.await;
+            if grants(&answer, &id) {
+                coord.release_departed(&key, &id).await;
+            }
+        });
     }
 }

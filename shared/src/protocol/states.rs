@@ -18,6 +18,12 @@ pub(crate) fn in_visit(r: &Record, visit: Option<&Visit>) -> bool {
 }
 
 impl Coordinator {
+    /// Must the TTL of `r` be removed: a key in a work state other than a terminal one, with a
+    /// TTL?
+    pub(crate) fn keeps_no_ttl(&self, r: &Record) -> bool {
+        r.ttl.is_some() && r.state.as_deref().is_some_and(|s| !self.is_terminal(s))
+    }
+
     /// The index partition of `key` in `state`: `STATE#n`, n = FNV-1a(key) mod `state_shards`.
     pub(crate) fn state_shard(&self, key: &str, state: &str) -> String {
         format!("{state}#{}", keepalive_shard(key, self.config().state_shards.max(1)))
@@ -43,9 +49,10 @@ impl Coordinator {
     /// A key in a work state is kept until it is taken: a write that gave it a TTL (a release
     /// keeping the state, a heartbeat, a force-release) is followed by one removing it, under
     /// the same fence (a newer grant writes no TTL on a key in a state). Best effort: logged
-    /// when it fails (the TTL is then at least `ttl_grace` away).
+    /// when it fails (the TTL is then at least `ttl_grace` away). A key in a terminal state
+    /// keeps its TTL.
     pub(crate) async fn keep_queued(&self, key: &str, r: &Record) {
-        if r.state.is_none() || r.ttl.is_none() {
+        if !self.keeps_no_ttl(r) {
             return;
         }
         let deadline = self.monotonic() + self.config().retry_budget;

@@ -168,14 +168,6 @@ impl Condition {
             (Condition::FenceAndExpiry { fence, expires_at_ms }, Some(r)) => {
                 r.fence == *fence && r.expires_at_ms == *expires_at_ms
             }
-            (Condition::Queueable { now_ms, lease_id }, Some(r)) => {
-                (r.is_held(*now_ms) || r.queue_len() > 0)
-                    && (r.queue_tail_lease_id.as_ref() != Some(lease_id) || r.queue_len() == 0)
-            }
-            (Condition::HandOver { fence, now_ms, head }, Some(r)) => {
-                r.fence == *fence && matches!(r.expires_at_ms, Some(e) if e <= *now_ms) && r.queue_head == Some(*head)
-            }
-            (Condition::Undelivered { fence }, Some(r)) => r.fence == *fence && r.pending_token.is_some(),
             (Condition::NotLease, None) => true,
             (Condition::NotLease, Some(r)) => r.fence == 0,
             (Condition::HandTo { lease_id, fence, now_ms }, Some(r)) => {
@@ -197,17 +189,15 @@ impl Condition {
                     && r.pending_token.is_none()
             }
             (Condition::Live { lease_id, now_ms }, Some(r)) => r.is_live_for(lease_id, *now_ms),
-            (Condition::Unqueued { lease_id }, Some(r)) => {
-                &r.lease_id == lease_id && r.released_at_ms.is_none() && r.queue_len() == 0
-            }
-            (Condition::ReleaseHandOver { lease_id, fence, now_ms, head }, Some(r)) => {
-                r.fence == *fence
-                    && &r.lease_id == lease_id
-                    && r.released_at_ms.is_none()
-                    && r.min_hold_until_ms <= *now_ms
-                    && r.queue_head == Some(*head)
-            }
-            (Condition::QueueIdle, Some(r)) => r.queue_len() == 0 && r.pending_token.is_none(),
+            (
+                Condition::Queueable { .. }
+                | Condition::HandOver { .. }
+                | Condition::Undelivered { .. }
+                | Condition::Unqueued { .. }
+                | Condition::ReleaseHandOver { .. }
+                | Condition::QueueIdle,
+                Some(r),
+            ) => self.holds_on_queue(r),
             (
                 Condition::SlotFree { .. }
                 | Condition::SlotsAsRead { .. }
@@ -220,6 +210,32 @@ impl Condition {
                 matches!(r.expires_at_ms, Some(e) if e <= *now_ms) && r.state.as_deref() != Some(state.as_str())
             }
             (_, None) => false,
+        }
+    }
+
+    /// The waiter queue's conditions (DESIGN.md, "The waiter queue") on an existing item.
+    fn holds_on_queue(&self, r: &Record) -> bool {
+        match self {
+            Condition::Queueable { now_ms, lease_id } => {
+                (r.is_held(*now_ms) || r.queue_len() > 0)
+                    && (r.queue_tail_lease_id.as_ref() != Some(lease_id) || r.queue_len() == 0)
+            }
+            Condition::HandOver { fence, now_ms, head } => {
+                r.fence == *fence && matches!(r.expires_at_ms, Some(e) if e <= *now_ms) && r.queue_head == Some(*head)
+            }
+            Condition::Undelivered { fence } => r.fence == *fence && r.pending_token.is_some(),
+            Condition::Unqueued { lease_id } => {
+                &r.lease_id == lease_id && r.released_at_ms.is_none() && r.queue_len() == 0
+            }
+            Condition::ReleaseHandOver { lease_id, fence, now_ms, head } => {
+                r.fence == *fence
+                    && &r.lease_id == lease_id
+                    && r.released_at_ms.is_none()
+                    && r.min_hold_until_ms <= *now_ms
+                    && r.queue_head == Some(*head)
+            }
+            Condition::QueueIdle => r.queue_len() == 0 && r.pending_token.is_none(),
+            _ => unreachable!("not a queue condition: {self:?}"),
         }
     }
 

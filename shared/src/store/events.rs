@@ -281,8 +281,10 @@ mod tests {
         assert_eq!(kinds(&ev), vec![(TakenOver, "b", 11, 5000)]);
         assert_eq!((ev[0].previous_holder.as_deref(), ev[0].previous_fence), (Some("a"), Some(10)));
         // Released into a state.
-        let (r, ev) =
-            apply(&Mutation::ReleaseTo { now_ms: 5100, state: "DONE".into(), shard: "DONE#0".into() }, Some(&r));
+        let (r, ev) = apply(
+            &Mutation::ReleaseTo { now_ms: 5100, state: "DONE".into(), shard: "DONE#0".into(), ttl: None },
+            Some(&r),
+        );
         assert_eq!(kinds(&ev), vec![(Released, "b", 11, 5100)]);
         assert_eq!(ev[0].state.as_deref(), Some("DONE"));
         // A plain release of a lease that was already released: nothing.
@@ -336,8 +338,13 @@ mod tests {
     #[test]
     fn work_items_and_interfaces() {
         use EventKind::*;
-        let put =
-            Mutation::Enter { now_ms: 50, holder: "p".into(), state: "PENDING".into(), shard: "PENDING#0".into() };
+        let put = Mutation::Enter {
+            now_ms: 50,
+            holder: "p".into(),
+            state: "PENDING".into(),
+            shard: "PENDING#0".into(),
+            ttl: None,
+        };
         let (r, ev) = apply(&put, None);
         assert_eq!(kinds(&ev), vec![(Put, "p", 0, 50)]);
         assert_eq!((ev[0].state.as_deref(), ev[0].lease_id_prefix.as_str()), (Some("PENDING"), ""));

@@ -143,12 +143,13 @@ pub enum Mutation {
     /// Write a whole waiter item (DynamoDB: a PutItem).
     PutWaiter(Box<Record>),
     /// Put the key into a work state without leasing it: free from `now_ms` (its expiry is set
-    /// to it), entered now, no grants yet, no TTL. A new item gets fence 0, `holder` and an
-    /// empty lease_id (no lease_id a caller can send).
-    Enter { now_ms: u64, holder: String, state: String, shard: String },
+    /// to it), entered now, no grants yet; the TTL `ttl` (a terminal state) or none (kept until
+    /// taken). A new item gets fence 0, `holder` and an empty lease_id (no lease_id a caller
+    /// can send).
+    Enter { now_ms: u64, holder: String, state: String, shard: String, ttl: Option<u64> },
     /// [`Mutation::Release`] that also moves the key into `state` (entered now, no grants yet)
-    /// and removes the TTL (a key in a state is kept until it is taken).
-    ReleaseTo { now_ms: u64, state: String, shard: String },
+    /// with the TTL `ttl` (a terminal state) or none (a key in a state is kept until it is taken).
+    ReleaseTo { now_ms: u64, state: String, shard: String, ttl: Option<u64> },
     /// Remove the TTL: a key in a work state is kept until it is taken.
     ClearTtl,
     /// A waiter of coordinator `coordinator` missed a turn to an in-process hand-over: it takes
@@ -263,16 +264,19 @@ impl Mutation {
         }
     }
 
-    /// Work states: entered (from now, no grants yet), and kept until taken (no TTL).
+    /// Work states: entered (from now, no grants yet), and kept until taken (no TTL) or, in a
+    /// terminal state, until its TTL.
     fn update_state(&self, r: &mut Record) {
         match self {
-            Mutation::Enter { now_ms, state, .. } => {
+            Mutation::Enter { now_ms, state, ttl, .. } => {
                 r.expires_at_ms = Some(*now_ms);
                 enter(r, state, *now_ms);
+                r.ttl = *ttl;
             }
-            Mutation::ReleaseTo { now_ms, state, .. } => {
+            Mutation::ReleaseTo { now_ms, state, ttl, .. } => {
                 release(r, *now_ms);
                 enter(r, state, *now_ms);
+                r.ttl = *ttl;
             }
             Mutation::ClearTtl => r.ttl = None,
             _ => unreachable!("not a work-state update: {self:?}"),

@@ -625,7 +625,7 @@ mod tests {
         let store = SqliteStore::open(&path).unwrap();
         let r = store.get("old").await.unwrap().unwrap();
         assert_eq!((r.fence, r.state), (7, None));
-        let m = Mutation::Enter { now_ms: 10, holder: "p".into(), state: "S".into(), shard: "S#0".into() };
+        let m = Mutation::Enter { now_ms: 10, holder: "p".into(), state: "S".into(), shard: "S#0".into(), ttl: None };
         let c = Condition::Enterable { now_ms: 10, state: "S".into(), shard: "S#0".into() };
         assert!(matches!(store.update("old", &c, &m).await.unwrap(), Write::Applied(_)));
         let kind = ScanKind::State { state: "S".into(), shard: "S#0".into(), free_at_ms: Some(10) };
@@ -662,7 +662,7 @@ mod tests {
             )
             .unwrap();
         let store = SqliteStore::open(&path).unwrap();
-        let m = Mutation::Enter { now_ms: 10, holder: "p".into(), state: "S".into(), shard: "S#0".into() };
+        let m = Mutation::Enter { now_ms: 10, holder: "p".into(), state: "S".into(), shard: "S#0".into(), ttl: None };
         let c = Condition::Enterable { now_ms: 10, state: "S".into(), shard: "S#0".into() };
         assert!(matches!(store.update("k", &c, &m).await.unwrap(), Write::Applied(_)));
         let kind = ScanKind::State { state: "S".into(), shard: "S#0".into(), free_at_ms: Some(10) };
@@ -679,8 +679,13 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("leasehold-group-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let store = SqliteStore::open(dir.join("leases.db")).unwrap();
-        let enter =
-            |state: &str| Mutation::Enter { now_ms: 10, holder: "p".into(), state: state.into(), shard: "s".into() };
+        let enter = |state: &str| Mutation::Enter {
+            now_ms: 10,
+            holder: "p".into(),
+            state: state.into(),
+            shard: "s".into(),
+            ttl: None,
+        };
         let enterable = |state: &str| Condition::Enterable { now_ms: 10, state: state.into(), shard: "s".into() };
         let send = |op: Op| {
             let (reply, answer) = tokio::sync::oneshot::channel();

@@ -16,7 +16,7 @@ use aws_sdk_dynamodb::types::{
 };
 use aws_sdk_dynamodb::Client;
 
-use super::dynamo::{attr, KEEPALIVE_INDEX, QUEUE_INDEX, STATE_INDEX};
+use super::dynamo::{attr, KEEPALIVE_INDEX, QUEUE_INDEX, STATE_INDEX, STATE_INDEX_ATTRIBUTES};
 use crate::clock::{Clock, SystemClock};
 use crate::error::{Error, Result};
 
@@ -28,8 +28,11 @@ pub struct IndexSpec {
     pub hash: (&'static str, &'static str),
     /// Sort key, if the index has one.
     pub range: Option<(&'static str, &'static str)>,
-    /// "ALL": the code reads whole items from the index; "KEYS_ONLY": only the keys.
+    /// "ALL": the code reads whole items from the index; "KEYS_ONLY": only the keys;
+    /// "INCLUDE": the keys and [`IndexSpec::non_key`].
     pub projection: &'static str,
+    /// The non-key attributes an "INCLUDE" projection projects (empty for the others).
+    pub non_key: &'static [&'static str],
     /// What fails without the index (named by `table check`).
     pub used_by: &'static str,
 }
@@ -58,6 +61,7 @@ pub const LEASE_TABLE: TableSpec = TableSpec {
             hash: (attr::KA_SHARD, "N"),
             range: Some((attr::KA_UNTIL, "N")),
             projection: "ALL",
+            non_key: &[],
             used_by: "the keep-alive sweep (acquires with a keepalive are never renewed) and queued acquires \
                       (waiters are never found: POST /leases/acquire with a task_token)",
         },
@@ -65,7 +69,8 @@ pub const LEASE_TABLE: TableSpec = TableSpec {
             name: STATE_INDEX,
             hash: (attr::STATE_SHARD, "S"),
             range: Some((attr::EXPIRES_AT, "N")),
-            projection: "ALL",
+            projection: "INCLUDE",
+            non_key: STATE_INDEX_ATTRIBUTES,
             used_by: "work items: `next` (batch leases, POST /leases/next), `count` (POST /leases/count) \
                       and `list --state` fail",
         },
@@ -74,6 +79,7 @@ pub const LEASE_TABLE: TableSpec = TableSpec {
             hash: (attr::Q_SHARD, "N"),
             range: None,
             projection: "KEYS_ONLY",
+            non_key: &[],
             used_by: "the queue sweep (a queued key whose holder crashed, or whose grant was not delivered, \
                       is never served by the scheduled run)",
         },
@@ -109,6 +115,12 @@ fn scalar(t: &str) -> ScalarAttributeType {
     } else {
         ScalarAttributeType::S
     }
+}
+
+/// The index's `Projection`: its type, and for "INCLUDE" its non-key attributes.
+pub fn projection(i: &IndexSpec) -> Projection {
+    let non_key = (!i.non_key.is_empty()).then(|| i.non_key.iter().map(|a| a.to_string()).collect());
+    Projection::builder().projection_type(ProjectionType::from(i.projection)).set_non_key_attributes(non_key).build()
 }
 
 fn built<T>(r: std::result::Result<T, aws_sdk_dynamodb::error::BuildError>) -> Result<T> {
@@ -160,8 +172,7 @@ pub async fn create_as(client: &Client, table: &str, spec: &TableSpec, wait: Dur
         if let Some(range) = i.range {
             gsi = gsi.key_schema(built(ks(range.0, KeyType::Range))?);
         }
-        let gsi =
-            gsi.projection(Projection::builder().projection_type(ProjectionType::from(i.projection)).build()).build();
+        let gsi = gsi.projection(projection(i)).build();
         req = req.global_secondary_indexes(built(gsi)?);
     }
     let created = match req.send().await {
@@ -230,11 +241,15 @@ pub fn compare(spec: &TableSpec, t: &TableDescription, ttl: Option<&TimeToLiveDe
         .map(|d| (d.attribute_name().to_string(), d.attribute_type().as_str().to_string()))
         .collect();
     let mut problems = key_problems(spec, t, &types);
+    let mut warnings = Vec::new();
     for i in spec.indexes {
-        problems.extend(index_problems(i, t, &types));
+        let f = index_findings(i, t, &types);
+        problems.extend(f.problems);
+        warnings.extend(f.warnings);
     }
     problems.extend(ttl_problem(spec, ttl));
-    Findings { problems, warnings: stream_warning(spec, t).into_iter().collect() }
+    warnings.extend(stream_warning(spec, t));
+    Findings { problems, warnings }
 }
 
 /// A key schema as (attribute, "HASH" | "RANGE") pairs.
@@ -257,26 +272,31 @@ fn key_problems(spec: &TableSpec, t: &TableDescription, types: &[(String, String
 }
 
 /// One index: present, with the keys (and their types) and the projection the code queries.
-fn index_problems(i: &IndexSpec, t: &TableDescription, types: &[(String, String)]) -> Vec<String> {
+/// An index that projects more than the code needs (`ALL` where `INCLUDE` is enough, or an
+/// `INCLUDE` of more attributes) works and is a warning: its reads cost more.
+fn index_findings(i: &IndexSpec, t: &TableDescription, types: &[(String, String)]) -> Findings {
     let Some(g) = t.global_secondary_indexes().iter().find(|g| g.index_name() == Some(i.name)) else {
-        return vec![format!(
-            "index `{}` is missing (partition {} {}{}, projection {}): {}",
-            i.name,
-            i.hash.0,
-            i.hash.1,
-            sort_text(i),
-            i.projection,
-            i.used_by
-        )];
+        return Findings {
+            problems: vec![format!(
+                "index `{}` is missing (partition {} {}{}, projection {}): {}",
+                i.name,
+                i.hash.0,
+                i.hash.1,
+                sort_text(i),
+                projection_text(i.projection, i.non_key),
+                i.used_by
+            )],
+            warnings: vec![],
+        };
     };
-    let mut out = Vec::new();
+    let mut out = Findings::default();
     let mut want = vec![(i.hash.0.to_string(), "HASH".to_string())];
     want.extend(i.range.map(|r| (r.0.to_string(), "RANGE".to_string())));
     let have = keys(g.key_schema());
     let type_of = |n: &str| type_in(types, n);
     let types_ok = type_of(i.hash.0) == Some(i.hash.1) && i.range.is_none_or(|r| type_of(r.0) == Some(r.1));
     if have != want || !types_ok {
-        out.push(format!(
+        out.problems.push(format!(
             "index `{}` has keys {} but needs partition {} {}{}: {}",
             i.name,
             describe_keys(&have, types),
@@ -287,10 +307,45 @@ fn index_problems(i: &IndexSpec, t: &TableDescription, types: &[(String, String)
         ));
     }
     let projection = g.projection().and_then(|p| p.projection_type()).map(|p| p.as_str()).unwrap_or("none");
-    if projection != i.projection {
-        out.push(format!("index `{}` projects {projection} but needs {}: {}", i.name, i.projection, i.used_by));
+    let included: Vec<&str> =
+        g.projection().map(|p| p.non_key_attributes().iter().map(String::as_str).collect()).unwrap_or_default();
+    let have_text = projection_text(projection, &included);
+    let want_text = projection_text(i.projection, i.non_key);
+    match (i.projection, projection) {
+        (w, h) if w == h && w != "INCLUDE" => {}
+        ("INCLUDE", "ALL") => out.warnings.push(format!(
+            "index `{}` projects ALL where {want_text} is enough: it works, but its Queries read whole items \
+             (about four times the read units; DESIGN.md, \"How one state scales\")",
+            i.name
+        )),
+        ("INCLUDE", "INCLUDE") => {
+            let missing: Vec<&str> = i.non_key.iter().copied().filter(|a| !included.contains(a)).collect();
+            if !missing.is_empty() {
+                out.problems.push(format!(
+                    "index `{}` projects {have_text} but needs {want_text} (missing {}): {}",
+                    i.name,
+                    missing.join(", "),
+                    i.used_by
+                ));
+            } else if included.len() > i.non_key.len() {
+                out.warnings.push(format!(
+                    "index `{}` projects {have_text} where {want_text} is enough: it works, its reads cost more",
+                    i.name
+                ));
+            }
+        }
+        _ => out.problems.push(format!("index `{}` projects {have_text} but needs {want_text}: {}", i.name, i.used_by)),
     }
     out
+}
+
+/// A projection as named in messages: its type, and an `INCLUDE`'s attributes.
+fn projection_text(projection: &str, non_key: &[&str]) -> String {
+    if projection == "INCLUDE" {
+        format!("INCLUDE ({})", non_key.join(", "))
+    } else {
+        projection.to_string()
+    }
 }
 
 /// TTL: enabled (or being enabled) on `spec.ttl`.
@@ -394,9 +449,7 @@ mod tests {
             if let Some(range) = i.range {
                 g = g.key_schema(ks(range.0, KeyType::Range));
             }
-            t = t.global_secondary_indexes(
-                g.projection(Projection::builder().projection_type(ProjectionType::from(i.projection)).build()).build(),
-            );
+            t = t.global_secondary_indexes(g.projection(projection(i)).build());
         }
         t = t.stream_specification(
             StreamSpecification::builder()
@@ -440,5 +493,72 @@ mod tests {
         assert!(p[1].contains("TTL is not enabled on `ttl`"), "{p:?}");
         assert_eq!(f.warnings.len(), 1);
         assert!(f.warnings[0].contains("stream is off"), "{f:?}");
+    }
+
+    fn with_state_projection(p: Projection) -> TableDescription {
+        let (mut t, _) = good();
+        let g = t.global_secondary_indexes.as_mut().unwrap().iter_mut().find(|g| g.index_name() == Some(STATE_INDEX));
+        g.unwrap().projection = Some(p);
+        t
+    }
+
+    /// The work-state index projects only what a batch's candidate is judged and taken by.
+    #[test]
+    fn the_state_index_projects_what_a_candidate_needs() {
+        let spec = LEASE_TABLE.indexes.iter().find(|i| i.name == STATE_INDEX).unwrap();
+        assert_eq!(spec.projection, "INCLUDE");
+        let p = projection(spec);
+        assert_eq!(p.projection_type(), Some(&ProjectionType::Include));
+        let mut want: Vec<&str> = vec![
+            attr::FENCE,
+            attr::HOLDER,
+            attr::LEASE_ID,
+            attr::ACQUIRED_AT,
+            attr::MIN_HOLD_UNTIL,
+            attr::RELEASED_AT,
+            attr::STATE_SINCE,
+            attr::ATTEMPTS,
+        ];
+        let mut have: Vec<&str> = p.non_key_attributes().iter().map(String::as_str).collect();
+        want.sort();
+        have.sort();
+        assert_eq!(have, want);
+        // Neither the metadata (a listing reads the items) nor the index's or table's keys.
+        assert!(!have.contains(&attr::METADATA) && !have.contains(&attr::KEY) && !have.contains(&attr::STATE_SHARD));
+    }
+
+    /// An existing table whose work-state index projects ALL (as tables made before the
+    /// INCLUDE projection do: CloudFormation cannot change a GSI's projection in place) works:
+    /// a warning. KEYS_ONLY, or an INCLUDE without an attribute the candidates need, does not.
+    #[test]
+    fn a_state_index_projecting_more_warns_and_less_fails() {
+        let all = with_state_projection(Projection::builder().projection_type(ProjectionType::All).build());
+        let f = compare(&LEASE_TABLE, &all, Some(&good().1));
+        assert!(f.problems.is_empty(), "{f:?}");
+        assert_eq!(f.warnings.len(), 1, "{f:?}");
+        assert!(f.warnings[0].contains("`state` projects ALL") && f.warnings[0].contains("INCLUDE ("), "{f:?}");
+
+        let keys_only = with_state_projection(Projection::builder().projection_type(ProjectionType::KeysOnly).build());
+        let p = compare(&LEASE_TABLE, &keys_only, Some(&good().1)).problems;
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert!(p[0].contains("`state` projects KEYS_ONLY but needs INCLUDE"), "{p:?}");
+
+        let short = with_state_projection(
+            Projection::builder()
+                .projection_type(ProjectionType::Include)
+                .non_key_attributes(attr::FENCE)
+                .non_key_attributes(attr::HOLDER)
+                .build(),
+        );
+        let p = compare(&LEASE_TABLE, &short, Some(&good().1)).problems;
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert!(p[0].contains("missing lease_id") && p[0].contains("attempts"), "{p:?}");
+
+        let mut more = Projection::builder().projection_type(ProjectionType::Include);
+        for a in STATE_INDEX_ATTRIBUTES.iter().chain([&attr::METADATA]) {
+            more = more.non_key_attributes(*a);
+        }
+        let f = compare(&LEASE_TABLE, &with_state_projection(more.build()), Some(&good().1));
+        assert!(f.problems.is_empty() && f.warnings.len() == 1, "{f:?}");
     }
 }

@@ -128,6 +128,21 @@ pub const KEEPALIVE_INDEX: &str = "keepalive";
 /// Name of the sparse work-state index (partition `state_shard`, sort `expires_at_ms`).
 pub const STATE_INDEX: &str = "state";
 
+/// What the work-state index projects besides its keys and the table's (`key`, `state_shard`,
+/// `expires_at_ms`): what a batch's candidate is judged and taken by, nothing more (an
+/// `INCLUDE` projection; DESIGN.md, "How one state scales"). `count` reads nothing but the
+/// keys; `list --state` reads the items themselves.
+pub const STATE_INDEX_ATTRIBUTES: &[&str] = &[
+    attr::FENCE,
+    attr::HOLDER,
+    attr::LEASE_ID,
+    attr::ACQUIRED_AT,
+    attr::MIN_HOLD_UNTIL,
+    attr::RELEASED_AT,
+    attr::STATE_SINCE,
+    attr::ATTEMPTS,
+];
+
 /// Name of the sparse queue index (partition `q_shard`, keys only): one entry per key with
 /// queued waiters or an undelivered grant.
 pub const QUEUE_INDEX: &str = "queue";

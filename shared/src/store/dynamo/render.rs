@@ -340,8 +340,13 @@ impl Expr {
         let p = format!(":{name}");
         // One placeholder, one value: a condition and an update naming the same placeholder for
         // two values would silently check the wrong one.
-        if let Some(old) = self.values.insert(p.clone(), value.clone()) {
-            assert_eq!(old, value, "placeholder {p} bound to two values");
+        match self.values.entry(p.clone()) {
+            std::collections::hash_map::Entry::Occupied(old) => {
+                assert_eq!(old.get(), &value, "placeholder {p} bound to two values")
+            }
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                slot.insert(value);
+            }
         }
         p
     }
@@ -604,9 +609,10 @@ impl Expr {
     /// The updates of work states.
     fn state_update(&mut self, m: &Mutation) {
         match m {
-            Mutation::Enter { now_ms, holder, shard, .. } => self.enter(*now_ms, holder, shard),
-            // A release that moves the key into a state, kept until taken (no TTL).
-            Mutation::ReleaseTo { now_ms, shard, .. } => {
+            Mutation::Enter { now_ms, holder, shard, ttl, .. } => self.enter(*now_ms, holder, shard, *ttl),
+            // A release that moves the key into a state, kept until taken (no TTL) or, in a
+            // terminal state, until its TTL.
+            Mutation::ReleaseTo { now_ms, shard, ttl, .. } => {
                 let mh = self.n(attr::MIN_HOLD_UNTIL);
                 self.set(attr::EXPIRES_AT, mh);
                 let now = self.v("released_at_ms", num(*now_ms));
@@ -615,7 +621,7 @@ impl Expr {
                 self.set(attr::STATE_SINCE, now);
                 self.set_value(attr::ATTEMPTS, num(0));
                 self.remove_keepalive();
-                self.remove(attr::TTL);
+                self.set_or_remove(attr::TTL, ttl.map(num));
             }
             Mutation::ClearTtl => self.remove(attr::TTL),
             _ => unreachable!("not a work-state update: {m:?}"),
@@ -623,8 +629,9 @@ impl Expr {
     }
 
     /// A key put into a state without a lease: a new item gets fence 0, `holder` and no
-    /// lease_id a caller can send; free from now, entered now, no grants yet, no TTL.
-    fn enter(&mut self, now_ms: u64, holder: &str, shard: &str) {
+    /// lease_id a caller can send; free from now, entered now, no grants yet, the TTL `ttl`
+    /// (a terminal state) or none.
+    fn enter(&mut self, now_ms: u64, holder: &str, shard: &str, ttl: Option<u64>) {
         let now = self.v("now", num(now_ms));
         for (a, v) in [
             (attr::FENCE, self.v("zero", num(0))),
@@ -641,7 +648,7 @@ impl Expr {
         self.set(attr::STATE_SINCE, now);
         let zero = self.v("zero", num(0));
         self.set(attr::ATTEMPTS, zero);
-        self.remove(attr::TTL);
+        self.set_or_remove(attr::TTL, ttl.map(num));
     }
 }
 
@@ -729,11 +736,32 @@ mod tests {
             ),
             (
                 Condition::Enterable { now_ms: now, state: "S".into(), shard: "S#0".into() },
-                Some(Mutation::Enter { now_ms: now, holder: "h".into(), state: "S".into(), shard: "S#0".into() }),
+                Some(Mutation::Enter {
+                    now_ms: now,
+                    holder: "h".into(),
+                    state: "S".into(),
+                    shard: "S#0".into(),
+                    ttl: None,
+                }),
             ),
             (
                 Condition::Live { lease_id: id.clone(), now_ms: now },
-                Some(Mutation::ReleaseTo { now_ms: now, state: "S".into(), shard: "S#0".into() }),
+                Some(Mutation::ReleaseTo { now_ms: now, state: "S".into(), shard: "S#0".into(), ttl: None }),
+            ),
+            // Into a terminal state: with a TTL.
+            (
+                Condition::Enterable { now_ms: now, state: "S".into(), shard: "S#0".into() },
+                Some(Mutation::Enter {
+                    now_ms: now,
+                    holder: "h".into(),
+                    state: "S".into(),
+                    shard: "S#0".into(),
+                    ttl: Some(2),
+                }),
+            ),
+            (
+                Condition::Live { lease_id: id.clone(), now_ms: now },
+                Some(Mutation::ReleaseTo { now_ms: now, state: "S".into(), shard: "S#0".into(), ttl: Some(2) }),
             ),
             (Condition::FenceIs(3), Some(Mutation::ClearTtl)),
             (Condition::FenceIs(3), Some(Mutation::WaitsIn { coordinator: "c".into() })),

@@ -7,8 +7,8 @@ use std::collections::HashMap;
 use aws_sdk_dynamodb::operation::query::builders::QueryFluentBuilder;
 use aws_sdk_dynamodb::types::{AttributeValue, Select};
 
-use super::item::{get_s, need, num, record_from_item, str_, Item};
-use super::{attr, map_err, DynamoStore, KEEPALIVE_INDEX, QUEUE_INDEX, STATE_INDEX};
+use super::item::{get_s, key_map, need, num, record_from_item, str_, Item};
+use super::{attr, map_err, DynamoStore, KEEPALIVE_INDEX, QUEUE_INDEX, STATE_INDEX, STATE_INDEX_ATTRIBUTES};
 use crate::error::{Error, Result};
 use crate::model::Record;
 use crate::store::{Page, ScanKind};
@@ -39,8 +39,14 @@ impl DynamoStore {
                 self.keepalive_query(*shard, *after_ms, start, limit).await?.page()
             }
             ScanKind::Queue { shard } => self.queue_query(*shard, start, limit).await,
-            ScanKind::State { shard, free_at_ms, .. } => {
-                self.state_page(shard, *free_at_ms, start, limit).await?.page()
+            ScanKind::State { shard, free_at_ms: Some(now), .. } => {
+                self.state_page(shard, Some(*now), start, limit).await?.page()
+            }
+            // A listing: the index projects only what a candidate needs, so the items
+            // themselves are read.
+            ScanKind::State { shard, free_at_ms: None, .. } => {
+                let raw = self.state_page(shard, None, start, limit).await?;
+                self.whole_items(raw, shard).await?.page()
             }
         }
     }
@@ -104,28 +110,53 @@ impl DynamoStore {
         Ok(Page { items, next: out.last_evaluated_key().map(encode_token) })
     }
 
-    /// One page of a work state's partition. A batch's candidates (`free_at_ms`; up to 1,000
-    /// per Query when contended) read only what a candidate is judged and taken by, not whole
-    /// items (`#s`, `#e`: the query's own aliases of state_shard and expires_at_ms).
+    /// One page of a work state's partition, as the index holds it (an `INCLUDE` projection:
+    /// [`STATE_INDEX_ATTRIBUTES`]). A batch's candidates (`free_at_ms`; up to 1,000 per Query
+    /// when contended) ask for exactly those attributes, so a table whose index projects more
+    /// (`ALL`) sends no more (`#s`, `#e`: the query's own aliases of state_shard and
+    /// expires_at_ms).
     async fn state_page(&self, shard: &str, free_at_ms: Option<u64>, start: Option<Item>, limit: i32) -> Result<Raw> {
         let mut q = self.state_query(shard, free_at_ms);
         if free_at_ms.is_some() {
             q = q
-                .projection_expression(format!(
-                    "#k, {}, {}, {}, {}, #e, {}, {}, #s, {}, {}",
-                    attr::FENCE,
-                    attr::HOLDER,
-                    attr::LEASE_ID,
-                    attr::ACQUIRED_AT,
-                    attr::MIN_HOLD_UNTIL,
-                    attr::RELEASED_AT,
-                    attr::STATE_SINCE,
-                    attr::ATTEMPTS
-                ))
+                .projection_expression(format!("#k, #e, #s, {}", STATE_INDEX_ATTRIBUTES.join(", ")))
                 .expression_attribute_names("#k", attr::KEY);
         }
         let out = q.limit(limit).set_exclusive_start_key(start).send().await.map_err(map_err)?;
         Ok(Raw { items: out.items().to_vec(), last: out.last_evaluated_key().cloned() })
+    }
+
+    /// The whole items of a page of the work-state index, in its order, each read strongly
+    /// consistent (GetItem, up to 16 at once): the index holds only what a batch's candidate
+    /// needs. An item deleted or moved out of `shard` since the index was read is left out.
+    async fn whole_items(&self, raw: Raw, shard: &str) -> Result<Raw> {
+        let keys = raw.items.iter().map(|i| need(get_s(i, attr::KEY)?, attr::KEY)).collect::<Result<Vec<_>>>()?;
+        let mut items = Vec::with_capacity(keys.len());
+        for chunk in keys.chunks(16) {
+            let mut set = tokio::task::JoinSet::new();
+            for (i, key) in chunk.iter().enumerate() {
+                let (client, table, key) = (self.client.clone(), self.table.clone(), key.clone());
+                set.spawn(async move {
+                    let out = client
+                        .get_item()
+                        .table_name(table)
+                        .set_key(Some(key_map(&key)))
+                        .consistent_read(true)
+                        .send()
+                        .await;
+                    (i, out.map(|o| o.item).map_err(map_err))
+                });
+            }
+            let mut got: Vec<(usize, Option<Item>)> = Vec::with_capacity(chunk.len());
+            while let Some(joined) = set.join_next().await {
+                let (i, out) = joined.map_err(|e| Error::StoreUnavailable(format!("read an item: {e}")))?;
+                got.push((i, out?));
+            }
+            got.sort_by_key(|(i, _)| *i);
+            let here = |item: &Item| get_s(item, attr::STATE_SHARD).ok().flatten().as_deref() == Some(shard);
+            items.extend(got.into_iter().filter_map(|(_, item)| item).filter(|item| here(item)));
+        }
+        Ok(Raw { items, last: raw.last })
     }
 
     /// A Query of one partition of the work-state index, oldest expiry first: the items free at
