@@ -22,7 +22,7 @@ use leasehold_tests::emulator::Moto;
 use leasehold_tests::lambda_lab::{
     check_case, http_answer, http_event, now_ms, read_event, HttpAnswer, Lab, FUNCTIONS,
 };
-use leasehold_tests::{free_port, repo_root, sdk_config_for};
+use leasehold_tests::{free_port, repo_root};
 use serde_json::{json, Value};
 
 // ------------------------------------------------------------------------------------------
@@ -514,7 +514,8 @@ struct Sfn {
 
 impl Sfn {
     async fn new(moto: &Moto) -> Sfn {
-        let client = aws_sdk_sfn::Client::new(&sdk_config_for(&moto.endpoint()).await);
+        let region = std::env::var("AWS_REGION").unwrap_or_else(|_| "us-east-1".into());
+        let client = leasehold_tests::sfn_quotas::sfn_client(&moto.endpoint(), &region).await;
         let out = client
             .create_state_machine()
             .name("leasehold-keepalive-e2e")

@@ -23,7 +23,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use aws_sdk_sfn::config::Region;
 use aws_sdk_sfn::types::{ExecutionStatus, HistoryEventType};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -222,18 +221,10 @@ struct Run {
     name: String,
 }
 
+/// moto's client: patient timeouts and a few retries (the SDK config the product uses has
+/// retries off, and moto drops a connection now and then on a loaded machine).
 async fn sfn(region: &str) -> aws_sdk_sfn::Client {
-    let base = sdk_config_for(&stack().moto.endpoint()).await;
-    let conf = aws_sdk_sfn::config::Builder::from(&base)
-        .region(Region::new(region.to_string()))
-        .timeout_config(
-            aws_sdk_sfn::config::timeout::TimeoutConfig::builder()
-                .operation_attempt_timeout(Duration::from_secs(30))
-                .operation_timeout(Duration::from_secs(90))
-                .build(),
-        )
-        .build();
-    aws_sdk_sfn::Client::from_conf(conf)
+    leasehold_tests::sfn_quotas::sfn_client(&stack().moto.endpoint(), region).await
 }
 
 async fn start(input: Value) -> Run {
