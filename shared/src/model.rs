@@ -104,6 +104,12 @@ pub struct Record {
     /// When `queue_tail` last moved (coordinator clock, ms).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queue_tail_at_ms: Option<u64>,
+    /// The writer's clock (ms) of the last queue write that may have left the key free to plain
+    /// acquires without a release (an undelivered mark removed, a waiter passed over): a
+    /// fail-closed acquire sent before it is refused, as one sent before a release
+    /// (`released_at_ms`) is (DESIGN.md, "acquire").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub freed_at_ms: Option<u64>,
     /// A lease granted to a waiter by hand-over and not yet delivered: the waiter's task token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pending_token: Option<String>,
@@ -230,6 +236,7 @@ impl Record {
             queue_head: None,
             queue_tail: None,
             queue_tail_at_ms: None,
+            freed_at_ms: None,
             pending_token: None,
             queue_tail_lease_id: None,
             released_lease_id: None,
@@ -251,6 +258,12 @@ impl Record {
             (Some(h), Some(t)) => t.saturating_sub(h),
             _ => 0,
         }
+    }
+
+    /// When the key was last made free by a write (its release, or a queue write that let plain
+    /// acquires take it): a fail-closed acquire sent before then is refused (`FreeAfter`).
+    pub fn freed_at(&self) -> Option<u64> {
+        self.released_at_ms.max(self.freed_at_ms)
     }
 
     /// Is the key unavailable to others at `now_ms` (by the coordinator's clock)? (A

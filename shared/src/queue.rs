@@ -410,7 +410,9 @@ impl Coordinator {
                 }
             }
         }
-        self.store().update(key, &Condition::Undelivered { fence: r.fence }, &Mutation::Delivered).await?;
+        self.store()
+            .update(key, &Condition::Undelivered { fence: r.fence }, &Mutation::Delivered { now_ms: self.now_ms() })
+            .await?;
         if let Some(seq) = r.queue_head {
             let _ = self.store().delete(&waiter_key(key, seq), &Condition::NotLease).await;
         }
@@ -450,7 +452,10 @@ impl Coordinator {
         match self.deliver_with_retries(deliver, &waiter.task_token, &lease).await {
             Ok(()) => {
                 served.delivered += 1;
-                let _ = self.store().update(key, &Condition::Undelivered { fence }, &Mutation::Delivered).await?;
+                let _ = self
+                    .store()
+                    .update(key, &Condition::Undelivered { fence }, &Mutation::Delivered { now_ms: self.now_ms() })
+                    .await?;
                 let _ = self.store().delete(&wk, &Condition::NotLease).await;
                 Ok(false)
             }
@@ -592,7 +597,9 @@ impl Coordinator {
                 return Ok(());
             }
         }
-        self.store().update(key, &Condition::Undelivered { fence: r.fence }, &Mutation::Delivered).await?;
+        self.store()
+            .update(key, &Condition::Undelivered { fence: r.fence }, &Mutation::Delivered { now_ms: self.now_ms() })
+            .await?;
         if let Some(seq) = r.queue_head {
             let _ = self.store().delete(&waiter_key(key, seq), &Condition::NotLease).await;
         }
@@ -602,7 +609,10 @@ impl Coordinator {
     /// Passes over waiter `seq` (the head moves on) if the key is still free with the same head.
     async fn skip(&self, key: &str, r: &Record, now: u64, seq: u64) -> Result<bool> {
         let cond = Condition::HandOver { fence: r.fence, now_ms: now, head: seq - 1 };
-        Ok(matches!(self.store().update(key, &cond, &Mutation::Skip { seq }).await?, Write::Applied(_)))
+        Ok(matches!(
+            self.store().update(key, &cond, &Mutation::Skip { seq, now_ms: self.now_ms() }).await?,
+            Write::Applied(_)
+        ))
     }
 
     /// The scheduled sweep of every queue: reads the queue index (one entry per key with

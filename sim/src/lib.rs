@@ -402,13 +402,12 @@ async fn simulate(s: Settings) -> Outcome {
                 });
                 if ghost {
                     v.kind = "stale_acquire_holds_key";
-                    // Known finding (DESIGN.md, "Simulation"): the key became free after the
-                    // acquire was sent not by a release (`FreeAfter` refuses those) but by a
-                    // queue write (the undelivered mark removed, the last waiter passed over),
-                    // which the fail-closed condition cannot date.
+                    // The key became free after the acquire was sent not by a release but by a
+                    // queue write (the undelivered mark removed, the last waiter passed over):
+                    // found by the simulation, fixed by `FreeAfter`'s `freed_at_ms` clause
+                    // (DESIGN.md, "Simulation"); named apart, a violation as the other.
                     let id = store.peek(&k).map(|r| r.lease_id.expose().to_string()).unwrap_or_default();
-                    v.known = freed_by_queue_write(&store_log(&store), &k, &id);
-                    if v.known {
+                    if freed_by_queue_write(&store_log(&store), &k, &id) {
                         v.kind = "stale_acquire_after_queue_freed";
                     }
                 }

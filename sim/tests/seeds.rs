@@ -73,3 +73,23 @@ fn regression_seed_1_keeps_every_promise() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "seed 1:\n{text}");
 }
+
+/// Regression seeds of the known findings fixed in the third round (DESIGN.md, "Simulation":
+/// "Found and fixed"). Each finds its finding, in a fresh process, with its fix reverted:
+/// - `--seed 201 --ops 10000`: a fail-closed acquire that took a key a queue write freed after
+///   it was sent (`stale_acquire_after_queue_freed`; fixed by `FreeAfter`'s `freed_at_ms`
+///   clause).
+///
+/// Each in a fresh process, as seed 1 above.
+#[test]
+fn regression_seeds_of_the_fixed_findings_keep_every_promise() {
+    let runs: &[&[&str]] = &[&["--seed", "201", "--ops", "10000"]];
+    for args in runs {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_leasehold-sim"))
+            .args(*args)
+            .output()
+            .expect("run the simulator");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{args:?}:\n{text}");
+    }
+}

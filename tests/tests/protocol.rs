@@ -885,6 +885,7 @@ fn lease_id_never_formats() {
         queue_head: None,
         queue_tail: None,
         queue_tail_at_ms: None,
+        freed_at_ms: None,
         pending_token: None,
         queue_tail_lease_id: None,
         released_lease_id: None,

@@ -5,11 +5,15 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use leasehold::{AcquireOptions, Clock, Config, Coordinator, Error, LeaseId, SystemClock};
+use async_trait::async_trait;
+use leasehold::queue::{queue_shard, Deliver, DeliveryError};
+use leasehold::store::{Condition, Mutation};
+use leasehold::{AcquireOptions, Clock, Config, Coordinator, Error, Lease, LeaseId, SystemClock};
 use leasehold_tests::{both_backends, test_config, Backend, Fault, Faulty};
 
 both_backends!(
     a_stale_fail_closed_acquire_never_takes_a_key_released_after_it_was_sent,
+    a_stale_fail_closed_acquire_never_takes_a_key_a_queue_write_freed_after_it_was_sent,
     an_acquire_right_after_a_release_by_a_clock_ahead_is_granted,
     an_unanswered_renewal_leaves_no_ttl_on_a_work_item,
     a_renewal_of_a_work_item_extends_it_without_a_ttl,
@@ -48,6 +52,64 @@ async fn a_stale_fail_closed_acquire_never_takes_a_key_released_after_it_was_sen
     let s = other.get("fc-stale").await.unwrap();
     assert!(!s.held, "the key is held by a lease nobody was told of: {s:?}");
     let next = other.acquire("fc-stale", "next", secs(5), AcquireOptions::default()).await.unwrap();
+    assert!(next.fence > held.fence);
+}
+
+/// Step Functions that takes every delivery.
+struct Delivers;
+
+#[async_trait]
+impl Deliver for Delivers {
+    async fn success(&self, _: &str, _: &Lease) -> Result<(), DeliveryError> {
+        Ok(())
+    }
+    async fn failure(&self, _: &str, _: &str, _: &str) -> Result<(), DeliveryError> {
+        Ok(())
+    }
+}
+
+/// `stale_acquire_after_queue_freed` of the simulation (seed 23 when diagnosed). A queue grant
+/// is released by its holder with its undelivered mark still on (the `Delivered` write's
+/// answer was lost): plain acquires cannot take the key until the queue removes the mark. A
+/// fail-closed acquire is held in the network; its retry finds the mark and its caller's
+/// release finds nothing, so the caller believes its lease_id holds nothing. The queue then
+/// removes the mark (a write that is no release), and the stale attempt lands: it must be
+/// refused, or the key is held, with no expiry, by a lease nobody knows of.
+async fn a_stale_fail_closed_acquire_never_takes_a_key_a_queue_write_freed_after_it_was_sent(b: Backend) {
+    let k = "fc-queue-freed";
+    let faulty = Faulty::new(b.store());
+    let c = Coordinator::new(faulty.clone(), test_config());
+    let other = b.coordinator(test_config());
+    let server = b.coordinator(test_config()).with_deliver(Arc::new(Delivers));
+    let held = other.acquire(k, "other", secs(60), AcquireOptions::default()).await.unwrap();
+    let mark = Mutation::MarkUndelivered { token: "task".into(), shard: queue_shard(k) };
+    let w = b.store().update(k, &Condition::FenceIs(held.fence), &mark).await.unwrap();
+    assert!(matches!(w, leasehold::store::Write::Applied(_)), "{w:?}");
+    // Released by a coordinator that serves no queue: the mark stays.
+    other.release(k, &held.lease_id).await.unwrap();
+    assert!(b.store().get(k).await.unwrap().unwrap().pending_token.is_some());
+    // The stale attempt's clock is past the release (a release before it is not compared).
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let id = LeaseId::generate();
+    // The first attempt is held in the network for 3 s, to land after everything below.
+    faulty.inject(&[Fault::DelayedDuplicate(Duration::from_secs(3))]);
+    let sent = Instant::now();
+    let r = c.acquire(k, "h", None, AcquireOptions { lease_id: Some(id.clone()), ..Default::default() }).await;
+    assert!(r.is_err(), "the key has an undelivered grant: {r:?}");
+    assert_eq!(faulty.injected.load(Ordering::SeqCst), 1);
+    let rel = c.release(k, &id).await;
+    assert!(matches!(rel, Err(Error::NotHolder { .. })), "{rel:?}");
+    // The queue ends the released grant's mark: the key is free to plain acquires from now.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    server.serve_queue(k).await.unwrap();
+    let item = b.store().get(k).await.unwrap().unwrap();
+    assert!(item.pending_token.is_none(), "{item:?}");
+    assert!(sent.elapsed() < Duration::from_secs(3), "the stale attempt must land after the mark went");
+    // The stale attempt lands (3 s after it was sent), and is refused.
+    tokio::time::sleep(Duration::from_secs(3).saturating_sub(sent.elapsed()) + Duration::from_millis(700)).await;
+    let s = other.get(k).await.unwrap();
+    assert!(!s.held, "the key is held by a lease nobody was told of: {s:?}");
+    let next = other.acquire(k, "next", secs(5), AcquireOptions::default()).await.unwrap();
     assert!(next.fence > held.fence);
 }
 

@@ -363,14 +363,11 @@ impl Coordinator {
     /// held in the network may have been given up on by its caller). Go again once this clock
     /// has passed the release.
     async fn on_early(&self, a: &mut Attempts<'_>, r: Record, now: u64) -> Result<Next> {
-        let ahead = r.released_at_ms.unwrap_or(now).saturating_sub(now) + 1;
+        let freed_at = r.freed_at();
+        let ahead = freed_at.unwrap_or(now).saturating_sub(now) + 1;
         let until = self.monotonic() + Duration::from_millis(ahead);
         if until >= a.deadline {
-            return Err(Error::LeaseHeld {
-                key: a.ask.key.to_string(),
-                holder: r.holder,
-                expires_at_ms: r.released_at_ms,
-            });
+            return Err(Error::LeaseHeld { key: a.ask.key.to_string(), holder: r.holder, expires_at_ms: freed_at });
         }
         tokio::time::sleep_until(until.into()).await;
         Ok(Next::Again)

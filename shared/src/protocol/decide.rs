@@ -41,8 +41,9 @@ pub(crate) enum AcquireAnswer {
     Moved(Record),
     /// Our lease_id's lease already ended on this key (released or expired): never again.
     Ended(Reason),
-    /// The key is free, but it was released after this fail-closed attempt's clock (`FreeAfter`
-    /// is refused: a releasing clock ahead of ours): go again once ours passes it.
+    /// The key is free, but it was released (or freed by a queue write) after this fail-closed
+    /// attempt's clock (`FreeAfter` is refused: a freeing clock ahead of ours): go again once
+    /// ours passes it.
     Early(Record),
     /// Another lease holds the key.
     Held(Record),
@@ -61,7 +62,7 @@ pub(crate) fn sort_acquire(
         Write::Rejected(Some(r)) if r.is_live_for(lease_id, now) => AcquireAnswer::Granted(r),
         Write::Rejected(Some(r)) => match ended_reason(&r, lease_id, now) {
             Some(reason) if reason != Reason::WrongLeaseId => AcquireAnswer::Ended(reason),
-            _ if after && !r.is_held(now) && r.released_at_ms.is_some_and(|t| t > now) => AcquireAnswer::Early(r),
+            _ if after && !r.is_held(now) && r.freed_at().is_some_and(|t| t > now) => AcquireAnswer::Early(r),
             _ if !r.is_held(now) && r.fence >= fence => AcquireAnswer::Above(r),
             _ if !r.is_held(now) && !in_visit(&r, visit) => AcquireAnswer::Moved(r),
             _ => AcquireAnswer::Held(r),

@@ -23,10 +23,12 @@ pub enum Condition {
     Free { now_ms: u64, fence: u64, lease_id: LeaseId },
     /// [`Condition::Free`] for a fail-closed acquire (no expiry: a lease nobody knows of would
     /// hold the key until an operator frees it), which also requires that the key was not
-    /// released after `now_ms`: an attempt held in the network never takes a key released
-    /// after it was sent (its caller may have given up on it). DynamoDB:
+    /// released after `now_ms`, nor freed after it by a queue write (`freed_at_ms`: the
+    /// undelivered mark of an ended grant removed, the last waiter passed over): an attempt
+    /// held in the network never takes a key freed after it was sent (its caller may have
+    /// given up on it). (A revocation stamps `released_at_ms`.) DynamoDB:
     /// `attribute_not_exists(fence) OR (expires_at_ms <= :now AND (attribute_not_exists(released_at_ms)
-    /// OR released_at_ms <= :now) AND fence < :fence AND lease_id <> :lease_id AND
+    /// OR released_at_ms <= :now) AND (attribute_not_exists(freed_at_ms) OR freed_at_ms <= :now) AND fence < :fence AND lease_id <> :lease_id AND
     /// (attribute_not_exists(queue_tail) OR queue_tail <= queue_head) AND
     /// attribute_not_exists(state_shard) AND attribute_not_exists(pending_token))`
     FreeAfter { now_ms: u64, fence: u64, lease_id: LeaseId },
@@ -143,6 +145,7 @@ impl Condition {
             (Condition::Free { .. } | Condition::FreeAfter { .. }, None) => true,
             (Condition::FreeAfter { now_ms, fence, lease_id }, Some(r)) => {
                 r.released_at_ms.is_none_or(|t| t <= *now_ms)
+                    && r.freed_at_ms.is_none_or(|t| t <= *now_ms)
                     && Condition::Free { now_ms: *now_ms, fence: *fence, lease_id: lease_id.clone() }.holds(Some(r))
             }
             (Condition::Free { now_ms, fence, lease_id }, Some(r)) => {

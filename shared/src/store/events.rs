@@ -320,7 +320,7 @@ mod tests {
         let (r, ev) = apply(&grant, Some(&r));
         assert_eq!(kinds(&ev), vec![(Released, "a", 10, 300), (HandedOver, "w", 11, 300)]);
         assert_eq!((ev[0].interface.as_str(), ev[1].interface.as_str()), ("unknown", "queue"));
-        let (r, ev) = apply(&Mutation::Delivered, Some(&r));
+        let (r, ev) = apply(&Mutation::Delivered { now_ms: 1 }, Some(&r));
         assert!(ev.is_empty());
         // A grant of a free key to the head waiter after an expiry is a hand-over.
         let (r2, _) = apply(

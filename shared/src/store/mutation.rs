@@ -86,6 +86,7 @@ impl NewLease {
             queue_head: None,
             queue_tail: None,
             queue_tail_at_ms: None,
+            freed_at_ms: None,
             pending_token: None,
             queue_tail_lease_id: None,
             released_lease_id: self.released.as_ref().map(|r| r.0.clone()),
@@ -126,8 +127,10 @@ pub enum Mutation {
     /// head moved to `seq`, and the grant marked undelivered with the waiter's task token.
     /// Queue tail and `queue_tail_at_ms` stay.
     Grant { lease: NewLease, seq: u64, token: String },
-    /// The grant was delivered: the undelivered mark goes.
-    Delivered,
+    /// The grant was delivered, or its lease ended: the undelivered mark goes, and `freed_at_ms
+    /// = now` (the writer's clock): on an ended lease this write frees the key to plain
+    /// acquires, and a fail-closed acquire sent before it must not take it.
+    Delivered { now_ms: u64 },
     /// A grant whose delivery failed is marked undelivered with the waiter's task token (a
     /// queued acquire that found the key free), and the key enters the queue index (`shard`),
     /// where the sweep finds it to deliver it again.
@@ -138,8 +141,9 @@ pub enum Mutation {
     Revoke { now_ms: u64, ttl: Option<u64> },
     /// The key leaves the queue index: its queue is empty and no grant is undelivered.
     Unindex,
-    /// Pass over the head waiter (gone, timed out, or never written): `queue_head = seq`.
-    Skip { seq: u64 },
+    /// Pass over the head waiter (gone, timed out, or never written): `queue_head = seq`, and
+    /// `freed_at_ms = now` (the last waiter passed over frees the key to plain acquires).
+    Skip { seq: u64, now_ms: u64 },
     /// Write a whole waiter item (DynamoDB: a PutItem).
     PutWaiter(Box<Record>),
     /// Put the key into a work state without leasing it: free from `now_ms` (its expiry is set
@@ -204,7 +208,7 @@ impl Mutation {
             Extend { .. } | Release { .. } | ForceRelease { .. } | ClearKeepalive | Revoke { .. } => {
                 self.update_lease(r)
             }
-            Enqueue { .. } | Delivered | MarkUndelivered { .. } | Unindex | Skip { .. } | WaitsIn { .. } => {
+            Enqueue { .. } | Delivered { .. } | MarkUndelivered { .. } | Unindex | Skip { .. } | WaitsIn { .. } => {
                 self.update_queue(r)
             }
             Grant { lease, seq, token } => *r = granted(key, lease, *seq, token, r),
@@ -254,11 +258,17 @@ impl Mutation {
                 r.queue_tail_at_ms = Some(*now_ms);
                 r.queue_tail_lease_id = Some(lease_id.clone());
             }
-            Mutation::Delivered => r.pending_token = None,
+            Mutation::Delivered { now_ms } => {
+                r.pending_token = None;
+                r.freed_at_ms = Some(*now_ms);
+            }
             Mutation::MarkUndelivered { token, .. } => r.pending_token = Some(token.clone()),
             // The embedded store derives its queue index column from the record.
             Mutation::Unindex => {}
-            Mutation::Skip { seq } => r.queue_head = Some(*seq),
+            Mutation::Skip { seq, now_ms } => {
+                r.queue_head = Some(*seq);
+                r.freed_at_ms = Some(*now_ms);
+            }
             Mutation::WaitsIn { coordinator } => r.handed_in = Some(coordinator.clone()),
             _ => unreachable!("not a queue update: {self:?}"),
         }
@@ -373,6 +383,9 @@ fn granted(key: &str, lease: &NewLease, seq: u64, token: &str, old: &Record) -> 
         queue_head: Some(seq),
         queue_tail: old.queue_tail,
         queue_tail_at_ms: old.queue_tail_at_ms,
+        // An UpdateItem: the stamp stays (this lease ends by a release, an expiry or a
+        // revocation, each dated on its own).
+        freed_at_ms: old.freed_at_ms,
         queue_tail_lease_id: old.queue_tail_lease_id.clone(),
         pending_token: Some(token.to_string()),
         state: old.state.clone(),

@@ -86,6 +86,7 @@ pub(crate) fn record_from_item(item: &Item) -> Result<Record> {
         queue_head: get_n(item, attr::QUEUE_HEAD)?,
         queue_tail: get_n(item, attr::QUEUE_TAIL)?,
         queue_tail_at_ms: get_n(item, attr::QUEUE_TAIL_AT)?,
+        freed_at_ms: get_n(item, attr::FREED_AT)?,
         pending_token: get_s(item, attr::PENDING_TOKEN)?,
         queue_tail_lease_id: get_s(item, attr::QUEUE_TAIL_LEASE_ID)?.map(LeaseId::from_string),
         released_lease_id: get_s(item, attr::RELEASED_LEASE_ID)?.map(LeaseId::from_string),

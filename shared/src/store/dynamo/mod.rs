@@ -60,6 +60,7 @@ pub mod attr {
     pub(crate) const QUEUE_HEAD: &str = "queue_head";
     pub(crate) const QUEUE_TAIL: &str = "queue_tail";
     pub(crate) const QUEUE_TAIL_AT: &str = "queue_tail_at_ms";
+    pub(crate) const FREED_AT: &str = "freed_at_ms";
     pub(crate) const PENDING_TOKEN: &str = "pending_token";
     pub(crate) const WAITER: &str = "waiter";
     pub(crate) const QUEUE_TAIL_LEASE_ID: &str = "queue_tail_lease_id";
@@ -100,6 +101,7 @@ pub mod attr {
         QUEUE_HEAD,
         QUEUE_TAIL,
         QUEUE_TAIL_AT,
+        FREED_AT,
         PENDING_TOKEN,
         WAITER,
         QUEUE_TAIL_LEASE_ID,

@@ -116,11 +116,11 @@ fn lease_guard(c: &Condition) -> Guard {
              AND attribute_not_exists(pending_token))",
             [("now", num(*now_ms)), ("fence", num(*fence)), ("lease_id", id(lease_id))],
         ),
-        // A fail-closed acquire: also not released after this attempt's clock (a stale attempt
-        // never takes a key released after it was sent).
+        // A fail-closed acquire: also not released, nor freed by a queue write, after this
+        // attempt's clock (a stale attempt never takes a key freed after it was sent).
         Condition::FreeAfter { now_ms, fence, lease_id } => guard(
             "attribute_not_exists(fence) OR (expires_at_ms <= :now AND (attribute_not_exists(released_at_ms) \
-             OR released_at_ms <= :now) AND fence < :fence AND lease_id <> :lease_id \
+             OR released_at_ms <= :now) AND (attribute_not_exists(freed_at_ms) OR freed_at_ms <= :now) AND fence < :fence AND lease_id <> :lease_id \
              AND (attribute_not_exists(queue_tail) OR queue_tail <= queue_head) AND attribute_not_exists(state_shard) \
              AND attribute_not_exists(pending_token))",
             [("now", num(*now_ms)), ("fence", num(*fence)), ("lease_id", id(lease_id))],
@@ -389,7 +389,7 @@ impl Expr {
             Extend { .. } | Release { .. } | ForceRelease { .. } | ClearKeepalive | Revoke { .. } => {
                 self.lease_update(m)
             }
-            Enqueue { .. } | Delivered | MarkUndelivered { .. } | Unindex | Skip { .. } | WaitsIn { .. } => {
+            Enqueue { .. } | Delivered { .. } | MarkUndelivered { .. } | Unindex | Skip { .. } | WaitsIn { .. } => {
                 self.queue_update(m)
             }
             Grant { lease, seq, token } => self.grant(key, lease, *seq, token),
@@ -564,13 +564,19 @@ impl Expr {
                 self.set(attr::QUEUE_TAIL_LEASE_ID, lid);
                 self.set_value(attr::Q_SHARD, num(*shard as u64));
             }
-            Mutation::Delivered => self.remove(attr::PENDING_TOKEN),
+            Mutation::Delivered { now_ms } => {
+                self.set_value(attr::FREED_AT, num(*now_ms));
+                self.remove(attr::PENDING_TOKEN);
+            }
             Mutation::MarkUndelivered { token, shard } => {
                 self.set_value(attr::PENDING_TOKEN, str_(token));
                 self.set_value(attr::Q_SHARD, num(*shard as u64));
             }
             Mutation::Unindex => self.remove(attr::Q_SHARD),
-            Mutation::Skip { seq } => self.set_value(attr::QUEUE_HEAD, num(*seq)),
+            Mutation::Skip { seq, now_ms } => {
+                self.set_value(attr::QUEUE_HEAD, num(*seq));
+                self.set_value(attr::FREED_AT, num(*now_ms));
+            }
             Mutation::WaitsIn { coordinator } => self.set_value(attr::HANDED_IN, str_(coordinator)),
             _ => unreachable!("not a queue update: {m:?}"),
         }
@@ -717,8 +723,8 @@ mod tests {
                     token: "t".into(),
                 }),
             ),
-            (Condition::HandOver { fence: 3, now_ms: now, head: 5 }, Some(Mutation::Skip { seq: 6 })),
-            (Condition::Undelivered { fence: 3 }, Some(Mutation::Delivered)),
+            (Condition::HandOver { fence: 3, now_ms: now, head: 5 }, Some(Mutation::Skip { seq: 6, now_ms: now })),
+            (Condition::Undelivered { fence: 3 }, Some(Mutation::Delivered { now_ms: now })),
             (Condition::Undelivered { fence: 3 }, Some(Mutation::Revoke { now_ms: now, ttl: Some(2) })),
             (Condition::Undelivered { fence: 3 }, Some(Mutation::Revoke { now_ms: now, ttl: None })),
             (Condition::FenceIs(3), Some(Mutation::MarkUndelivered { token: "t".into(), shard: 1003 })),
