@@ -27,6 +27,12 @@ pub use crate::store::{queue_shard, split_waiter_key, waiter_key, QUEUE_SHARDS, 
 /// or by `queue_tail_at_ms` when none follows.
 pub const ENQUEUE_GRACE_MS: u64 = 10_000;
 
+/// How long after its first try a queued acquire may be tried again with the same lease_id (a
+/// retried invocation: QueuedSingleFlight retries its task 3 times, backoff 1-4 s, within the
+/// acquire function's 60 s timeout each): a queued acquire with the caller's lease_id looks
+/// this far back in the queue for a waiter item of its own before it takes a slot.
+pub const RETRY_WINDOW_MS: u64 = 300_000;
+
 /// How long a waiter without a timeout of its own may wait (its item's TTL covers this).
 pub const LONGEST_WAIT_MS: u64 = 366 * 24 * 3600 * 1000;
 
@@ -203,6 +209,8 @@ impl Coordinator {
             return Err(Error::invalid("task_token must be 1..=2048 bytes (a Step Functions task token)"));
         }
         let deliver = self.deliverer()?;
+        // Only a caller's lease_id can be sent again by a retried invocation.
+        let mut retry_possible = opts.lease_id.is_some();
         let lease_id = opts.lease_id.clone().unwrap_or_else(LeaseId::generate);
         let opts = AcquireOptions { lease_id: Some(lease_id.clone()), ..opts };
         let shard = queue_shard(key);
@@ -212,6 +220,21 @@ impl Coordinator {
                 Ok(lease) => return self.deliver_free_grant(key, lease, task_token, &deliver).await,
                 Err(Error::LeaseHeld { .. }) => {}
                 Err(e) => return Err(e),
+            }
+            // A retried invocation whose earlier try's waiter item landed (its answer lost) keeps
+            // that slot, with this try's task token, instead of taking a second one: one slot per
+            // lease_id, so a lease_id is granted at most once.
+            if std::mem::take(&mut retry_possible) {
+                if let Some((head, w)) = self.own_waiter(key, &lease_id).await? {
+                    let deadline = self.monotonic() + self.config().retry_budget;
+                    let seq = w.seq;
+                    let waiter = Waiter { task_token: task_token.to_string(), timeout_at_ms, ..w };
+                    self.put_waiter(key, waiter, self.now_ms(), deadline).await?;
+                    if let Err(e) = self.serve_queue(key).await {
+                        tracing::warn!(key, error = e.name(), "serving the queue after an enqueue failed");
+                    }
+                    return Ok(Enqueued::Queued { seq, position: seq.saturating_sub(head), lease_id });
+                }
             }
             // Held, or free with waiters: join the queue. Idempotent per lease_id: a retry
             // whose earlier try landed (or a retried invocation) finds the last slot is its own.
@@ -257,6 +280,28 @@ impl Coordinator {
             return Ok(Enqueued::Queued { seq, position: seq.saturating_sub(head), lease_id });
         }
         Err(Error::StoreUnavailable(format!("{key:?} kept changing hands while joining its queue")))
+    }
+
+    /// The waiter item of `lease_id` in `key`'s queue, if any, with the queue's head: read from
+    /// the tail back, over the items enqueued within [`RETRY_WINDOW_MS`] (an earlier try of the
+    /// same queued acquire is no older).
+    async fn own_waiter(&self, key: &str, lease_id: &LeaseId) -> Result<Option<(u64, Waiter)>> {
+        // Reads retried (a lost answer must not fail the acquire), within the retry budget.
+        let deadline = self.monotonic() + self.config().retry_budget;
+        let Some(r) = self.read(deadline, || self.store().get(key)).await? else { return Ok(None) };
+        let (Some(head), Some(tail)) = (r.queue_head, r.queue_tail) else { return Ok(None) };
+        let since = self.now_ms().saturating_sub(RETRY_WINDOW_MS);
+        for seq in (head + 1..=tail).rev() {
+            let wk = waiter_key(key, seq);
+            let Some(w) = self.read(deadline, || self.store().get(&wk)).await?.and_then(|w| w.waiter) else { continue };
+            if &w.lease_id == lease_id && w.seq == seq {
+                return Ok(Some((head, w)));
+            }
+            if w.enqueued_at_ms < since {
+                break;
+            }
+        }
+        Ok(None)
     }
 
     /// A queued acquire took the free key: delivers the lease. Only a first attempt answered
@@ -454,7 +499,7 @@ impl Coordinator {
                 served.delivered += 1;
                 let _ = self
                     .store()
-                    .update(key, &Condition::Undelivered { fence }, &Mutation::Delivered { now_ms: self.now_ms() })
+                    .update(key, &Condition::UndeliveredLive { fence }, &Mutation::Delivered { now_ms: self.now_ms() })
                     .await?;
                 let _ = self.store().delete(&wk, &Condition::NotLease).await;
                 Ok(false)
@@ -598,7 +643,7 @@ impl Coordinator {
             }
         }
         self.store()
-            .update(key, &Condition::Undelivered { fence: r.fence }, &Mutation::Delivered { now_ms: self.now_ms() })
+            .update(key, &Condition::UndeliveredLive { fence: r.fence }, &Mutation::Delivered { now_ms: self.now_ms() })
             .await?;
         if let Some(seq) = r.queue_head {
             let _ = self.store().delete(&waiter_key(key, seq), &Condition::NotLease).await;

@@ -375,8 +375,9 @@ fn fences(events: &[Event], log: &[Applied], out: &mut Vec<Violation>) {
                 let was_told = told.get(&(a.key.as_str(), n.lease_id.expose())).is_some_and(|t| *t < a.at);
                 // Known finding when the second grant is a queue grant nobody was told of: a
                 // retried queued acquire took a second slot while the waiter item of its first
-                // was there (its put landed, the answer lost), and both slots were granted; only
-                // one delivery can reach the task (DESIGN.md, "Simulation").
+                // was there, and both slots were granted; only one delivery can reach the task.
+                // A retry now keeps its earlier slot when it finds that item; left: the earlier
+                // item landing after the retry looked (DESIGN.md, "Simulation").
                 let second_told = told_after.get(&(a.key.as_str(), n.lease_id.expose())).is_some_and(|t| *t > a.at);
                 let queued_untold = was_told && !second_told && matches!(a.mutation, Some(Mutation::Grant { .. }));
                 let mut v = Violation::new(

@@ -1119,8 +1119,14 @@ async fn queued(node: &Arc<Node>, world: &Shared, name: &str) {
                     waiting = true;
                     break;
                 }
-                lock(world).fault("invocation_retried");
                 tokio::time::sleep(Duration::from_millis(300)).await;
+                // Nor one completed by a delivery in the pause before the retry (Step Functions
+                // fails the task with its invocation: a delivery after that finds it gone).
+                if lock(world).tasks.get(&token).is_some_and(|t| t.closed) {
+                    waiting = true;
+                    break;
+                }
+                lock(world).fault("invocation_retried");
             }
             Err(_) => break,
         }

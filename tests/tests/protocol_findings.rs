@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use leasehold::queue::{queue_shard, Deliver, DeliveryError};
+use leasehold::queue::{queue_shard, Deliver, DeliveryError, Enqueued};
 use leasehold::store::{Condition, Mutation};
 use leasehold::{AcquireOptions, Clock, Config, Coordinator, Error, Lease, LeaseId, SystemClock};
 use leasehold_tests::{both_backends, test_config, Backend, Fault, Faulty};
@@ -14,6 +14,7 @@ use leasehold_tests::{both_backends, test_config, Backend, Fault, Faulty};
 both_backends!(
     a_stale_fail_closed_acquire_never_takes_a_key_released_after_it_was_sent,
     a_stale_fail_closed_acquire_never_takes_a_key_a_queue_write_freed_after_it_was_sent,
+    a_retried_queued_acquire_keeps_its_slot_behind_a_later_waiter,
     an_acquire_right_after_a_release_by_a_clock_ahead_is_granted,
     an_unanswered_renewal_leaves_no_ttl_on_a_work_item,
     a_renewal_of_a_work_item_extends_it_without_a_ttl,
@@ -111,6 +112,60 @@ async fn a_stale_fail_closed_acquire_never_takes_a_key_a_queue_write_freed_after
     assert!(!s.held, "the key is held by a lease nobody was told of: {s:?}");
     let next = other.acquire(k, "next", secs(5), AcquireOptions::default()).await.unwrap();
     assert!(next.fence > held.fence);
+}
+
+/// Step Functions that takes every delivery and records it (token, lease).
+#[derive(Default)]
+struct Records(std::sync::Mutex<Vec<(String, Lease)>>);
+
+#[async_trait]
+impl Deliver for Records {
+    async fn success(&self, token: &str, lease: &Lease) -> Result<(), DeliveryError> {
+        self.0.lock().unwrap().push((token.to_string(), lease.clone()));
+        Ok(())
+    }
+    async fn failure(&self, _: &str, _: &str, _: &str) -> Result<(), DeliveryError> {
+        Ok(())
+    }
+}
+
+/// `queued_lease_id_regranted` of the simulation (seeds 75 and 180 when diagnosed). A queued
+/// acquire's waiter item lands with its answer lost, so its invocation fails; another waiter
+/// joins behind it; Step Functions retries the invocation (same lease_id, a new task token).
+/// The retry must keep its first slot (with the new token) rather than take a second one:
+/// otherwise both slots are granted in turn, and the lease_id is granted twice.
+async fn a_retried_queued_acquire_keeps_its_slot_behind_a_later_waiter(b: Backend) {
+    let k = "queued-retry";
+    let rec = Arc::new(Records::default());
+    let c = b.coordinator(test_config()).with_deliver(rec.clone());
+    let d = Duration::from_secs(30);
+    let held = c.acquire(k, "holder", Some(d), AcquireOptions::default()).await.unwrap();
+    let id = LeaseId::generate();
+    let mine = AcquireOptions { lease_id: Some(id.clone()), ..Default::default() };
+    // The first invocation: its slot and waiter item land (its answer is lost).
+    let first = c.acquire_or_enqueue(k, "exec", d, mine.clone(), "token-1", None).await.unwrap();
+    let Enqueued::Queued { seq, .. } = first else { panic!("the key is held: {first:?}") };
+    let other = c.acquire_or_enqueue(k, "other", d, AcquireOptions::default(), "token-2", None).await.unwrap();
+    assert!(matches!(other, Enqueued::Queued { position: 2, .. }), "{other:?}");
+    // The retried invocation, with a new task token.
+    let retry = c.acquire_or_enqueue(k, "exec", d, mine, "token-3", None).await.unwrap();
+    assert!(matches!(retry, Enqueued::Queued { seq: s, position: 1, .. } if s == seq), "{retry:?}");
+    assert_eq!(c.get(k).await.unwrap().queue_length, 2, "the retry took a second slot");
+    // Serve the whole queue: each waiter granted once, the first with the retry's token.
+    c.release(k, &held.lease_id).await.unwrap();
+    let granted = rec.0.lock().unwrap().last().cloned().expect("the head waiter was served");
+    assert_eq!((granted.0.as_str(), &granted.1.lease_id), ("token-3", &id));
+    c.release(k, &id).await.unwrap();
+    let next = rec.0.lock().unwrap().last().cloned().expect("the next waiter was served").1;
+    c.release(k, &next.lease_id).await.unwrap();
+    let st = c.get(k).await.unwrap();
+    assert_eq!(st.queue_length, 0);
+    let ids: Vec<LeaseId> = rec.0.lock().unwrap().iter().map(|(_, l)| l.lease_id.clone()).collect();
+    assert_eq!(ids.iter().filter(|l| **l == id).count(), 1, "the lease_id was granted again: {ids:?}");
+    assert_eq!(ids.len(), 2, "{ids:?}");
+    // The key is free: the queue holds nobody else.
+    let last = c.acquire(k, "last", Some(d), AcquireOptions::default()).await.unwrap();
+    assert!(last.fence > next.fence);
 }
 
 /// A wall clock `ahead` of the machine's.

@@ -75,6 +75,12 @@ pub enum Condition {
     /// The grant with `fence` is still marked undelivered. DynamoDB:
     /// `fence = :expected_fence AND attribute_exists(pending_token)`
     Undelivered { fence: u64 },
+    /// [`Condition::Undelivered`], the grant not released: the mark of a grant delivered while
+    /// live goes, but not by a write that lands after the lease was released (one held in the
+    /// network would date the key's freeing, `freed_at_ms`, before the release: the mark stays,
+    /// and whoever serves the ended grant removes it with its own clock). DynamoDB:
+    /// `fence = :expected_fence AND attribute_exists(pending_token) AND attribute_not_exists(released_at_ms)`
+    UndeliveredLive { fence: u64 },
     /// The item is not a lease (a waiter item, or nothing). DynamoDB:
     /// `attribute_not_exists(fence) OR fence = :zero`
     NotLease,
@@ -196,6 +202,7 @@ impl Condition {
                 Condition::Queueable { .. }
                 | Condition::HandOver { .. }
                 | Condition::Undelivered { .. }
+                | Condition::UndeliveredLive { .. }
                 | Condition::Unqueued { .. }
                 | Condition::ReleaseHandOver { .. }
                 | Condition::QueueIdle,
@@ -227,6 +234,9 @@ impl Condition {
                 r.fence == *fence && matches!(r.expires_at_ms, Some(e) if e <= *now_ms) && r.queue_head == Some(*head)
             }
             Condition::Undelivered { fence } => r.fence == *fence && r.pending_token.is_some(),
+            Condition::UndeliveredLive { fence } => {
+                r.fence == *fence && r.pending_token.is_some() && r.released_at_ms.is_none()
+            }
             Condition::Unqueued { lease_id } => {
                 &r.lease_id == lease_id && r.released_at_ms.is_none() && r.queue_len() == 0
             }

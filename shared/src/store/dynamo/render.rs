@@ -66,6 +66,7 @@ fn condition_guard(c: &Condition) -> Guard {
         Queueable { .. }
         | HandOver { .. }
         | Undelivered { .. }
+        | UndeliveredLive { .. }
         | Unqueued { .. }
         | ReleaseHandOver { .. }
         | QueueIdle
@@ -209,6 +210,11 @@ fn queue_guard(c: &Condition) -> Guard {
         Condition::Undelivered { fence } => {
             guard("fence = :expected_fence AND attribute_exists(pending_token)", [("expected_fence", num(*fence))])
         }
+        // The same, not released: a delivered mark held in the network never frees a released key.
+        Condition::UndeliveredLive { fence } => guard(
+            "fence = :expected_fence AND attribute_exists(pending_token) AND attribute_not_exists(released_at_ms)",
+            [("expected_fence", num(*fence))],
+        ),
         // A release without queued waiters (with waiters, `ReleaseHandOver` grants the head).
         Condition::Unqueued { lease_id } => guard(
             "lease_id = :lease_id AND attribute_not_exists(released_at_ms) \
@@ -725,6 +731,7 @@ mod tests {
             ),
             (Condition::HandOver { fence: 3, now_ms: now, head: 5 }, Some(Mutation::Skip { seq: 6, now_ms: now })),
             (Condition::Undelivered { fence: 3 }, Some(Mutation::Delivered { now_ms: now })),
+            (Condition::UndeliveredLive { fence: 3 }, Some(Mutation::Delivered { now_ms: now })),
             (Condition::Undelivered { fence: 3 }, Some(Mutation::Revoke { now_ms: now, ttl: Some(2) })),
             (Condition::Undelivered { fence: 3 }, Some(Mutation::Revoke { now_ms: now, ttl: None })),
             (Condition::FenceIs(3), Some(Mutation::MarkUndelivered { token: "t".into(), shard: 1003 })),
@@ -855,6 +862,7 @@ mod tests {
             Condition::Queueable { now_ms: 1, lease_id: id.clone() },
             Condition::HandOver { fence: 3, now_ms: 1, head: 5 },
             Condition::Undelivered { fence: 3 },
+            Condition::UndeliveredLive { fence: 3 },
             Condition::NotLease,
             Condition::HandTo { lease_id: id.clone(), fence: 3, now_ms: 1 },
             Condition::FreeIn { now_ms: 1, fence: 3, lease_id: id.clone(), visit },
