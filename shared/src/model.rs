@@ -266,6 +266,16 @@ impl Record {
         self.released_at_ms.max(self.freed_at_ms)
     }
 
+    /// What a grant that replaces the whole item must write a fence above: the last fence, and
+    /// the last queue's tail when its queue is empty (a new queue starts above the fence, so
+    /// its numbers stay above every earlier queue's: DESIGN.md, "The waiter queue", Layout).
+    pub fn fence_floor(&self) -> u64 {
+        match self.queue_tail {
+            Some(t) if self.queue_len() == 0 => self.fence.max(t),
+            _ => self.fence,
+        }
+    }
+
     /// Is the key unavailable to others at `now_ms` (by the coordinator's clock)? (A
     /// semaphore's item has no expiry: for the plain protocol it is held.)
     pub fn is_held(&self, now_ms: u64) -> bool {

@@ -214,6 +214,9 @@ impl Coordinator {
         let lease_id = opts.lease_id.clone().unwrap_or_else(LeaseId::generate);
         let opts = AcquireOptions { lease_id: Some(lease_id.clone()), ..opts };
         let shard = queue_shard(key);
+        // A new queue starts above the item's fence (the enqueue's condition): learned from a
+        // refused enqueue when this clock is not above it.
+        let mut floor = 0;
         for _ in 0..8 {
             // Free and without waiters: the plain acquire (one request).
             match self.acquire(key, holder, Some(duration), opts.clone()).await {
@@ -239,11 +242,11 @@ impl Coordinator {
             // Held, or free with waiters: join the queue. Idempotent per lease_id: a retry
             // whose earlier try landed (or a retried invocation) finds the last slot is its own.
             let deadline = self.monotonic() + self.config().retry_budget;
-            let start = self.now_us();
+            let start = self.now_us().max(floor + 1);
             let (w, _, now) = self
                 .write(key, deadline, |now| {
                     Ok((
-                        Condition::Queueable { now_ms: now, lease_id: lease_id.clone() },
+                        Condition::Queueable { now_ms: now, lease_id: lease_id.clone(), start },
                         Mutation::Enqueue { now_ms: now, start, lease_id: lease_id.clone(), shard },
                     ))
                 })
@@ -254,6 +257,11 @@ impl Coordinator {
                 Write::Rejected(Some(r)) if r.queue_tail_lease_id.as_ref() == Some(&lease_id) && r.queue_len() > 0 => {
                     let at = r.queue_tail_at_ms.unwrap_or(now);
                     (r, at)
+                }
+                // A new queue, and its start not above the item's fence: go again above it.
+                Write::Rejected(Some(r)) if r.queue_head.is_none() && r.fence >= start => {
+                    floor = r.fence;
+                    continue;
                 }
                 // Freed in between: take it.
                 Write::Rejected(_) => continue,

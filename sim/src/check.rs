@@ -72,24 +72,23 @@ pub(crate) fn check(events: &[Event], log: &[Applied], t0: Instant) -> Vec<Viola
 }
 
 /// The waiter queue: a key's grants to its waiters go in queue order (each grant's sequence
-/// number above the last), and a waiter takes one slot (an enqueue never lands on a queue
-/// whose last slot is already its own).
+/// number above the last, across the key's successive queues: a new queue starts above the
+/// last one's tail), and a waiter takes one slot (an enqueue never lands on a queue whose last
+/// slot is already its own).
 fn queues(log: &[Applied], out: &mut Vec<Violation>) {
     let mut last: BTreeMap<&str, u64> = BTreeMap::new();
     for a in log {
-        // A queue that starts anew (the item replaced, or no counters yet): its order starts
-        // over (its numbers come from the enqueuer's clock; see `queue_seq_reused`).
-        if a.new.as_ref().is_none_or(|r| r.queue_head.is_none()) {
+        // The item deleted by TTL: its counters are gone with it (a later queue starts above
+        // the later fences, as the fence does).
+        if a.new.is_none() {
             last.remove(a.key.as_str());
         }
         match (&a.mutation, &a.old) {
             (Some(Mutation::Grant { seq, .. }), _) => {
                 let before = last.insert(a.key.as_str(), *seq).unwrap_or(0);
                 if *seq <= before {
-                    // Known finding when the sequence number repeats: a queue's counters start
-                    // at the clock in µs, and a later queue on the key started at the same µs
-                    // (virtual time stands still between requests) reuses the earlier queue's
-                    // numbers, and its waiter items (DESIGN.md, "Simulation").
+                    // A repeated number is a later queue reusing an earlier one's numbers, and
+                    // its waiter items (found by the simulation, fixed: DESIGN.md, "Simulation").
                     let reused = *seq == before;
                     let mut v = Violation::new(
                         if reused { "queue_seq_reused" } else { "queue_not_fifo" },
@@ -97,7 +96,6 @@ fn queues(log: &[Applied], out: &mut Vec<Violation>) {
                         format!("waiter {seq} was granted the key after waiter {before}"),
                     );
                     v.at = Some(a.at);
-                    v.known = reused;
                     out.push(v);
                 }
             }
@@ -363,7 +361,7 @@ fn fences(events: &[Event], log: &[Applied], out: &mut Vec<Violation>) {
                 v.at = Some(a.at);
                 out.push(v);
             }
-            // A queue sequence number granted again (reported by `queues`, a known finding).
+            // A queue sequence number granted again (reported by `queues`).
             let reused = match a.mutation.as_ref() {
                 Some(Mutation::Grant { seq, .. }) => !seqs.insert((a.key.as_str(), *seq)),
                 _ => false,

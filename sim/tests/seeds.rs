@@ -81,7 +81,9 @@ fn regression_seed_1_keeps_every_promise() {
 ///   clause).
 /// - `--seed 5`: a retried queued acquire that took a second slot behind a later waiter while
 ///   its first waiter item was in the queue, both slots granted (`queued_lease_id_regranted`,
-///   reported as a known finding for the path left open; a retry now keeps its earlier slot).
+///   reported as a known finding for the path left open; a retry now keeps its earlier slot);
+/// - `--seed 60`: a later queue on a key reusing an earlier queue's numbers (`queue_seq_reused`;
+///   a new queue now starts above the last one's tail).
 ///
 /// Each in a fresh process, as seed 1 above; none may report a violation or the finding named.
 #[test]
@@ -89,6 +91,7 @@ fn regression_seeds_of_the_fixed_findings_keep_every_promise() {
     let runs: &[(&[&str], &str)] = &[
         (&["--seed", "201", "--ops", "10000"], "stale_acquire_after_queue_freed"),
         (&["--seed", "5"], "queued_lease_id_regranted"),
+        (&["--seed", "60"], "queue_seq_reused"),
     ];
     for (args, finding) in runs {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_leasehold-sim"))

@@ -15,6 +15,7 @@ both_backends!(
     a_stale_fail_closed_acquire_never_takes_a_key_released_after_it_was_sent,
     a_stale_fail_closed_acquire_never_takes_a_key_a_queue_write_freed_after_it_was_sent,
     a_retried_queued_acquire_keeps_its_slot_behind_a_later_waiter,
+    a_new_queue_starts_above_the_numbers_of_the_queue_before,
     an_acquire_right_after_a_release_by_a_clock_ahead_is_granted,
     an_unanswered_renewal_leaves_no_ttl_on_a_work_item,
     a_renewal_of_a_work_item_extends_it_without_a_ttl,
@@ -166,6 +167,39 @@ async fn a_retried_queued_acquire_keeps_its_slot_behind_a_later_waiter(b: Backen
     // The key is free: the queue holds nobody else.
     let last = c.acquire(k, "last", Some(d), AcquireOptions::default()).await.unwrap();
     assert!(last.fence > next.fence);
+}
+
+/// `queue_seq_reused` of the simulation. A queue's numbers start at its first enqueuer's clock
+/// in µs; once the queue is empty a plain acquire replaces the item (and its counters), and a
+/// later queue started by a clock behind the first one's would reuse its numbers, and serve a
+/// waiter item of the earlier queue left behind. A new queue must start above the last one's
+/// tail: the plain acquire writes a fence above it, and a new queue starts above the fence.
+async fn a_new_queue_starts_above_the_numbers_of_the_queue_before(b: Backend) {
+    let k = "queue-numbers";
+    let rec = Arc::new(Records::default());
+    // Clocks 4 s apart, within the skew margin of this test.
+    let cfg = || Config { skew_margin: Duration::from_secs(10), ..test_config() };
+    let ahead = b.coordinator(Config { clock: Arc::new(Ahead(4_000_000)), ..cfg() }).with_deliver(rec.clone());
+    let c = b.coordinator(cfg()).with_deliver(rec.clone());
+    let d = Duration::from_secs(60);
+    let held = c.acquire(k, "holder", Some(d), AcquireOptions::default()).await.unwrap();
+    // The first queue, numbered by the clock ahead.
+    let first = ahead.acquire_or_enqueue(k, "w1", d, AcquireOptions::default(), "t1", None).await.unwrap();
+    let Enqueued::Queued { seq: s1, .. } = first else { panic!("the key is held: {first:?}") };
+    c.release(k, &held.lease_id).await.unwrap();
+    let w1 = rec.0.lock().unwrap().last().cloned().expect("the waiter was served").1;
+    c.release(k, &w1.lease_id).await.unwrap();
+    assert_eq!(c.get(k).await.unwrap().queue_length, 0);
+    // A plain acquire by the clock behind replaces the item; a second queue follows.
+    let plain = c.acquire(k, "plain", Some(d), AcquireOptions::default()).await.unwrap();
+    assert!(plain.fence > s1, "fence {} not above the last queue's tail {s1}", plain.fence);
+    let second = c.acquire_or_enqueue(k, "w2", d, AcquireOptions::default(), "t2", None).await.unwrap();
+    let Enqueued::Queued { seq: s2, position: 1, .. } = second else { panic!("the key is held: {second:?}") };
+    assert!(s2 > s1, "the second queue reused the first one's numbers: {s2} <= {s1}");
+    c.release(k, &plain.lease_id).await.unwrap();
+    let w2 = rec.0.lock().unwrap().last().cloned().expect("the second waiter was served");
+    assert_eq!(w2.0, "t2");
+    assert!(w2.1.fence > plain.fence);
 }
 
 /// A wall clock `ahead` of the machine's.

@@ -350,7 +350,7 @@ impl Coordinator {
         if a.seen_fence.is_some() {
             tokio::time::sleep(jitter(self.config.retry_base)).await;
         }
-        a.seen_fence = Some(r.fence);
+        a.seen_fence = Some(r.fence_floor());
         a.visit = self.revisit(a.ask.key, &r, a.ask.want)?;
         if self.monotonic() >= a.deadline {
             return Err(Error::StoreUnavailable(format!("{:?} kept changing hands until the deadline", a.ask.key)));

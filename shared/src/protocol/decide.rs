@@ -63,7 +63,7 @@ pub(crate) fn sort_acquire(
         Write::Rejected(Some(r)) => match ended_reason(&r, lease_id, now) {
             Some(reason) if reason != Reason::WrongLeaseId => AcquireAnswer::Ended(reason),
             _ if after && !r.is_held(now) && r.freed_at().is_some_and(|t| t > now) => AcquireAnswer::Early(r),
-            _ if !r.is_held(now) && r.fence >= fence => AcquireAnswer::Above(r),
+            _ if !r.is_held(now) && r.fence_floor() >= fence => AcquireAnswer::Above(r),
             _ if !r.is_held(now) && !in_visit(&r, visit) => AcquireAnswer::Moved(r),
             _ => AcquireAnswer::Held(r),
         },

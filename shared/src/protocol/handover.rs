@@ -86,7 +86,8 @@ impl Coordinator {
         let mut lease = claim.offer().lease.clone();
         lease.now_ms = now;
         lease.handed_in = Some(self.id.to_string());
-        let Ok(fence) = self.next_fence(key, Some(r.fence)) else { return NotDone };
+        // The grant replaces the whole item: above the last queue's tail too (see `fence_floor`).
+        let Ok(fence) = self.next_fence(key, Some(r.fence_floor())) else { return NotDone };
         lease.fence = fence;
         lease.ttl = lease.duration_ms.map(|d| self.ttl_after(now + d));
         // A retried release of the releasing lease answers `already_released` (not

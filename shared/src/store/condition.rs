@@ -17,9 +17,10 @@ pub enum Condition {
     /// grant still marked undelivered (its waiter is told before the key moves on), and which is
     /// in no work state (a key in a state is taken with [`Condition::FreeIn`], which keeps its
     /// state). DynamoDB: `attribute_not_exists(fence) OR (expires_at_ms <= :now AND fence <
-    /// :fence AND lease_id <> :lease_id AND (attribute_not_exists(queue_tail) OR queue_tail <=
-    /// queue_head) AND attribute_not_exists(state_shard) AND attribute_not_exists(pending_token))`
-    /// (every item has a fence)
+    /// :fence AND lease_id <> :lease_id AND (attribute_not_exists(queue_tail) OR (queue_tail
+    /// <= queue_head AND queue_tail < :fence)) AND attribute_not_exists(state_shard) AND
+    /// attribute_not_exists(pending_token))` (every item has a fence; the last queue's tail
+    /// stays below every later fence, so that a new queue starts above it, see `Queueable`)
     Free { now_ms: u64, fence: u64, lease_id: LeaseId },
     /// [`Condition::Free`] for a fail-closed acquire (no expiry: a lease nobody knows of would
     /// hold the key until an operator frees it), which also requires that the key was not
@@ -61,13 +62,18 @@ pub enum Condition {
     /// `attribute_not_exists(expires_at_ms)`
     FenceAndExpiry { fence: u64, expires_at_ms: Option<u64> },
     /// A waiter may join the key's queue: the item exists and is held, or its queue is not
-    /// empty (a free key with waiters belongs to the head waiter), and the queue's last slot is
+    /// empty (a free key with waiters belongs to the head waiter), the queue's last slot is
     /// not already `lease_id`'s (a retried enqueue whose first try landed finds its slot in the
-    /// refused answer instead of taking a second one). DynamoDB:
+    /// refused answer instead of taking a second one), and a new queue (no counters on the
+    /// item) starts at `start`, above the item's fence: every grant that replaced the whole
+    /// item had a fence above the last queue's tail (`Free`), so a new queue's numbers are above
+    /// every earlier queue's on the key, and a waiter item of an earlier queue is never served
+    /// by a later one. DynamoDB:
     /// `attribute_exists(fence) AND (attribute_not_exists(expires_at_ms) OR expires_at_ms > :now
     /// OR queue_tail > queue_head) AND (attribute_not_exists(queue_tail_lease_id) OR
-    /// queue_tail_lease_id <> :lease_id OR queue_tail <= queue_head)`
-    Queueable { now_ms: u64, lease_id: LeaseId },
+    /// queue_tail_lease_id <> :lease_id OR queue_tail <= queue_head) AND (attribute_exists(queue_head)
+    /// OR fence < :queue_start)`
+    Queueable { now_ms: u64, lease_id: LeaseId, start: u64 },
     /// The key is free, still carries the lease read (`fence`), and its queue head is still
     /// `head`: the head waiter may be granted it, or skipped. DynamoDB:
     /// `fence = :expected_fence AND expires_at_ms <= :now AND queue_head = :queue_head`
@@ -159,6 +165,7 @@ impl Condition {
                     && r.fence < *fence
                     && &r.lease_id != lease_id
                     && r.queue_len() == 0
+                    && r.queue_tail.is_none_or(|t| t < *fence)
                     && r.state.is_none()
                     && r.pending_token.is_none()
             }
@@ -192,6 +199,7 @@ impl Condition {
                     && r.fence < *fence
                     && &r.lease_id != lease_id
                     && r.queue_len() == 0
+                    && r.queue_tail.is_none_or(|t| t < *fence)
                     && r.state.as_deref() == Some(visit.state.as_str())
                     && r.state_since_ms == Some(visit.since_ms)
                     && r.attempts.unwrap_or(0) == visit.attempts
@@ -226,9 +234,10 @@ impl Condition {
     /// The waiter queue's conditions (DESIGN.md, "The waiter queue") on an existing item.
     fn holds_on_queue(&self, r: &Record) -> bool {
         match self {
-            Condition::Queueable { now_ms, lease_id } => {
+            Condition::Queueable { now_ms, lease_id, start } => {
                 (r.is_held(*now_ms) || r.queue_len() > 0)
                     && (r.queue_tail_lease_id.as_ref() != Some(lease_id) || r.queue_len() == 0)
+                    && (r.queue_head.is_some() || r.fence < *start)
             }
             Condition::HandOver { fence, now_ms, head } => {
                 r.fence == *fence && matches!(r.expires_at_ms, Some(e) if e <= *now_ms) && r.queue_head == Some(*head)

@@ -113,8 +113,8 @@ fn lease_guard(c: &Condition) -> Guard {
         // lease_id, no queued waiter, no work state and no undelivered grant.
         Condition::Free { now_ms, fence, lease_id } => guard(
             "attribute_not_exists(fence) OR (expires_at_ms <= :now AND fence < :fence AND lease_id <> :lease_id \
-             AND (attribute_not_exists(queue_tail) OR queue_tail <= queue_head) AND attribute_not_exists(state_shard) \
-             AND attribute_not_exists(pending_token))",
+             AND (attribute_not_exists(queue_tail) OR (queue_tail <= queue_head AND queue_tail < :fence)) \
+             AND attribute_not_exists(state_shard) AND attribute_not_exists(pending_token))",
             [("now", num(*now_ms)), ("fence", num(*fence)), ("lease_id", id(lease_id))],
         ),
         // A fail-closed acquire: also not released, nor freed by a queue write, after this
@@ -122,8 +122,8 @@ fn lease_guard(c: &Condition) -> Guard {
         Condition::FreeAfter { now_ms, fence, lease_id } => guard(
             "attribute_not_exists(fence) OR (expires_at_ms <= :now AND (attribute_not_exists(released_at_ms) \
              OR released_at_ms <= :now) AND (attribute_not_exists(freed_at_ms) OR freed_at_ms <= :now) AND fence < :fence AND lease_id <> :lease_id \
-             AND (attribute_not_exists(queue_tail) OR queue_tail <= queue_head) AND attribute_not_exists(state_shard) \
-             AND attribute_not_exists(pending_token))",
+             AND (attribute_not_exists(queue_tail) OR (queue_tail <= queue_head AND queue_tail < :fence)) \
+             AND attribute_not_exists(state_shard) AND attribute_not_exists(pending_token))",
             [("now", num(*now_ms)), ("fence", num(*fence)), ("lease_id", id(lease_id))],
         ),
         // This lease, live, and this renewal newer than the last one; the expiry never moves
@@ -195,11 +195,13 @@ fn queue_guard(c: &Condition) -> Guard {
     match c {
         // Held, or with waiters ahead; and this lease_id's slot not already taken (a retried
         // enqueue finds its slot in the refused answer).
-        Condition::Queueable { now_ms, lease_id } => guard(
+        // A new queue starts above the item's fence (`:queue_start`, the update's own value).
+        Condition::Queueable { now_ms, lease_id, start } => guard(
             "attribute_exists(fence) AND (attribute_not_exists(expires_at_ms) OR expires_at_ms > :now \
              OR queue_tail > queue_head) AND (attribute_not_exists(queue_tail_lease_id) \
-             OR queue_tail_lease_id <> :lease_id OR queue_tail <= queue_head)",
-            [("now", num(*now_ms)), ("lease_id", id(lease_id))],
+             OR queue_tail_lease_id <> :lease_id OR queue_tail <= queue_head) \
+             AND (attribute_exists(queue_head) OR fence < :queue_start)",
+            [("now", num(*now_ms)), ("lease_id", id(lease_id)), ("queue_start", num(*start))],
         ),
         // Free, the lease read, and the head still `head`: grant the head waiter, or skip it.
         Condition::HandOver { fence, now_ms, head } => guard(
@@ -257,7 +259,7 @@ fn state_guard(c: &Condition) -> Guard {
         // `Free` for a key in a work state, still in the visit read (the put copies it over).
         Condition::FreeIn { now_ms, fence, lease_id, visit } => guard(
             "expires_at_ms <= :now AND fence < :fence AND lease_id <> :lease_id AND (attribute_not_exists(queue_tail) \
-             OR queue_tail <= queue_head) AND state_shard = :state_shard AND state_since_ms = :state_since_ms \
+             OR (queue_tail <= queue_head AND queue_tail < :fence)) AND state_shard = :state_shard AND state_since_ms = :state_since_ms \
              AND attempts = :attempts AND attribute_not_exists(pending_token)",
             [
                 ("now", num(*now_ms)),
@@ -714,7 +716,7 @@ mod tests {
             (Condition::FenceAndExpiry { fence: 3, expires_at_ms: Some(4) }, Some(Mutation::ClearKeepalive)),
             (Condition::FenceAndExpiry { fence: 3, expires_at_ms: None }, Some(Mutation::ClearKeepalive)),
             (
-                Condition::Queueable { now_ms: now, lease_id: id.clone() },
+                Condition::Queueable { now_ms: now, lease_id: id.clone(), start: 5 },
                 Some(Mutation::Enqueue { now_ms: now, start: 5, lease_id: id.clone(), shard: 1003 }),
             ),
             (
@@ -859,7 +861,7 @@ mod tests {
             Condition::FenceIs(3),
             Condition::FenceAndExpiry { fence: 3, expires_at_ms: Some(4) },
             Condition::FenceAndExpiry { fence: 3, expires_at_ms: None },
-            Condition::Queueable { now_ms: 1, lease_id: id.clone() },
+            Condition::Queueable { now_ms: 1, lease_id: id.clone(), start: 5 },
             Condition::HandOver { fence: 3, now_ms: 1, head: 5 },
             Condition::Undelivered { fence: 3 },
             Condition::UndeliveredLive { fence: 3 },
