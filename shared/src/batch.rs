@@ -205,7 +205,7 @@ impl Coordinator {
             let c = self.clone();
             tokio::spawn(async move {
                 for l in late {
-                    c.drop_late_grant(&l.key, &l.lease_id).await;
+                    c.drop_late_grant(&l.key, &l.lease_id, c.monotonic() + c.config().retry_budget).await;
                 }
             });
         }

@@ -16,6 +16,7 @@ both_backends!(
     a_stale_fail_closed_acquire_never_takes_a_key_a_queue_write_freed_after_it_was_sent,
     a_retried_queued_acquire_keeps_its_slot_behind_a_later_waiter,
     a_new_queue_starts_above_the_numbers_of_the_queue_before,
+    dropping_a_late_grant_does_not_wait_for_a_queue_delivery,
     an_acquire_right_after_a_release_by_a_clock_ahead_is_granted,
     an_unanswered_renewal_leaves_no_ttl_on_a_work_item,
     a_renewal_of_a_work_item_extends_it_without_a_ttl,
@@ -200,6 +201,50 @@ async fn a_new_queue_starts_above_the_numbers_of_the_queue_before(b: Backend) {
     let w2 = rec.0.lock().unwrap().last().cloned().expect("the second waiter was served");
     assert_eq!(w2.0, "t2");
     assert!(w2.1.fence > plain.fence);
+}
+
+/// Step Functions whose every `SendTaskSuccess` takes 3 s (its answer times out) and lands.
+struct SlowDelivery;
+
+#[async_trait]
+impl Deliver for SlowDelivery {
+    async fn success(&self, _: &str, _: &Lease) -> Result<(), DeliveryError> {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        Ok(())
+    }
+    async fn failure(&self, _: &str, _: &str, _: &str) -> Result<(), DeliveryError> {
+        Ok(())
+    }
+}
+
+/// Seed 185 of the simulation's `--seeds 200` (in one process): `wait_past_deadline`. An
+/// acquire on a coordinator that serves queues has its grant answered after the lease's safe
+/// time, and releases that grant; a waiter queued meanwhile, the release hands it the key and
+/// delivers it, and the delivery (`SendTaskSuccess`, up to its 3 s client timeout) held the
+/// acquire 3 s past its deadline. The acquire must end by its deadline.
+async fn dropping_a_late_grant_does_not_wait_for_a_queue_delivery(b: Backend) {
+    let k = "late-grant-queue";
+    let faulty = Faulty::new(b.store());
+    let c = Coordinator::new(faulty.clone(), test_config()).with_deliver(Arc::new(SlowDelivery));
+    let other = b.coordinator(test_config()).with_deliver(Arc::new(SlowDelivery));
+    // The grant lands at once; its answer comes after the lease's safe time (1.5 s lease).
+    faulty.inject(&[Fault::SlowAnswer(Duration::from_millis(1600))]);
+    let start = Instant::now();
+    let deadline = start + Duration::from_millis(2500);
+    let opts = AcquireOptions { deadline: Some(deadline), ..Default::default() };
+    let acquire = {
+        let c = c.clone();
+        tokio::spawn(async move { c.acquire(k, "h", Some(Duration::from_millis(1500)), opts).await })
+    };
+    // A waiter joins the queue of the key the late grant holds.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let q = other.acquire_or_enqueue(k, "w", Duration::from_secs(30), AcquireOptions::default(), "t", None).await;
+    assert!(matches!(q, Ok(Enqueued::Queued { .. })), "{q:?}");
+    let r = acquire.await.unwrap();
+    let ended = start.elapsed();
+    // Its deadline, plus room for a loaded machine: well short of the delivery's 3 s.
+    assert!(ended < Duration::from_millis(2500 + 1500), "the acquire ended after {ended:?}: {r:?}");
+    assert!(r.is_err(), "the key was handed to the waiter: {r:?}");
 }
 
 /// A wall clock `ahead` of the machine's.

@@ -107,7 +107,7 @@ impl Coordinator {
                     }
                     // Answered after its safe time (a stalled request): of no use to the
                     // holder; the slot is given back and taken anew, as for a lease.
-                    self.drop_late_grant(t.key, &t.lease_id).await;
+                    self.drop_late_grant(t.key, &t.lease_id, deadline).await;
                     if t.opts.lease_id.is_some() {
                         return Err(Error::StoreUnavailable("the store answered after the slot's safe time".into()));
                     }
