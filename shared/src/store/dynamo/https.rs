@@ -7,8 +7,10 @@
 //! parsing the roots again, and most of its time before ready went there (BENCHMARKS.md,
 //! "Cold start"). [`DeferredTrust`] leaves that out, so the roots are loaded once, when the
 //! first connection is made (the connectors, the roots and the verification are the SDK's,
-//! unchanged). Loading them on a thread of its own at start was measured too and left out: on
-//! a shared or fractional CPU it delayed the ready time as much as it saved the first request.
+//! unchanged). Reading them ahead on a thread of its own, once the function had asked for its
+//! first event, was measured too and left out: the thread ran beside the runtime client's
+//! start and put back most of the ready time it had saved, without shortening ready plus
+//! first event (BENCHMARKS.md, "Cold start").
 
 use aws_smithy_http_client::tls;
 use aws_smithy_runtime_api::box_error::BoxError;
