@@ -351,9 +351,9 @@ pub async fn client_for(moto_endpoint: &str, arn: &str) -> aws_sdk_sfn::Client {
     sfn_client(moto_endpoint, region_of(arn)).await
 }
 
-/// How many events the execution's history holds (moto's GetExecutionHistory, every page).
-pub async fn history_events(client: &aws_sdk_sfn::Client, arn: &str) -> usize {
-    let mut n = 0;
+/// The execution's whole history (moto's GetExecutionHistory, every page), oldest first.
+pub async fn all_history(client: &aws_sdk_sfn::Client, arn: &str) -> Vec<aws_sdk_sfn::types::HistoryEvent> {
+    let mut events = Vec::new();
     let mut token: Option<String> = None;
     loop {
         let out = client
@@ -364,12 +364,17 @@ pub async fn history_events(client: &aws_sdk_sfn::Client, arn: &str) -> usize {
             .send()
             .await
             .unwrap_or_else(|e| panic!("history of {arn}: {e:?}"));
-        n += out.events().len();
+        events.extend(out.events().iter().cloned());
         token = out.next_token().map(str::to_string);
         if token.is_none() {
-            return n;
+            return events;
         }
     }
+}
+
+/// How many events the execution's history holds.
+pub async fn history_events(client: &aws_sdk_sfn::Client, arn: &str) -> usize {
+    all_history(client, arn).await.len()
 }
 
 /// Counts the execution's history events; past [`MAX_HISTORY_EVENTS`] the execution is

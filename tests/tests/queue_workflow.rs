@@ -263,9 +263,8 @@ async fn wait_end(run: &Run, timeout: Duration) -> Ended {
     loop {
         let d = run.client.describe_execution().execution_arn(&run.arn).send().await.expect("describe");
         if *d.status() != ExecutionStatus::Running {
-            let h = run.client.get_execution_history().execution_arn(&run.arn).max_results(1000).send().await.unwrap();
+            let h = leasehold_tests::sfn_quotas::all_history(&run.client, &run.arn).await;
             let lease_arrived_ms = h
-                .events()
                 .iter()
                 .find(|e| *e.r#type() == HistoryEventType::TaskSucceeded)
                 .map(|e| e.timestamp().to_millis().unwrap() as u64);

@@ -220,6 +220,100 @@ impl Shared {
     }
 }
 
+/// An acquire through `conn`, sent up to 3 times while it fails without an answer or with a
+/// 5xx (the body carries the holder's own lease_id, so a retry returns what a lost attempt
+/// took). The grant with its send instant and wall clock, or None (held, refused, no answer).
+async fn acquire(conn: &mut Conn, key: &str, body: &Value, t: &Totals) -> Option<(Instant, u64, Value)> {
+    for _attempt in 0..3 {
+        let (sent, sent_wall) = (Instant::now(), wall_ms());
+        t.requests.fetch_add(1, Ordering::Relaxed);
+        match tokio::time::timeout(Duration::from_secs(15), conn.post(&lease_path(key, "acquire"), body)).await {
+            Ok(Ok((200, v))) => return Some((sent, sent_wall, v)),
+            Ok(Ok((409, _))) => {
+                t.held.fetch_add(1, Ordering::Relaxed);
+                return None;
+            }
+            Ok(Ok((status, v))) => {
+                t.error(format!("acquire {status} {}", v["error"].as_str().unwrap_or("?")));
+                if status < 500 {
+                    return None;
+                }
+            }
+            Ok(Err(_)) | Err(_) => {
+                conn.reset();
+                t.error("acquire: no answer");
+            }
+        }
+    }
+    None
+}
+
+/// What a holder believes after a heartbeat.
+enum Renewal {
+    /// Renewed: it may believe until then.
+    Until(Instant),
+    /// It stopped believing then (refused, no answer, or told after the new safe time).
+    Ended(Instant),
+}
+
+/// One heartbeat of `lease_id`. The holder stops believing when its belief runs out, answer
+/// or not.
+async fn renew(
+    conn: &mut Conn,
+    key: &str,
+    lease_id: &str,
+    believed_until: Instant,
+    t: &Totals,
+    missing_safe_for: &AtomicBool,
+) -> Renewal {
+    let (sent, sent_wall) = (Instant::now(), wall_ms());
+    t.requests.fetch_add(1, Ordering::Relaxed);
+    let hb = json!({"lease_id": lease_id});
+    let answered = tokio::time::timeout_at(believed_until.into(), conn.post(&lease_path(key, "heartbeat"), &hb)).await;
+    let now = Instant::now();
+    match answered {
+        Ok(Ok((200, v))) => {
+            t.heartbeats.fetch_add(1, Ordering::Relaxed);
+            let told = belief(sent, sent_wall, &v, missing_safe_for);
+            if told <= now {
+                t.told_too_late.fetch_add(1, Ordering::Relaxed);
+                return Renewal::Ended(now.min(believed_until));
+            }
+            Renewal::Until(told)
+        }
+        Ok(Ok((status, v))) => {
+            t.error(format!("heartbeat {status} {}", v["error"].as_str().unwrap_or("?")));
+            Renewal::Ended(now.min(believed_until))
+        }
+        Ok(Err(_)) => {
+            conn.reset();
+            t.error("heartbeat: no answer");
+            Renewal::Ended(now.min(believed_until))
+        }
+        Err(_) => {
+            conn.reset();
+            t.beliefs_ran_out.fetch_add(1, Ordering::Relaxed);
+            Renewal::Ended(believed_until)
+        }
+    }
+}
+
+/// Releases `lease_id` (one try, 5 s).
+async fn release(conn: &mut Conn, key: &str, lease_id: &str, t: &Totals) {
+    t.requests.fetch_add(1, Ordering::Relaxed);
+    let body = json!({"lease_id": lease_id});
+    match tokio::time::timeout(Duration::from_secs(5), conn.post(&lease_path(key, "release"), &body)).await {
+        Ok(Ok((200, _))) => {
+            t.releases.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(Ok((status, v))) => t.error(format!("release {status} {}", v["error"].as_str().unwrap_or("?"))),
+        _ => {
+            conn.reset();
+            t.error("release: no answer");
+        }
+    }
+}
+
 /// One holder: acquire, renew every 0.7 s while it believes it holds the key, release after 2-8
 /// renewals; again until the run ends.
 async fn holder(sh: Arc<Shared>, n: usize) {
@@ -235,34 +329,8 @@ async fn holder(sh: Arc<Shared>, n: usize) {
     while Instant::now() < sh.stop_at {
         // Its own lease_id, so that a retried acquire returns the lease a lost attempt took.
         let lease_id = format!("{:016x}{:016x}", rand(&mut seed), rand(&mut seed));
-        let acquire = json!({"holder": name, "duration_ms": LEASE_MS, "wait_ms": 1500, "lease_id": lease_id});
-        let mut granted = None;
-        for _attempt in 0..3 {
-            let (sent, sent_wall) = (Instant::now(), wall_ms());
-            t.requests.fetch_add(1, Ordering::Relaxed);
-            match tokio::time::timeout(Duration::from_secs(15), conn.post(&lease_path(&sh.key, "acquire"), &acquire))
-                .await
-            {
-                Ok(Ok((200, v))) => {
-                    granted = Some((sent, sent_wall, v));
-                    break;
-                }
-                Ok(Ok((409, _))) => {
-                    t.held.fetch_add(1, Ordering::Relaxed);
-                    break;
-                }
-                Ok(Ok((status, v))) => {
-                    t.error(format!("acquire {status} {}", v["error"].as_str().unwrap_or("?")));
-                    if status < 500 {
-                        break;
-                    }
-                }
-                Ok(Err(_)) | Err(_) => {
-                    conn.reset();
-                    t.error("acquire: no answer");
-                }
-            }
-        }
+        let acquire_body = json!({"holder": name, "duration_ms": LEASE_MS, "wait_ms": 1500, "lease_id": lease_id});
+        let granted = acquire(&mut conn, &sh.key, &acquire_body, t).await;
         let Some((sent, sent_wall, answer)) = granted else {
             if rogue {
                 // Refused at once: ask again a little later.
@@ -277,12 +345,13 @@ async fn holder(sh: Arc<Shared>, n: usize) {
         let fence = answer["fence"].as_u64().expect("fence in the acquire answer");
         let mut believed_until = belief(sent, sent_wall, &answer, &sh.missing_safe_for);
         t.acquired.fetch_add(1, Ordering::Relaxed);
-        let release = json!({"lease_id": lease_id});
+        let release_body = json!({"lease_id": lease_id});
         if believed_until <= start {
             // The answer arrived after the lease's safe time: never believed.
             t.told_too_late.fetch_add(1, Ordering::Relaxed);
-            let _ = tokio::time::timeout(Duration::from_secs(5), conn.post(&lease_path(&sh.key, "release"), &release))
-                .await;
+            let _ =
+                tokio::time::timeout(Duration::from_secs(5), conn.post(&lease_path(&sh.key, "release"), &release_body))
+                    .await;
             continue;
         }
         sh.write(&name, fence, believed_until);
@@ -302,40 +371,14 @@ async fn holder(sh: Arc<Shared>, n: usize) {
                 end = Some(believed_until);
                 break;
             }
-            let (hb_sent, hb_wall) = (Instant::now(), wall_ms());
-            next_renewal = hb_sent + RENEW_EVERY;
-            t.requests.fetch_add(1, Ordering::Relaxed);
-            let hb = json!({"lease_id": lease_id});
-            // It stops believing when its belief runs out, answer or not.
-            let answered =
-                tokio::time::timeout_at(believed_until.into(), conn.post(&lease_path(&sh.key, "heartbeat"), &hb)).await;
-            let now = Instant::now();
-            match answered {
-                Ok(Ok((200, v))) => {
-                    t.heartbeats.fetch_add(1, Ordering::Relaxed);
-                    let told = belief(hb_sent, hb_wall, &v, &sh.missing_safe_for);
-                    if told <= now {
-                        end = Some(now.min(believed_until));
-                        t.told_too_late.fetch_add(1, Ordering::Relaxed);
-                        break;
-                    }
+            next_renewal = Instant::now() + RENEW_EVERY;
+            match renew(&mut conn, &sh.key, &lease_id, believed_until, t, &sh.missing_safe_for).await {
+                Renewal::Until(told) => {
                     believed_until = told;
                     sh.write(&name, fence, believed_until);
                 }
-                Ok(Ok((status, v))) => {
-                    t.error(format!("heartbeat {status} {}", v["error"].as_str().unwrap_or("?")));
-                    end = Some(now.min(believed_until));
-                    break;
-                }
-                Ok(Err(_)) => {
-                    t.error("heartbeat: no answer");
-                    end = Some(now.min(believed_until));
-                    break;
-                }
-                Err(_) => {
-                    conn.reset();
-                    t.beliefs_ran_out.fetch_add(1, Ordering::Relaxed);
-                    end = Some(believed_until);
+                Renewal::Ended(at) => {
+                    end = Some(at);
                     break;
                 }
             }
@@ -343,17 +386,7 @@ async fn holder(sh: Arc<Shared>, n: usize) {
         // Done (or no longer believing): stop believing as the release is sent, then release.
         let end = end.unwrap_or_else(|| Instant::now().min(believed_until));
         sh.windows.lock().unwrap().push(Window { holder: name.clone(), fence, start, end });
-        t.requests.fetch_add(1, Ordering::Relaxed);
-        match tokio::time::timeout(Duration::from_secs(5), conn.post(&lease_path(&sh.key, "release"), &release)).await {
-            Ok(Ok((200, _))) => {
-                t.releases.fetch_add(1, Ordering::Relaxed);
-            }
-            Ok(Ok((status, v))) => t.error(format!("release {status} {}", v["error"].as_str().unwrap_or("?"))),
-            _ => {
-                conn.reset();
-                t.error("release: no answer");
-            }
-        }
+        release(&mut conn, &sh.key, &lease_id, t).await;
     }
 }
 
@@ -569,35 +602,9 @@ async fn sem_holder(sh: Arc<SemShared>, n: usize) {
     let unserved = || sh.served[n].load(Ordering::Relaxed) == 0;
     while Instant::now() < sh.stop_at || (unserved() && Instant::now() < sh.stop_at + SEM_OVERTIME) {
         let lease_id = format!("{:016x}{:016x}", rand(&mut seed), rand(&mut seed));
-        let acquire = json!({"holder": name, "duration_ms": LEASE_MS, "wait_ms": 1500, "lease_id": lease_id,
-                             "slots": SEM_SLOTS});
-        let mut granted = None;
-        for _attempt in 0..3 {
-            let (sent, sent_wall) = (Instant::now(), wall_ms());
-            t.requests.fetch_add(1, Ordering::Relaxed);
-            match tokio::time::timeout(Duration::from_secs(15), conn.post(&lease_path(&sh.key, "acquire"), &acquire))
-                .await
-            {
-                Ok(Ok((200, v))) => {
-                    granted = Some((sent, sent_wall, v));
-                    break;
-                }
-                Ok(Ok((409, _))) => {
-                    t.held.fetch_add(1, Ordering::Relaxed);
-                    break;
-                }
-                Ok(Ok((status, v))) => {
-                    t.error(format!("acquire {status} {}", v["error"].as_str().unwrap_or("?")));
-                    if status < 500 {
-                        break;
-                    }
-                }
-                Ok(Err(_)) | Err(_) => {
-                    conn.reset();
-                    t.error("acquire: no answer");
-                }
-            }
-        }
+        let acquire_body = json!({"holder": name, "duration_ms": LEASE_MS, "wait_ms": 1500, "lease_id": lease_id,
+                                  "slots": SEM_SLOTS});
+        let granted = acquire(&mut conn, &sh.key, &acquire_body, t).await;
         let Some((sent, sent_wall, answer)) = granted else { continue };
         let start = Instant::now();
         let fence = answer["fence"].as_u64().expect("fence in the acquire answer");
@@ -608,12 +615,13 @@ async fn sem_holder(sh: Arc<SemShared>, n: usize) {
         }
         let mut believed_until = belief(sent, sent_wall, &answer, &sh.missing_safe_for);
         t.acquired.fetch_add(1, Ordering::Relaxed);
-        let release = json!({"lease_id": lease_id});
+        let release_body = json!({"lease_id": lease_id});
         let hb = json!({"lease_id": lease_id});
         if believed_until <= start {
             t.told_too_late.fetch_add(1, Ordering::Relaxed);
-            let _ = tokio::time::timeout(Duration::from_secs(5), conn.post(&lease_path(&sh.key, "release"), &release))
-                .await;
+            let _ =
+                tokio::time::timeout(Duration::from_secs(5), conn.post(&lease_path(&sh.key, "release"), &release_body))
+                    .await;
             continue;
         }
         if sh.served[n].fetch_add(1, Ordering::Relaxed) == 0 && start >= sh.stop_at {
@@ -644,39 +652,11 @@ async fn sem_holder(sh: Arc<SemShared>, n: usize) {
                     end = Some(believed_until);
                     break;
                 }
-                let (hb_sent, hb_wall) = (Instant::now(), wall_ms());
-                next_renewal = hb_sent + RENEW_EVERY;
-                t.requests.fetch_add(1, Ordering::Relaxed);
-                let answered =
-                    tokio::time::timeout_at(believed_until.into(), conn.post(&lease_path(&sh.key, "heartbeat"), &hb))
-                        .await;
-                let now = Instant::now();
-                match answered {
-                    Ok(Ok((200, v))) => {
-                        t.heartbeats.fetch_add(1, Ordering::Relaxed);
-                        let told = belief(hb_sent, hb_wall, &v, &sh.missing_safe_for);
-                        if told <= now {
-                            end = Some(now.min(believed_until));
-                            t.told_too_late.fetch_add(1, Ordering::Relaxed);
-                            break;
-                        }
-                        believed_until = told;
-                    }
-                    Ok(Ok((status, v))) => {
-                        t.error(format!("heartbeat {status} {}", v["error"].as_str().unwrap_or("?")));
-                        end = Some(now.min(believed_until));
-                        break;
-                    }
-                    Ok(Err(_)) => {
-                        conn.reset();
-                        t.error("heartbeat: no answer");
-                        end = Some(now.min(believed_until));
-                        break;
-                    }
-                    Err(_) => {
-                        conn.reset();
-                        t.beliefs_ran_out.fetch_add(1, Ordering::Relaxed);
-                        end = Some(believed_until);
+                next_renewal = Instant::now() + RENEW_EVERY;
+                match renew(&mut conn, &sh.key, &lease_id, believed_until, t, &sh.missing_safe_for).await {
+                    Renewal::Until(told) => believed_until = told,
+                    Renewal::Ended(at) => {
+                        end = Some(at);
                         break;
                     }
                 }
@@ -685,17 +665,7 @@ async fn sem_holder(sh: Arc<SemShared>, n: usize) {
             end.unwrap_or_else(|| Instant::now().min(believed_until))
         };
         sh.windows.lock().unwrap().push(Window { holder: name.clone(), fence, start, end });
-        t.requests.fetch_add(1, Ordering::Relaxed);
-        match tokio::time::timeout(Duration::from_secs(5), conn.post(&lease_path(&sh.key, "release"), &release)).await {
-            Ok(Ok((200, _))) => {
-                t.releases.fetch_add(1, Ordering::Relaxed);
-            }
-            Ok(Ok((status, v))) => t.error(format!("release {status} {}", v["error"].as_str().unwrap_or("?"))),
-            _ => {
-                conn.reset();
-                t.error("release: no answer");
-            }
-        }
+        release(&mut conn, &sh.key, &lease_id, t).await;
         tokio::time::sleep(Duration::from_millis(200 + rand(&mut seed) % 1000)).await;
     }
 }

@@ -415,40 +415,25 @@ impl Ended {
 
 async fn history(run: &Run) -> Vec<Event> {
     let mut events = vec![];
-    let mut token: Option<String> = None;
     let mut state = String::new();
-    loop {
-        let out = run
-            .client
-            .get_execution_history()
-            .execution_arn(&run.arn)
-            .max_results(1000)
-            .set_next_token(token.clone())
-            .send()
-            .await
-            .unwrap_or_else(|e| panic!("history: {}", aws_smithy_types_display(&e)));
-        for e in out.events() {
-            if let Some(d) = e.state_entered_event_details() {
-                state = d.name().to_string();
-            }
-            let (error, output) = if let Some(d) = e.task_failed_event_details() {
-                (d.error().map(str::to_string), None)
-            } else if let Some(d) = e.task_succeeded_event_details() {
-                (None, d.output().and_then(|o| serde_json::from_str(o).ok()))
-            } else if let Some(d) = e.state_exited_event_details() {
-                (None, d.output().and_then(|o| serde_json::from_str(o).ok()))
-            } else if let Some(d) = e.task_timed_out_event_details() {
-                (d.error().map(str::to_string), None)
-            } else {
-                (None, None)
-            };
-            events.push(Event { kind: e.r#type().clone(), state: state.clone(), error, output });
+    for e in sfn_quotas::all_history(&run.client, &run.arn).await {
+        if let Some(d) = e.state_entered_event_details() {
+            state = d.name().to_string();
         }
-        token = out.next_token().map(str::to_string);
-        if token.is_none() {
-            return events;
-        }
+        let (error, output) = if let Some(d) = e.task_failed_event_details() {
+            (d.error().map(str::to_string), None)
+        } else if let Some(d) = e.task_succeeded_event_details() {
+            (None, d.output().and_then(|o| serde_json::from_str(o).ok()))
+        } else if let Some(d) = e.state_exited_event_details() {
+            (None, d.output().and_then(|o| serde_json::from_str(o).ok()))
+        } else if let Some(d) = e.task_timed_out_event_details() {
+            (d.error().map(str::to_string), None)
+        } else {
+            (None, None)
+        };
+        events.push(Event { kind: e.r#type().clone(), state: state.clone(), error, output });
     }
+    events
 }
 
 async fn wait_end(run: &Run, timeout: Duration) -> Ended {
@@ -989,30 +974,15 @@ impl Limited {
 /// order Step Functions recorded them (event id): +1 entered, -1 exited.
 async fn state_edges(run: &Run, state: &str) -> Vec<(i64, i32)> {
     let mut edges = Vec::new();
-    let mut token: Option<String> = None;
-    loop {
-        let out = run
-            .client
-            .get_execution_history()
-            .execution_arn(&run.arn)
-            .max_results(1000)
-            .set_next_token(token.clone())
-            .send()
-            .await
-            .unwrap_or_else(|e| panic!("history: {}", aws_smithy_types_display(&e)));
-        for e in out.events() {
-            if e.state_entered_event_details().is_some_and(|d| d.name() == state) {
-                edges.push((e.id(), 1));
-            } else if e.state_exited_event_details().is_some_and(|d| d.name() == state) {
-                edges.push((e.id(), -1));
-            }
-        }
-        token = out.next_token().map(str::to_string);
-        if token.is_none() {
-            edges.sort();
-            return edges;
+    for e in sfn_quotas::all_history(&run.client, &run.arn).await {
+        if e.state_entered_event_details().is_some_and(|d| d.name() == state) {
+            edges.push((e.id(), 1));
+        } else if e.state_exited_event_details().is_some_and(|d| d.name() == state) {
+            edges.push((e.id(), -1));
         }
     }
+    edges.sort();
+    edges
 }
 
 /// The most iterations inside `state` at once, by the history's order of events.
