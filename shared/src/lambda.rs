@@ -541,7 +541,8 @@ pub(crate) async fn handler_from_env(function: Function) -> Result<Handler, Erro
         tracing::warn!(store = %choice.describe(), "LEASEHOLD_TABLE is not set: using the embedded store");
     }
     // One SDK configuration (credentials chain, region, HTTP client) for every client of the
-    // process: loading it is most of what a function does before it is ready.
+    // process. Its trust store is read on the first connection, not here: it was most of the
+    // time before ready (BENCHMARKS.md, "Cold start").
     let conf = crate::store::dynamo::load_sdk_config(Duration::from_secs(3)).await;
     let store: Arc<dyn crate::store::Store> = match &choice {
         StoreChoice::Dynamo { table } => {

@@ -11,7 +11,8 @@
 //!   against DESIGN.md word for word);
 //! - `item`: records as items and back (the item schema);
 //! - `scan`: the Scan and the index Queries behind [`Store::scan`] and [`Store::count`];
-//! - `date`: the interceptor that samples the `Date` of DynamoDB's answers for the clock check.
+//! - `date`: the interceptor that samples the `Date` of DynamoDB's answers for the clock check;
+//! - `https`: the HTTPS client, its trust store loaded on first use.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,6 +29,7 @@ use crate::error::{Error, Result};
 use crate::model::Record;
 
 mod date;
+mod https;
 mod item;
 mod render;
 mod scan;
@@ -170,14 +172,11 @@ const CREATE_WAIT: Duration = Duration::from_secs(60);
 /// Builds an SDK config from the standard AWS environment (credentials chain, region,
 /// `AWS_ENDPOINT_URL_DYNAMODB` / `AWS_ENDPOINT_URL`), with rustls on ring, SDK retries off
 /// (the protocol retries itself, with the same lease_id, within the caller's deadline) and
-/// bounded timeouts so a stalled store cannot outlive a lease.
+/// bounded timeouts so a stalled store cannot outlive a lease. The platform's trust store is
+/// read when the first connection is made, once for every client built from this config.
 pub async fn load_sdk_config(attempt_timeout: Duration) -> aws_config::SdkConfig {
-    use aws_smithy_http_client::tls;
-    let http = aws_smithy_http_client::Builder::new()
-        .tls_provider(tls::Provider::Rustls(tls::rustls_provider::CryptoMode::Ring))
-        .build_https();
     aws_config::defaults(aws_config::BehaviorVersion::latest())
-        .http_client(http)
+        .http_client(aws_smithy_runtime_api::client::http::SharedHttpClient::new(https::DeferredTrust::new()))
         .retry_config(aws_config::retry::RetryConfig::disabled())
         .timeout_config(
             aws_config::timeout::TimeoutConfig::builder()
