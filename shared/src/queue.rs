@@ -201,13 +201,7 @@ impl Coordinator {
         task_token: &str,
         timeout_at_ms: Option<u64>,
     ) -> Result<Enqueued> {
-        self.check_acquire(key, holder, Some(duration), &opts)?;
-        if opts.min_hold.is_some() || opts.wait.is_some() {
-            return Err(Error::invalid("a queued acquire takes neither min_hold_ms nor wait_ms"));
-        }
-        if task_token.is_empty() || task_token.len() > 2048 {
-            return Err(Error::invalid("task_token must be 1..=2048 bytes (a Step Functions task token)"));
-        }
+        self.check_queued(key, holder, duration, &opts, task_token)?;
         let deliver = self.deliverer()?;
         // Only a caller's lease_id can be sent again by a retried invocation.
         let mut retry_possible = opts.lease_id.is_some();
@@ -230,13 +224,8 @@ impl Coordinator {
             if std::mem::take(&mut retry_possible) {
                 if let Some((head, w)) = self.own_waiter(key, &lease_id).await? {
                     let deadline = self.monotonic() + self.config().retry_budget;
-                    let seq = w.seq;
                     let waiter = Waiter { task_token: task_token.to_string(), timeout_at_ms, ..w };
-                    self.put_waiter(key, waiter, self.now_ms(), deadline).await?;
-                    if let Err(e) = self.serve_queue(key).await {
-                        tracing::warn!(key, error = e.name(), "serving the queue after an enqueue failed");
-                    }
-                    return Ok(Enqueued::Queued { seq, position: seq.saturating_sub(head), lease_id });
+                    return self.place_waiter(key, waiter, head, self.now_ms(), deadline).await;
                 }
             }
             // Held, or free with waiters: join the queue. Idempotent per lease_id: a retry
@@ -278,16 +267,48 @@ impl Coordinator {
                 enqueued_at_ms: enqueued_at,
                 timeout_at_ms,
             };
-            self.put_waiter(key, waiter, now, deadline).await?;
-            // The key may have been freed between the two writes, with nobody to serve this
-            // waiter: serve it now (one read when the key is still held).
-            if let Err(e) = self.serve_queue(key).await {
-                tracing::warn!(key, error = e.name(), "serving the queue after an enqueue failed");
-            }
-            let head = r.queue_head.unwrap_or(seq - 1);
-            return Ok(Enqueued::Queued { seq, position: seq.saturating_sub(head), lease_id });
+            return self.place_waiter(key, waiter, r.queue_head.unwrap_or(seq - 1), now, deadline).await;
         }
         Err(Error::StoreUnavailable(format!("{key:?} kept changing hands while joining its queue")))
+    }
+
+    /// What a queued acquire must be: a valid acquire with a duration, neither `min_hold` nor
+    /// `wait`, and a task token of Step Functions' size.
+    fn check_queued(
+        &self,
+        key: &str,
+        holder: &str,
+        duration: Duration,
+        opts: &AcquireOptions,
+        task_token: &str,
+    ) -> Result<()> {
+        self.check_acquire(key, holder, Some(duration), opts)?;
+        if opts.min_hold.is_some() || opts.wait.is_some() {
+            return Err(Error::invalid("a queued acquire takes neither min_hold_ms nor wait_ms"));
+        }
+        if task_token.is_empty() || task_token.len() > 2048 {
+            return Err(Error::invalid("task_token must be 1..=2048 bytes (a Step Functions task token)"));
+        }
+        Ok(())
+    }
+
+    /// Writes the waiter item of a slot taken (or kept) in `key`'s queue, whose head is `head`,
+    /// and answers `Queued`. The key may have been freed between the enqueue and this write,
+    /// with nobody to serve this waiter: it is served now (one read when the key is still held).
+    async fn place_waiter(
+        &self,
+        key: &str,
+        waiter: Waiter,
+        head: u64,
+        now: u64,
+        deadline: Instant,
+    ) -> Result<Enqueued> {
+        let (seq, lease_id) = (waiter.seq, waiter.lease_id.clone());
+        self.put_waiter(key, waiter, now, deadline).await?;
+        if let Err(e) = self.serve_queue(key).await {
+            tracing::warn!(key, error = e.name(), "serving the queue after an enqueue failed");
+        }
+        Ok(Enqueued::Queued { seq, position: seq.saturating_sub(head), lease_id })
     }
 
     /// The waiter item of `lease_id` in `key`'s queue, if any, with the queue's head: read from
