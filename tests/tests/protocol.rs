@@ -32,6 +32,7 @@ both_backends!(
     keepalive_and_metadata_round_trip,
     keepalive_sweep_renews_every_live_lease,
     two_handles_on_one_store,
+    a_callers_lease_id_answers_what_became_of_it,
 );
 
 fn secs(s: u64) -> Option<Duration> {
@@ -1476,6 +1477,40 @@ async fn semaphore_slots_changed_while_held(b: Backend) {
     assert_eq!(c.get("sem/n2").await.unwrap().slots, Some(2));
     assert!(d.fence > cl.fence);
     assert!(matches!(c.acquire("sem/n2", "e", secs(30), slots(2)).await, Err(Error::LeaseHeld { .. })));
+}
+
+/// An acquire with the caller's own lease_id (a retry, or a fail-closed lease kept across
+/// restarts) is answered by what became of that lease: granted again while it lives (the same
+/// fence), `NotHolder` once it was released or expired (a lease_id is single-use: the key is
+/// not taken again under it), and `LeaseHeld` while another lease holds the key (the lease_id
+/// never held it: nothing ended).
+async fn a_callers_lease_id_answers_what_became_of_it(b: Backend) {
+    let c = b.coordinator(test_config());
+    for (k, duration) in [("own/timed", secs(30)), ("own/fail-closed", None)] {
+        let id = LeaseId::generate();
+        let mine = AcquireOptions { lease_id: Some(id.clone()), ..Default::default() };
+        let first = c.acquire(k, "a", duration, mine.clone()).await.unwrap();
+        let again = c.acquire(k, "a", duration, mine.clone()).await.unwrap();
+        assert_eq!((again.fence, again.lease_id.clone()), (first.fence, id.clone()), "{k}");
+        c.release(k, &id).await.unwrap();
+        let r = c.acquire(k, "a", duration, mine.clone()).await;
+        assert!(matches!(r, Err(Error::NotHolder { reason: NotHolderReason::Released, .. })), "{k}: {r:?}");
+        assert!(!c.get(k).await.unwrap().held, "{k}: taken again under a released lease_id");
+        // Held by another lease: this lease_id never held it, so the answer is LeaseHeld.
+        let other = c.acquire(k, "b", secs(30), AcquireOptions::default()).await.unwrap();
+        let fresh = AcquireOptions { lease_id: Some(LeaseId::generate()), ..Default::default() };
+        let r = c.acquire(k, "c", duration, fresh).await;
+        assert!(matches!(&r, Err(Error::LeaseHeld { holder, .. }) if holder == "b"), "{k}: {r:?}");
+        c.release(k, &other.lease_id).await.unwrap();
+    }
+    // Expired: the lease_id's lease ended by itself; the same answer as released.
+    let id = LeaseId::generate();
+    let mine = AcquireOptions { lease_id: Some(id.clone()), ..Default::default() };
+    let first = c.acquire("own/expired", "a", Some(Duration::from_millis(600)), mine.clone()).await.unwrap();
+    let left = first.expires_at_ms.unwrap().saturating_sub(c.now_ms());
+    tokio::time::sleep(Duration::from_millis(left + 100)).await;
+    let r = c.acquire("own/expired", "a", secs(30), mine).await;
+    assert!(matches!(r, Err(Error::NotHolder { reason: NotHolderReason::Expired, .. })), "{r:?}");
 }
 
 async fn semaphore_lease_ids_are_single_use(b: Backend) {
