@@ -33,6 +33,12 @@ pub const ENQUEUE_GRACE_MS: u64 = 10_000;
 /// this far back in the queue for a waiter item of its own before it takes a slot.
 pub const RETRY_WINDOW_MS: u64 = 300_000;
 
+/// The most waiter items that look reads (the newest slots within [`RETRY_WINDOW_MS`]): an
+/// enqueue costs at most this many reads more, however long the queue. A retry with more
+/// waiters enqueued after its first try takes a second slot, as before the look (DESIGN.md,
+/// "The waiter queue": the first slot's grant goes to the dead token and is revoked).
+pub const RETRY_SCAN_SLOTS: u64 = 16;
+
 /// How long a waiter without a timeout of its own may wait (its item's TTL covers this).
 pub const LONGEST_WAIT_MS: u64 = 366 * 24 * 3600 * 1000;
 
@@ -313,14 +319,14 @@ impl Coordinator {
 
     /// The waiter item of `lease_id` in `key`'s queue, if any, with the queue's head: read from
     /// the tail back, over the items enqueued within [`RETRY_WINDOW_MS`] (an earlier try of the
-    /// same queued acquire is no older).
+    /// same queued acquire is no older), at most [`RETRY_SCAN_SLOTS`] of them.
     async fn own_waiter(&self, key: &str, lease_id: &LeaseId) -> Result<Option<(u64, Waiter)>> {
         // Reads retried (a lost answer must not fail the acquire), within the retry budget.
         let deadline = self.monotonic() + self.config().retry_budget;
         let Some(r) = self.read(deadline, || self.store().get(key)).await? else { return Ok(None) };
         let (Some(head), Some(tail)) = (r.queue_head, r.queue_tail) else { return Ok(None) };
         let since = self.now_ms().saturating_sub(RETRY_WINDOW_MS);
-        for seq in (head + 1..=tail).rev() {
+        for seq in (head + 1..=tail).rev().take(RETRY_SCAN_SLOTS as usize) {
             let wk = waiter_key(key, seq);
             let Some(w) = self.read(deadline, || self.store().get(&wk)).await?.and_then(|w| w.waiter) else { continue };
             if &w.lease_id == lease_id && w.seq == seq {
