@@ -11,7 +11,8 @@
 //!
 //! The run itself checks, as it goes: the guarded resource never sees two leases with one fence
 //! and never refuses a holder within its safe time; every acquire ends by its deadline; a
-//! coordinator with a clock beyond the skew margin is never granted; after every lease ended,
+//! coordinator with a clock beyond the skew margin is never granted; a fail-closed acquire
+//! with its own lease_id is answered by what became of that lease; after every lease ended,
 //! every key can be taken and every work item is still in a state.
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -19,6 +19,7 @@ use leasehold::queue::{Deliver, DeliveryError};
 use leasehold::testing::{FaultCounts, Faults, SimClock, SimStore};
 use leasehold::{
     AcquireOptions, Clock, Config, Coordinator, Error, ExecutionState, Executions, Keepalive, Lease, LeaseId,
+    NotHolderReason,
 };
 
 mod check;
@@ -693,8 +694,17 @@ async fn acquire(
     let start = now();
     let deadline = start + opts.wait.unwrap_or_default().max(Duration::from_secs(2));
     opts.deadline = Some(deadline);
+    // A fail-closed acquire's own lease: whether the item holds it (it never expires).
+    let own = opts.lease_id.clone().filter(|_| duration.is_none());
+    let holds_own = |id: &LeaseId| {
+        node.store.peek(k).is_some_and(|r| &r.lease_id == id && r.released_at_ms.is_none() && r.slots.is_none())
+    };
+    let held_before = own.as_ref().is_some_and(holds_own);
     let r = node.coord.acquire(k, name, duration, opts).await;
     let end = now();
+    if let Some(id) = &own {
+        answered_by_own_lease(world, k, name, id, &r, held_before && holds_own(id), holds_own(id));
+    }
     // A request already sent is bounded by the attempt timeout.
     if end > deadline + ATTEMPT_TIMEOUT + Duration::from_millis(1) {
         let late = end.duration_since(deadline).as_millis();
@@ -715,6 +725,38 @@ async fn acquire(
         told(world, name, l);
     }
     r
+}
+
+/// What a fail-closed acquire with the caller's lease_id is answered must match what became
+/// of that lease: `LeaseHeld` never while its own lease held the key from before the call
+/// until the answer (every attempt was evaluated on it: the answer is the lease);
+/// `NotHolder` only for a lease that ended (released, expired), never `wrong_lease_id` (a
+/// lease_id that never held the key has nothing that ended) and never while its lease holds
+/// the key.
+fn answered_by_own_lease(
+    world: &Shared,
+    k: &str,
+    name: &str,
+    id: &LeaseId,
+    r: &Result<Lease, Error>,
+    held_throughout: bool,
+    held_at_answer: bool,
+) {
+    let wrong = match r {
+        Err(Error::LeaseHeld { .. }) if held_throughout => Some("its own lease held the key: LeaseHeld"),
+        Err(Error::NotHolder { reason: NotHolderReason::WrongLeaseId, .. }) => {
+            Some("NotHolder (wrong_lease_id) for a lease_id whose lease never ended")
+        }
+        Err(Error::NotHolder { .. }) if held_at_answer => Some("its lease holds the key: NotHolder"),
+        _ => None,
+    };
+    if let Some(what) = wrong {
+        lock(world).violations.push(Violation::new(
+            "wrong_answer_to_own_lease_id",
+            k,
+            format!("{name}'s fail-closed acquire with lease {}: {what}", &id.expose()[..id.expose().len().min(12)]),
+        ));
+    }
 }
 
 /// A plain lease, maybe waited for: work, heartbeats, a pause now and then, release.
