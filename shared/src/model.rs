@@ -89,11 +89,16 @@ pub struct Record {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub poll_ms: Option<u64>,
     /// Set by an in-process hand-over (DESIGN.md, "In-process waiters"): the id of the
-    /// coordinator whose line this lease came from. A waiter of another coordinator that missed
-    /// a turn to it writes its own coordinator's id here, and the releaser then leaves the key
-    /// free for it instead of handing it over again.
+    /// coordinator whose line this lease came from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub handed_in: Option<String>,
+    /// Set by a waiter of another coordinator while this lease (from a line, `handed_in`) holds
+    /// the key: that coordinator's id. The releaser then leaves the key free for it instead of
+    /// handing it over again. Kept apart from `handed_in`, so that a mark never hides whose line
+    /// the lease came from (a waiter of that very line would otherwise take the mark for a
+    /// hand-over elsewhere and overwrite it with its own coordinator's id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub awaited_by: Option<String>,
     /// Lease items with a queue (DESIGN.md, "The waiter queue"): the sequence number of the
     /// last waiter served (granted or skipped) ...
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -233,6 +238,7 @@ impl Record {
             renewed_at_ms: None,
             poll_ms: None,
             handed_in: None,
+            awaited_by: None,
             queue_head: None,
             queue_tail: None,
             queue_tail_at_ms: None,

@@ -49,6 +49,12 @@ pub const MIN_HOLD_WAIT_MS: u64 = 5_000;
 /// Where consecutive queue sweeps of this process start (as the keep-alive sweep's).
 static NEXT_START: AtomicU32 = AtomicU32::new(u32::MAX);
 
+/// Starts the rotation of this process's queue sweeps afresh (a simulation replaying a seed).
+#[cfg(feature = "testing")]
+pub(crate) fn reset_rotation() {
+    NEXT_START.store(u32::MAX, Ordering::Relaxed);
+}
+
 /// Keys read per page of the queue index.
 const SWEEP_PAGE: u32 = 50;
 

@@ -42,11 +42,15 @@ pub struct Settings {
     pub coordinators: usize,
     /// Probability of each store fault per request.
     pub fault_rate: f64,
+    /// A hot key: a fifth of the sessions take one key again and again with a long wait and a
+    /// short hold, so that in-process lines form in every coordinator (one seed in eight: the
+    /// other seeds' histories stay as they were).
+    pub hot_key: bool,
 }
 
 impl Settings {
     pub fn new(seed: u64) -> Self {
-        Settings { seed, ops: 5000, coordinators: 3, fault_rate: 0.02 }
+        Settings { seed, ops: 5000, coordinators: 3, fault_rate: 0.02, hot_key: seed % 8 == 7 }
     }
 }
 
@@ -96,6 +100,9 @@ pub(crate) enum Event {
     Finished { key: String, lease: String, at: Instant },
     /// A release sent within the lease's safe time was answered `NotHolder`.
     ReleaseRefused { key: String, lease: String, at: Instant },
+    /// An acquire of coordinator `coordinator` waited from `start` and was answered `LeaseHeld`
+    /// at `end`.
+    WaitedInVain { key: String, coordinator: String, start: Instant, end: Instant },
 }
 
 /// The shared state of a run.
@@ -126,6 +133,8 @@ struct World {
     functions: Option<Arc<Node>>,
     /// The run is over: the functions' queue sweep stops.
     end: bool,
+    /// See [`Settings::hot_key`].
+    hot_key: bool,
 }
 
 /// A `.waitForTaskToken` task of an execution (DESIGN.md, "The waiter queue").
@@ -269,6 +278,7 @@ async fn simulate(s: Settings) -> Outcome {
         exec_tasks: Vec::new(),
         functions: None,
         end: false,
+        hot_key: s.hot_key,
     }));
     // The work items enter their first state (no faults yet: setup).
     {
@@ -451,6 +461,8 @@ async fn simulate(s: Settings) -> Outcome {
     lock(&world).end = true;
     let _ = queue_sweep.await;
     let log = store.take_log();
+    // Last, outside the history (its writes are not in the log taken): the idle process.
+    idle_past_evidence(&world, &store, &truth).await;
     let mut w = lock(&world);
     let events = std::mem::take(&mut w.events);
     let mut violations = std::mem::take(&mut w.violations);
@@ -481,6 +493,38 @@ async fn simulate(s: Settings) -> Outcome {
         faults,
         trace_hash: check::trace_hash(&events, &log, t0),
         virtual_ms: now().duration_since(t0).as_millis() as u64,
+    }
+}
+
+/// A process idle past the clock evidence's age bound (5 minutes), whose wall clock was stepped
+/// while it idled (a thawed VM, an NTP step), in every run after everything else, alone (so the
+/// run's history and its hash are as they were): it took a lease before idling, so it keeps `Date` samples,
+/// all old now. With the clock stepped beyond the skew margin it must be refused, on fresh
+/// evidence it reads before judging (`stale_clock_evidence` otherwise); within the margin, or
+/// idle for less, it is granted.
+async fn idle_past_evidence(world: &Shared, store: &SimStore, truth: &Arc<SimClock>) {
+    let (idle_s, ahead_ms, beyond) =
+        draw(world, |w| (w.between(200, 420), w.between(2000, 5000) as i64, w.chance(0.7)));
+    let clock = Arc::new(SimClock::offset_from(truth, 0));
+    let coord = Coordinator::new(Arc::new(store.handle()), config(clock.clone()));
+    let k = "idle";
+    if let Ok(l) = coord.acquire(k, "idle", Some(Duration::from_secs(1)), AcquireOptions::default()).await {
+        let _ = coord.release(k, &l.lease_id).await;
+    }
+    tokio::time::sleep(Duration::from_secs(idle_s)).await;
+    clock.step(if beyond { ahead_ms } else { SKEW_MARGIN_MS as i64 / 4 });
+    lock(world).fault(if beyond { "idle_clock_beyond_margin" } else { "idle_clock_within_margin" });
+    let r = coord.acquire(k, "idle", Some(Duration::from_secs(1)), AcquireOptions::default()).await;
+    let wrong = match &r {
+        Ok(_) if beyond => Some(format!("granted with a clock {ahead_ms} ms ahead after {idle_s} s idle")),
+        Err(e) if !beyond => Some(format!("refused with a clock within the margin after {idle_s} s idle: {e}")),
+        _ => None,
+    };
+    if let Some(what) = wrong {
+        lock(world).violations.push(Violation::new("stale_clock_evidence", k, what));
+    }
+    if let Ok(l) = r {
+        let _ = coord.release(k, &l.lease_id).await;
     }
 }
 
@@ -670,6 +714,10 @@ async fn client(node: Arc<Node>, world: Shared, n: usize) {
             return;
         }
         let kind = draw(&world, |w| w.below(100));
+        if lock(&world).hot_key && kind < 20 {
+            hot(&node, &world, &name).await;
+            continue;
+        }
         match kind {
             0..=39 => plain(&node, &world, &name).await,
             40..=49 => fail_closed(&node, &world, &name).await,
@@ -700,6 +748,7 @@ async fn acquire(
         node.store.peek(k).is_some_and(|r| &r.lease_id == id && r.released_at_ms.is_none() && r.slots.is_none())
     };
     let held_before = own.as_ref().is_some_and(holds_own);
+    let opts_waited = opts.wait.is_some_and(|w| !w.is_zero());
     let r = node.coord.acquire(k, name, duration, opts).await;
     let end = now();
     if let Some(id) = &own {
@@ -713,6 +762,10 @@ async fn acquire(
             k,
             format!("{name}'s acquire ended {late} ms after its deadline"),
         ));
+    }
+    if matches!(r, Err(Error::LeaseHeld { .. })) && opts_waited {
+        let coordinator = node.coord.id().to_string();
+        lock(world).events.push(Event::WaitedInVain { key: k.to_string(), coordinator, start, end });
     }
     if let Ok(l) = &r {
         if node.rogue {
@@ -783,6 +836,38 @@ async fn plain(node: &Node, world: &Shared, name: &str) {
         }
     };
     hold(node, world, name, lease, None).await;
+}
+
+/// Turns on the hot key: acquire with a long wait, a short hold, release, and at once again
+/// (a few times), as a worker looping on one key does. Several clients of one coordinator doing
+/// this keep its in-process line busy; a waiter of another coordinator must still get turns
+/// (the checker's `waiter_starved`).
+async fn hot(node: &Node, world: &Shared, name: &str) {
+    let turns = draw(world, |w| w.between(1, 6));
+    let k = key(0);
+    for _ in 0..turns {
+        if !op(world) {
+            return;
+        }
+        let opts = AcquireOptions { wait: Some(Duration::from_secs(8)), ..Default::default() };
+        let lease = match acquire(node, world, &k, name, Some(Duration::from_secs(3)), opts).await {
+            Ok(l) => l,
+            Err(e) => {
+                if let Some((_, id)) = e.unknown_leases().into_iter().next() {
+                    let _ = node.coord.release(&k, &LeaseId::from_string(id)).await;
+                }
+                return;
+            }
+        };
+        let work = draw(world, |w| w.between(20, 300));
+        tokio::time::sleep(Duration::from_millis(work)).await;
+        if lease.safe_until.is_none_or(|s| now() < s) {
+            write_resource(world, &k, &lease, true);
+        }
+        ended(world, name, &k, &lease.lease_id);
+        op(world);
+        let _ = node.coord.release(&k, &lease.lease_id).await;
+    }
 }
 
 /// Holds `lease`: writes, heartbeats, maybe a pause; then releases (into `to` for a work item).

@@ -38,7 +38,7 @@ fn main() {
     let mut last_hash = 0;
     let mut ran = None;
     for (i, seed) in list.iter().enumerate() {
-        let s = Settings { seed: *seed, ops, coordinators: coords, fault_rate: rate };
+        let s = Settings { ops, coordinators: coords, fault_rate: rate, ..Settings::new(*seed) };
         let out = run(&s);
         operations += out.operations;
         for (k, v) in &out.faults {

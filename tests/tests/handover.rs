@@ -19,6 +19,8 @@ both_backends!(
     acquires_cut_at_any_point_strand_no_lease,
     a_hand_over_never_grants_a_lease_id_twice,
     an_ambiguous_hand_over_that_lands_late_is_settled_by_the_release,
+    a_waiter_elsewhere_is_not_passed_over_by_the_line_s_own_waiters,
+    a_mark_landing_before_the_hand_over_s_write_leaves_the_key_free,
 );
 
 const LONG: Option<Duration> = Some(Duration::from_secs(30));
@@ -248,4 +250,107 @@ async fn an_ambiguous_hand_over_that_lands_late_is_settled_by_the_release(b: Bac
         free_soon(&c, k, "released by its holder").await;
         return;
     }
+}
+
+/// A coordinator whose waiters poll often (fairness across processes: each mark and each turn
+/// within a second).
+fn brisk(store: Arc<dyn Store>) -> Coordinator {
+    let mut config = test_config();
+    config.poll_max = Duration::from_millis(100);
+    Coordinator::new(store, config)
+}
+
+/// Fairness across processes (DESIGN.md, "In-process waiters"): a waiter of coordinator W marks
+/// the lease that coordinator X's line handed over; X's next waiter in line, polling meanwhile,
+/// must not undo the mark (when the mark was written over `handed_in`, it took it for a
+/// hand-over elsewhere and wrote its own coordinator's id back, and X handed the key on to
+/// it). X's next release leaves the key to W's waiter.
+async fn a_waiter_elsewhere_is_not_passed_over_by_the_line_s_own_waiters(b: Backend) {
+    let (x, w) = (brisk(b.store()), brisk(b.store()));
+    let k = "passed-over";
+    let h = x.acquire(k, "h", LONG, AcquireOptions::default()).await.unwrap();
+    let x1 = tokio::spawn({
+        let x = x.clone();
+        async move { x.acquire(k, "x1", LONG, waiting(Duration::from_secs(20))).await }
+    });
+    head_offers(&x, k).await;
+    x.release(k, &h.lease_id).await.unwrap();
+    let l1 = x1.await.unwrap().expect("x1 is handed the key");
+    let handed = b.store().get(k).await.unwrap().expect("the item");
+    assert_eq!(handed.handed_in.as_deref(), Some(x.id()), "x1's lease came from x's line");
+    let x2 = tokio::spawn({
+        let x = x.clone();
+        async move { x.acquire(k, "x2", LONG, waiting(Duration::from_secs(30))).await }
+    });
+    let wl = tokio::spawn({
+        let w = w.clone();
+        async move { w.acquire(k, "w", LONG, waiting(Duration::from_secs(30))).await }
+    });
+    until(Duration::from_secs(10), "w's waiter marks x1's lease", async || {
+        b.store().get(k).await.unwrap().is_some_and(|r| r.awaited_by.as_deref() == Some(w.id()))
+    })
+    .await;
+    // x2, head of x's line, polls several times while x1 holds the key.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let r = b.store().get(k).await.unwrap().expect("the item");
+    assert_eq!((r.handed_in.as_deref(), r.awaited_by.as_deref()), (Some(x.id()), Some(w.id())), "{r:?}");
+    x.release(k, &l1.lease_id).await.unwrap();
+    let got = wl.await.unwrap().expect("w's waiter gets the key x's line left free");
+    assert!(got.fence > l1.fence);
+    assert!(!x2.is_finished(), "x2 was not handed the key over w's mark");
+    w.release(k, &got.lease_id).await.unwrap();
+    let l2 = x2.await.unwrap().expect("x2 takes its turn after w");
+    x.release(k, &l2.lease_id).await.unwrap();
+}
+
+/// A store that marks the key for a waiter of another coordinator (`awaited_by`) just before
+/// the in-process hand-over's write: the mark lands between the release's read and its write.
+struct MarkBeforeHandTo {
+    inner: Arc<dyn Store>,
+}
+
+#[async_trait]
+impl Store for MarkBeforeHandTo {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    async fn get(&self, key: &str) -> leasehold::Result<Option<Record>> {
+        self.inner.get(key).await
+    }
+    async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
+        if let Condition::HandTo { fence, .. } = c {
+            let mark = Mutation::WaitsIn { coordinator: "elsewhere".into() };
+            assert!(matches!(self.inner.update(key, &Condition::FenceIs(*fence), &mark).await?, Write::Applied(_)));
+        }
+        self.inner.update(key, c, m).await
+    }
+    async fn delete(&self, key: &str, c: &Condition) -> leasehold::Result<Write> {
+        self.inner.delete(key, c).await
+    }
+    async fn scan(&self, k: &ScanKind, s: Option<&str>, l: u32) -> leasehold::Result<Page> {
+        self.inner.scan(k, s, l).await
+    }
+}
+
+/// A waiter of another coordinator marks the lease between the release's read and its
+/// hand-over's write: the write is refused (its condition requires no mark of another
+/// coordinator), the release goes the ordinary way, and the key is free for that waiter while
+/// this coordinator's waiter holds back.
+async fn a_mark_landing_before_the_hand_over_s_write_leaves_the_key_free(b: Backend) {
+    let c = quiet(Arc::new(MarkBeforeHandTo { inner: b.store() }));
+    let k = "marked-late";
+    let h = c.acquire(k, "h", LONG, AcquireOptions::default()).await.unwrap();
+    let c2 = c.clone();
+    let waiter = tokio::spawn(async move { c2.acquire(k, "w", LONG, waiting(Duration::from_secs(20))).await });
+    head_offers(&c, k).await;
+    let released = c.release(k, &h.lease_id).await.unwrap();
+    assert!(!released.already_released);
+    let s = c.get(k).await.unwrap();
+    assert!(!s.held && s.holder == "h", "the key went free, not to the line's waiter: {s:?}");
+    // A waiter of another coordinator takes it.
+    let other = Coordinator::new(b.store(), test_config());
+    let l = other.acquire(k, "elsewhere", LONG, AcquireOptions::default()).await.expect("the key is free");
+    assert!(!waiter.is_finished());
+    other.release(k, &l.lease_id).await.unwrap();
+    waiter.abort();
 }

@@ -882,6 +882,7 @@ fn lease_id_never_formats() {
         ttl: None,
         poll_ms: None,
         handed_in: None,
+        awaited_by: None,
         renewed_at_ms: None,
         queue_head: None,
         queue_tail: None,

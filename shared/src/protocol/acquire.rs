@@ -210,7 +210,7 @@ impl Coordinator {
             // The key was left free for a waiter of another process: this coordinator's waiters
             // let it have it (DESIGN.md, "In-process waiters": fairness across processes).
             if let Some(until) = a.ticket.as_ref().and(self.wakeups.held_back(a.ask.key)) {
-                tokio::time::sleep_until(until.min(a.wait_deadline).into()).await;
+                self.hold_back(a.ask.key, until.min(a.wait_deadline)).await;
             }
             // Every attempt judges expiry with this clock: it must agree with the store's.
             self.check_clock(a.ask.key).await?;
@@ -408,11 +408,11 @@ impl Coordinator {
         let held =
             |r: Record| Error::LeaseHeld { key: key.to_string(), holder: r.holder, expires_at_ms: r.expires_at_ms };
         let Some(until) = pause.map(|p| self.monotonic() + p) else { return Err(held(r)) };
-        // The key went to another coordinator's in-process line while this acquire waited: it
-        // says so on the item, and that coordinator's next release leaves the key free for it
-        // instead of handing it over again. The mark is written within the pause (best effort),
-        // so that the acquire still ends by its deadline.
-        if a.wait.missed_turn() && self.turn_elsewhere(&r) {
+        // The key is in another coordinator's in-process line while this acquire waits: it says
+        // so on the item, once per lease it sees, and that coordinator's next release leaves the
+        // key free for it instead of handing it over again. The mark is written within the pause
+        // (best effort), so that the acquire still ends by its deadline.
+        if a.wait.new_lease() && self.turn_elsewhere(&r) {
             let _ = tokio::time::timeout_at(until.into(), self.waits_in(key, r.fence)).await;
         }
         let pause = until.saturating_duration_since(self.monotonic());

@@ -6,6 +6,9 @@
 
 use super::*;
 
+/// How many leases one waiter's mark follows when each was released before the mark landed.
+const MARK_TRIES: usize = 3;
+
 impl Coordinator {
     /// Acquires of this coordinator waiting for `key` in its in-process line.
     pub fn waiting(&self, key: &str) -> usize {
@@ -26,30 +29,68 @@ impl Coordinator {
     }
 
     /// The key is free after this coordinator's release of item `r`: the head of its line tries
-    /// at once, unless a waiter of another process marked the item (it missed a turn to this
-    /// coordinator's line) and this coordinator has waiters that would win the race: they hold
-    /// back while it polls.
+    /// at once, unless a waiter of another process marked the item (it waits while this
+    /// coordinator's line has the key) and this coordinator has waiters that would win the race:
+    /// they hold back while it polls.
     pub(crate) fn freed(&self, key: &str, r: &Record) {
-        if r.handed_in.as_deref().is_some_and(|c| c != &*self.id) && self.wakeups.waiting(key) > 0 {
+        if self.awaited_elsewhere(r) && self.wakeups.waiting(key) > 0 {
             self.wakeups.hold_back(key, self.yield_for());
         } else {
             self.wakeups.wake(key);
         }
     }
 
-    /// Did the lease on item `r` come from the in-process line of another coordinator (and
-    /// nobody marked it yet)?
-    pub(crate) fn turn_elsewhere(&self, r: &Record) -> bool {
-        r.handed_in.as_deref().is_some_and(|c| c != &*self.id) && r.is_held(self.now_ms())
+    /// This coordinator's waiter holds back while `key` is left free for a waiter of another
+    /// process: until `until`, or until the key is taken (by that waiter, or anyone), which it
+    /// reads for at its pace. Without the reads, a line of another coordinator that took the
+    /// key could pass it among its own waiters for the whole hold-back, unseen and unmarked.
+    pub(crate) async fn hold_back(&self, key: &str, until: Instant) {
+        let step = self.config.poll_max / 2;
+        loop {
+            let next = (self.monotonic() + step).min(until);
+            tokio::time::sleep_until(next.into()).await;
+            if next >= until {
+                return;
+            }
+            if let Ok(Some(r)) = self.store.get(key).await {
+                if r.is_held(self.now_ms()) {
+                    self.wakeups.end_hold_back(key);
+                    return;
+                }
+            }
+        }
     }
 
-    /// Marks the lease of fence `fence` on `key`: a waiter of this coordinator missed a turn to
-    /// another coordinator's line. Best effort (one write; a lost mark is written again at the
-    /// next missed turn).
-    pub(crate) async fn waits_in(&self, key: &str, fence: u64) {
+    /// Did the lease on item `r` come from the in-process line of another coordinator, and no
+    /// waiter marked it yet? (One mark makes that line leave the key free; a second would only
+    /// cost a write.)
+    pub(crate) fn turn_elsewhere(&self, r: &Record) -> bool {
+        r.handed_in.as_deref().is_some_and(|c| c != &*self.id) && r.awaited_by.is_none() && r.is_held(self.now_ms())
+    }
+
+    /// Does a waiter of another coordinator wait for the key of item `r`? Its mark
+    /// (`awaited_by`), or, as written by earlier versions, `handed_in` naming another
+    /// coordinator than the one releasing the lease.
+    fn awaited_elsewhere(&self, r: &Record) -> bool {
+        let other = |c: &Option<String>| c.as_deref().is_some_and(|c| c != &*self.id);
+        other(&r.awaited_by) || other(&r.handed_in)
+    }
+
+    /// Marks the lease of fence `fence` on `key`: a waiter of this coordinator waits while the
+    /// key is in another coordinator's line. Best effort, one write; when that lease was released
+    /// before the mark landed and the refusal shows the next lease of another coordinator's line
+    /// (a hold shorter than a request), that lease is marked instead, a few times at most.
+    pub(crate) async fn waits_in(&self, key: &str, mut fence: u64) {
         let m = Mutation::WaitsIn { coordinator: self.id.to_string() };
-        if let Err(e) = self.store.update(key, &Condition::FenceIs(fence), &m).await {
-            tracing::debug!(key, error = e.name(), "could not mark the key as awaited elsewhere");
+        for _ in 0..MARK_TRIES {
+            match self.store.update(key, &Condition::FenceIs(fence), &m).await {
+                Ok(Write::Rejected(Some(r))) if r.fence != fence && self.turn_elsewhere(&r) => fence = r.fence,
+                Ok(_) => return,
+                Err(e) => {
+                    tracing::debug!(key, error = e.name(), "could not mark the key as awaited elsewhere");
+                    return;
+                }
+            }
         }
     }
 
@@ -77,9 +118,9 @@ impl Coordinator {
         if &claim.offer().lease.lease_id == lease_id {
             return NotDone;
         }
-        // A waiter of another process missed a turn to this coordinator's line: the key goes
-        // free for it, and this coordinator's waiters hold back while it polls.
-        if r.handed_in.as_deref().is_some_and(|c| c != &*self.id) {
+        // A waiter of another process waits while this coordinator's line has the key: the key
+        // goes free for it, and this coordinator's waiters hold back while it polls.
+        if self.awaited_elsewhere(&r) {
             self.wakeups.hold_back(key, self.yield_for());
             return NotDone;
         }
@@ -93,7 +134,12 @@ impl Coordinator {
         // A retried release of the releasing lease answers `already_released` (not
         // `wrong_lease_id`): the grant keeps its id and fence.
         lease.released = Some((lease_id.clone(), r.fence));
-        let cond = Condition::HandTo { lease_id: lease_id.clone(), fence: r.fence, now_ms: now };
+        let cond = Condition::HandTo {
+            lease_id: lease_id.clone(),
+            fence: r.fence,
+            now_ms: now,
+            coordinator: self.id.to_string(),
+        };
         let released = Released::at(key, r.fence, now, false, None);
         let waiter = lease.lease_id.clone();
         match self.store.update(key, &cond, &Mutation::Acquire(lease)).await {
@@ -111,6 +157,12 @@ impl Coordinator {
                 }
                 _ => ToWaiter::Unsettled(Box::new(Unsettled { claim, sent, now, released })),
             },
+            // Marked since the read: the key goes free for that waiter, and this coordinator's
+            // waiters hold back before the dropped claim wakes the head.
+            Ok(Write::Rejected(Some(r))) if self.awaited_elsewhere(&r) => {
+                self.wakeups.hold_back(key, self.yield_for());
+                NotDone
+            }
             _ => NotDone,
         }
     }

@@ -135,6 +135,11 @@ impl Wakeups {
         held.insert(key.to_string(), until);
     }
 
+    /// The key left free was taken: this coordinator's waiters of `key` hold back no longer.
+    pub fn end_hold_back(&self, key: &str) {
+        self.held_back.lock().unwrap_or_else(|e| e.into_inner()).remove(key);
+    }
+
     /// Until when this coordinator's waiters of `key` hold back, if they do.
     pub fn held_back(&self, key: &str) -> Option<std::time::Instant> {
         let mut held = self.held_back.lock().unwrap_or_else(|e| e.into_inner());

@@ -172,6 +172,13 @@ impl Coordinator {
         &self.config
     }
 
+    /// The name this coordinator writes on the items its in-process hand-overs grant
+    /// (`handed_in`), and on a key whose turn one of its waiters missed (DESIGN.md, "In-process
+    /// waiters").
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
     /// The coordinator's clock: epoch milliseconds.
     pub fn now_ms(&self) -> u64 {
         (self.config.clock.wall_ms() + self.config.clock_offset_ms).max(0) as u64

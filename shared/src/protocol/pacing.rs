@@ -119,9 +119,9 @@ pub(crate) struct Waiting<'a> {
     pause: Duration,
     /// The fence of the lease that held the key at the last rejection.
     held_by: Option<u64>,
-    /// The last rejection showed another lease than the one before: the key changed hands
-    /// while this acquire waited (it missed a turn).
-    missed: bool,
+    /// The last rejection showed a lease this acquire had not seen at a rejection before (its
+    /// first, or the key changed hands while it waited: it missed a turn).
+    new_lease: bool,
 }
 
 impl<'a> Waiting<'a> {
@@ -138,7 +138,7 @@ impl<'a> Waiting<'a> {
             period: pace.period,
             pause: pace.period,
             held_by: None,
-            missed: false,
+            new_lease: false,
         }
     }
 
@@ -156,9 +156,10 @@ impl<'a> Waiting<'a> {
         self.contended.then(|| next_period(self.period, self.attempts, self.poll_max).as_millis() as u64)
     }
 
-    /// Did the last rejection show that the key changed hands while this acquire waited?
-    pub(crate) fn missed_turn(&self) -> bool {
-        self.missed
+    /// Did the last rejection show a lease this acquire had not seen before (the first it was
+    /// refused by, or the key changed hands while it waited)?
+    pub(crate) fn new_lease(&self) -> bool {
+        self.new_lease
     }
 
     /// Granted by an item advertising `poll_ms`: remembered for this coordinator's next call.
@@ -193,7 +194,7 @@ impl<'a> Waiting<'a> {
         } else {
             aged(self.period, now.saturating_duration_since(self.start))
         };
-        self.missed = self.held_by.is_some_and(|f| f != fence);
+        self.new_lease = self.held_by != Some(fence);
         self.held_by = Some(fence);
         let mut sleep = uniform(self.pause / 2, self.pause + self.pause / 2);
         if let Some(u) = until_expiry {

@@ -90,13 +90,15 @@ pub enum Condition {
     /// The item is not a lease (a waiter item, or nothing). DynamoDB:
     /// `attribute_not_exists(fence) OR fence = :zero`
     NotLease,
-    /// The release of `lease_id` may hand the key straight to an in-process waiter: the item is
-    /// still that lease as read (`fence`), unreleased, past its min_hold, without queued
-    /// waiters, and in no work state (the grant replaces the whole item). DynamoDB: `fence =
+    /// The release of `lease_id` may hand the key straight to an in-process waiter of
+    /// `coordinator`: the item is still that lease as read (`fence`), unreleased, past its
+    /// min_hold, without queued waiters, in no work state (the grant replaces the whole item),
+    /// and not marked by a waiter of another coordinator since it was read. DynamoDB: `fence =
     /// :expected_fence AND lease_id = :lease_id AND attribute_not_exists(released_at_ms) AND
     /// min_hold_until_ms <= :now AND (attribute_not_exists(queue_tail) OR queue_tail <=
-    /// queue_head) AND attribute_not_exists(state_shard)`
-    HandTo { lease_id: LeaseId, fence: u64, now_ms: u64 },
+    /// queue_head) AND attribute_not_exists(state_shard) AND (attribute_not_exists(awaited_by)
+    /// OR awaited_by = :coordinator)`
+    HandTo { lease_id: LeaseId, fence: u64, now_ms: u64, coordinator: String },
     /// [`Condition::Free`] for a key in a work state, and still in the same visit of that state
     /// the coordinator read (same state, same entry time, same number of grants): a batch lease
     /// copies the state into the new item, so it must be the item's current one. DynamoDB:
@@ -186,13 +188,14 @@ impl Condition {
             }
             (Condition::NotLease, None) => true,
             (Condition::NotLease, Some(r)) => r.fence == 0,
-            (Condition::HandTo { lease_id, fence, now_ms }, Some(r)) => {
+            (Condition::HandTo { lease_id, fence, now_ms, coordinator }, Some(r)) => {
                 r.fence == *fence
                     && &r.lease_id == lease_id
                     && r.released_at_ms.is_none()
                     && r.min_hold_until_ms <= *now_ms
                     && r.queue_len() == 0
                     && r.state.is_none()
+                    && r.awaited_by.as_ref().is_none_or(|w| w == coordinator)
             }
             (Condition::FreeIn { now_ms, fence, lease_id, visit }, Some(r)) => {
                 matches!(r.expires_at_ms, Some(e) if e <= *now_ms)

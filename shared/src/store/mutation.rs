@@ -83,6 +83,7 @@ impl NewLease {
             renewed_at_ms: Some(self.now_ms),
             poll_ms: self.poll_ms,
             handed_in: self.handed_in.clone(),
+            awaited_by: None,
             queue_head: None,
             queue_tail: None,
             queue_tail_at_ms: None,
@@ -156,8 +157,9 @@ pub enum Mutation {
     ReleaseTo { now_ms: u64, state: String, shard: String, ttl: Option<u64> },
     /// Remove the TTL: a key in a work state is kept until it is taken.
     ClearTtl,
-    /// A waiter of coordinator `coordinator` missed a turn to an in-process hand-over: it takes
-    /// the mark (`handed_in = coordinator`), so the releaser leaves the key free for it.
+    /// A waiter of coordinator `coordinator` waits while another coordinator's line has the key:
+    /// it marks the lease (`awaited_by = coordinator`), so the releaser leaves the key free for
+    /// it.
     WaitsIn { coordinator: String },
     /// Write a whole semaphore item (DESIGN.md, "Semaphores"; DynamoDB: a PutItem): the first
     /// holder makes the semaphore.
@@ -269,7 +271,7 @@ impl Mutation {
                 r.queue_head = Some(*seq);
                 r.freed_at_ms = Some(*now_ms);
             }
-            Mutation::WaitsIn { coordinator } => r.handed_in = Some(coordinator.clone()),
+            Mutation::WaitsIn { coordinator } => r.awaited_by = Some(coordinator.clone()),
             _ => unreachable!("not a queue update: {self:?}"),
         }
     }

@@ -37,11 +37,12 @@ pub use clock::SimClock;
 pub use store::{Applied, FaultCounts, Faults, SimStore};
 
 /// Makes this thread's lease ids and retry jitter come from a generator seeded with `seed`
-/// (until [`unseed`]), and starts the keep-alive sweep's shard rotation afresh, so that a run
-/// on a current-thread runtime repeats exactly.
+/// (until [`unseed`]), and starts the keep-alive and queue sweeps' shard rotations afresh, so
+/// that a run on a current-thread runtime repeats exactly, alone or after other runs.
 pub fn seed(seed: u64) {
     crate::random::set_seed(Some(seed));
     crate::keepalive::reset_rotation();
+    crate::queue::reset_rotation();
 }
 
 /// Back to the operating system's randomness on this thread.

@@ -82,6 +82,7 @@ pub(crate) fn record_from_item(item: &Item) -> Result<Record> {
         ttl: get_n(item, attr::TTL)?,
         poll_ms: get_n(item, attr::POLL)?,
         handed_in: get_s(item, attr::HANDED_IN)?,
+        awaited_by: get_s(item, attr::AWAITED_BY)?,
         renewed_at_ms: get_n(item, attr::RENEWED_AT)?,
         queue_head: get_n(item, attr::QUEUE_HEAD)?,
         queue_tail: get_n(item, attr::QUEUE_TAIL)?,

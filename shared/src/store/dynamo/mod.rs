@@ -58,6 +58,7 @@ pub mod attr {
     pub const TTL: &str = "ttl";
     pub(crate) const POLL: &str = "poll_ms";
     pub(crate) const HANDED_IN: &str = "handed_in";
+    pub(crate) const AWAITED_BY: &str = "awaited_by";
     pub(crate) const RENEWED_AT: &str = "renewed_at_ms";
     pub(crate) const QUEUE_HEAD: &str = "queue_head";
     pub(crate) const QUEUE_TAIL: &str = "queue_tail";
@@ -99,6 +100,7 @@ pub mod attr {
         TTL,
         POLL,
         HANDED_IN,
+        AWAITED_BY,
         RENEWED_AT,
         QUEUE_HEAD,
         QUEUE_TAIL,

@@ -242,12 +242,19 @@ fn queue_guard(c: &Condition) -> Guard {
             [],
         ),
         // A release straight to an in-process waiter: the lease read, unreleased, past its
-        // min_hold, no queued waiters, no work state (the grant replaces the whole item).
-        Condition::HandTo { lease_id, fence, now_ms } => guard(
+        // min_hold, no queued waiters, no work state (the grant replaces the whole item), and no
+        // waiter of another coordinator marked it since the read (the key goes free for it).
+        Condition::HandTo { lease_id, fence, now_ms, coordinator } => guard(
             "fence = :expected_fence AND lease_id = :lease_id AND attribute_not_exists(released_at_ms) \
              AND min_hold_until_ms <= :now AND (attribute_not_exists(queue_tail) OR queue_tail <= queue_head) \
-             AND attribute_not_exists(state_shard)",
-            [("expected_fence", num(*fence)), ("lease_id", id(lease_id)), ("now", num(*now_ms))],
+             AND attribute_not_exists(state_shard) \
+             AND (attribute_not_exists(awaited_by) OR awaited_by = :coordinator)",
+            [
+                ("expected_fence", num(*fence)),
+                ("lease_id", id(lease_id)),
+                ("now", num(*now_ms)),
+                ("coordinator", str_(coordinator)),
+            ],
         ),
         _ => unreachable!("not a queue condition: {c:?}"),
     }
@@ -585,7 +592,7 @@ impl Expr {
                 self.set_value(attr::QUEUE_HEAD, num(*seq));
                 self.set_value(attr::FREED_AT, num(*now_ms));
             }
-            Mutation::WaitsIn { coordinator } => self.set_value(attr::HANDED_IN, str_(coordinator)),
+            Mutation::WaitsIn { coordinator } => self.set_value(attr::AWAITED_BY, str_(coordinator)),
             _ => unreachable!("not a queue update: {m:?}"),
         }
     }
@@ -739,7 +746,7 @@ mod tests {
             (Condition::FenceIs(3), Some(Mutation::MarkUndelivered { token: "t".into(), shard: 1003 })),
             (Condition::QueueIdle, Some(Mutation::Unindex)),
             (Condition::NotLease, None),
-            (Condition::HandTo { lease_id: id.clone(), fence: 3, now_ms: now }, None),
+            (Condition::HandTo { lease_id: id.clone(), fence: 3, now_ms: now, coordinator: "c".into() }, None),
             (
                 Condition::FreeIn {
                     now_ms: now,
@@ -866,7 +873,7 @@ mod tests {
             Condition::Undelivered { fence: 3 },
             Condition::UndeliveredLive { fence: 3 },
             Condition::NotLease,
-            Condition::HandTo { lease_id: id.clone(), fence: 3, now_ms: 1 },
+            Condition::HandTo { lease_id: id.clone(), fence: 3, now_ms: 1, coordinator: "c".into() },
             Condition::FreeIn { now_ms: 1, fence: 3, lease_id: id.clone(), visit },
             Condition::Enterable { now_ms: 1, state: "S".into(), shard: "S#0".into() },
             Condition::Live { lease_id: id.clone(), now_ms: 1 },
