@@ -20,6 +20,10 @@ pub const LEASE: Duration = Duration::from_secs(10);
 /// here, not in production.
 pub fn libraries() -> Vec<&'static str> {
     let mut v = vec!["leasehold", "leasehold+index", "raw"];
+    // `LEASEHOLD_BENCH_SHAPED`: also the bare SDK client sending leasehold's own requests.
+    if std::env::var_os("LEASEHOLD_BENCH_SHAPED").is_some() {
+        v.push("raw-shaped");
+    }
     if cfg!(feature = "compare") {
         v.push("dynamodb-lease");
     }
@@ -211,7 +215,18 @@ pub async fn run_child_counts(
 ) -> (Value, BTreeMap<String, u64>) {
     s.proxy.reset_counts();
     let exe = std::env::current_exe().unwrap();
-    let out = tokio::process::Command::new(exe)
+    // `LEASEHOLD_BENCH_PERF=DIR`: every child runs under `perf record` (flat, 2,999 Hz), its
+    // profile written to DIR/LIB-SCENARIO-TAG.data (the figures then include perf's cost).
+    let mut cmd = match std::env::var_os("LEASEHOLD_BENCH_PERF") {
+        Some(dir) => {
+            let file = format!("{}-{scenario}-{tag}.data", lib.replace(['/', '+'], "_"));
+            let mut c = tokio::process::Command::new("perf");
+            c.args(["record", "-q", "-F", "2999", "-o"]).arg(std::path::Path::new(&dir).join(file)).arg("--").arg(exe);
+            c
+        }
+        None => tokio::process::Command::new(exe),
+    };
+    let out = cmd
         .args([
             "--child",
             lib,

@@ -18,6 +18,12 @@ pub enum Lib {
     /// leasehold with a lease other than `LEASE` (M4).
     LeaseholdShort(Coordinator, Duration),
     Raw(aws_sdk_dynamodb::Client, String),
+    /// The bare SDK client sending leasehold's own two requests (`raw-shaped`, with
+    /// `LEASEHOLD_BENCH_SHAPED`): the acquire's PutItem of the whole lease under the free-key
+    /// condition, and the release's UpdateItem answering `ALL_NEW`, with the texts leasehold
+    /// renders, but no coordinator (no clock check, no record, no lease). What it costs above
+    /// `raw` is the requests' shape; what leasehold costs above it is the protocol's own code.
+    RawShaped(aws_sdk_dynamodb::Client, String, Box<Shaped>),
     /// dynamodb-lease; with `true`, leases are released by dropping them (the crate then
     /// deletes the item in a spawned task) instead of awaiting `Lease::release`.
     #[cfg(feature = "compare")]
@@ -28,6 +34,7 @@ pub enum Lib {
 pub enum Held {
     Leasehold(String, leasehold::LeaseId),
     Raw(String, String),
+    Shaped(String, String),
     #[cfg(feature = "compare")]
     DynamodbLease(dynamodb_lease::Lease),
 }
@@ -55,6 +62,7 @@ impl Lib {
                 Lib::Leasehold(Coordinator::new(Arc::new(DynamoStore::new(client, table)), config()))
             }
             "raw" => Lib::Raw(client, table.to_string()),
+            "raw-shaped" => Lib::RawShaped(client, table.to_string(), Box::new(Shaped::new())),
             #[cfg(feature = "compare")]
             "dynamodb-lease" | "dynamodb-lease/drop" => Lib::DynamodbLease(
                 dynamodb_lease::Client::builder()
@@ -96,6 +104,7 @@ impl Lib {
                     Err(e) => panic!("{e:?}"),
                 }
             }
+            Lib::RawShaped(c, t, x) => x.acquire(c, t, key, holder).await,
             #[cfg(feature = "compare")]
             Lib::DynamodbLease(c, _) => c.try_acquire(key).await.expect("try_acquire").map(Held::DynamodbLease),
         }
@@ -115,7 +124,7 @@ impl Lib {
                     Err(e) => panic!("{e}"),
                 }
             }
-            Lib::Raw(..) => {
+            Lib::Raw(..) | Lib::RawShaped(..) => {
                 let deadline = Instant::now() + wait;
                 loop {
                     if let Some(h) = self.try_acquire(key, holder).await {
@@ -148,6 +157,7 @@ impl Lib {
                     .await
                     .expect("delete");
             }
+            (Lib::RawShaped(c, t, x), Held::Shaped(k, id)) => x.release(c, t, k, id).await,
             #[cfg(feature = "compare")]
             (Lib::DynamodbLease(_, false), Held::DynamodbLease(l)) => l.release().await.expect("release"),
             #[cfg(feature = "compare")]
@@ -180,5 +190,86 @@ impl Lib {
             }
             _ => Lib::new(name, endpoint, table).await,
         }
+    }
+}
+
+/// The texts of leasehold's acquire and release, rendered once (see [`Lib::RawShaped`]).
+pub struct Shaped {
+    acquire_condition: String,
+    release_condition: String,
+    release_update: String,
+}
+
+impl Shaped {
+    fn new() -> Shaped {
+        use leasehold::store::dynamo::expressions;
+        use leasehold::store::{Condition, Mutation, NewLease};
+        let id = leasehold::LeaseId::from_string("x");
+        let lease = NewLease::new("w", id.clone(), 1, Some(1), 1);
+        let (acquire_condition, _) =
+            expressions(&Condition::Free { now_ms: 1, fence: 1, lease_id: id.clone() }, &Mutation::Acquire(lease));
+        let (release_condition, release_update) =
+            expressions(&Condition::Unreleased { lease_id: id }, &Mutation::Release { now_ms: 1, ttl: 1 });
+        Shaped { acquire_condition, release_condition, release_update }
+    }
+
+    fn num(v: u64) -> AttributeValue {
+        AttributeValue::N(v.to_string())
+    }
+
+    /// leasehold's PutItem of a 10 s lease: the same ten attributes and condition values.
+    async fn acquire(&self, c: &aws_sdk_dynamodb::Client, t: &str, key: &str, holder: &str) -> Option<Held> {
+        use aws_sdk_dynamodb::types::ReturnValuesOnConditionCheckFailure;
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+        let (now_ms, fence) = (now.as_millis() as u64, now.as_micros() as u64);
+        let id = leasehold::LeaseId::generate().expose().to_string();
+        let d = LEASE.as_millis() as u64;
+        let r = c
+            .put_item()
+            .table_name(t)
+            .item("key", AttributeValue::S(key.into()))
+            .item("fence", Self::num(fence))
+            .item("holder", AttributeValue::S(holder.into()))
+            .item("lease_id", AttributeValue::S(id.clone()))
+            .item("acquired_at_ms", Self::num(now_ms))
+            .item("min_hold_until_ms", Self::num(now_ms))
+            .item("renewed_at_ms", Self::num(now_ms))
+            .item("expires_at_ms", Self::num(now_ms + d))
+            .item("duration_ms", Self::num(d))
+            .item("ttl", Self::num((now_ms + d + 60_000).div_ceil(1000) + 86_400))
+            .condition_expression(&self.acquire_condition)
+            .expression_attribute_values(":now", Self::num(now_ms))
+            .expression_attribute_values(":fence", Self::num(fence))
+            .expression_attribute_values(":lease_id", AttributeValue::S(id.clone()))
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+            .send()
+            .await;
+        match r {
+            Ok(_) => Some(Held::Shaped(key.into(), id)),
+            Err(e) if e.as_service_error().is_some_and(|s| s.is_conditional_check_failed_exception()) => None,
+            Err(e) => panic!("{e:?}"),
+        }
+    }
+
+    /// leasehold's release: the UpdateItem answering the whole item (`ALL_NEW`).
+    async fn release(&self, c: &aws_sdk_dynamodb::Client, t: &str, key: String, id: String) {
+        use aws_sdk_dynamodb::types::{ReturnValue, ReturnValuesOnConditionCheckFailure};
+        let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+        let out = c
+            .update_item()
+            .table_name(t)
+            .key("key", AttributeValue::S(key))
+            .update_expression(&self.release_update)
+            .condition_expression(&self.release_condition)
+            .expression_attribute_names("#ttl", "ttl")
+            .expression_attribute_values(":lease_id", AttributeValue::S(id))
+            .expression_attribute_values(":released_at_ms", Self::num(now_ms))
+            .expression_attribute_values(":ttl", Self::num(now_ms / 1000 + 86_400))
+            .return_values(ReturnValue::AllNew)
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+            .send()
+            .await
+            .expect("release");
+        assert!(out.attributes().is_some_and(|a| a.contains_key("released_at_ms")));
     }
 }

@@ -7,7 +7,9 @@
 //! round, and prints one table per scenario with ratios. Libraries: `leasehold` (on a table of
 //! the same schema as the others), `leasehold+index` (on the table template.yaml deploys, with
 //! the keep-alive index; M1 and M2 only), `raw` (a bare aws-sdk conditional PutItem +
-//! DeleteItem loop: the floor), and with `--features compare` the `dynamodb-lease` crate (in
+//! DeleteItem loop: the floor), with `LEASEHOLD_BENCH_SHAPED` set `raw-shaped` (the bare SDK
+//! client sending leasehold's own acquire and release requests: what the requests' shape costs
+//! apart from leasehold's code), and with `--features compare` the `dynamodb-lease` crate (in
 //! M3 twice: releasing with `Lease::release().await`, and by dropping the lease). Every library
 //! first runs unmeasured M1 cycles (`--warmup`, default 3,000 each): DynamoDB Local's JIT
 //! compiler otherwise takes a core for tens of thousands of requests. A different library
@@ -16,7 +18,8 @@
 //! `leasehold serve` on the embedded store, with in-process wake-ups) and `batch` (8 workers
 //! drain a work state against a hand-written Query + UpdateItem floor). `sem` (16 workers on a
 //! semaphore of 4 slots against the counter-and-map floor of AWS's concurrency-control sample)
-//! runs only when named too.
+//! runs only when named too. With `LEASEHOLD_BENCH_PERF=DIR`, every child runs under `perf
+//! record -F 2999`, its profile in DIR (one file per library, scenario and round).
 
 //!
 //! One module per scenario, each with a `run` for both sides of a [`Step`]; the

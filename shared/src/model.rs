@@ -24,11 +24,8 @@ impl LeaseId {
         }
         let mut bytes = [0u8; 16];
         getrandom::fill(&mut bytes).expect("the operating system CSPRNG is unavailable");
-        let mut s = String::with_capacity(32);
-        for b in bytes {
-            s.push_str(&format!("{b:02x}"));
-        }
-        LeaseId(s)
+        // The bytes in order, two hex digits each: one allocation, not one per byte.
+        LeaseId(format!("{:032x}", u128::from_be_bytes(bytes)))
     }
 
     /// Wraps a caller-supplied id; validate it with `validate::lease_id` first.
@@ -513,4 +510,24 @@ pub struct Waiter {
     /// a waiter past it is skipped without a delivery attempt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_at_ms: Option<u64>,
+}
+
+#[cfg(test)]
+mod lease_id_tests {
+    use super::LeaseId;
+
+    /// A generated lease_id is 128 bits as 32 lowercase hex digits (the format the API's
+    /// validation and the stores expect), and two are never the same.
+    #[test]
+    fn generated_ids_are_32_lowercase_hex_digits() {
+        let ids: std::collections::HashSet<String> =
+            (0..1000).map(|_| LeaseId::generate().expose().to_string()).collect();
+        assert_eq!(ids.len(), 1000);
+        for id in &ids {
+            assert_eq!(id.len(), 32, "{id}");
+            assert!(id.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)), "{id}");
+        }
+        // Leading zero bytes keep their digits: over 1000 ids, some start with '0'.
+        assert!(ids.iter().any(|id| id.starts_with('0')));
+    }
 }
