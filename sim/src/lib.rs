@@ -1113,7 +1113,8 @@ async fn queue_sweeper(node: Arc<Node>, world: Shared) {
 
 /// A Step Functions execution that waits for a key in its queue (QueuedSingleFlight): the
 /// acquire function enqueues it with the task token (a retried invocation sends the same
-/// lease_id and token); the execution learns its lease only from `SendTaskSuccess`. Some
+/// lease_id with a new token: Step Functions gives each attempt of a task its own, and the
+/// failed attempt's token is dead); the execution learns its lease only from `SendTaskSuccess`. Some
 /// executions are stopped and deleted while they wait.
 async fn queued(node: &Arc<Node>, world: &Shared, name: &str) {
     let (k, dur, timeout, tag, delete) = draw(world, |w| {
@@ -1123,25 +1124,23 @@ async fn queued(node: &Arc<Node>, world: &Shared, name: &str) {
         return;
     }
     let exec = format!("{name}/exec-{tag:016x}");
-    let token = format!("token-{tag:016x}");
+    let mut token = format!("token-{tag:016x}");
     let lease_id = LeaseId::from_string(format!("q-{tag:016x}"));
-    lock(world).tasks.insert(
-        token.clone(),
-        Task {
-            exec: exec.clone(),
-            key: k.clone(),
-            lease_id: lease_id.expose().to_string(),
-            timeout: now() + Duration::from_millis(timeout),
-            closed: false,
-            deleted: false,
-        },
-    );
+    let task = Task {
+        exec: exec.clone(),
+        key: k.clone(),
+        lease_id: lease_id.expose().to_string(),
+        timeout: now() + Duration::from_millis(timeout),
+        closed: false,
+        deleted: false,
+    };
+    lock(world).tasks.insert(token.clone(), task.clone());
     // The acquire function: this process when it serves queues, else the functions.
     let f = if node.serves_queues { node.clone() } else { lock(world).functions.clone().expect("the functions") };
     let opts = AcquireOptions { lease_id: Some(lease_id.clone()), ..Default::default() };
     let timeout_at_ms = f.coord.now_ms() + timeout;
     let mut waiting = false;
-    for _ in 0..3 {
+    for attempt in 1..=3 {
         match f
             .coord
             .acquire_or_enqueue(&k, &exec, Duration::from_millis(dur), opts.clone(), &token, Some(timeout_at_ms))
@@ -1151,24 +1150,32 @@ async fn queued(node: &Arc<Node>, world: &Shared, name: &str) {
                 waiting = true;
                 break;
             }
-            // The invocation failed: Step Functions retries it (same input).
+            // The invocation failed: Step Functions retries the task (same input, a new token).
             Err(e) if e.is_transient() || matches!(e, Error::OutcomeUnknown { .. }) => {
                 // Step Functions retries a task only while it waits: a task whose token a
                 // delivery already completed (`SendTaskSuccess` landed while this invocation
                 // ran) has moved on with its lease, and its invocation's late failure is
                 // ignored; a task that timed out is not retried either.
-                if lock(world).tasks.get(&token).is_some_and(|t| t.closed) {
-                    waiting = true;
+                {
+                    let mut w = lock(world);
+                    let Some(t) = w.tasks.get_mut(&token) else { break };
+                    if t.closed {
+                        waiting = true;
+                        break;
+                    }
+                    // The attempt failed with its invocation: its token is dead from now on
+                    // (a delivery to it answers `TaskTimedOut`).
+                    t.closed = true;
+                }
+                if attempt == 3 {
                     break;
                 }
                 tokio::time::sleep(Duration::from_millis(300)).await;
-                // Nor one completed by a delivery in the pause before the retry (Step Functions
-                // fails the task with its invocation: a delivery after that finds it gone).
-                if lock(world).tasks.get(&token).is_some_and(|t| t.closed) {
-                    waiting = true;
-                    break;
-                }
-                lock(world).fault("invocation_retried");
+                // The retried attempt waits on a token of its own, as on Step Functions.
+                token = format!("token-{tag:016x}-{attempt}");
+                let mut w = lock(world);
+                w.tasks.insert(token.clone(), task.clone());
+                w.fault("invocation_retried");
             }
             Err(_) => break,
         }

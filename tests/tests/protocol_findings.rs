@@ -15,6 +15,7 @@ both_backends!(
     a_stale_fail_closed_acquire_never_takes_a_key_released_after_it_was_sent,
     a_stale_fail_closed_acquire_never_takes_a_key_a_queue_write_freed_after_it_was_sent,
     a_retried_queued_acquire_keeps_its_slot_behind_a_later_waiter,
+    a_retried_invocation_takes_over_the_grant_made_to_its_dead_token,
     a_new_queue_starts_above_the_numbers_of_the_queue_before,
     dropping_a_late_grant_does_not_wait_for_a_queue_delivery,
     an_acquire_right_after_a_release_by_a_clock_ahead_is_granted,
@@ -168,6 +169,74 @@ async fn a_retried_queued_acquire_keeps_its_slot_behind_a_later_waiter(b: Backen
     // The key is free: the queue holds nobody else.
     let last = c.acquire(k, "last", Some(d), AcquireOptions::default()).await.unwrap();
     assert!(last.fence > next.fence);
+}
+
+/// Step Functions for a task retried after its first attempt failed: the first attempt's
+/// token (`token-1`) died with it, and a delivery to it answers `Gone` (`TaskTimedOut`), but
+/// only once `gate` opens (held in the network until the retry has run); any other token takes
+/// its delivery.
+#[derive(Default)]
+struct RetriedTask {
+    entered: tokio::sync::Notify,
+    gate: tokio::sync::Notify,
+    delivered: std::sync::Mutex<Vec<(String, Lease)>>,
+}
+
+#[async_trait]
+impl Deliver for RetriedTask {
+    async fn success(&self, token: &str, lease: &Lease) -> Result<(), DeliveryError> {
+        if token == "token-1" {
+            self.entered.notify_one();
+            self.gate.notified().await;
+            return Err(DeliveryError::Gone("TaskTimedOut".into()));
+        }
+        self.delivered.lock().unwrap().push((token.to_string(), lease.clone()));
+        Ok(())
+    }
+    async fn failure(&self, _: &str, _: &str, _: &str) -> Result<(), DeliveryError> {
+        Ok(())
+    }
+}
+
+/// DESIGN.md, "Simulation" (a retried invocation with a fresh task token). A queued acquire
+/// is queued; its invocation then fails, and Step Functions retries it with the same lease_id
+/// and a new token, the first token dead. Between the two, the holder releases and the queue
+/// grants the waiter's slot to the first token. The retry finds its lease_id's lease live: it
+/// must not take it as a free grant (delivered to its token, the queue's delivery to the dead
+/// token answers `Gone` and revokes the lease under the execution that holds it), but move the
+/// grant's undelivered mark to its token and deliver it, so that the revoke is refused.
+async fn a_retried_invocation_takes_over_the_grant_made_to_its_dead_token(b: Backend) {
+    let k = "queued-grant-retry";
+    let task = Arc::new(RetriedTask::default());
+    let c = b.coordinator(test_config()).with_deliver(task.clone());
+    let d = Duration::from_secs(60);
+    let held = c.acquire(k, "holder", Some(d), AcquireOptions::default()).await.unwrap();
+    let id = LeaseId::generate();
+    let mine = AcquireOptions { lease_id: Some(id.clone()), ..Default::default() };
+    let first = c.acquire_or_enqueue(k, "exec", d, mine.clone(), "token-1", None).await.unwrap();
+    assert!(matches!(first, Enqueued::Queued { position: 1, .. }), "{first:?}");
+    // The holder releases: the slot is granted to token-1, whose delivery is under way.
+    let releasing = {
+        let (c, id) = (c.clone(), held.lease_id.clone());
+        tokio::spawn(async move { c.release(k, &id).await })
+    };
+    task.entered.notified().await;
+    // The retried invocation, with its own token, while that delivery is in flight.
+    let retry = c.acquire_or_enqueue(k, "exec", d, mine, "token-2", None).await.unwrap();
+    assert!(matches!(&retry, Enqueued::Granted(l) if l.lease_id == id), "{retry:?}");
+    // The delivery to the dead token answers `Gone`.
+    task.gate.notify_one();
+    releasing.await.unwrap().unwrap();
+    let delivered = task.delivered.lock().unwrap().clone();
+    assert_eq!(delivered.len(), 1, "{delivered:?}");
+    assert_eq!((delivered[0].0.as_str(), &delivered[0].1.lease_id), ("token-2", &id));
+    // The execution holds the lease it was delivered: not revoked, and nobody else takes it.
+    let s = c.get(k).await.unwrap();
+    assert!(s.held && s.holder == "exec" && s.released_at_ms.is_none(), "the grant was revoked: {s:?}");
+    c.heartbeat(k, &id, Some(d)).await.expect("the execution still holds its lease");
+    let other = c.acquire(k, "other", Some(d), AcquireOptions::default()).await;
+    assert!(matches!(other, Err(Error::LeaseHeld { .. })), "{other:?}");
+    c.release(k, &id).await.unwrap();
 }
 
 /// `queue_seq_reused` of the simulation. A queue's numbers start at its first enqueuer's clock

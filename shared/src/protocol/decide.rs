@@ -59,7 +59,13 @@ pub(crate) fn sort_acquire(
 ) -> Result<AcquireAnswer> {
     Ok(match w {
         Write::Applied(r) => AcquireAnswer::Granted(r),
-        Write::Rejected(Some(r)) if r.is_live_for(lease_id, now) => AcquireAnswer::Granted(r),
+        // Our lease_id's live lease, unless it is a queue's grant still being delivered
+        // (`pending_token`; a plain grant never carries one): that lease is the queue's to
+        // deliver to its waiter's task token, and it may revoke it (DESIGN.md, "The waiter
+        // queue": a retried invocation and its queue grant). Held, to an acquire.
+        Write::Rejected(Some(r)) if r.is_live_for(lease_id, now) && r.pending_token.is_none() => {
+            AcquireAnswer::Granted(r)
+        }
         Write::Rejected(Some(r)) => match ended_reason(&r, lease_id, now) {
             Some(reason) if reason != Reason::WrongLeaseId => AcquireAnswer::Ended(reason),
             _ if after && !r.is_held(now) && r.freed_at().is_some_and(|t| t > now) => AcquireAnswer::Early(r),

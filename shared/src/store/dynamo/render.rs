@@ -208,14 +208,15 @@ fn queue_guard(c: &Condition) -> Guard {
             "fence = :expected_fence AND expires_at_ms <= :now AND queue_head = :expected_head",
             [("expected_fence", num(*fence)), ("now", num(*now_ms)), ("expected_head", num(*head))],
         ),
-        // The grant is still marked undelivered.
-        Condition::Undelivered { fence } => {
-            guard("fence = :expected_fence AND attribute_exists(pending_token)", [("expected_fence", num(*fence))])
-        }
+        // The grant is still marked undelivered, to this token.
+        Condition::Undelivered { fence, token } => guard(
+            "fence = :expected_fence AND pending_token = :expected_token",
+            [("expected_fence", num(*fence)), ("expected_token", str_(token))],
+        ),
         // The same, not released: a delivered mark held in the network never frees a released key.
-        Condition::UndeliveredLive { fence } => guard(
-            "fence = :expected_fence AND attribute_exists(pending_token) AND attribute_not_exists(released_at_ms)",
-            [("expected_fence", num(*fence))],
+        Condition::UndeliveredLive { fence, token } => guard(
+            "fence = :expected_fence AND pending_token = :expected_token AND attribute_not_exists(released_at_ms)",
+            [("expected_fence", num(*fence)), ("expected_token", str_(token))],
         ),
         // A release without queued waiters (with waiters, `ReleaseHandOver` grants the head).
         Condition::Unqueued { lease_id } => guard(
@@ -732,11 +733,18 @@ mod tests {
                 }),
             ),
             (Condition::HandOver { fence: 3, now_ms: now, head: 5 }, Some(Mutation::Skip { seq: 6, now_ms: now })),
-            (Condition::Undelivered { fence: 3 }, Some(Mutation::Delivered { now_ms: now })),
-            (Condition::UndeliveredLive { fence: 3 }, Some(Mutation::Delivered { now_ms: now })),
-            (Condition::Undelivered { fence: 3 }, Some(Mutation::Revoke { now_ms: now, ttl: Some(2) })),
-            (Condition::Undelivered { fence: 3 }, Some(Mutation::Revoke { now_ms: now, ttl: None })),
+            (Condition::Undelivered { fence: 3, token: "t".into() }, Some(Mutation::Delivered { now_ms: now })),
+            (Condition::UndeliveredLive { fence: 3, token: "t".into() }, Some(Mutation::Delivered { now_ms: now })),
+            (
+                Condition::Undelivered { fence: 3, token: "t".into() },
+                Some(Mutation::Revoke { now_ms: now, ttl: Some(2) }),
+            ),
+            (Condition::Undelivered { fence: 3, token: "t".into() }, Some(Mutation::Revoke { now_ms: now, ttl: None })),
             (Condition::FenceIs(3), Some(Mutation::MarkUndelivered { token: "t".into(), shard: 1003 })),
+            (
+                Condition::Undelivered { fence: 3, token: "t".into() },
+                Some(Mutation::MarkUndelivered { token: "u".into(), shard: 1003 }),
+            ),
             (Condition::QueueIdle, Some(Mutation::Unindex)),
             (Condition::NotLease, None),
             (Condition::HandTo { lease_id: id.clone(), fence: 3, now_ms: now }, None),
@@ -863,8 +871,8 @@ mod tests {
             Condition::FenceAndExpiry { fence: 3, expires_at_ms: None },
             Condition::Queueable { now_ms: 1, lease_id: id.clone(), start: 5 },
             Condition::HandOver { fence: 3, now_ms: 1, head: 5 },
-            Condition::Undelivered { fence: 3 },
-            Condition::UndeliveredLive { fence: 3 },
+            Condition::Undelivered { fence: 3, token: "t".into() },
+            Condition::UndeliveredLive { fence: 3, token: "t".into() },
             Condition::NotLease,
             Condition::HandTo { lease_id: id.clone(), fence: 3, now_ms: 1 },
             Condition::FreeIn { now_ms: 1, fence: 3, lease_id: id.clone(), visit },
