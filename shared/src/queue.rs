@@ -472,7 +472,10 @@ impl Coordinator {
         // Bounded: each pass either serves one waiter or stops; races re-read.
         for _ in 0..64 {
             let Some(r) = self.store().get(key).await? else { return Ok(served) };
-            let now = self.now_ms();
+            // The grant below is written as of `now`, and its safe time counted from `sent`,
+            // read together: a `sent` read later (after the waiter item's read, which may be
+            // slow) would stretch the safe time past the lease's end by as much.
+            let (sent, now) = (self.monotonic(), self.now_ms());
             if r.is_held(now) {
                 if let Some(token) = r.pending_token.clone() {
                     if now.saturating_sub(r.acquired_at_ms) >= DELIVERY_GRACE_MS {
@@ -521,7 +524,6 @@ impl Coordinator {
             // Grant: the waiter's lease, a fence above every earlier one, the head moved on.
             let mut lease = self.waiter_lease(key, &r, &waiter, now)?;
             lease.released = r.released_at_ms.map(|_| (r.lease_id.clone(), r.fence));
-            let sent = self.monotonic();
             let cond = Condition::HandOver { fence: r.fence, now_ms: now, head };
             let grant = Mutation::Grant { lease, seq, token: waiter.task_token.clone() };
             let granted = match self.store().update(key, &cond, &grant).await? {

@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use leasehold::queue::{queue_shard, Deliver, DeliveryError, Enqueued};
-use leasehold::store::{Condition, Mutation};
-use leasehold::{AcquireOptions, Clock, Config, Coordinator, Error, Lease, LeaseId, SystemClock};
+use leasehold::queue::{queue_shard, Deliver, DeliveryError, Enqueued, SEPARATOR};
+use leasehold::store::{Condition, Mutation, Page, ScanKind, Store, Write};
+use leasehold::{AcquireOptions, Clock, ClockSamples, Config, Coordinator, Error, Lease, LeaseId, Record, SystemClock};
 use leasehold_tests::{both_backends, test_config, Backend, Fault, Faulty};
 
 both_backends!(
@@ -16,6 +16,7 @@ both_backends!(
     a_stale_fail_closed_acquire_never_takes_a_key_a_queue_write_freed_after_it_was_sent,
     a_retried_queued_acquire_keeps_its_slot_behind_a_later_waiter,
     a_retried_invocation_takes_over_the_grant_made_to_its_dead_token,
+    a_queue_grant_after_a_slow_read_is_told_no_safe_time_past_its_end,
     a_new_queue_starts_above_the_numbers_of_the_queue_before,
     dropping_a_late_grant_does_not_wait_for_a_queue_delivery,
     an_acquire_right_after_a_release_by_a_clock_ahead_is_granted,
@@ -237,6 +238,86 @@ async fn a_retried_invocation_takes_over_the_grant_made_to_its_dead_token(b: Bac
     let other = c.acquire(k, "other", Some(d), AcquireOptions::default()).await;
     assert!(matches!(other, Err(Error::LeaseHeld { .. })), "{other:?}");
     c.release(k, &id).await.unwrap();
+}
+
+/// A store whose reads of waiter items answer 2 s late once `slow` is set.
+struct SlowWaiterReads {
+    inner: Arc<dyn Store>,
+    slow: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait]
+impl Store for SlowWaiterReads {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    async fn get(&self, key: &str) -> leasehold::Result<Option<Record>> {
+        if key.contains(SEPARATOR) && self.slow.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        }
+        self.inner.get(key).await
+    }
+    async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
+        self.inner.update(key, c, m).await
+    }
+    async fn delete(&self, key: &str, c: &Condition) -> leasehold::Result<Write> {
+        self.inner.delete(key, c).await
+    }
+    async fn scan(&self, k: &ScanKind, start: Option<&str>, limit: u32) -> leasehold::Result<Page> {
+        self.inner.scan(k, start, limit).await
+    }
+    fn clock(&self) -> Option<&ClockSamples> {
+        self.inner.clock()
+    }
+}
+
+/// Each delivery with the instant and the wall clock (ms) it arrived at.
+#[derive(Default)]
+struct Timed(std::sync::Mutex<Vec<(Instant, u64, Lease)>>);
+
+#[async_trait]
+impl Deliver for Timed {
+    async fn success(&self, _: &str, lease: &Lease) -> Result<(), DeliveryError> {
+        let wall = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+        self.0.lock().unwrap().push((Instant::now(), wall, lease.clone()));
+        Ok(())
+    }
+    async fn failure(&self, _: &str, _: &str, _: &str) -> Result<(), DeliveryError> {
+        Ok(())
+    }
+}
+
+/// Seed 965 of `--seeds 1000` (in one process; `two_holders`). Serving a queue reads the
+/// lease item (and the clock), then the head's waiter item, then writes the grant as of the
+/// clock it read first. The grant's safe time was counted from an instant taken after the
+/// waiter item's read: when that read was slow (670 ms in the run), the waiter was told a safe
+/// time past its lease's end by as much, and a plain acquire took the key while it believed it
+/// held it. The safe time is now counted from the instant the clock was read.
+async fn a_queue_grant_after_a_slow_read_is_told_no_safe_time_past_its_end(b: Backend) {
+    let k = "slow-waiter-read";
+    let store = Arc::new(SlowWaiterReads { inner: b.store(), slow: Default::default() });
+    let rec = Arc::new(Timed::default());
+    let c = Coordinator::new(store.clone(), test_config()).with_deliver(rec.clone());
+    // The holder's process serves no queue: its release leaves the key free for the waiter.
+    let plain = Coordinator::new(store.clone(), test_config());
+    let held = plain.acquire(k, "holder", secs(60), AcquireOptions::default()).await.unwrap();
+    let d = Duration::from_secs(4);
+    let q = c.acquire_or_enqueue(k, "waiter", d, AcquireOptions::default(), "token", None).await.unwrap();
+    assert!(matches!(q, Enqueued::Queued { position: 1, .. }), "{q:?}");
+    plain.release(k, &held.lease_id).await.unwrap();
+    // The queue is served with a slow read of the waiter item.
+    store.slow.store(true, Ordering::SeqCst);
+    let served = c.serve_queue(k).await.unwrap();
+    assert_eq!(served.delivered, 1, "{served:?}");
+    let (at, wall, lease) = rec.0.lock().unwrap().last().cloned().expect("delivered");
+    let ends = at + Duration::from_millis(lease.expires_at_ms.unwrap().saturating_sub(wall));
+    let safe = lease.safe_until.expect("a lease with a duration");
+    // (20 ms for the clocks' reading apart; the slow read was 2 s.)
+    assert!(
+        safe <= ends + Duration::from_millis(20),
+        "told a safe time {} ms past the lease's end",
+        safe.saturating_duration_since(ends).as_millis()
+    );
 }
 
 /// `queue_seq_reused` of the simulation. A queue's numbers start at its first enqueuer's clock
