@@ -84,6 +84,9 @@ fn regression_seed_1_keeps_every_promise() {
 ///   reported as a known finding for the path left open; a retry now keeps its earlier slot);
 /// - `--seed 60`: a later queue on a key reusing an earlier queue's numbers (`queue_seq_reused`;
 ///   a new queue now starts above the last one's tail).
+/// - `--seed 93`: a queued execution left waiting, unserved (`waiter_lost`): the simulated
+///   execution died with the crash of the process its acquire invocation ran in, instead of
+///   failing that invocation and being retried (a modelling error, fixed in the simulation).
 ///
 /// Each in a fresh process, as seed 1 above; none may report a violation or the finding named.
 #[test]
@@ -92,6 +95,7 @@ fn regression_seeds_of_the_fixed_findings_keep_every_promise() {
         (&["--seed", "201", "--ops", "10000"], "stale_acquire_after_queue_freed"),
         (&["--seed", "5"], "queued_lease_id_regranted"),
         (&["--seed", "60"], "queue_seq_reused"),
+        (&["--seed", "93"], "waiter_lost"),
     ];
     for (args, finding) in runs {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_leasehold-sim"))
