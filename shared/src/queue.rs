@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, NotHolderReason as Reason, Result};
 use crate::model::{Lease, LeaseId, Record, Released};
 use crate::protocol::{AcquireOptions, Coordinator, ReleaseHook};
 use crate::store::{Condition, Mutation, NewLease, ScanKind, Write};
@@ -63,6 +63,18 @@ const SWEEP_PAGE: u32 = 50;
 pub const DELIVERY_GRACE_MS: u64 = 5_000;
 
 pub use crate::model::Waiter;
+
+/// What a queued acquire sent again with its lease_id finds of its earlier try.
+enum Own {
+    /// Its waiter item (in the queue whose head is the number).
+    Slot(u64, Waiter),
+    /// Its slot's grant, live, still marked undelivered (the item as read).
+    Granted(Record),
+    /// Its slot's grant, live, no longer marked (the item as read).
+    Free(Record),
+    /// Its slot's grant, ended.
+    Ended(Reason),
+}
 
 /// The waiter queue as the core's release hook: a release of a key with queued waiters grants
 /// the head waiter, and a key left free is handed over to it.
@@ -232,12 +244,11 @@ impl Coordinator {
             }
             // A retried invocation whose earlier try's waiter item landed (its answer lost) keeps
             // that slot, with this try's task token, instead of taking a second one: one slot per
-            // lease_id, so a lease_id is granted at most once.
+            // lease_id, so a lease_id is granted at most once; and one whose slot was granted
+            // already takes that grant over.
             if std::mem::take(&mut retry_possible) {
-                if let Some((head, w)) = self.own_waiter(key, &lease_id).await? {
-                    let deadline = self.monotonic() + self.config().retry_budget;
-                    let waiter = Waiter { task_token: task_token.to_string(), timeout_at_ms, ..w };
-                    return self.place_waiter(key, waiter, head, self.now_ms(), deadline).await;
+                if let Some(done) = self.resume(key, &lease_id, task_token, timeout_at_ms, &deliver).await? {
+                    return Ok(done);
                 }
             }
             // Held, or free with waiters: join the queue. Idempotent per lease_id: a retry
@@ -323,20 +334,93 @@ impl Coordinator {
         Ok(Enqueued::Queued { seq, position: seq.saturating_sub(head), lease_id })
     }
 
-    /// The waiter item of `lease_id` in `key`'s queue, if any, with the queue's head: read from
-    /// the tail back, over the items enqueued within [`RETRY_WINDOW_MS`] (an earlier try of the
-    /// same queued acquire is no older), at most [`RETRY_SCAN_SLOTS`] of them.
-    async fn own_waiter(&self, key: &str, lease_id: &LeaseId) -> Result<Option<(u64, Waiter)>> {
+    /// A queued acquire sent again with its lease_id (a retried invocation, with a new task
+    /// token): what became of its earlier try. Its waiter item found in the queue: the slot is
+    /// kept, the item written again with this try's token. Its slot granted already, the grant
+    /// still marked undelivered to the earlier try's token: taken over ([`Self::take_over`]).
+    /// `None`: neither, the acquire goes on (enqueues).
+    async fn resume(
+        &self,
+        key: &str,
+        lease_id: &LeaseId,
+        task_token: &str,
+        timeout_at_ms: Option<u64>,
+        deliver: &Arc<dyn Deliver>,
+    ) -> Result<Option<Enqueued>> {
+        match self.own_waiter(key, lease_id).await? {
+            None => Ok(None),
+            Some(Own::Slot(head, w)) => {
+                let deadline = self.monotonic() + self.config().retry_budget;
+                let waiter = Waiter { task_token: task_token.to_string(), timeout_at_ms, ..w };
+                self.place_waiter(key, waiter, head, self.now_ms(), deadline).await.map(Some)
+            }
+            Some(Own::Granted(r)) => self.take_over(key, &r, task_token, deliver).await.map(Some),
+            // Its mark went meanwhile (a delivery to the dead token answered `Gone`): as a
+            // plain acquire that finds its own live lease.
+            Some(Own::Free(r)) => {
+                let lease = r.lease(self.monotonic(), self.now_ms(), self.skew_ms());
+                self.deliver_free_grant(key, lease, task_token, deliver).await.map(Some)
+            }
+            // Revoked meanwhile (its delivery to the dead token answered `Gone`), or expired.
+            Some(Own::Ended(reason)) => Err(Error::NotHolder { key: key.to_string(), reason }),
+        }
+    }
+
+    /// The queue's grant `r` of this acquire's lease_id, marked undelivered to an earlier try's
+    /// token, which died with that try (Step Functions gives each attempt of a task its own
+    /// token): a delivery to it answers `Gone`, and its deliverer would revoke the grant. So
+    /// the mark moves to this try's token (conditional on the old one: the revoke, conditional
+    /// on the token it delivered to, is then refused), and the lease is delivered to this
+    /// token as the sweep delivers again, never revoked (another delivery to the same token may
+    /// reach the task first). Neither delivered as a free grant nor released: a free grant's
+    /// first `Gone` proves nothing here. Revoked before the mark moved: `NotHolder` (released),
+    /// as a plain acquire of an ended lease_id. The same token (an invocation sent again as it
+    /// was): left to the queue's delivery.
+    async fn take_over(&self, key: &str, r: &Record, token: &str, deliver: &Arc<dyn Deliver>) -> Result<Enqueued> {
+        let old = r.pending_token.clone().unwrap_or_default();
+        let lease = r.lease(self.monotonic(), self.now_ms(), self.skew_ms()).with_safe_for(self.monotonic());
+        if old == token {
+            return Ok(Enqueued::Granted(lease));
+        }
+        let deadline = self.monotonic() + self.config().retry_budget;
+        let cond = Condition::Undelivered { fence: r.fence, token: old };
+        let mark = Mutation::MarkUndelivered { token: token.to_string(), shard: queue_shard(key) };
+        let (w, _, _) =
+            self.write(key, deadline, |_| Ok((cond.clone(), mark.clone()))).await.map_err(|f| f.into_error(key))?;
+        match w {
+            Write::Applied(_) => {}
+            // An earlier try of this write landed (its answer lost).
+            Write::Rejected(Some(g)) if g.fence == r.fence && g.pending_token.as_deref() == Some(token) => {}
+            Write::Rejected(_) => return Err(Error::NotHolder { key: key.to_string(), reason: Reason::Released }),
+        }
+        let mut served = Served::default();
+        self.redeliver(key, r, token, deliver, &mut served).await?;
+        Ok(Enqueued::Granted(lease))
+    }
+
+    /// What a queued acquire's earlier try left in `key`'s queue, if anything: its waiter item
+    /// (with the queue's head), read from the tail back, over the items enqueued within
+    /// [`RETRY_WINDOW_MS`] (an earlier try of the same queued acquire is no older), at most
+    /// [`RETRY_SCAN_SLOTS`] of them; or its slot's grant, live and still marked undelivered.
+    async fn own_waiter(&self, key: &str, lease_id: &LeaseId) -> Result<Option<Own>> {
         // Reads retried (a lost answer must not fail the acquire), within the retry budget.
         let deadline = self.monotonic() + self.config().retry_budget;
         let Some(r) = self.read(deadline, || self.store().get(key)).await? else { return Ok(None) };
+        if &r.lease_id == lease_id {
+            // Its slot was granted (the plain acquire before saw it marked undelivered).
+            return Ok(Some(match crate::protocol::ended_reason(&r, lease_id, self.now_ms()) {
+                None if r.pending_token.is_some() => Own::Granted(r),
+                None => Own::Free(r),
+                Some(reason) => Own::Ended(reason),
+            }));
+        }
         let (Some(head), Some(tail)) = (r.queue_head, r.queue_tail) else { return Ok(None) };
         let since = self.now_ms().saturating_sub(RETRY_WINDOW_MS);
         for seq in (head + 1..=tail).rev().take(RETRY_SCAN_SLOTS as usize) {
             let wk = waiter_key(key, seq);
             let Some(w) = self.read(deadline, || self.store().get(&wk)).await?.and_then(|w| w.waiter) else { continue };
             if &w.lease_id == lease_id && w.seq == seq {
-                return Ok(Some((head, w)));
+                return Ok(Some(Own::Slot(head, w)));
             }
             if w.enqueued_at_ms < since {
                 break;
@@ -394,7 +478,10 @@ impl Coordinator {
         // Bounded: each pass either serves one waiter or stops; races re-read.
         for _ in 0..64 {
             let Some(r) = self.store().get(key).await? else { return Ok(served) };
-            let now = self.now_ms();
+            // The grant below is written as of `now`, and its safe time counted from `sent`,
+            // read together: a `sent` read later (after the waiter item's read, which may be
+            // slow) would stretch the safe time past the lease's end by as much.
+            let (sent, now) = (self.monotonic(), self.now_ms());
             if r.is_held(now) {
                 if let Some(token) = r.pending_token.clone() {
                     if now.saturating_sub(r.acquired_at_ms) >= DELIVERY_GRACE_MS {
@@ -443,7 +530,6 @@ impl Coordinator {
             // Grant: the waiter's lease, a fence above every earlier one, the head moved on.
             let mut lease = self.waiter_lease(key, &r, &waiter, now)?;
             lease.released = r.released_at_ms.map(|_| (r.lease_id.clone(), r.fence));
-            let sent = self.monotonic();
             let cond = Condition::HandOver { fence: r.fence, now_ms: now, head };
             let grant = Mutation::Grant { lease, seq, token: waiter.task_token.clone() };
             let granted = match self.store().update(key, &cond, &grant).await? {
@@ -497,7 +583,11 @@ impl Coordinator {
             }
         }
         self.store()
-            .update(key, &Condition::Undelivered { fence: r.fence }, &Mutation::Delivered { now_ms: self.now_ms() })
+            .update(
+                key,
+                &Condition::Undelivered { fence: r.fence, token: token.to_string() },
+                &Mutation::Delivered { now_ms: self.now_ms() },
+            )
             .await?;
         if let Some(seq) = r.queue_head {
             let _ = self.store().delete(&waiter_key(key, seq), &Condition::NotLease).await;
@@ -535,24 +625,25 @@ impl Coordinator {
     ) -> Result<bool> {
         let (fence, seq, wk) = (granted.fence, waiter.seq, waiter_key(key, waiter.seq));
         let lease = granted.lease(sent, now, self.skew_ms()).with_safe_for(sent);
-        match self.deliver_with_retries(deliver, &waiter.task_token, &lease).await {
+        let token = waiter.task_token.clone();
+        match self.deliver_with_retries(deliver, &token, &lease).await {
             Ok(()) => {
                 served.delivered += 1;
-                let _ = self
-                    .store()
-                    .update(key, &Condition::UndeliveredLive { fence }, &Mutation::Delivered { now_ms: self.now_ms() })
-                    .await?;
+                let delivered = Mutation::Delivered { now_ms: self.now_ms() };
+                let _ = self.store().update(key, &Condition::UndeliveredLive { fence, token }, &delivered).await?;
                 let _ = self.store().delete(&wk, &Condition::NotLease).await;
                 Ok(false)
             }
             Err(DeliveryError::Gone(why)) => {
                 // Never delivered (the first answer said so): nobody holds it. Free the key and
-                // serve the next waiter.
+                // serve the next waiter; unless a retried invocation of the waiter's task moved
+                // the mark to its own token (this one died with its attempt): then the grant is
+                // that invocation's to deliver, and the revoke is refused.
                 tracing::info!(key, seq, why, "queued waiter is gone; its grant is revoked");
                 // A key in a work state is kept until it is taken: no TTL.
                 let ttl = granted.state.is_none().then(|| self.ttl_after(now + self.max_duration_ms()));
                 let m = Mutation::Revoke { now_ms: self.now_ms(), ttl };
-                self.store().update(key, &Condition::Undelivered { fence }, &m).await?;
+                self.store().update(key, &Condition::Undelivered { fence, token }, &m).await?;
                 let _ = self.store().delete(&wk, &Condition::NotLease).await;
                 served.skipped += 1;
                 Ok(true)
@@ -683,9 +774,8 @@ impl Coordinator {
                 return Ok(());
             }
         }
-        self.store()
-            .update(key, &Condition::UndeliveredLive { fence: r.fence }, &Mutation::Delivered { now_ms: self.now_ms() })
-            .await?;
+        let cond = Condition::UndeliveredLive { fence: r.fence, token: token.to_string() };
+        self.store().update(key, &cond, &Mutation::Delivered { now_ms: self.now_ms() }).await?;
         if let Some(seq) = r.queue_head {
             let _ = self.store().delete(&waiter_key(key, seq), &Condition::NotLease).await;
         }

@@ -299,14 +299,27 @@ pub(crate) fn history(
         };
         lines.push((line.0, i, line.1));
     }
-    for (i, a) in log.iter().enumerate().filter(|(_, a)| a.key == key) {
+    // The key's writes, and its queue's waiter items (`<key>` U+001F `q<seq>`).
+    let waiter = |k: &str| k.strip_prefix(key).is_some_and(|rest| rest.starts_with(leasehold::queue::SEPARATOR));
+    for (i, a) in log.iter().enumerate().filter(|(_, a)| a.key == key || waiter(&a.key)) {
         let what = match (&a.mutation, a.ttl) {
             (_, true) => "TTL deletion".to_string(),
             (None, _) => "delete".to_string(),
             (Some(m), _) => describe(m),
         };
+        let what = if a.key == key { what } else { format!("{what} of waiter {}", &a.key[key.len() + 1..]) };
         let new = a.new.as_ref().map_or(String::new(), |r| {
-            format!(" -> lease {} fence {} expires {:?}", short(r.lease_id.expose()), r.fence, r.expires_at_ms)
+            let queue = match (r.queue_head, r.queue_tail) {
+                (Some(h), Some(t)) => format!(" queue {}..{}", h % 10_000, t % 10_000),
+                _ => String::new(),
+            };
+            let mark = if r.pending_token.is_some() { " undelivered" } else { "" };
+            format!(
+                " -> lease {} fence {} expires {:?}{queue}{mark}",
+                short(r.lease_id.expose()),
+                r.fence,
+                r.expires_at_ms
+            )
         });
         lines.push((ms(t0, a.at), events.len() + i, format!("store applies {what}{new}")));
     }

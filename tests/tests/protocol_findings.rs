@@ -6,15 +6,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use leasehold::queue::{queue_shard, Deliver, DeliveryError, Enqueued};
-use leasehold::store::{Condition, Mutation};
-use leasehold::{AcquireOptions, Clock, Config, Coordinator, Error, Lease, LeaseId, SystemClock};
+use leasehold::queue::{queue_shard, Deliver, DeliveryError, Enqueued, SEPARATOR};
+use leasehold::store::{Condition, Mutation, Page, ScanKind, Store, Write};
+use leasehold::{AcquireOptions, Clock, ClockSamples, Config, Coordinator, Error, Lease, LeaseId, Record, SystemClock};
 use leasehold_tests::{both_backends, test_config, Backend, Fault, Faulty};
 
 both_backends!(
     a_stale_fail_closed_acquire_never_takes_a_key_released_after_it_was_sent,
     a_stale_fail_closed_acquire_never_takes_a_key_a_queue_write_freed_after_it_was_sent,
+    a_stale_plain_acquire_never_takes_a_key_a_queue_write_freed_after_it_was_sent,
     a_retried_queued_acquire_keeps_its_slot_behind_a_later_waiter,
+    a_retried_invocation_takes_over_the_grant_made_to_its_dead_token,
+    a_queue_grant_after_a_slow_read_is_told_no_safe_time_past_its_end,
     a_new_queue_starts_above_the_numbers_of_the_queue_before,
     dropping_a_late_grant_does_not_wait_for_a_queue_delivery,
     an_acquire_right_after_a_release_by_a_clock_ahead_is_granted,
@@ -116,6 +119,52 @@ async fn a_stale_fail_closed_acquire_never_takes_a_key_a_queue_write_freed_after
     assert!(next.fence > held.fence);
 }
 
+/// Seed 359 of `--seeds 1000`. As above, with a plain acquire held in the network as well, sent
+/// just before the fail-closed one: it lands first, after the queue write freed the key. Its
+/// item replaces the whole item, so without `Free`'s `freed_at_ms` clause it took the key and
+/// erased the stamp, its short lease expired at once, and the stale fail-closed attempt then
+/// took the key: a lease nobody was told of. Both must be refused.
+async fn a_stale_plain_acquire_never_takes_a_key_a_queue_write_freed_after_it_was_sent(b: Backend) {
+    let k = "plain-queue-freed";
+    let faulty = Faulty::new(b.store());
+    let c = Coordinator::new(faulty.clone(), test_config());
+    let other = b.coordinator(test_config());
+    let server = b.coordinator(test_config()).with_deliver(Arc::new(Delivers));
+    let held = other.acquire(k, "other", secs(60), AcquireOptions::default()).await.unwrap();
+    let mark = Mutation::MarkUndelivered { token: "task".into(), shard: queue_shard(k) };
+    let w = b.store().update(k, &Condition::FenceIs(held.fence), &mark).await.unwrap();
+    assert!(matches!(w, leasehold::store::Write::Applied(_)), "{w:?}");
+    other.release(k, &held.lease_id).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    // The plain attempt (a 100 ms lease) lands 3 s after it was sent, the fail-closed one 3.5 s
+    // after it was sent, 150 ms later: past the plain lease's end on its own clock.
+    faulty.inject(&[Fault::DelayedDuplicate(Duration::from_secs(3))]);
+    let sent = Instant::now();
+    let p = c.acquire(k, "p", Some(Duration::from_millis(100)), AcquireOptions::default()).await;
+    assert!(p.is_err(), "the key has an undelivered grant: {p:?}");
+    tokio::time::sleep(Duration::from_millis(150).saturating_sub(sent.elapsed())).await;
+    let id = LeaseId::generate();
+    faulty.inject(&[Fault::DelayedDuplicate(Duration::from_millis(3500))]);
+    let f = c.acquire(k, "f", None, AcquireOptions { lease_id: Some(id.clone()), ..Default::default() }).await;
+    assert!(f.is_err(), "the key has an undelivered grant: {f:?}");
+    assert_eq!(faulty.injected.load(Ordering::SeqCst), 2);
+    let rel = c.release(k, &id).await;
+    assert!(matches!(rel, Err(Error::NotHolder { .. })), "{rel:?}");
+    // The queue ends the released grant's mark, stamping `freed_at_ms`.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    server.serve_queue(k).await.unwrap();
+    assert!(b.store().get(k).await.unwrap().unwrap().freed_at_ms.is_some());
+    assert!(sent.elapsed() < Duration::from_secs(3), "both stale attempts must land after the mark went");
+    // Both land, and are refused.
+    tokio::time::sleep(Duration::from_millis(3650 + 700).saturating_sub(sent.elapsed())).await;
+    let s = other.get(k).await.unwrap();
+    assert!(!s.held, "the key is held by a lease nobody was told of: {s:?}");
+    let r = b.store().get(k).await.unwrap().unwrap();
+    assert_eq!(r.lease_id, held.lease_id, "neither stale attempt landed: {r:?}");
+    let next = other.acquire(k, "next", secs(5), AcquireOptions::default()).await.unwrap();
+    assert!(next.fence > held.fence);
+}
+
 /// Step Functions that takes every delivery and records it (token, lease).
 #[derive(Default)]
 struct Records(std::sync::Mutex<Vec<(String, Lease)>>);
@@ -168,6 +217,154 @@ async fn a_retried_queued_acquire_keeps_its_slot_behind_a_later_waiter(b: Backen
     // The key is free: the queue holds nobody else.
     let last = c.acquire(k, "last", Some(d), AcquireOptions::default()).await.unwrap();
     assert!(last.fence > next.fence);
+}
+
+/// Step Functions for a task retried after its first attempt failed: the first attempt's
+/// token (`token-1`) died with it, and a delivery to it answers `Gone` (`TaskTimedOut`), but
+/// only once `gate` opens (held in the network until the retry has run); any other token takes
+/// its delivery.
+#[derive(Default)]
+struct RetriedTask {
+    entered: tokio::sync::Notify,
+    gate: tokio::sync::Notify,
+    delivered: std::sync::Mutex<Vec<(String, Lease)>>,
+}
+
+#[async_trait]
+impl Deliver for RetriedTask {
+    async fn success(&self, token: &str, lease: &Lease) -> Result<(), DeliveryError> {
+        if token == "token-1" {
+            self.entered.notify_one();
+            self.gate.notified().await;
+            return Err(DeliveryError::Gone("TaskTimedOut".into()));
+        }
+        self.delivered.lock().unwrap().push((token.to_string(), lease.clone()));
+        Ok(())
+    }
+    async fn failure(&self, _: &str, _: &str, _: &str) -> Result<(), DeliveryError> {
+        Ok(())
+    }
+}
+
+/// DESIGN.md, "Simulation" (a retried invocation with a fresh task token). A queued acquire
+/// is queued; its invocation then fails, and Step Functions retries it with the same lease_id
+/// and a new token, the first token dead. Between the two, the holder releases and the queue
+/// grants the waiter's slot to the first token. The retry finds its lease_id's lease live: it
+/// must not take it as a free grant (delivered to its token, the queue's delivery to the dead
+/// token answers `Gone` and revokes the lease under the execution that holds it), but move the
+/// grant's undelivered mark to its token and deliver it, so that the revoke is refused.
+async fn a_retried_invocation_takes_over_the_grant_made_to_its_dead_token(b: Backend) {
+    let k = "queued-grant-retry";
+    let task = Arc::new(RetriedTask::default());
+    let c = b.coordinator(test_config()).with_deliver(task.clone());
+    let d = Duration::from_secs(60);
+    let held = c.acquire(k, "holder", Some(d), AcquireOptions::default()).await.unwrap();
+    let id = LeaseId::generate();
+    let mine = AcquireOptions { lease_id: Some(id.clone()), ..Default::default() };
+    let first = c.acquire_or_enqueue(k, "exec", d, mine.clone(), "token-1", None).await.unwrap();
+    assert!(matches!(first, Enqueued::Queued { position: 1, .. }), "{first:?}");
+    // The holder releases: the slot is granted to token-1, whose delivery is under way.
+    let releasing = {
+        let (c, id) = (c.clone(), held.lease_id.clone());
+        tokio::spawn(async move { c.release(k, &id).await })
+    };
+    task.entered.notified().await;
+    // The retried invocation, with its own token, while that delivery is in flight.
+    let retry = c.acquire_or_enqueue(k, "exec", d, mine, "token-2", None).await.unwrap();
+    assert!(matches!(&retry, Enqueued::Granted(l) if l.lease_id == id), "{retry:?}");
+    // The delivery to the dead token answers `Gone`.
+    task.gate.notify_one();
+    releasing.await.unwrap().unwrap();
+    let delivered = task.delivered.lock().unwrap().clone();
+    assert_eq!(delivered.len(), 1, "{delivered:?}");
+    assert_eq!((delivered[0].0.as_str(), &delivered[0].1.lease_id), ("token-2", &id));
+    // The execution holds the lease it was delivered: not revoked, and nobody else takes it.
+    let s = c.get(k).await.unwrap();
+    assert!(s.held && s.holder == "exec" && s.released_at_ms.is_none(), "the grant was revoked: {s:?}");
+    c.heartbeat(k, &id, Some(d)).await.expect("the execution still holds its lease");
+    let other = c.acquire(k, "other", Some(d), AcquireOptions::default()).await;
+    assert!(matches!(other, Err(Error::LeaseHeld { .. })), "{other:?}");
+    c.release(k, &id).await.unwrap();
+}
+
+/// A store whose reads of waiter items answer 2 s late once `slow` is set.
+struct SlowWaiterReads {
+    inner: Arc<dyn Store>,
+    slow: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait]
+impl Store for SlowWaiterReads {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    async fn get(&self, key: &str) -> leasehold::Result<Option<Record>> {
+        if key.contains(SEPARATOR) && self.slow.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        }
+        self.inner.get(key).await
+    }
+    async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
+        self.inner.update(key, c, m).await
+    }
+    async fn delete(&self, key: &str, c: &Condition) -> leasehold::Result<Write> {
+        self.inner.delete(key, c).await
+    }
+    async fn scan(&self, k: &ScanKind, start: Option<&str>, limit: u32) -> leasehold::Result<Page> {
+        self.inner.scan(k, start, limit).await
+    }
+    fn clock(&self) -> Option<&ClockSamples> {
+        self.inner.clock()
+    }
+}
+
+/// Each delivery with the instant and the wall clock (ms) it arrived at.
+#[derive(Default)]
+struct Timed(std::sync::Mutex<Vec<(Instant, u64, Lease)>>);
+
+#[async_trait]
+impl Deliver for Timed {
+    async fn success(&self, _: &str, lease: &Lease) -> Result<(), DeliveryError> {
+        let wall = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+        self.0.lock().unwrap().push((Instant::now(), wall, lease.clone()));
+        Ok(())
+    }
+    async fn failure(&self, _: &str, _: &str, _: &str) -> Result<(), DeliveryError> {
+        Ok(())
+    }
+}
+
+/// Seed 965 of `--seeds 1000` (in one process; `two_holders`). Serving a queue reads the
+/// lease item (and the clock), then the head's waiter item, then writes the grant as of the
+/// clock it read first. The grant's safe time was counted from an instant taken after the
+/// waiter item's read: when that read was slow (670 ms in the run), the waiter was told a safe
+/// time past its lease's end by as much, and a plain acquire took the key while it believed it
+/// held it. The safe time is now counted from the instant the clock was read.
+async fn a_queue_grant_after_a_slow_read_is_told_no_safe_time_past_its_end(b: Backend) {
+    let k = "slow-waiter-read";
+    let store = Arc::new(SlowWaiterReads { inner: b.store(), slow: Default::default() });
+    let rec = Arc::new(Timed::default());
+    let c = Coordinator::new(store.clone(), test_config()).with_deliver(rec.clone());
+    // The holder's process serves no queue: its release leaves the key free for the waiter.
+    let plain = Coordinator::new(store.clone(), test_config());
+    let held = plain.acquire(k, "holder", secs(60), AcquireOptions::default()).await.unwrap();
+    let d = Duration::from_secs(4);
+    let q = c.acquire_or_enqueue(k, "waiter", d, AcquireOptions::default(), "token", None).await.unwrap();
+    assert!(matches!(q, Enqueued::Queued { position: 1, .. }), "{q:?}");
+    plain.release(k, &held.lease_id).await.unwrap();
+    // The queue is served with a slow read of the waiter item.
+    store.slow.store(true, Ordering::SeqCst);
+    let served = c.serve_queue(k).await.unwrap();
+    assert_eq!(served.delivered, 1, "{served:?}");
+    let (at, wall, lease) = rec.0.lock().unwrap().last().cloned().expect("delivered");
+    let ends = at + Duration::from_millis(lease.expires_at_ms.unwrap().saturating_sub(wall));
+    let safe = lease.safe_until.expect("a lease with a duration");
+    // (20 ms for the clocks' reading apart; the slow read was 2 s.)
+    assert!(
+        safe <= ends + Duration::from_millis(20),
+        "told a safe time {} ms past the lease's end",
+        safe.saturating_duration_since(ends).as_millis()
+    );
 }
 
 /// `queue_seq_reused` of the simulation. A queue's numbers start at its first enqueuer's clock

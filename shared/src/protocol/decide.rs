@@ -41,9 +41,9 @@ pub(crate) enum AcquireAnswer {
     Moved(Record),
     /// Our lease_id's lease already ended on this key (released or expired): never again.
     Ended(Reason),
-    /// The key is free, but it was released (or freed by a queue write) after this fail-closed
-    /// attempt's clock (`FreeAfter` is refused: a freeing clock ahead of ours): go again once
-    /// ours passes it.
+    /// The key is free, but it was freed by a queue write after this attempt's clock (`Free`'s
+    /// `freed_at_ms` clause), or released after it for a fail-closed attempt (`FreeAfter`): a
+    /// freeing clock ahead of ours: go again once ours passes it.
     Early(Record),
     /// Another lease holds the key.
     Held(Record),
@@ -59,10 +59,20 @@ pub(crate) fn sort_acquire(
 ) -> Result<AcquireAnswer> {
     Ok(match w {
         Write::Applied(r) => AcquireAnswer::Granted(r),
-        Write::Rejected(Some(r)) if r.is_live_for(lease_id, now) => AcquireAnswer::Granted(r),
+        // Our lease_id's live lease, unless it is a queue's grant still being delivered
+        // (`pending_token`; a plain grant never carries one): that lease is the queue's to
+        // deliver to its waiter's task token, and it may revoke it (DESIGN.md, "The waiter
+        // queue": a retried invocation and its queue grant). Held, to an acquire.
+        Write::Rejected(Some(r)) if r.is_live_for(lease_id, now) && r.pending_token.is_none() => {
+            AcquireAnswer::Granted(r)
+        }
         Write::Rejected(Some(r)) => match ended_reason(&r, lease_id, now) {
             Some(reason) if reason != Reason::WrongLeaseId => AcquireAnswer::Ended(reason),
-            _ if after && !r.is_held(now) && r.freed_at().is_some_and(|t| t > now) => AcquireAnswer::Early(r),
+            // Freed by a queue write after this attempt's clock (`freed_at_ms`, every acquire), or
+            // released after it (a fail-closed one).
+            _ if !r.is_held(now) && if after { r.freed_at() } else { r.freed_at_ms }.is_some_and(|t| t > now) => {
+                AcquireAnswer::Early(r)
+            }
             _ if !r.is_held(now) && r.fence_floor() >= fence => AcquireAnswer::Above(r),
             _ if !r.is_held(now) && !in_visit(&r, visit) => AcquireAnswer::Moved(r),
             _ => AcquireAnswer::Held(r),

@@ -28,6 +28,7 @@ use crate::model::{Keepalive, Lease, LeaseId, LeaseState, Record, Released};
 use crate::protocol::pacing::{Pacer, Waiting};
 use crate::store::{Condition, Mutation, NewLease, ScanKind, Store, Visit, Write};
 use crate::validate::Limits;
+pub(crate) use decide::ended_reason;
 use decide::*;
 use handover::*;
 pub(crate) use hooks::ReleaseHook;

@@ -78,15 +78,17 @@ pub enum Condition {
     /// `head`: the head waiter may be granted it, or skipped. DynamoDB:
     /// `fence = :expected_fence AND expires_at_ms <= :now AND queue_head = :queue_head`
     HandOver { fence: u64, now_ms: u64, head: u64 },
-    /// The grant with `fence` is still marked undelivered. DynamoDB:
-    /// `fence = :expected_fence AND attribute_exists(pending_token)`
-    Undelivered { fence: u64 },
+    /// The grant with `fence` is still marked undelivered to `token`: a retried invocation of
+    /// the waiter's task may have moved the mark to its own token, and then a delivery to the
+    /// old one (dead: `Gone`) neither revokes the grant nor removes the new mark. DynamoDB:
+    /// `fence = :expected_fence AND pending_token = :expected_token`
+    Undelivered { fence: u64, token: String },
     /// [`Condition::Undelivered`], the grant not released: the mark of a grant delivered while
     /// live goes, but not by a write that lands after the lease was released (one held in the
     /// network would date the key's freeing, `freed_at_ms`, before the release: the mark stays,
     /// and whoever serves the ended grant removes it with its own clock). DynamoDB:
-    /// `fence = :expected_fence AND attribute_exists(pending_token) AND attribute_not_exists(released_at_ms)`
-    UndeliveredLive { fence: u64 },
+    /// `fence = :expected_fence AND pending_token = :expected_token AND attribute_not_exists(released_at_ms)`
+    UndeliveredLive { fence: u64, token: String },
     /// The item is not a lease (a waiter item, or nothing). DynamoDB:
     /// `attribute_not_exists(fence) OR fence = :zero`
     NotLease,
@@ -164,6 +166,7 @@ impl Condition {
             }
             (Condition::Free { now_ms, fence, lease_id }, Some(r)) => {
                 matches!(r.expires_at_ms, Some(e) if e <= *now_ms)
+                    && r.freed_at_ms.is_none_or(|t| t <= *now_ms)
                     && r.fence < *fence
                     && &r.lease_id != lease_id
                     && r.queue_len() == 0
@@ -245,9 +248,9 @@ impl Condition {
             Condition::HandOver { fence, now_ms, head } => {
                 r.fence == *fence && matches!(r.expires_at_ms, Some(e) if e <= *now_ms) && r.queue_head == Some(*head)
             }
-            Condition::Undelivered { fence } => r.fence == *fence && r.pending_token.is_some(),
-            Condition::UndeliveredLive { fence } => {
-                r.fence == *fence && r.pending_token.is_some() && r.released_at_ms.is_none()
+            Condition::Undelivered { fence, token } => r.fence == *fence && r.pending_token.as_ref() == Some(token),
+            Condition::UndeliveredLive { fence, token } => {
+                r.fence == *fence && r.pending_token.as_ref() == Some(token) && r.released_at_ms.is_none()
             }
             Condition::Unqueued { lease_id } => {
                 &r.lease_id == lease_id && r.released_at_ms.is_none() && r.queue_len() == 0

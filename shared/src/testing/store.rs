@@ -194,6 +194,11 @@ impl SimStore {
         self.state().stopped.push(self.id);
     }
 
+    /// Has the process of this handle stopped ([`SimStore::stop`])?
+    pub fn is_stopped(&self) -> bool {
+        self.state().stopped.contains(&self.id)
+    }
+
     /// Replaces the faults injected from now on.
     pub fn set_faults(&self, faults: Faults) {
         self.state().faults = faults;

@@ -112,7 +112,8 @@ fn lease_guard(c: &Condition) -> Guard {
         // No item (every item has a fence), or one that expired, with a lower fence and another
         // lease_id, no queued waiter, no work state and no undelivered grant.
         Condition::Free { now_ms, fence, lease_id } => guard(
-            "attribute_not_exists(fence) OR (expires_at_ms <= :now AND fence < :fence AND lease_id <> :lease_id \
+            "attribute_not_exists(fence) OR (expires_at_ms <= :now AND (attribute_not_exists(freed_at_ms) \
+             OR freed_at_ms <= :now) AND fence < :fence AND lease_id <> :lease_id \
              AND (attribute_not_exists(queue_tail) OR (queue_tail <= queue_head AND queue_tail < :fence)) \
              AND attribute_not_exists(state_shard) AND attribute_not_exists(pending_token))",
             [("now", num(*now_ms)), ("fence", num(*fence)), ("lease_id", id(lease_id))],
@@ -208,14 +209,15 @@ fn queue_guard(c: &Condition) -> Guard {
             "fence = :expected_fence AND expires_at_ms <= :now AND queue_head = :expected_head",
             [("expected_fence", num(*fence)), ("now", num(*now_ms)), ("expected_head", num(*head))],
         ),
-        // The grant is still marked undelivered.
-        Condition::Undelivered { fence } => {
-            guard("fence = :expected_fence AND attribute_exists(pending_token)", [("expected_fence", num(*fence))])
-        }
+        // The grant is still marked undelivered, to this token.
+        Condition::Undelivered { fence, token } => guard(
+            "fence = :expected_fence AND pending_token = :expected_token",
+            [("expected_fence", num(*fence)), ("expected_token", str_(token))],
+        ),
         // The same, not released: a delivered mark held in the network never frees a released key.
-        Condition::UndeliveredLive { fence } => guard(
-            "fence = :expected_fence AND attribute_exists(pending_token) AND attribute_not_exists(released_at_ms)",
-            [("expected_fence", num(*fence))],
+        Condition::UndeliveredLive { fence, token } => guard(
+            "fence = :expected_fence AND pending_token = :expected_token AND attribute_not_exists(released_at_ms)",
+            [("expected_fence", num(*fence)), ("expected_token", str_(token))],
         ),
         // A release without queued waiters (with waiters, `ReleaseHandOver` grants the head).
         Condition::Unqueued { lease_id } => guard(
@@ -739,11 +741,18 @@ mod tests {
                 }),
             ),
             (Condition::HandOver { fence: 3, now_ms: now, head: 5 }, Some(Mutation::Skip { seq: 6, now_ms: now })),
-            (Condition::Undelivered { fence: 3 }, Some(Mutation::Delivered { now_ms: now })),
-            (Condition::UndeliveredLive { fence: 3 }, Some(Mutation::Delivered { now_ms: now })),
-            (Condition::Undelivered { fence: 3 }, Some(Mutation::Revoke { now_ms: now, ttl: Some(2) })),
-            (Condition::Undelivered { fence: 3 }, Some(Mutation::Revoke { now_ms: now, ttl: None })),
+            (Condition::Undelivered { fence: 3, token: "t".into() }, Some(Mutation::Delivered { now_ms: now })),
+            (Condition::UndeliveredLive { fence: 3, token: "t".into() }, Some(Mutation::Delivered { now_ms: now })),
+            (
+                Condition::Undelivered { fence: 3, token: "t".into() },
+                Some(Mutation::Revoke { now_ms: now, ttl: Some(2) }),
+            ),
+            (Condition::Undelivered { fence: 3, token: "t".into() }, Some(Mutation::Revoke { now_ms: now, ttl: None })),
             (Condition::FenceIs(3), Some(Mutation::MarkUndelivered { token: "t".into(), shard: 1003 })),
+            (
+                Condition::Undelivered { fence: 3, token: "t".into() },
+                Some(Mutation::MarkUndelivered { token: "u".into(), shard: 1003 }),
+            ),
             (Condition::QueueIdle, Some(Mutation::Unindex)),
             (Condition::NotLease, None),
             (Condition::HandTo { lease_id: id.clone(), fence: 3, now_ms: now, coordinator: "c".into() }, None),
@@ -870,8 +879,8 @@ mod tests {
             Condition::FenceAndExpiry { fence: 3, expires_at_ms: None },
             Condition::Queueable { now_ms: 1, lease_id: id.clone(), start: 5 },
             Condition::HandOver { fence: 3, now_ms: 1, head: 5 },
-            Condition::Undelivered { fence: 3 },
-            Condition::UndeliveredLive { fence: 3 },
+            Condition::Undelivered { fence: 3, token: "t".into() },
+            Condition::UndeliveredLive { fence: 3, token: "t".into() },
             Condition::NotLease,
             Condition::HandTo { lease_id: id.clone(), fence: 3, now_ms: 1, coordinator: "c".into() },
             Condition::FreeIn { now_ms: 1, fence: 3, lease_id: id.clone(), visit },
