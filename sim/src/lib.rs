@@ -123,6 +123,9 @@ struct World {
     fail_closed: BTreeMap<String, BTreeSet<(String, String)>>,
     /// Fail-closed leases of crashed processes, released by the next process.
     orphans: Vec<(String, LeaseId)>,
+    /// Fail-closed lease_ids released while an attempt of theirs may still have been in the
+    /// network: released again at the end.
+    released_orphans: Vec<(String, LeaseId)>,
     sim_faults: BTreeMap<&'static str, u64>,
     seed: u64,
     /// The simulated Step Functions' tasks waiting on task tokens, by token.
@@ -276,6 +279,7 @@ async fn simulate(s: Settings) -> Outcome {
         executions: BTreeMap::new(),
         holding: BTreeMap::new(),
         orphans: Vec::new(),
+        released_orphans: Vec::new(),
         fail_closed: BTreeMap::new(),
         sim_faults: BTreeMap::new(),
         seed: s.seed,
@@ -391,7 +395,12 @@ async fn simulate(s: Settings) -> Outcome {
     lost_waiters(&world);
     // Orphaned fail-closed leases are released by a process that knows their ids.
     let final_node = start_node(&world, &store, &truth, 99, false).0;
-    let orphans = std::mem::take(&mut lock(&world).orphans);
+    let orphans = {
+        let mut w = lock(&world);
+        let mut all = std::mem::take(&mut w.orphans);
+        all.append(&mut w.released_orphans);
+        all
+    };
     for (k, id) in orphans {
         let _ = release_until_done(&final_node.coord, &k, &id).await;
     }
@@ -713,8 +722,14 @@ async fn client(node: Arc<Node>, world: Shared, n: usize) {
     if !node.rogue {
         let orphans = std::mem::take(&mut lock(&world).orphans);
         for (k, id) in orphans {
+            // Released now, and again at the end: an attempt the crashed process had in flight
+            // may land after this release found nothing (DESIGN.md, "acquire": the limit that
+            // remains), so the id is kept, as a process keeps a fail-closed lease_id until it
+            // knows no attempt of it can land.
             if !release_until_done(&node.coord, &k, &id).await {
                 lock(&world).orphans.push((k, id));
+            } else {
+                lock(&world).released_orphans.push((k, id));
             }
         }
     }
@@ -972,18 +987,23 @@ async fn fail_closed(node: &Node, world: &Shared, name: &str) {
     // The id is kept (as a process would persist it) until a release is definite.
     let entry = (k.clone(), id.expose().to_string());
     lock(world).fail_closed.entry(name.to_string()).or_default().insert(entry.clone());
-    fail_closed_session(node, world, name, &k, &id).await;
+    let definite = fail_closed_session(node, world, name, &k, &id).await;
     // Released, or never definite: release what may have landed (and keep the id if even
-    // that fails).
+    // that fails). Without a definite answer to any try, an attempt may still be in the
+    // network and land after this release found nothing (DESIGN.md, "acquire": the limit that
+    // remains): the id is kept, and released again at the end.
     if !release_until_done(&node.coord, &k, &id).await {
         lock(world).orphans.push((k, id));
+    } else if !definite {
+        lock(world).released_orphans.push((k, id));
     }
     if let Some(s) = lock(world).fail_closed.get_mut(name) {
         s.remove(&entry);
     }
 }
 
-async fn fail_closed_session(node: &Node, world: &Shared, name: &str, k: &str, id: &LeaseId) {
+/// Whether a try was answered definitely (granted, `LeaseHeld`, `NotHolder`).
+async fn fail_closed_session(node: &Node, world: &Shared, name: &str, k: &str, id: &LeaseId) -> bool {
     let k = k.to_string();
     for _ in 0..5 {
         if !op(world) {
@@ -991,12 +1011,16 @@ async fn fail_closed_session(node: &Node, world: &Shared, name: &str, k: &str, i
         }
         let opts = AcquireOptions { lease_id: Some(id.clone()), ..Default::default() };
         match acquire(node, world, &k, name, None, opts).await {
-            Ok(l) => return hold(node, world, name, l, None).await,
-            Err(Error::LeaseHeld { .. } | Error::NotHolder { .. }) => return,
+            Ok(l) => {
+                hold(node, world, name, l, None).await;
+                return true;
+            }
+            Err(Error::LeaseHeld { .. } | Error::NotHolder { .. }) => return true,
             // Unknown or failed: the same request again (idempotent with the same lease_id).
             Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
         }
     }
+    false
 }
 
 /// A keep-alive lease bound to an execution: renewed by the sweep while the execution runs.
