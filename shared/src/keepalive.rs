@@ -219,7 +219,8 @@ impl Coordinator {
     }
 
     async fn keep_or_release(&self, rec: Record, state: ExecutionState) -> Outcome {
-        let now = self.now_ms();
+        // Checked after the execution's description was awaited, right before the write.
+        let Ok(now) = self.checked_now(&rec.key).await else { return Outcome::Error };
         let (cond, m, ok) = if state == ExecutionState::Ended {
             let ttl = self.ttl_after(now + self.max_duration_ms());
             (

@@ -206,9 +206,15 @@ impl Coordinator {
         item.expires_at_ms = Some(0);
         item.ttl = Some(self.ttl_after(waits_until.saturating_add(self.max_duration_ms())));
         item.waiter = Some(waiter);
-        self.write(&wk, deadline, |_| Ok((Condition::NotLease, Mutation::PutWaiter(Box::new(item.clone())))))
-            .await
-            .map_err(|f| f.into_error(key))?;
+        // Stamped with this try's clock: a retried invocation writes the item again with its
+        // own token, and a write of an earlier try held in the network must not put the dead
+        // token back (`WaiterNewer`; refused, it changes nothing).
+        self.write(&wk, deadline, |now| {
+            item.renewed_at_ms = Some(now);
+            Ok((Condition::WaiterNewer { now_ms: now }, Mutation::PutWaiter(Box::new(item.clone()))))
+        })
+        .await
+        .map_err(|f| f.into_error(key))?;
         Ok(())
     }
 
@@ -473,15 +479,16 @@ impl Coordinator {
     pub async fn serve_queue(&self, key: &str) -> Result<Served> {
         let mut served = Served::default();
         let Some(deliver) = self.deliver() else { return Ok(served) };
-        // It judges expiry and writes one: not with a clock the store's disagrees with.
-        self.check_clock(key).await?;
         // Bounded: each pass either serves one waiter or stops; races re-read.
         for _ in 0..64 {
             let Some(r) = self.store().get(key).await? else { return Ok(served) };
             // The grant below is written as of `now`, and its safe time counted from `sent`,
             // read together: a `sent` read later (after the waiter item's read, which may be
-            // slow) would stretch the safe time past the lease's end by as much.
-            let (sent, now) = (self.monotonic(), self.now_ms());
+            // slow) would stretch the safe time past the lease's end by as much. It judges
+            // expiry and writes one: the clock is checked after the read, right before it is
+            // read (a step during the read is refused, not written).
+            let now = self.checked_now(key).await?;
+            let sent = self.monotonic();
             if r.is_held(now) {
                 if let Some(token) = r.pending_token.clone() {
                     if now.saturating_sub(r.acquired_at_ms) >= DELIVERY_GRACE_MS {
@@ -629,7 +636,7 @@ impl Coordinator {
         match self.deliver_with_retries(deliver, &token, &lease).await {
             Ok(()) => {
                 served.delivered += 1;
-                let delivered = Mutation::Delivered { now_ms: self.now_ms() };
+                let delivered = Mutation::Delivered { now_ms: self.checked_now(key).await? };
                 let _ = self.store().update(key, &Condition::UndeliveredLive { fence, token }, &delivered).await?;
                 let _ = self.store().delete(&wk, &Condition::NotLease).await;
                 Ok(false)
@@ -642,7 +649,7 @@ impl Coordinator {
                 tracing::info!(key, seq, why, "queued waiter is gone; its grant is revoked");
                 // A key in a work state is kept until it is taken: no TTL.
                 let ttl = granted.state.is_none().then(|| self.ttl_after(now + self.max_duration_ms()));
-                let m = Mutation::Revoke { now_ms: self.now_ms(), ttl };
+                let m = Mutation::Revoke { now_ms: self.checked_now(key).await?, ttl };
                 self.store().update(key, &Condition::Undelivered { fence, token }, &m).await?;
                 let _ = self.store().delete(&wk, &Condition::NotLease).await;
                 served.skipped += 1;
@@ -775,7 +782,7 @@ impl Coordinator {
             }
         }
         let cond = Condition::UndeliveredLive { fence: r.fence, token: token.to_string() };
-        self.store().update(key, &cond, &Mutation::Delivered { now_ms: self.now_ms() }).await?;
+        self.store().update(key, &cond, &Mutation::Delivered { now_ms: self.checked_now(key).await? }).await?;
         if let Some(seq) = r.queue_head {
             let _ = self.store().delete(&waiter_key(key, seq), &Condition::NotLease).await;
         }
@@ -785,10 +792,8 @@ impl Coordinator {
     /// Passes over waiter `seq` (the head moves on) if the key is still free with the same head.
     async fn skip(&self, key: &str, r: &Record, now: u64, seq: u64) -> Result<bool> {
         let cond = Condition::HandOver { fence: r.fence, now_ms: now, head: seq - 1 };
-        Ok(matches!(
-            self.store().update(key, &cond, &Mutation::Skip { seq, now_ms: self.now_ms() }).await?,
-            Write::Applied(_)
-        ))
+        let m = Mutation::Skip { seq, now_ms: self.checked_now(key).await? };
+        Ok(matches!(self.store().update(key, &cond, &m).await?, Write::Applied(_)))
     }
 
     /// The scheduled sweep of every queue: reads the queue index (one entry per key with

@@ -254,6 +254,15 @@ fn ttl_on_work_items(log: &[Applied], out: &mut Vec<Violation>) {
     }
 }
 
+/// A task token as the history shows it: the retry it belongs to (the simulated tokens end in
+/// `-<attempt>` after the first).
+fn short_token(t: &str) -> String {
+    match t.rsplit_once('-') {
+        Some((_, n)) if n.len() <= 2 => format!("#{n}"),
+        _ => "#0".to_string(),
+    }
+}
+
 /// The history lines of `key` (client events and store writes), in time order.
 pub(crate) fn history(
     events: &[Event],
@@ -276,6 +285,7 @@ pub(crate) fn history(
             ),
             Event::End { key: k, lease, at } if k == key => (ms(t0, *at), format!("lease {} ends", short(lease))),
             Event::Force { key: k, at } if k == key => (ms(t0, *at), "operator force-release".to_string()),
+            Event::ClockJump { node, by_ms, at } => (ms(t0, *at), format!("{node}'s clock is stepped by {by_ms} ms")),
             Event::Wrote { key: k, lease, fence, at, accepted, believed } if k == key => (
                 ms(t0, *at),
                 format!(
@@ -313,7 +323,11 @@ pub(crate) fn history(
                 (Some(h), Some(t)) => format!(" queue {}..{}", h % 10_000, t % 10_000),
                 _ => String::new(),
             };
-            let mark = if r.pending_token.is_some() { " undelivered" } else { "" };
+            let mark = match (&r.pending_token, &r.waiter) {
+                (Some(t), _) => format!(" undelivered to {}", short_token(t)),
+                (None, Some(w)) => format!(" token {}", short_token(&w.task_token)),
+                _ => String::new(),
+            };
             format!(
                 " -> lease {} fence {} expires {:?}{queue}{mark}",
                 short(r.lease_id.expose()),
@@ -574,6 +588,12 @@ pub(crate) fn trace_hash(events: &[Event], log: &[Applied], t0: Instant) -> u64 
             }
             // Not hashed: a checker's annotation, so that every seed's hash stays as it was.
             Event::WaitedInVain { .. } => {}
+            Event::ClockJump { node, by_ms, at } => {
+                eat(b"J");
+                eat(node.as_bytes());
+                eat(&by_ms.to_le_bytes());
+                eat(&us(*at).to_le_bytes());
+            }
             Event::Finished { key, lease, at } => {
                 eat(b"D");
                 eat(key.as_bytes());

@@ -46,11 +46,23 @@ pub struct Settings {
     /// short hold, so that in-process lines form in every coordinator (one seed in eight: the
     /// other seeds' histories stay as they were).
     pub hot_key: bool,
+    /// Clock jumps: now and then an honest coordinator's clock is stepped far beyond the
+    /// margin (seconds to minutes, mostly ahead: a bad NTP source, a restored VM) and stepped
+    /// back a few seconds later; whatever it writes meanwhile must be refused or harmless (one
+    /// seed in eight, another class than the hot key's and the regression seeds').
+    pub clock_jumps: bool,
 }
 
 impl Settings {
     pub fn new(seed: u64) -> Self {
-        Settings { seed, ops: 5000, coordinators: 3, fault_rate: 0.02, hot_key: seed % 8 == 7 }
+        Settings {
+            seed,
+            ops: 5000,
+            coordinators: 3,
+            fault_rate: 0.02,
+            hot_key: seed % 8 == 7,
+            clock_jumps: seed % 8 == 2,
+        }
     }
 }
 
@@ -103,6 +115,8 @@ pub(crate) enum Event {
     /// An acquire of coordinator `coordinator` waited from `start` and was answered `LeaseHeld`
     /// at `end`.
     WaitedInVain { key: String, coordinator: String, start: Instant, end: Instant },
+    /// A coordinator's clock was stepped by `by_ms` (a jump beyond the margin, or its end).
+    ClockJump { node: String, by_ms: i64, at: Instant },
 }
 
 /// The shared state of a run.
@@ -316,6 +330,8 @@ async fn simulate(s: Settings) -> Outcome {
     });
     // The driver: crashes, restarts, clock steps, force-releases, until the operations are done.
     let mut down: Vec<(usize, Instant)> = Vec::new();
+    // Clocks jumped beyond the margin, and when NTP steps each back.
+    let mut jumped: Vec<Jumped> = Vec::new();
     loop {
         let pause = draw(&world, |w| w.between(50, 400));
         tokio::time::sleep(Duration::from_millis(pause)).await;
@@ -355,6 +371,9 @@ async fn simulate(s: Settings) -> Outcome {
                 lock(&world).fault("clock_step");
             }
         }
+        if s.clock_jumps {
+            clock_jumps(&world, &nodes, &mut jumped);
+        }
         if force {
             let i = draw(&world, |w| w.below(s.coordinators as u64)) as usize;
             if let Some((node, _)) = &nodes[i] {
@@ -369,6 +388,9 @@ async fn simulate(s: Settings) -> Outcome {
         }
     }
     // Drain: no new sessions, no more faults; every client ends what it holds.
+    for (clock, _, _, delta) in jumped.drain(..) {
+        clock.step(-delta);
+    }
     lock(&world).stop = true;
     store.set_faults(Faults { attempt_timeout: ATTEMPT_TIMEOUT, ..Faults::none() });
     for (i, _) in down.drain(..) {
@@ -380,6 +402,18 @@ async fn simulate(s: Settings) -> Outcome {
         for t in tasks.drain(..) {
             let _ = t.await;
         }
+    }
+    // Orphaned fail-closed leases are released by a process that knows their ids (before the
+    // queued waiters are judged: a waiter behind a fail-closed lease waits for its release).
+    let final_node = start_node(&world, &store, &truth, 99, false).0;
+    let orphans = {
+        let mut w = lock(&world);
+        let mut all = std::mem::take(&mut w.orphans);
+        all.append(&mut w.released_orphans);
+        all
+    };
+    for (k, id) in &orphans {
+        let _ = release_until_done(&final_node.coord, k, id).await;
     }
     // Queued waiters are served (by the functions' queue sweep) and their executions end.
     tokio::time::sleep(Duration::from_secs(25)).await;
@@ -393,16 +427,9 @@ async fn simulate(s: Settings) -> Outcome {
         }
     }
     lost_waiters(&world);
-    // Orphaned fail-closed leases are released by a process that knows their ids.
-    let final_node = start_node(&world, &store, &truth, 99, false).0;
-    let orphans = {
-        let mut w = lock(&world);
-        let mut all = std::mem::take(&mut w.orphans);
-        all.append(&mut w.released_orphans);
-        all
-    };
-    for (k, id) in orphans {
-        let _ = release_until_done(&final_node.coord, &k, &id).await;
+    // And again: an attempt still in the network at the first release may have landed since.
+    for (k, id) in &orphans {
+        let _ = release_until_done(&final_node.coord, k, id).await;
     }
     // Past every lease and keep-alive deadline: every key must be free to take.
     tokio::time::sleep(Duration::from_secs(20)).await;
@@ -630,6 +657,42 @@ fn start_node(world: &Shared, store: &SimStore, truth: &Arc<SimClock>, i: usize,
     (node, tasks)
 }
 
+/// A clock jumped beyond the margin: its node's name, when NTP steps it back, and by how much
+/// it was stepped.
+type Jumped = (Arc<SimClock>, String, Instant, i64);
+
+/// Steps back the clocks whose time has come; now and then jumps one honest coordinator's clock
+/// beyond the margin (1 s to 2 min, ahead more often than behind) for 0.5 to 8 s.
+fn clock_jumps(world: &Shared, nodes: &[Option<Running>], jumped: &mut Vec<Jumped>) {
+    let t = now();
+    jumped.retain(|(clock, node, at, delta)| {
+        if *at <= t {
+            clock.step(-delta);
+            lock(world).events.push(Event::ClockJump { node: node.clone(), by_ms: -delta, at: t });
+        }
+        *at > t
+    });
+    let (jump, i, ahead, by, spell) = draw(world, |w| {
+        (
+            w.chance(0.01),
+            w.below(nodes.len() as u64) as usize,
+            w.chance(0.7),
+            w.between(1_000, 120_000),
+            w.between(500, 8_000),
+        )
+    });
+    let Some((node, _)) = nodes[i].as_ref().filter(|_| jump) else { return };
+    if jumped.iter().any(|(c, ..)| Arc::ptr_eq(c, &node.clock)) {
+        return;
+    }
+    let delta = if ahead { by as i64 } else { -(by as i64) };
+    node.clock.step(delta);
+    jumped.push((node.clock.clone(), node.name.clone(), t + Duration::from_millis(spell), delta));
+    let mut w = lock(world);
+    w.fault("clock_jump");
+    w.events.push(Event::ClockJump { node: node.name.clone(), by_ms: delta, at: t });
+}
+
 /// A crash: the process's tasks stop where they are, its requests are no longer sent, and
 /// what its clients believed ends with them.
 fn crash_node(world: &Shared, node: &Node, tasks: Vec<tokio::task::JoinHandle<()>>) {
@@ -721,15 +784,26 @@ async fn client(node: Arc<Node>, world: Shared, n: usize) {
     // Orphans of a crashed process are released first (their ids were kept).
     if !node.rogue {
         let orphans = std::mem::take(&mut lock(&world).orphans);
+        // This client's own until released: a crash meanwhile hands them on again.
+        {
+            let mut w = lock(&world);
+            let own = w.fail_closed.entry(name.clone()).or_default();
+            own.extend(orphans.iter().map(|(k, id)| (k.clone(), id.expose().to_string())));
+        }
         for (k, id) in orphans {
+            let done = release_until_done(&node.coord, &k, &id).await;
+            let mut w = lock(&world);
+            if let Some(own) = w.fail_closed.get_mut(&name) {
+                own.remove(&(k.clone(), id.expose().to_string()));
+            }
             // Released now, and again at the end: an attempt the crashed process had in flight
             // may land after this release found nothing (DESIGN.md, "acquire": the limit that
             // remains), so the id is kept, as a process keeps a fail-closed lease_id until it
             // knows no attempt of it can land.
-            if !release_until_done(&node.coord, &k, &id).await {
-                lock(&world).orphans.push((k, id));
+            if done {
+                w.released_orphans.push((k, id));
             } else {
-                lock(&world).released_orphans.push((k, id));
+                w.orphans.push((k, id));
             }
         }
     }
@@ -1002,9 +1076,13 @@ async fn fail_closed(node: &Node, world: &Shared, name: &str) {
     }
 }
 
-/// Whether a try was answered definitely (granted, `LeaseHeld`, `NotHolder`).
+/// Whether the session ended definitely: granted, or refused (`LeaseHeld`, `NotHolder`) with no
+/// earlier call of it left unanswered.
 async fn fail_closed_session(node: &Node, world: &Shared, name: &str, k: &str, id: &LeaseId) -> bool {
     let k = k.to_string();
+    // An earlier call's attempt may still be in the network after a later call's definite
+    // refusal: the refusal does not make the session definite.
+    let mut unsure = false;
     for _ in 0..5 {
         if !op(world) {
             break;
@@ -1015,9 +1093,12 @@ async fn fail_closed_session(node: &Node, world: &Shared, name: &str, k: &str, i
                 hold(node, world, name, l, None).await;
                 return true;
             }
-            Err(Error::LeaseHeld { .. } | Error::NotHolder { .. }) => return true,
+            Err(Error::LeaseHeld { .. } | Error::NotHolder { .. }) => return !unsure,
             // Unknown or failed: the same request again (idempotent with the same lease_id).
-            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            Err(_) => {
+                unsure = true;
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
         }
     }
     false

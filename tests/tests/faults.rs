@@ -135,6 +135,144 @@ async fn stale_clock_evidence_is_refreshed_before_judging() {
     honest.acquire("stale-c", "honest", secs(60), AcquireOptions::default()).await.unwrap();
 }
 
+/// A wall clock that a test steps (the machine's, plus an offset).
+#[derive(Debug, Default)]
+struct Stepped(std::sync::atomic::AtomicI64);
+
+impl leasehold::Clock for Stepped {
+    fn wall_us(&self) -> i64 {
+        leasehold::SystemClock.wall_us() + self.0.load(Ordering::SeqCst)
+    }
+    fn now(&self) -> Instant {
+        leasehold::SystemClock.now()
+    }
+}
+
+/// A store that, once armed, steps `clock` 60 s ahead: on the next write, which it answers
+/// "throttled" without sending it (the clock jumps while the write waits for its retry), or,
+/// with `on_read`, during the next read, which it answers as the store does.
+struct JumpOnWrite {
+    inner: Arc<dyn leasehold::store::Store>,
+    clock: Arc<Stepped>,
+    armed: std::sync::atomic::AtomicBool,
+    on_read: bool,
+}
+
+#[async_trait::async_trait]
+impl leasehold::store::Store for JumpOnWrite {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    async fn get(&self, key: &str) -> leasehold::Result<Option<leasehold::Record>> {
+        let r = self.inner.get(key).await;
+        if self.on_read && self.armed.swap(false, Ordering::SeqCst) {
+            self.clock.0.fetch_add(60_000_000, Ordering::SeqCst);
+        }
+        r
+    }
+    async fn update(
+        &self,
+        key: &str,
+        c: &leasehold::store::Condition,
+        m: &leasehold::store::Mutation,
+    ) -> leasehold::Result<leasehold::store::Write> {
+        if !self.on_read && self.armed.swap(false, Ordering::SeqCst) {
+            self.clock.0.fetch_add(60_000_000, Ordering::SeqCst);
+            return Err(Error::Throttled("injected".into()));
+        }
+        self.inner.update(key, c, m).await
+    }
+    async fn delete(&self, key: &str, c: &leasehold::store::Condition) -> leasehold::Result<leasehold::store::Write> {
+        self.inner.delete(key, c).await
+    }
+    async fn scan(
+        &self,
+        k: &leasehold::store::ScanKind,
+        start: Option<&str>,
+        limit: u32,
+    ) -> leasehold::Result<leasehold::store::Page> {
+        self.inner.scan(k, start, limit).await
+    }
+    fn clock(&self) -> Option<&leasehold::ClockSamples> {
+        self.inner.clock()
+    }
+}
+
+/// The simulation's clock jumps (seed 2 of the simulation; DESIGN.md, "Simulation"). The clock
+/// was checked before an acquire's first try; the try was throttled, and during the backoff
+/// the clock was stepped 60 s ahead. The retry must check the clock again: sent as it was, its
+/// `:now` saw the live lease of another holder as expired and took the key (two holders).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_retried_after_a_clock_step_checks_the_clock_again() {
+    let b = Backend::dynamo().await;
+    let honest = b.coordinator(test_config());
+    let held = honest.acquire("jump", "honest", secs(30), AcquireOptions::default()).await.unwrap();
+    let clock = Arc::new(Stepped::default());
+    let store =
+        Arc::new(JumpOnWrite { inner: b.store(), clock: clock.clone(), armed: Default::default(), on_read: false });
+    let jumper = Coordinator::new(store.clone(), Config { clock: clock.clone(), ..test_config() });
+    // Evidence first: the jumper's clock agrees with the store's.
+    let other = jumper.acquire("jump-other", "jumper", secs(30), AcquireOptions::default()).await.unwrap();
+    jumper.release("jump-other", &other.lease_id).await.unwrap();
+    store.armed.store(true, Ordering::SeqCst);
+    let r = jumper.acquire("jump", "jumper", secs(30), AcquireOptions::default()).await;
+    assert!(!store.armed.load(Ordering::SeqCst), "the first try was sent");
+    assert!(matches!(r, Err(Error::ClockSkew(_))), "{r:?}");
+    // The honest holder still holds its lease, and renews it.
+    let s = honest.get("jump").await.unwrap();
+    assert!(s.held && s.holder == "honest" && s.fence == held.fence, "{s:?}");
+    honest.heartbeat("jump", &held.lease_id, secs(30)).await.unwrap();
+    honest.release("jump", &held.lease_id).await.unwrap();
+}
+
+/// The simulation's clock jumps (seed 362 of `--seeds 1000`, `two_holders`). Serving a queue
+/// reads the lease item, then judges it free and grants it to the head waiter with the clock
+/// as it is after the read. The clock was checked before the read, and stepped 60 s ahead
+/// during it: the live lease looked expired, and the waiter was granted the key under its
+/// holder. The clock is now checked after the read, right before it is read for the grant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_served_after_a_clock_step_during_its_read_grants_nothing() {
+    let b = Backend::dynamo().await;
+    let rec = Arc::new(Delivered::default());
+    let honest = b.coordinator(test_config()).with_deliver(rec.clone());
+    let k = "jump-queue";
+    let held = honest.acquire(k, "honest", secs(30), AcquireOptions::default()).await.unwrap();
+    let d = Duration::from_secs(30);
+    let q = honest.acquire_or_enqueue(k, "waiter", d, AcquireOptions::default(), "token-w", None).await.unwrap();
+    assert!(matches!(q, leasehold::queue::Enqueued::Queued { .. }), "{q:?}");
+    let clock = Arc::new(Stepped::default());
+    let store =
+        Arc::new(JumpOnWrite { inner: b.store(), clock: clock.clone(), armed: Default::default(), on_read: true });
+    let jumper =
+        Coordinator::new(store.clone(), Config { clock: clock.clone(), ..test_config() }).with_deliver(rec.clone());
+    // Evidence first: the jumper's clock agrees with the store's.
+    let other = jumper.acquire("jump-queue-other", "jumper", secs(30), AcquireOptions::default()).await.unwrap();
+    jumper.release("jump-queue-other", &other.lease_id).await.unwrap();
+    store.armed.store(true, Ordering::SeqCst);
+    let r = jumper.serve_queue(k).await;
+    assert!(!store.armed.load(Ordering::SeqCst), "the lease item was read");
+    assert!(matches!(r, Err(Error::ClockSkew(_))), "{r:?}");
+    assert!(rec.0.lock().unwrap().is_empty(), "a grant was delivered");
+    let s = honest.get(k).await.unwrap();
+    assert!(s.held && s.holder == "honest" && s.fence == held.fence, "{s:?}");
+    honest.release(k, &held.lease_id).await.unwrap();
+}
+
+/// Each delivery's token.
+#[derive(Default)]
+struct Delivered(Mutex<Vec<String>>);
+
+#[async_trait::async_trait]
+impl leasehold::queue::Deliver for Delivered {
+    async fn success(&self, token: &str, _: &leasehold::Lease) -> Result<(), leasehold::queue::DeliveryError> {
+        self.0.lock().unwrap().push(token.to_string());
+        Ok(())
+    }
+    async fn failure(&self, _: &str, _: &str, _: &str) -> Result<(), leasehold::queue::DeliveryError> {
+        Ok(())
+    }
+}
+
 /// A server whose clock is refused says when to try again: `Retry-After` (and
 /// `retry_after_ms` in the body), so that clients retrying 503s do not hot-loop on it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

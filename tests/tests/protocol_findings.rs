@@ -16,6 +16,7 @@ both_backends!(
     a_stale_fail_closed_acquire_never_takes_a_key_a_queue_write_freed_after_it_was_sent,
     a_stale_plain_acquire_never_takes_a_key_a_queue_write_freed_after_it_was_sent,
     a_retried_queued_acquire_keeps_its_slot_behind_a_later_waiter,
+    a_delayed_waiter_write_of_an_earlier_try_keeps_the_retry_s_token,
     a_retried_invocation_takes_over_the_grant_made_to_its_dead_token,
     a_queue_grant_after_a_slow_read_is_told_no_safe_time_past_its_end,
     a_new_queue_starts_above_the_numbers_of_the_queue_before,
@@ -217,6 +218,87 @@ async fn a_retried_queued_acquire_keeps_its_slot_behind_a_later_waiter(b: Backen
     // The key is free: the queue holds nobody else.
     let last = c.acquire(k, "last", Some(d), AcquireOptions::default()).await.unwrap();
     assert!(last.fence > next.fence);
+}
+
+/// A store that holds back the first write of a waiter item once armed: it answers "unavailable"
+/// at once (so the writer retries) and applies the held write when `gate` opens, as a request
+/// stuck in the network lands after its sender moved on.
+struct HeldWaiterWrite {
+    inner: Arc<dyn Store>,
+    armed: std::sync::atomic::AtomicBool,
+    gate: Arc<tokio::sync::Notify>,
+    landed: Arc<tokio::sync::Notify>,
+}
+
+#[async_trait]
+impl Store for HeldWaiterWrite {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    async fn get(&self, key: &str) -> leasehold::Result<Option<Record>> {
+        self.inner.get(key).await
+    }
+    async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
+        if matches!(m, Mutation::PutWaiter(_)) && self.armed.swap(false, Ordering::SeqCst) {
+            let (inner, key, c, m) = (self.inner.clone(), key.to_string(), c.clone(), m.clone());
+            let (gate, landed) = (self.gate.clone(), self.landed.clone());
+            tokio::spawn(async move {
+                gate.notified().await;
+                let _ = inner.update(&key, &c, &m).await;
+                landed.notify_one();
+            });
+            return Err(Error::StoreUnavailable("injected: request stuck in the network".into()));
+        }
+        self.inner.update(key, c, m).await
+    }
+    async fn delete(&self, key: &str, c: &Condition) -> leasehold::Result<Write> {
+        self.inner.delete(key, c).await
+    }
+    async fn scan(&self, k: &ScanKind, start: Option<&str>, limit: u32) -> leasehold::Result<Page> {
+        self.inner.scan(k, start, limit).await
+    }
+    fn clock(&self) -> Option<&ClockSamples> {
+        self.inner.clock()
+    }
+}
+
+/// `waiter_lost` of the simulation (seed 925 of `--seeds 1000`, with clock jumps). A queued
+/// acquire's first put of its waiter item is held in the network; its retry lands and the
+/// invocation fails later on; Step Functions retries it with a new task token, and the retry
+/// writes its slot's waiter item again with that token. Then the held put of the first try
+/// lands. It must be refused (`WaiterNewer`): otherwise the slot's grant goes to the first
+/// try's token, which died with its try (a delivery answers `Gone`), is revoked, and the
+/// execution waits unserved.
+async fn a_delayed_waiter_write_of_an_earlier_try_keeps_the_retry_s_token(b: Backend) {
+    let k = "held-waiter-write";
+    let store = Arc::new(HeldWaiterWrite {
+        inner: b.store(),
+        armed: Default::default(),
+        gate: Default::default(),
+        landed: Default::default(),
+    });
+    let rec = Arc::new(Records::default());
+    let c = Coordinator::new(store.clone(), test_config()).with_deliver(rec.clone());
+    let d = Duration::from_secs(30);
+    let held = c.acquire(k, "holder", Some(d), AcquireOptions::default()).await.unwrap();
+    let id = LeaseId::generate();
+    let mine = AcquireOptions { lease_id: Some(id.clone()), ..Default::default() };
+    store.armed.store(true, Ordering::SeqCst);
+    let first = c.acquire_or_enqueue(k, "exec", d, mine.clone(), "token-1", None).await.unwrap();
+    let Enqueued::Queued { seq, .. } = first else { panic!("the key is held: {first:?}") };
+    assert!(!store.armed.load(Ordering::SeqCst), "the first put was held");
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    // The retried invocation keeps the slot, with its own token.
+    let retry = c.acquire_or_enqueue(k, "exec", d, mine, "token-2", None).await.unwrap();
+    assert!(matches!(retry, Enqueued::Queued { seq: s, .. } if s == seq), "{retry:?}");
+    // The first try's put lands now.
+    store.gate.notify_one();
+    store.landed.notified().await;
+    c.release(k, &held.lease_id).await.unwrap();
+    let delivered = rec.0.lock().unwrap().clone();
+    assert_eq!(delivered.len(), 1, "{delivered:?}");
+    assert_eq!((delivered[0].0.as_str(), &delivered[0].1.lease_id), ("token-2", &id), "{delivered:?}");
+    c.release(k, &id).await.unwrap();
 }
 
 /// Step Functions for a task retried after its first attempt failed: the first attempt's

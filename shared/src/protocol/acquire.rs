@@ -5,6 +5,7 @@
 //! ([`AcquireAnswer`], sorted in `decide.rs`). Each answer has a function of its own here that
 //! says whether the call is done or goes round again.
 
+use super::retry::Lapse;
 use super::*;
 
 /// What an acquire asks for.
@@ -38,6 +39,10 @@ pub(crate) struct Attempts<'a> {
     lease_id: &'a mut LeaseId,
     /// Set once an attempt may have landed (its answer was lost or it timed out).
     landed: &'a mut bool,
+    /// A timed lease under a generated lease_id: once the first attempt of it that may have
+    /// landed has expired, the lease_id is replaced ([`Lapse`]). A keep-alive lease keeps its id: the
+    /// sweep may be renewing the grant that landed.
+    lapse: Option<Lapse>,
     /// The work-state visit the key is believed to be in: the write keeps it (and is refused
     /// if the key has moved on since).
     visit: Option<Visit>,
@@ -63,6 +68,9 @@ impl Attempts<'_> {
     fn new_lease_id(&mut self) {
         *self.lease_id = LeaseId::generate();
         *self.landed = false;
+        if let Some(l) = self.lapse.as_mut() {
+            l.until_ms = None;
+        }
     }
 }
 
@@ -197,7 +205,9 @@ impl Coordinator {
             wait.courtesy(wait_deadline).await;
         }
         let visit = ask.want.cloned();
-        Ok(Attempts { ask, lease_id, landed, visit, seen_fence: None, wait_deadline, deadline, wait, ticket })
+        let generated = ask.opts.lease_id.is_none() && ask.opts.keepalive.is_none();
+        let lapse = ask.duration.filter(|_| generated).map(|d| Lapse::new(d.as_millis() as u64));
+        Ok(Attempts { ask, lease_id, landed, lapse, visit, seen_fence: None, wait_deadline, deadline, wait, ticket })
     }
 
     /// The loop of an acquire call: its turn, the clock check, one attempt, and what the
@@ -212,8 +222,8 @@ impl Coordinator {
             if let Some(until) = a.ticket.as_ref().and(self.wakeups.held_back(a.ask.key)) {
                 self.hold_back(a.ask.key, until.min(a.wait_deadline)).await;
             }
-            // Every attempt judges expiry with this clock: it must agree with the store's.
-            self.check_clock(a.ask.key).await?;
+            // Every attempt judges expiry with this clock, checked against the store's by the
+            // write itself, right before it is sent (`write_noting`).
             a.wait.attempts += 1;
             let (answer, sent, now) = self.attempt(a).await?;
             let next = match answer {
@@ -223,6 +233,7 @@ impl Coordinator {
                 AcquireAnswer::Moved(r) => self.on_moved(a, r)?,
                 AcquireAnswer::Ended(reason) => self.on_ended(a, reason)?,
                 AcquireAnswer::Held(r) => self.on_held(a, r).await?,
+                AcquireAnswer::Lapsed => Next::Again,
             };
             if let Next::Done(lease) = next {
                 return Ok(lease);
@@ -274,10 +285,15 @@ impl Coordinator {
     /// last one seen. The answer sorted ([`sort_acquire`]), with when it was sent and the clock.
     async fn attempt(&self, a: &mut Attempts<'_>) -> Result<(AcquireAnswer, Instant, u64)> {
         let key = a.ask.key;
+        // An attempt of the lease_id that may have landed has expired unanswered: sent again, it
+        // could be granted a second time, so a new one is generated ([`Lapse`]).
+        if a.lapse.is_some_and(|l| l.lapsed(self.now_ms())) {
+            a.new_lease_id();
+        }
         let template = a.ask.lease(a.lease_id, a.wait.advertise());
         let (lease_id, visit, seen) = (&*a.lease_id, &a.visit, a.seen_fence);
         let mut fence = 0;
-        let (w, sent, now) = self
+        let (w, sent, now) = match self
             .write_noting(
                 key,
                 a.deadline,
@@ -309,9 +325,17 @@ impl Coordinator {
                     Ok((cond, Mutation::Acquire(lease)))
                 },
                 a.landed,
+                a.lapse.as_mut(),
             )
             .await
-            .map_err(|f| f.into_error(key))?;
+        {
+            Ok(answer) => answer,
+            Err(f) if f.lapsed => {
+                a.new_lease_id();
+                return Ok((AcquireAnswer::Lapsed, self.monotonic(), self.now_ms()));
+            }
+            Err(f) => return Err(f.into_error(key)),
+        };
         if a.ask.want.is_some() && matches!(w, Write::Rejected(None)) {
             return Err(Error::NotFound { key: key.to_string() });
         }

@@ -22,6 +22,13 @@ impl Coordinator {
         Some((o.lo, o.hi))
     }
 
+    /// This clock (epoch ms) for a write about to be sent, checked first: a step during what
+    /// was awaited since the last check (a read, a delivery) is refused, never written.
+    pub(crate) async fn checked_now(&self, key: &str) -> Result<u64> {
+        self.check_clock(key).await?;
+        Ok(self.now_ms())
+    }
+
     /// Refuses to judge or write expiries with a clock that is certainly further from the
     /// store's than the skew margin (DESIGN.md, "Clocks"). The evidence is the `Date` of the
     /// store's answers of the last [`MAX_AGE`](crate::clock::skew::MAX_AGE): with fewer recent
@@ -31,9 +38,14 @@ impl Coordinator {
     /// fewer could be had, all of them); with no recent answer at all it refuses to judge
     /// (`StoreUnavailable`, nothing sent).
     pub(crate) async fn check_clock(&self, key: &str) -> Result<()> {
+        self.check_clock_by(key, self.monotonic() + self.config.retry_budget).await
+    }
+
+    /// [`Coordinator::check_clock`], reading for evidence until `deadline` at most (a write's
+    /// own deadline: the check is part of its time).
+    pub(crate) async fn check_clock_by(&self, key: &str, deadline: Instant) -> Result<()> {
         let Some(samples) = self.store.clock() else { return Ok(()) };
         let need = crate::clock::AGREEMENT;
-        let deadline = self.monotonic() + self.config.retry_budget;
         // Bounded: answers may come without a usable `Date`.
         let mut reads = 0;
         while samples.recent(self.monotonic()) < need && reads < 2 * need && self.monotonic() < deadline {

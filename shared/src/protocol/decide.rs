@@ -47,6 +47,9 @@ pub(crate) enum AcquireAnswer {
     Early(Record),
     /// Another lease holds the key.
     Held(Record),
+    /// Not sent: an earlier attempt that may have landed has expired, and the generated
+    /// lease_id was replaced ([`Lapse`](super::retry::Lapse)); go again with the new one.
+    Lapsed,
 }
 
 pub(crate) fn sort_acquire(

@@ -52,7 +52,9 @@ impl Coordinator {
             if next >= until {
                 return;
             }
-            if let Ok(Some(r)) = self.store.get(key).await {
+            // A read is cut off at `until`: the hold-back must not outlast the waiter's wait.
+            let read = tokio::time::timeout_at(until.into(), self.store.get(key)).await;
+            if let Ok(Ok(Some(r))) = read {
                 if r.is_held(self.now_ms()) {
                     self.wakeups.end_hold_back(key);
                     return;
@@ -104,12 +106,10 @@ impl Coordinator {
         claim: crate::protocol::line::Claim,
     ) -> ToWaiter {
         use ToWaiter::NotDone;
-        if self.check_clock(key).await.is_err() {
-            return NotDone;
-        }
         let Ok(Some(r)) = self.store.get(key).await else { return NotDone };
+        // Checked after the read, right before the clock is read for the grant.
+        let Ok(now) = self.checked_now(key).await else { return NotDone };
         let sent = self.monotonic();
-        let now = self.now_ms();
         if &r.lease_id != lease_id || r.released_at_ms.is_some() || r.min_hold_until_ms > now || r.queue_len() > 0 {
             return NotDone;
         }

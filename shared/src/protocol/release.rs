@@ -92,26 +92,31 @@ impl Coordinator {
     ) -> Result<(Write, u64)> {
         let deadline = self.monotonic() + self.config.retry_budget;
         let max = self.max_duration_ms();
-        let (w, _, now) = self
-            .write(key, deadline, |now| {
-                let ttl = self.ttl_after(now + max);
-                let lease_id = lease_id.clone();
-                Ok(match state {
-                    None if hand_over => (Condition::Unqueued { lease_id }, Mutation::Release { now_ms: now, ttl }),
-                    None => (Condition::Unreleased { lease_id }, Mutation::Release { now_ms: now, ttl }),
-                    Some(s) => (
-                        Condition::Live { lease_id, now_ms: now },
-                        Mutation::ReleaseTo {
-                            now_ms: now,
-                            state: s.to_string(),
-                            shard: self.state_shard(key, s),
-                            ttl: self.state_ttl(s, now),
-                        },
-                    ),
-                })
+        let attempt = |now| {
+            let ttl = self.ttl_after(now + max);
+            let lease_id = lease_id.clone();
+            Ok(match state {
+                None if hand_over => (Condition::Unqueued { lease_id }, Mutation::Release { now_ms: now, ttl }),
+                None => (Condition::Unreleased { lease_id }, Mutation::Release { now_ms: now, ttl }),
+                Some(s) => (
+                    Condition::Live { lease_id, now_ms: now },
+                    Mutation::ReleaseTo {
+                        now_ms: now,
+                        state: s.to_string(),
+                        shard: self.state_shard(key, s),
+                        ttl: self.state_ttl(s, now),
+                    },
+                ),
             })
-            .await
-            .map_err(|f| f.into_error(key))?;
+        };
+        // A plain release judges no expiry and sets none (its `released_at_ms` only delays a
+        // fail-closed acquire sent before it): a coordinator whose clock is refused may still
+        // release. A release into a state judges the lease live with this clock (`Live`).
+        let (w, _, now) = match state {
+            None => self.write_unchecked(key, deadline, attempt).await,
+            Some(_) => self.write(key, deadline, attempt).await,
+        }
+        .map_err(|f| f.into_error(key))?;
         Ok((w, now))
     }
 
@@ -126,7 +131,7 @@ impl Coordinator {
         let deadline = self.monotonic() + self.config.retry_budget;
         let max = self.max_duration_ms();
         let (w, _, now) = self
-            .write(key, deadline, |now| {
+            .write_unchecked(key, deadline, |now| {
                 Ok((Condition::Exists, Mutation::ForceRelease { now_ms: now, ttl: self.ttl_after(now + max) }))
             })
             .await

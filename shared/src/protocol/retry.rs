@@ -31,17 +31,30 @@ impl Coordinator {
     }
 
     /// Runs one conditional write, retrying throttled/unavailable answers with jittered
-    /// backoff until `deadline`. Every retry re-reads the clock and re-sends the same lease_id,
-    /// so a retry after an ambiguous failure (the write landed, the answer was lost) is
-    /// recognised by the caller from the item that comes back. `attempt` may refuse to write
-    /// (a bound it checks before anything is sent).
+    /// backoff until `deadline`. Every try checks the clock first (DESIGN.md, "Clocks": it may
+    /// have been stepped during the backoff, or a read before), reads it and sends the same
+    /// lease_id, so a retry after an ambiguous failure (the write landed, the answer was lost)
+    /// is recognised by the caller from the item that comes back. `attempt` may refuse to
+    /// write (a bound it checks before anything is sent).
     pub(crate) async fn write(
         &self,
         key: &str,
         deadline: Instant,
         attempt: impl FnMut(u64) -> Result<(Condition, Mutation)>,
     ) -> std::result::Result<(Write, Instant, u64), Failed> {
-        self.write_noting(key, deadline, None, attempt, &mut false).await
+        self.write_noting(key, deadline, None, attempt, &mut false, None).await
+    }
+
+    /// [`Coordinator::write`] without the clock check: for the writes that judge no expiry
+    /// and set none (a plain release, a force-release), which a coordinator with a wrong clock
+    /// may still send (DESIGN.md, "Clocks").
+    pub(crate) async fn write_unchecked(
+        &self,
+        key: &str,
+        deadline: Instant,
+        attempt: impl FnMut(u64) -> Result<(Condition, Mutation)>,
+    ) -> std::result::Result<(Write, Instant, u64), Failed> {
+        self.write_tries(key, deadline, None, attempt, &mut false, None, false).await
     }
 
     /// [`Coordinator::write`], also setting `landed` when an attempt may have landed although
@@ -55,15 +68,40 @@ impl Coordinator {
         key: &str,
         deadline: Instant,
         grants: Option<&LeaseId>,
+        attempt: impl FnMut(u64) -> Result<(Condition, Mutation)>,
+        landed: &mut bool,
+        lapse: Option<&mut Lapse>,
+    ) -> std::result::Result<(Write, Instant, u64), Failed> {
+        self.write_tries(key, deadline, grants, attempt, landed, lapse, true).await
+    }
+
+    /// The tries of a write; `checked`: each checks the clock first; `lapse`: none is sent once
+    /// every earlier try that may have landed has expired ([`Lapse`]).
+    #[allow(clippy::too_many_arguments)]
+    async fn write_tries(
+        &self,
+        key: &str,
+        deadline: Instant,
+        grants: Option<&LeaseId>,
         mut attempt: impl FnMut(u64) -> Result<(Condition, Mutation)>,
         landed: &mut bool,
+        mut lapse: Option<&mut Lapse>,
+        checked: bool,
     ) -> std::result::Result<(Write, Instant, u64), Failed> {
         let mut backoff = Backoff::new(self.config.retry_base, self.config.retry_max);
         let mut maybe_landed = false;
         loop {
+            // Every try is sent with the clock as it is now, checked now: a step during whatever
+            // was awaited before (a read, a delivery, the backoff) must not be written.
+            if checked {
+                self.check_clock_by(key, deadline).await.map_err(|error| Failed::new(error, maybe_landed))?;
+            }
             let sent = self.monotonic();
             let now = self.now_ms();
-            let (cond, m) = attempt(now).map_err(|error| Failed { error, maybe_landed })?;
+            if lapse.as_ref().is_some_and(|l| l.lapsed(now)) {
+                return Err(Failed { lapsed: true, ..Failed::new(Error::not_sent("lapsed"), maybe_landed) });
+            }
+            let (cond, m) = attempt(now).map_err(|error| Failed::new(error, maybe_landed))?;
             let answer = match grants {
                 None => self.store.update(key, &cond, &m).await,
                 Some(id) => self.update_detached(key, cond, m, id.clone()).await,
@@ -71,11 +109,14 @@ impl Coordinator {
             match answer {
                 Ok(w) => return Ok((w, sent, now)),
                 Err(e) if e.is_transient() => {
+                    if let Some(l) = lapse.as_mut().filter(|_| e.may_have_landed()) {
+                        l.note(now);
+                    }
                     maybe_landed |= e.may_have_landed();
                     *landed |= maybe_landed;
                     let pause = backoff.next_pause();
                     if self.monotonic() + pause >= deadline {
-                        return Err(Failed { error: e, maybe_landed });
+                        return Err(Failed::new(e, maybe_landed));
                     }
                     tracing::debug!(
                         key,
@@ -85,7 +126,7 @@ impl Coordinator {
                     );
                     tokio::time::sleep(pause).await;
                 }
-                Err(error) => return Err(Failed { error, maybe_landed }),
+                Err(error) => return Err(Failed::new(error, maybe_landed)),
             }
         }
     }
@@ -151,9 +192,43 @@ pub(crate) struct Failed {
     pub(crate) error: Error,
     /// Some attempt may have landed (its answer was lost or it timed out).
     pub(crate) maybe_landed: bool,
+    /// Not sent again: every try that may have landed has expired ([`Lapse`]).
+    pub(crate) lapsed: bool,
+}
+
+/// A timed grant under a generated lease_id (DESIGN.md, "Acquire"): its duration, and when, by
+/// this clock, the first try of it that may have landed has expired (its clock plus the
+/// duration). Sent again after that, the lease_id could be granted a second time (the key taken
+/// by another lease meanwhile and freed again) after a first grant nobody was told of; so it is
+/// not, and a new lease_id is generated instead (a later try that may still land holds the key
+/// for one duration at most, told to nobody).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Lapse {
+    pub(crate) duration_ms: u64,
+    pub(crate) until_ms: Option<u64>,
+}
+
+impl Lapse {
+    pub(crate) fn new(duration_ms: u64) -> Self {
+        Lapse { duration_ms, until_ms: None }
+    }
+
+    /// Has the first try that may have landed expired by `now`?
+    pub(crate) fn lapsed(&self, now: u64) -> bool {
+        self.until_ms.is_some_and(|u| now > u)
+    }
+
+    /// A try sent at `now` may have landed.
+    fn note(&mut self, now: u64) {
+        self.until_ms.get_or_insert(now.saturating_add(self.duration_ms));
+    }
 }
 
 impl Failed {
+    fn new(error: Error, maybe_landed: bool) -> Self {
+        Failed { error, maybe_landed, lapsed: false }
+    }
+
     /// The error to report. A write that may have landed is `OutcomeUnknown`: the caller's
     /// lease_id reaches what it did (an acquire's retry returns the lease and a release frees
     /// it; a release's retry answers `already_released`).

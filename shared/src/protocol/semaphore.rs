@@ -178,6 +178,7 @@ impl Coordinator {
                     })
                 },
                 &mut landed,
+                None,
             )
             .await;
         t.landed = landed;
@@ -328,8 +329,9 @@ impl Coordinator {
     ) -> Result<std::result::Result<Released, (Option<Record>, u64)>> {
         let deadline = self.monotonic() + self.config.retry_budget;
         let max = self.max_duration_ms();
+        // As a plain release: judges no expiry, so not refused for this clock.
         let (w, _, now) = self
-            .write(key, deadline, |now| {
+            .write_unchecked(key, deadline, |now| {
                 let ttl = self.ttl_after(now + max);
                 let cond = Condition::SlotUnreleased { lease_id: lease_id.clone() };
                 Ok((cond, Mutation::ReleaseSlot { lease_id: lease_id.clone(), now_ms: now, ttl }))
@@ -379,8 +381,9 @@ impl Coordinator {
                 return Err(Error::NotFound { key: format!("{key} (no unreleased holder with fence {fence:?})") });
             }
             let taken = r.slot_holders.iter().filter(|h| h.released_at_ms.is_none()).count() - evicted.len();
+            // As a force-release: not refused for this clock.
             let (w, _, now) = self
-                .write(key, deadline, |now| {
+                .write_unchecked(key, deadline, |now| {
                     let m = Mutation::EvictSlots {
                         evicted: evicted.clone(),
                         now_ms: now,

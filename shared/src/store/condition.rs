@@ -92,6 +92,12 @@ pub enum Condition {
     /// The item is not a lease (a waiter item, or nothing). DynamoDB:
     /// `attribute_not_exists(fence) OR fence = :zero`
     NotLease,
+    /// A waiter item may be written at `now_ms`: [`Condition::NotLease`], and not written since
+    /// by a later try (a retried invocation writes the waiter item of its slot again with its
+    /// own task token; a write of an earlier try, held in the network, must not put the dead
+    /// token back). DynamoDB: `(attribute_not_exists(fence) OR fence = :zero) AND
+    /// (attribute_not_exists(renewed_at_ms) OR renewed_at_ms < :now)`
+    WaiterNewer { now_ms: u64 },
     /// The release of `lease_id` may hand the key straight to an in-process waiter of
     /// `coordinator`: the item is still that lease as read (`fence`), unreleased, past its
     /// min_hold, without queued waiters, in no work state (the grant replaces the whole item),
@@ -189,7 +195,7 @@ impl Condition {
             (Condition::FenceAndExpiry { fence, expires_at_ms }, Some(r)) => {
                 r.fence == *fence && r.expires_at_ms == *expires_at_ms
             }
-            (Condition::NotLease, None) => true,
+            (Condition::NotLease | Condition::WaiterNewer { .. } | Condition::Enterable { .. }, None) => true,
             (Condition::NotLease, Some(r)) => r.fence == 0,
             (Condition::HandTo { lease_id, fence, now_ms, coordinator }, Some(r)) => {
                 r.fence == *fence
@@ -219,7 +225,8 @@ impl Condition {
                 | Condition::UndeliveredLive { .. }
                 | Condition::Unqueued { .. }
                 | Condition::ReleaseHandOver { .. }
-                | Condition::QueueIdle,
+                | Condition::QueueIdle
+                | Condition::WaiterNewer { .. },
                 Some(r),
             ) => self.holds_on_queue(r),
             (
@@ -229,7 +236,6 @@ impl Condition {
                 | Condition::SlotUnreleased { .. },
                 Some(r),
             ) => self.holds_on_semaphore(r),
-            (Condition::Enterable { .. }, None) => true,
             (Condition::Enterable { now_ms, state, .. }, Some(r)) => {
                 matches!(r.expires_at_ms, Some(e) if e <= *now_ms) && r.state.as_deref() != Some(state.as_str())
             }
@@ -240,6 +246,7 @@ impl Condition {
     /// The waiter queue's conditions (DESIGN.md, "The waiter queue") on an existing item.
     fn holds_on_queue(&self, r: &Record) -> bool {
         match self {
+            Condition::WaiterNewer { now_ms } => r.fence == 0 && r.renewed_at_ms.is_none_or(|t| t < *now_ms),
             Condition::Queueable { now_ms, lease_id, start } => {
                 (r.is_held(*now_ms) || r.queue_len() > 0)
                     && (r.queue_tail_lease_id.as_ref() != Some(lease_id) || r.queue_len() == 0)

@@ -234,6 +234,10 @@ pub(super) fn waiter_item(r: &Record) -> Result<Item> {
     if let Some(t) = r.ttl {
         put(attr::TTL, num(t));
     }
+    // When this try wrote it (`WaiterNewer`).
+    if let Some(t) = r.renewed_at_ms {
+        put(attr::RENEWED_AT, num(t));
+    }
     put(attr::WAITER, AttributeValue::S(serde_json::to_string(w).expect("waiter serialises")));
     Ok(item)
 }

@@ -63,6 +63,7 @@ fn condition_guard(c: &Condition) -> Guard {
     match c {
         Free { .. } | FreeAfter { .. } | Renew { .. } | Unreleased { .. } | Exists | Live { .. } => lease_guard(c),
         FenceIs(_) | FenceAndExpiry { .. } | NotLease => read_guard(c),
+        WaiterNewer { .. } => queue_guard(c),
         Queueable { .. }
         | HandOver { .. }
         | Undelivered { .. }
@@ -194,6 +195,12 @@ fn read_guard(c: &Condition) -> Guard {
 /// The conditions of the waiter queue and of in-process hand-overs.
 fn queue_guard(c: &Condition) -> Guard {
     match c {
+        // A waiter item (or nothing), not written since by a later try of its queued acquire
+        // (a retried invocation's token is never overwritten by an earlier try's).
+        Condition::WaiterNewer { now_ms } => guard(
+            "(attribute_not_exists(fence) OR fence = :zero) AND (attribute_not_exists(renewed_at_ms) OR renewed_at_ms < :now)",
+            [("zero", num(0)), ("now", num(*now_ms))],
+        ),
         // Held, or with waiters ahead; and this lease_id's slot not already taken (a retried
         // enqueue finds its slot in the refused answer).
         // A new queue starts above the item's fence (`:queue_start`, the update's own value).
@@ -755,6 +762,7 @@ mod tests {
             ),
             (Condition::QueueIdle, Some(Mutation::Unindex)),
             (Condition::NotLease, None),
+            (Condition::WaiterNewer { now_ms: now }, None),
             (Condition::HandTo { lease_id: id.clone(), fence: 3, now_ms: now, coordinator: "c".into() }, None),
             (
                 Condition::FreeIn {
@@ -882,6 +890,7 @@ mod tests {
             Condition::Undelivered { fence: 3, token: "t".into() },
             Condition::UndeliveredLive { fence: 3, token: "t".into() },
             Condition::NotLease,
+            Condition::WaiterNewer { now_ms: 1 },
             Condition::HandTo { lease_id: id.clone(), fence: 3, now_ms: 1, coordinator: "c".into() },
             Condition::FreeIn { now_ms: 1, fence: 3, lease_id: id.clone(), visit },
             Condition::Enterable { now_ms: 1, state: "S".into(), shard: "S#0".into() },
