@@ -71,7 +71,27 @@ pub(crate) fn check(events: &[Event], log: &[Applied], t0: Instant) -> Vec<Viola
     releases(events, log, &mut out);
     starvation(events, log, &mut out);
     marks_kept(log, &mut out);
+    released_once(log, &mut out);
     out
+}
+
+/// A released lease stays as released (DESIGN.md, "Failure modes": a holder releasing after an
+/// operator force-released its lease, or a release retried after its answer was lost, changes
+/// nothing): no release or renewal is applied to an item whose lease is released already.
+fn released_once(log: &[Applied], out: &mut Vec<Violation>) {
+    for a in log {
+        let (Some(m), Some(old)) = (&a.mutation, &a.old) else { continue };
+        let again = matches!(m, Mutation::Release { .. } | Mutation::ReleaseTo { .. } | Mutation::Extend { .. });
+        if again && old.released_at_ms.is_some() && old.slots.is_none() {
+            let mut v = Violation::new(
+                "released_lease_changed",
+                &a.key,
+                format!("{} was applied to lease {}, released already", describe(m), short(old.lease_id.expose())),
+            );
+            v.at = Some(a.at);
+            out.push(v);
+        }
+    }
 }
 
 /// A coordinator's line leaves the key free when a waiter of another coordinator marked the

@@ -60,7 +60,9 @@ fn regression_seeds_end_every_acquire_by_its_deadline() {
 /// - a batch lease told after its safe time (`batch_lease_told_late`; `acquire_next` now
 ///   releases it instead);
 /// - a waiter taking a second slot behind its own (`enqueued_twice`; the enqueue's
-///   `queue_tail_lease_id` clause).
+///   `queue_tail_lease_id` clause);
+/// - (fifth round) a release applied to a lease already released, by its retry or after a
+///   force-release (`released_lease_changed`; `Unreleased`'s `released_at_ms` clause).
 ///
 /// Run in a fresh process: the queue sweep's rotating start is a process-wide static, which
 /// the seeds running beside it in this process would move.
@@ -90,6 +92,12 @@ fn regression_seed_1_keeps_every_promise() {
 /// - `--seed 93`: a queued execution left waiting, unserved (`waiter_lost`): the simulated
 ///   execution died with the crash of the process its acquire invocation ran in, instead of
 ///   failing that invocation and being retried (a modelling error, fixed in the simulation).
+/// - `--seed 26` (fifth round, a clock-jump seed): a write sent with a clock stepped beyond the
+///   margin after its check (`two_holders`; every try of a write now checks the clock right
+///   before reading it).
+/// - `--seed 15` (fifth round): a generated lease_id sent again after its unanswered first
+///   grant expired and another lease came and went (`lease_id_regranted_untold`; it is now
+///   replaced instead).
 ///
 /// Each in a fresh process, as seed 1 above; none may report a violation or the finding named.
 #[test]
@@ -100,6 +108,8 @@ fn regression_seeds_of_the_fixed_findings_keep_every_promise() {
         (&["--seed", "60"], "queue_seq_reused"),
         (&["--seed", "7"], "waiter_starved"),
         (&["--seed", "93"], "waiter_lost"),
+        (&["--seed", "26"], "two_holders"),
+        (&["--seed", "15"], "lease_id_regranted_untold"),
     ];
     for (args, finding) in runs {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_leasehold-sim"))
