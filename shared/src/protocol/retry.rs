@@ -76,7 +76,7 @@ impl Coordinator {
     }
 
     /// The tries of a write; `checked`: each checks the clock first; `lapse`: none is sent once
-    /// every earlier try that may have landed has expired ([`Lapse`]).
+    /// the first earlier try that may have landed has expired ([`Lapse`]).
     #[allow(clippy::too_many_arguments)]
     async fn write_tries(
         &self,
@@ -192,7 +192,7 @@ pub(crate) struct Failed {
     pub(crate) error: Error,
     /// Some attempt may have landed (its answer was lost or it timed out).
     pub(crate) maybe_landed: bool,
-    /// Not sent again: every try that may have landed has expired ([`Lapse`]).
+    /// Not sent again: the first try that may have landed has expired ([`Lapse`]).
     pub(crate) lapsed: bool,
 }
 
