@@ -233,7 +233,7 @@ async fn a_write_retried_after_a_clock_step_checks_the_clock_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_queue_served_after_a_clock_step_during_its_read_grants_nothing() {
     let b = Backend::dynamo().await;
-    let rec = Arc::new(Delivered::default());
+    let rec = Arc::new(Deliveries::default());
     let honest = b.coordinator(test_config()).with_deliver(rec.clone());
     let k = "jump-queue";
     let held = honest.acquire(k, "honest", secs(30), AcquireOptions::default()).await.unwrap();
@@ -256,21 +256,6 @@ async fn a_queue_served_after_a_clock_step_during_its_read_grants_nothing() {
     let s = honest.get(k).await.unwrap();
     assert!(s.held && s.holder == "honest" && s.fence == held.fence, "{s:?}");
     honest.release(k, &held.lease_id).await.unwrap();
-}
-
-/// Each delivery's token.
-#[derive(Default)]
-struct Delivered(Mutex<Vec<String>>);
-
-#[async_trait::async_trait]
-impl leasehold::queue::Deliver for Delivered {
-    async fn success(&self, token: &str, _: &leasehold::Lease) -> Result<(), leasehold::queue::DeliveryError> {
-        self.0.lock().unwrap().push(token.to_string());
-        Ok(())
-    }
-    async fn failure(&self, _: &str, _: &str, _: &str) -> Result<(), leasehold::queue::DeliveryError> {
-        Ok(())
-    }
 }
 
 /// A server whose clock is refused says when to try again: `Retry-After` (and
