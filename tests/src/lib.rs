@@ -480,16 +480,23 @@ pub enum Fault {
     SlowAnswer(std::time::Duration),
 }
 
-/// Injects faults into the next writes of a real store.
+/// Injects faults into the next writes of a real store (of those its filter picks).
 pub struct Faulty {
     pub inner: Arc<dyn Store>,
     pub plan: Mutex<Vec<Fault>>,
     pub injected: AtomicUsize,
+    /// Which writes the faults are for, by their condition; the others pass untouched.
+    only: fn(&Condition) -> bool,
 }
 
 impl Faulty {
     pub fn new(inner: Arc<dyn Store>) -> Arc<Faulty> {
-        Arc::new(Faulty { inner, plan: Mutex::new(Vec::new()), injected: AtomicUsize::new(0) })
+        Faulty::on(inner, |_| true)
+    }
+    /// Faults only for the writes whose condition `only` picks (say, a hand-over's, while
+    /// waiters poll beside it).
+    pub fn on(inner: Arc<dyn Store>, only: fn(&Condition) -> bool) -> Arc<Faulty> {
+        Arc::new(Faulty { inner, plan: Mutex::new(Vec::new()), injected: AtomicUsize::new(0), only })
     }
     /// Faults for the next writes, in order.
     pub fn inject(&self, faults: &[Fault]) {
@@ -514,7 +521,8 @@ impl Store for Faulty {
         self.inner.get(key).await
     }
     async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> Result<Write> {
-        match self.next_fault() {
+        let fault = if (self.only)(c) { self.next_fault() } else { None };
+        match fault {
             None => self.inner.update(key, c, m).await,
             Some(Fault::LoseResponse) => {
                 let _ = self.inner.update(key, c, m).await?;
