@@ -16,7 +16,7 @@
 //! every key can be taken and every work item is still in a state.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use leasehold::store::Mutation;
 use leasehold::testing::Applied;
@@ -60,13 +60,15 @@ fn short(id: &str) -> &str {
 }
 
 /// Every check over the history; the violations carry the key's history around them.
-pub(crate) fn check(events: &[Event], log: &[Applied], t0: Instant) -> Vec<Violation> {
+pub(crate) fn check(events: &[Event], log: &[Applied], t0: Instant, fence_lead: Duration) -> Vec<Violation> {
     let mut out = Vec::new();
     overlaps(events, log, t0, &mut out);
     fences(events, log, &mut out);
     told_in_time(events, t0, &mut out);
     finished(events, log, &mut out);
     ttl_on_work_items(log, &mut out);
+    deleted_before_its_fence(log, t0, &mut out);
+    copied_past_lead(log, t0, fence_lead, &mut out);
     queues(log, &mut out);
     releases(events, log, &mut out);
     starvation(events, log, &mut out);
@@ -256,6 +258,68 @@ fn told_in_time(events: &[Event], t0: Instant, out: &mut Vec<Violation>) {
     }
 }
 
+/// The true time of `at`, in µs (the store's clock: the run's epoch at `t0`).
+fn true_us(t0: Instant, at: Instant) -> u64 {
+    crate::EPOCH_MS as u64 * 1000 + at.duration_since(t0).as_micros() as u64
+}
+
+/// A coordinator never grants a fence further ahead of its clock than the fence lead
+/// (DESIGN.md, "acquire": a `last_fence_seen` further ahead is never copied): honest clocks are
+/// within the margin of the truth, so no grant to a client of an honest coordinator is further
+/// ahead of the true clock than the lead and the margin. (A blind clock's own grants are its
+/// clock's reading, far ahead: they are the fault, not the protocol.)
+fn copied_past_lead(log: &[Applied], t0: Instant, lead: Duration, out: &mut Vec<Violation>) {
+    let bound = (lead + Duration::from_millis(crate::SKEW_MARGIN_MS)).as_micros() as u64;
+    for a in log {
+        let lease = match a.mutation.as_ref() {
+            Some(Mutation::Acquire(n)) => n,
+            Some(Mutation::Grant { lease, .. }) => lease,
+            _ => continue,
+        };
+        let now = true_us(t0, a.at);
+        if !blind(&lease.holder) && lease.fence > now + bound {
+            let mut v = Violation::new(
+                "fence_copied_past_lead",
+                &a.key,
+                format!(
+                    "{} was granted fence {}, {} ms ahead of the clock (the lead allows {} ms)",
+                    lease.holder,
+                    lease.fence,
+                    (lease.fence - now) / 1000,
+                    lead.as_millis()
+                ),
+            );
+            v.at = Some(a.at);
+            out.push(v);
+        }
+    }
+}
+
+/// TTL deletes an item only once the true clock has passed its fence (DESIGN.md, "The fencing
+/// token", 3): the first grant after the deletion issues a fence from its clock, which
+/// would be below the one deleted. Honest fences are a clock reading within the margin, or one
+/// more than an earlier fence; a fence copied from a clock far ahead (a blind one) must never be
+/// copied past the fence lead, and its item's TTL counts from the fence's own time.
+fn deleted_before_its_fence(log: &[Applied], t0: Instant, out: &mut Vec<Violation>) {
+    for a in log.iter().filter(|a| a.ttl) {
+        let Some(old) = &a.old else { continue };
+        let true_us = true_us(t0, a.at);
+        if old.fence > true_us {
+            let mut v = Violation::new(
+                "deleted_before_its_fence",
+                &a.key,
+                format!(
+                    "TTL deleted the item of fence {} while the clock was {} ms behind it: the next grant's fence is lower",
+                    old.fence,
+                    (old.fence - true_us) / 1000
+                ),
+            );
+            v.at = Some(a.at);
+            out.push(v);
+        }
+    }
+}
+
 /// No item in a work state is deleted by TTL (a key in a state is kept until it is taken).
 fn ttl_on_work_items(log: &[Applied], out: &mut Vec<Violation>) {
     for a in log.iter().filter(|a| a.ttl) {
@@ -391,11 +455,16 @@ fn overlaps(events: &[Event], log: &[Applied], t0: Instant, out: &mut Vec<Violat
     }
     let forces = forces(log);
     // A holder refused by the guarded resource within its safe time: a newer lease wrote while
-    // it believed it held the key (unless an operator evicted it).
+    // it believed it held the key (unless an operator evicted it, or a coordinator with a blind
+    // clock took the key over: the fence refusing it is the defence left then).
     for e in events {
         let Event::Wrote { key, lease, fence, at, accepted: false, believed: true } = e else { continue };
         let evicted = forces.get(key.as_str()).is_some_and(|fs| fs.iter().any(|(f, old)| *old >= *fence && f <= at));
-        if !evicted {
+        let blinded = events.iter().any(|b| {
+            matches!(b, Event::Told { key: k, fence: f, at: t, client, .. }
+                if k == key && f > fence && t <= at && blind(client))
+        });
+        if !evicted && !blinded {
             let mut v = Violation::new(
                 "fenced_out_while_safe",
                 key,
@@ -431,7 +500,10 @@ fn overlaps(events: &[Event], log: &[Applied], t0: Instant, out: &mut Vec<Violat
         let mut active: Vec<(Instant, &str, &str)> = Vec::new();
         for (start, stop, lease, client) in list {
             active.retain(|(s, _, _)| *s > start);
-            if let Some((other_stop, other, other_client)) = active.iter().find(|(_, l, _)| *l != lease) {
+            // A coordinator with a blind clock takes keys over their holders (see
+            // `Settings::blind_clock`): its overlaps are the clock error's, not the protocol's.
+            let other = active.iter().find(|(_, l, c)| *l != lease && !blind(c) && !blind(client));
+            if let Some((other_stop, other, other_client)) = other {
                 let mut v = Violation::new(
                     "two_holders",
                     key,
@@ -450,6 +522,11 @@ fn overlaps(events: &[Event], log: &[Applied], t0: Instant, out: &mut Vec<Violat
             active.push((stop, lease, client));
         }
     }
+}
+
+/// Is `client` one of a coordinator with a blind clock (`Settings::blind_clock`)?
+fn blind(client: &str) -> bool {
+    client.starts_with("blind")
 }
 
 /// Where force-releases landed: per key, when and over which fence.

@@ -26,9 +26,9 @@ mod check;
 pub use check::Violation;
 
 /// The wall time every run starts at (2027-01-15).
-const EPOCH_MS: i64 = 1_800_000_000_000;
+pub(crate) const EPOCH_MS: i64 = 1_800_000_000_000;
 /// The skew margin of every coordinator; honest clocks stay within half of it of the truth.
-const SKEW_MARGIN_MS: u64 = 200;
+pub(crate) const SKEW_MARGIN_MS: u64 = 200;
 /// The store client's attempt timeout.
 const ATTEMPT_TIMEOUT: Duration = Duration::from_millis(800);
 
@@ -51,6 +51,14 @@ pub struct Settings {
     /// back a few seconds later; whatever it writes meanwhile must be refused or harmless (one
     /// seed in eight, another class than the hot key's and the regression seeds').
     pub clock_jumps: bool,
+    /// A blind clock: a coordinator whose clock runs 30 to 100 s ahead and whose store answers
+    /// carry `Date` stamps off by as much (they pass through something with the same wrong
+    /// clock), so its clock check sees nothing. It judges leases expired early and takes keys
+    /// over their holders, as any lock whose clocks are wrong does: the fence is what protects
+    /// the guarded resource then, and the others must never copy its fence far ahead nor let
+    /// TTL delete an item before the clocks passed its fence (one seed in eight, a class of its
+    /// own).
+    pub blind_clock: bool,
 }
 
 impl Settings {
@@ -62,6 +70,7 @@ impl Settings {
             fault_rate: 0.02,
             hot_key: seed % 8 == 7,
             clock_jumps: seed % 8 == 2,
+            blind_clock: seed % 8 == 3,
         }
     }
 }
@@ -152,6 +161,8 @@ struct World {
     end: bool,
     /// See [`Settings::hot_key`].
     hot_key: bool,
+    /// See [`Settings::blind_clock`].
+    blind_clock: bool,
     /// Acquire-function invocations running in each process (stopped by its crash).
     invocations: BTreeMap<String, Vec<tokio::task::AbortHandle>>,
 }
@@ -261,8 +272,9 @@ impl Executions for SimExecutions {
     }
 }
 
-fn config(clock: Arc<SimClock>) -> Config {
-    Config {
+/// Every coordinator's configuration in a run (`blind`: a blind-clock run's).
+fn config(clock: Arc<SimClock>, blind: bool) -> Config {
+    let mut c = Config {
         skew_margin: Duration::from_millis(SKEW_MARGIN_MS),
         // Longer than a request can be held in the network (the attempt timeout and up to 3 s
         // more) and than a free key with waiters can wait for its queue (a missing slot's
@@ -272,7 +284,15 @@ fn config(clock: Arc<SimClock>) -> Config {
         retry_budget: Duration::from_secs(2),
         clock,
         ..Config::default()
+    };
+    if blind {
+        // The product's fence lead, longer than the grace here, so that the TTL after the fence
+        // is what keeps a copied fence from outliving its item; and leases of at most 30 s, so
+        // that released items (TTL after `max_duration`) are deleted within the run.
+        c.fence_lead = Duration::from_secs(60);
+        c.limits.max_duration = Duration::from_secs(30);
     }
+    c
 }
 
 async fn simulate(s: Settings) -> Outcome {
@@ -303,10 +323,11 @@ async fn simulate(s: Settings) -> Outcome {
         invocations: BTreeMap::new(),
         end: false,
         hot_key: s.hot_key,
+        blind_clock: s.blind_clock,
     }));
     // The work items enter their first state (no faults yet: setup).
     {
-        let setup = Coordinator::new(Arc::new(store.handle()), config(truth.clone()));
+        let setup = Coordinator::new(Arc::new(store.handle()), config(truth.clone(), s.blind_clock));
         for i in 0..WORK as u64 {
             setup.put(&work_key(i), &todo(s.seed), "setup").await.expect("setup put");
         }
@@ -321,12 +342,17 @@ async fn simulate(s: Settings) -> Outcome {
     };
     let mut nodes: Vec<Option<Running>> = Vec::new();
     for i in 0..s.coordinators {
-        nodes.push(Some(start_node(&world, &store, &truth, i, false)));
+        nodes.push(Some(start_node(&world, &store, &truth, i, Kind::Honest)));
     }
     // A coordinator whose clock is beyond the skew margin, in some runs.
     let rogue = draw(&world, |w| w.chance(0.3)).then(|| {
         lock(&world).fault("clock_beyond_margin");
-        start_node(&world, &store, &truth, s.coordinators, true)
+        start_node(&world, &store, &truth, s.coordinators, Kind::Rogue)
+    });
+    // A coordinator whose clock error its check cannot see, in the blind-clock runs.
+    let blind = s.blind_clock.then(|| {
+        lock(&world).fault("blind_clock");
+        start_node(&world, &store, &truth, s.coordinators + 1, Kind::Blind)
     });
     // The driver: crashes, restarts, clock steps, force-releases, until the operations are done.
     let mut down: Vec<(usize, Instant)> = Vec::new();
@@ -345,7 +371,7 @@ async fn simulate(s: Settings) -> Outcome {
         // Restarts.
         let t = now();
         for (i, _) in down.iter().filter(|(_, at)| *at <= t) {
-            nodes[*i] = Some(start_node(&world, &store, &truth, *i, false));
+            nodes[*i] = Some(start_node(&world, &store, &truth, *i, Kind::Honest));
             lock(&world).fault("restart");
         }
         down.retain(|(_, at)| *at > t);
@@ -374,6 +400,10 @@ async fn simulate(s: Settings) -> Outcome {
         if s.clock_jumps {
             clock_jumps(&world, &nodes, &mut jumped);
         }
+        // With a blind clock, its leases look stuck to the others (their expiry minutes away):
+        // an operator force-releases such keys far more often, and the next grants must not
+        // copy its fence (the fence lead) nor let TTL delete it early (the TTL after the fence).
+        let force = force || (s.blind_clock && draw(&world, |w| w.chance(0.05)));
         if force {
             let i = draw(&world, |w| w.below(s.coordinators as u64)) as usize;
             if let Some((node, _)) = &nodes[i] {
@@ -394,18 +424,24 @@ async fn simulate(s: Settings) -> Outcome {
     lock(&world).stop = true;
     store.set_faults(Faults { attempt_timeout: ATTEMPT_TIMEOUT, ..Faults::none() });
     for (i, _) in down.drain(..) {
-        nodes[i] = Some(start_node(&world, &store, &truth, i, false));
+        nodes[i] = Some(start_node(&world, &store, &truth, i, Kind::Honest));
     }
     let mut all: Vec<Running> = nodes.into_iter().flatten().collect();
     all.extend(rogue);
+    all.extend(blind);
     for (_, tasks) in all.iter_mut() {
         for t in tasks.drain(..) {
             let _ = t.await;
         }
     }
+    // After a blind clock, the others' clocks pass the last fence it issued (until then they
+    // refuse to copy it, `ClockSkew`, and a key it had last is theirs to take only then).
+    if s.blind_clock {
+        tokio::time::sleep(Duration::from_secs(110)).await;
+    }
     // Orphaned fail-closed leases are released by a process that knows their ids (before the
     // queued waiters are judged: a waiter behind a fail-closed lease waits for its release).
-    let final_node = start_node(&world, &store, &truth, 99, false).0;
+    let final_node = start_node(&world, &store, &truth, 99, Kind::Honest).0;
     let orphans = {
         let mut w = lock(&world);
         let mut all = std::mem::take(&mut w.orphans);
@@ -508,7 +544,7 @@ async fn simulate(s: Settings) -> Outcome {
     let mut w = lock(&world);
     let events = std::mem::take(&mut w.events);
     let mut violations = std::mem::take(&mut w.violations);
-    violations.extend(check::check(&events, &log, t0));
+    violations.extend(check::check(&events, &log, t0, config(truth.clone(), s.blind_clock).fence_lead));
     let findings = violations.iter().filter(|v| v.known).fold(BTreeMap::new(), |mut m, v| {
         *m.entry(v.kind).or_default() += 1;
         m
@@ -548,7 +584,7 @@ async fn idle_past_evidence(world: &Shared, store: &SimStore, truth: &Arc<SimClo
     let (idle_s, ahead_ms, beyond) =
         draw(world, |w| (w.between(200, 420), w.between(2000, 5000) as i64, w.chance(0.7)));
     let clock = Arc::new(SimClock::offset_from(truth, 0));
-    let coord = Coordinator::new(Arc::new(store.handle()), config(clock.clone()));
+    let coord = Coordinator::new(Arc::new(store.handle()), config(clock.clone(), lock(world).blind_clock));
     let k = "idle";
     if let Ok(l) = coord.acquire(k, "idle", Some(Duration::from_secs(1)), AcquireOptions::default()).await {
         let _ = coord.release(k, &l.lease_id).await;
@@ -617,9 +653,24 @@ fn fault_map(c: &FaultCounts) -> BTreeMap<&'static str, u64> {
     ])
 }
 
-fn start_node(world: &Shared, store: &SimStore, truth: &Arc<SimClock>, i: usize, rogue: bool) -> Running {
+/// How a coordinator's clock is.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// Within the skew margin.
+    Honest,
+    /// Beyond the margin: its check refuses it.
+    Rogue,
+    /// Beyond the margin, unseen by its check.
+    Blind,
+}
+
+fn start_node(world: &Shared, store: &SimStore, truth: &Arc<SimClock>, i: usize, kind: Kind) -> Running {
+    let rogue = kind == Kind::Rogue;
+    let blind = kind == Kind::Blind;
     let (offset, ppm, clients) = draw(world, |w| {
-        let off = if rogue {
+        let off = if blind {
+            w.between(30_000, 100_000) as i64
+        } else if rogue {
             let o = w.between(2000, 5000) as i64;
             if w.chance(0.5) {
                 o
@@ -629,28 +680,32 @@ fn start_node(world: &Shared, store: &SimStore, truth: &Arc<SimClock>, i: usize,
         } else {
             w.between(0, SKEW_MARGIN_MS - 20) as i64 - (SKEW_MARGIN_MS / 2 - 10) as i64
         };
-        (off, w.between(0, 40) as i64 - 20, if rogue { 2 } else { 3 })
+        (off, w.between(0, 40) as i64 - 20, if kind == Kind::Honest { 3 } else { 2 })
     });
     if offset != 0 {
         lock(world).fault("clock_offset");
     }
     let clock = Arc::new(SimClock::offset_from(truth, offset));
     clock.set_drift_ppm(ppm);
-    let handle = store.handle();
-    let mut coord = Coordinator::new(Arc::new(handle.clone()), config(clock.clone()));
+    let handle = if blind { store.handle_with_date_offset(offset) } else { store.handle() };
+    let mut coord = Coordinator::new(Arc::new(handle.clone()), config(clock.clone(), lock(world).blind_clock));
     // Every other coordinator serves queues (a Lambda function); the rest are library users.
-    let serves_queues = !rogue && i.is_multiple_of(2);
+    let serves_queues = kind == Kind::Honest && i.is_multiple_of(2);
     if serves_queues {
         coord = coord.with_deliver(Arc::new(SimSfn(world.clone())));
     }
-    let name = if rogue { format!("rogue{i}") } else { format!("c{i}") };
+    let name = match kind {
+        Kind::Honest => format!("c{i}"),
+        Kind::Rogue => format!("rogue{i}"),
+        Kind::Blind => format!("blind{i}"),
+    };
     let node = Arc::new(Node { coord, store: handle, clock, name, rogue, serves_queues });
     let mut tasks = Vec::new();
     for c in 0..clients {
         let (n, w) = (node.clone(), world.clone());
         tasks.push(tokio::spawn(async move { client(n, w, c).await }));
     }
-    if !rogue {
+    if kind == Kind::Honest {
         let (n, w) = (node.clone(), world.clone());
         tasks.push(tokio::spawn(async move { sweeper(n, w).await }));
     }
@@ -1293,8 +1348,8 @@ impl Deliver for SimSfn {
 fn functions_node(world: &Shared, store: &SimStore, truth: &Arc<SimClock>) -> Arc<Node> {
     let clock = Arc::new(SimClock::offset_from(truth, 0));
     let handle = store.handle();
-    let coord =
-        Coordinator::new(Arc::new(handle.clone()), config(clock.clone())).with_deliver(Arc::new(SimSfn(world.clone())));
+    let coord = Coordinator::new(Arc::new(handle.clone()), config(clock.clone(), lock(world).blind_clock))
+        .with_deliver(Arc::new(SimSfn(world.clone())));
     Arc::new(Node { coord, store: handle, clock, name: "fn".into(), rogue: false, serves_queues: true })
 }
 

@@ -118,6 +118,8 @@ pub struct SimStore {
     shared: Arc<Shared>,
     samples: Arc<ClockSamples>,
     id: u32,
+    /// How far this handle's `Date` evidence is off the store's clock (ms).
+    date_offset_ms: i64,
 }
 
 struct Shared {
@@ -177,7 +179,12 @@ impl SimStore {
             log: Vec::new(),
             next_ttl_check: 0,
         };
-        SimStore { shared: Arc::new(Shared { clock, state: Mutex::new(state) }), samples: Arc::default(), id: 0 }
+        SimStore {
+            shared: Arc::new(Shared { clock, state: Mutex::new(state) }),
+            samples: Arc::default(),
+            id: 0,
+            date_offset_ms: 0,
+        }
     }
 
     /// Another client of the same table, with its own `Date` evidence (one per coordinator).
@@ -185,7 +192,15 @@ impl SimStore {
         let mut s = self.state();
         let id = s.next_id;
         s.next_id += 1;
-        SimStore { shared: self.shared.clone(), samples: Arc::default(), id }
+        SimStore { shared: self.shared.clone(), samples: Arc::default(), id, date_offset_ms: 0 }
+    }
+
+    /// Another client (as [`SimStore::handle`]) whose `Date` evidence is `ms` off the store's
+    /// clock: its answers pass through something that stamps them with a wrong clock. A
+    /// coordinator whose own clock is off by as much cannot see its error (DESIGN.md, "Clocks"):
+    /// what is left to defend the others is the fence.
+    pub fn handle_with_date_offset(&self, ms: i64) -> SimStore {
+        SimStore { date_offset_ms: ms, ..self.handle() }
     }
 
     /// The process of this handle stops (a crash): its requests are never sent from now on.
@@ -328,7 +343,8 @@ impl SimStore {
                 }
                 tokio::time::sleep(back).await;
                 if date_ms > 0 {
-                    self.samples.record(Sample { sent, received: tokio_now(), date_s: (date_ms / 1000) as u64 });
+                    let date_s = ((date_ms + self.date_offset_ms).max(0) / 1000) as u64;
+                    self.samples.record(Sample { sent, received: tokio_now(), date_s });
                 }
                 Ok(done)
             }
