@@ -436,6 +436,12 @@ fn describe(m: &Mutation) -> String {
             format!("Acquire (handed over within {})", short(n.handed_in.as_deref().unwrap_or_default()))
         }
         Mutation::WaitsIn { coordinator } => format!("WaitsIn (by {})", short(coordinator)),
+        Mutation::TakeSlot { slot, .. } => format!("TakeSlot of {}", short(slot.lease_id.expose())),
+        Mutation::RenewSlot { lease_id, .. } => format!("RenewSlot of {}", short(lease_id.expose())),
+        Mutation::ReleaseSlot { lease_id, .. } => format!("ReleaseSlot of {}", short(lease_id.expose())),
+        Mutation::TidySlots { ended, .. } => {
+            format!("TidySlots of {}", ended.iter().map(|l| short(l.expose())).collect::<Vec<_>>().join(", "))
+        }
         _ => {
             let s = format!("{m:?}");
             s.split([' ', '(', '{']).next().unwrap_or("").to_string()
@@ -497,6 +503,10 @@ fn overlaps(events: &[Event], log: &[Applied], t0: Instant, out: &mut Vec<Violat
     }
     for (key, mut list) in beliefs {
         list.sort();
+        if let Some(n) = slots(key) {
+            over_slots(key, n, &list, t0, out);
+            continue;
+        }
         let mut active: Vec<(Instant, &str, &str)> = Vec::new();
         for (start, stop, lease, client) in list {
             active.retain(|(s, _, _)| *s > start);
@@ -520,6 +530,37 @@ fn overlaps(events: &[Event], log: &[Applied], t0: Instant, out: &mut Vec<Violat
                 return;
             }
             active.push((stop, lease, client));
+        }
+    }
+}
+
+/// The N of a semaphore's key (`crate::SEMAPHORES`), or `None` for a plain key.
+fn slots(key: &str) -> Option<u32> {
+    crate::SEMAPHORES.iter().find(|(k, _)| *k == key).map(|(_, n)| *n)
+}
+
+/// A semaphore of N slots: at no instant do more than N leases believe they hold a slot
+/// (`list`: belief intervals sorted by their start).
+fn over_slots(key: &str, n: u32, list: &[(Instant, Instant, &str, &str)], t0: Instant, out: &mut Vec<Violation>) {
+    let mut active: Vec<(Instant, &str, &str)> = Vec::new();
+    for &(start, stop, lease, client) in list {
+        active.retain(|(s, l, _)| *s > start && *l != lease);
+        active.push((stop, lease, client));
+        if active.len() > n as usize {
+            let others: Vec<String> = active.iter().map(|(_, l, c)| format!("{c} ({})", short(l))).collect();
+            let mut v = Violation::new(
+                "over_slots",
+                key,
+                format!(
+                    "{} leases believed a slot of {n} at {} ms: {}",
+                    active.len(),
+                    ms(t0, start),
+                    others.join(", ")
+                ),
+            );
+            v.at = Some(start);
+            out.push(v);
+            return;
         }
     }
 }
@@ -560,6 +601,28 @@ fn fences(events: &[Event], log: &[Applied], out: &mut Vec<Violation>) {
     let mut granted: BTreeSet<(&str, &str)> = BTreeSet::new();
     let mut seqs: BTreeSet<(&str, u64)> = BTreeSet::new();
     for a in log {
+        if let Some((fence, lease_id)) = slot_granted(a) {
+            // A semaphore's slot: above every fence of the key, and a lease_id once.
+            let before = top.get(a.key.as_str()).copied().unwrap_or(0);
+            if fence <= before {
+                let mut v = Violation::new(
+                    "fence_not_increasing",
+                    &a.key,
+                    format!("a slot was granted fence {fence} after fence {before}"),
+                );
+                v.at = Some(a.at);
+                out.push(v);
+            }
+            if !granted.insert((a.key.as_str(), lease_id)) {
+                let mut v = Violation::new(
+                    "lease_id_granted_twice",
+                    &a.key,
+                    format!("slot {} was granted a second time", short(lease_id)),
+                );
+                v.at = Some(a.at);
+                out.push(v);
+            }
+        }
         let grant = match a.mutation.as_ref() {
             Some(Mutation::Acquire(n)) => Some(n),
             Some(Mutation::Grant { lease, .. }) => Some(lease),
@@ -613,6 +676,17 @@ fn fences(events: &[Event], log: &[Applied], out: &mut Vec<Violation>) {
             let t = top.entry(a.key.as_str()).or_default();
             *t = (*t).max(r.fence);
         }
+    }
+}
+
+/// The slot a write granted, if it took one: its fence and lease_id.
+fn slot_granted(a: &Applied) -> Option<(u64, &str)> {
+    match a.mutation.as_ref()? {
+        Mutation::TakeSlot { slot, .. } => Some((slot.fence, slot.lease_id.expose())),
+        Mutation::PutSemaphore(r) => {
+            r.slot_holders.iter().find(|h| h.fence == r.fence).map(|h| (h.fence, h.lease_id.expose()))
+        }
+        _ => None,
     }
 }
 

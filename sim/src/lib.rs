@@ -59,6 +59,9 @@ pub struct Settings {
     /// TTL delete an item before the clocks passed its fence (one seed in eight, a class of its
     /// own).
     pub blind_clock: bool,
+    /// Semaphores: a fifth of the sessions take a slot of a semaphore (2 or 3 slots; one seed
+    /// in eight, a class of its own).
+    pub semaphores: bool,
 }
 
 impl Settings {
@@ -71,6 +74,7 @@ impl Settings {
             hot_key: seed % 8 == 7,
             clock_jumps: seed % 8 == 2,
             blind_clock: seed % 8 == 3,
+            semaphores: seed % 8 == 6,
         }
     }
 }
@@ -163,6 +167,8 @@ struct World {
     hot_key: bool,
     /// See [`Settings::blind_clock`].
     blind_clock: bool,
+    /// See [`Settings::semaphores`].
+    semaphores: bool,
     /// Acquire-function invocations running in each process (stopped by its crash).
     invocations: BTreeMap<String, Vec<tokio::task::AbortHandle>>,
 }
@@ -324,6 +330,7 @@ async fn simulate(s: Settings) -> Outcome {
         end: false,
         hot_key: s.hot_key,
         blind_clock: s.blind_clock,
+        semaphores: s.semaphores,
     }));
     // The work items enter their first state (no faults yet: setup).
     {
@@ -502,6 +509,24 @@ async fn simulate(s: Settings) -> Outcome {
                 }
                 lock(&world).violations.push(v);
             }
+        }
+    }
+    // Every slot of every semaphore can be taken at once.
+    for (k, n) in SEMAPHORES.into_iter().filter(|_| s.semaphores) {
+        let mut taken = Vec::new();
+        for _ in 0..n {
+            let opts = AcquireOptions { wait: Some(Duration::from_secs(5)), slots: Some(n), ..Default::default() };
+            match checker.acquire(k, "checker", Some(Duration::from_secs(5)), opts).await {
+                Ok(l) => taken.push(l.lease_id),
+                Err(e) => lock(&world).violations.push(Violation::new(
+                    "key_unusable",
+                    k,
+                    format!("after every slot ended, slot {} of {n} of {k} could not be taken: {e}", taken.len() + 1),
+                )),
+            }
+        }
+        for id in taken {
+            let _ = checker.release(k, &id).await;
         }
     }
     for i in 0..WORK as u64 {
@@ -871,6 +896,10 @@ async fn client(node: Arc<Node>, world: Shared, n: usize) {
             hot(&node, &world, &name).await;
             continue;
         }
+        if lock(&world).semaphores && kind < 20 {
+            semaphore(&node, &world, &name).await;
+            continue;
+        }
         match kind {
             0..=39 => plain(&node, &world, &name).await,
             40..=49 => fail_closed(&node, &world, &name).await,
@@ -989,6 +1018,64 @@ async fn plain(node: &Node, world: &Shared, name: &str) {
         }
     };
     hold(node, world, name, lease, None).await;
+}
+
+/// The semaphores of the semaphore runs (`Settings::semaphores`): key and N.
+pub(crate) const SEMAPHORES: [(&str, u32); 2] = [("sem2", 2), ("sem3", 3)];
+
+/// A semaphore's slot, waited for or not: held with heartbeats and now and then a pause past
+/// its safe time, then released. No guarded resource: N holders write side by side (the
+/// checker counts the holders instead, `over_slots`).
+async fn semaphore(node: &Node, world: &Shared, name: &str) {
+    let (i, wait, dur, steps) = draw(world, |w| {
+        let wait = [0u64, 300, 2000][w.below(3) as usize];
+        (w.below(SEMAPHORES.len() as u64) as usize, wait, w.between(300, 3000), w.between(1, 4))
+    });
+    let (k, n) = SEMAPHORES[i];
+    if !op(world) {
+        return;
+    }
+    let wait = Some(Duration::from_millis(wait)).filter(|w| !w.is_zero());
+    let opts = AcquireOptions { wait, slots: Some(n), ..Default::default() };
+    let mut lease = match acquire(node, world, k, name, Some(Duration::from_millis(dur)), opts).await {
+        Ok(l) => l,
+        Err(e) => {
+            if let Some((_, id)) = e.unknown_leases().into_iter().next() {
+                if op(world) {
+                    let _ = node.coord.release(k, &LeaseId::from_string(id)).await;
+                }
+            }
+            return;
+        }
+    };
+    for _ in 0..steps {
+        if draw(world, |w| w.chance(0.03)) {
+            lock(world).fault("pause");
+            let past = draw(world, |w| w.between(100, 4000));
+            let until = lease.safe_until.unwrap_or_else(now);
+            tokio::time::sleep_until((until.max(now()) + Duration::from_millis(past)).into()).await;
+            break;
+        }
+        let left = lease.safe_until.map_or(500, |s| s.saturating_duration_since(now()).as_millis() as u64);
+        let work = draw(world, |w| w.between(0, left / 2));
+        tokio::time::sleep(Duration::from_millis(work)).await;
+        if !op(world) {
+            break;
+        }
+        let d = draw(world, |w| w.chance(0.5).then(|| Duration::from_millis(w.between(300, 3000))));
+        match node.coord.heartbeat(k, &lease.lease_id, d).await {
+            Ok(l) => {
+                told(world, name, &l);
+                lease = l;
+            }
+            Err(Error::NotHolder { .. }) => break,
+            Err(_) if lease.safe_until.is_some_and(|s| now() >= s) => break,
+            Err(_) => {}
+        }
+    }
+    ended(world, name, k, &lease.lease_id);
+    op(world);
+    let _ = node.coord.release(k, &lease.lease_id).await;
 }
 
 /// Turns on the hot key: acquire with a long wait, a short hold, release, and at once again

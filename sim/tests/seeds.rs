@@ -98,6 +98,9 @@ fn regression_seed_1_keeps_every_promise() {
 /// - `--seed 15` (fifth round): a generated lease_id sent again after its unanswered first
 ///   grant expired and another lease came and went (`lease_id_regranted_untold`; it is now
 ///   replaced instead).
+/// - `--seed 878` (sixth round, a semaphore seed): a generated lease_id's take sent again after
+///   its unanswered first take's slot expired and was cleaned away, taking a second slot
+///   (`lease_id_granted_twice`; a take's lease_id now lapses as a lease's does).
 ///
 /// Each in a fresh process, as seed 1 above; none may report a violation or the finding named.
 #[test]
@@ -110,6 +113,7 @@ fn regression_seeds_of_the_fixed_findings_keep_every_promise() {
         (&["--seed", "93"], "waiter_lost"),
         (&["--seed", "26"], "two_holders"),
         (&["--seed", "15"], "lease_id_regranted_untold"),
+        (&["--seed", "878"], "lease_id_granted_twice"),
     ];
     for (args, finding) in runs {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_leasehold-sim"))

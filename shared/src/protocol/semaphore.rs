@@ -6,6 +6,7 @@
 use super::*;
 use crate::model::SlotHolder;
 use crate::protocol::line::Ticket;
+use crate::protocol::retry::Lapse;
 
 /// A grant that saw more entries than N + this tidies the ended ones away.
 const TIDY_ABOVE: usize = 16;
@@ -33,9 +34,22 @@ struct Take<'a> {
     landed: bool,
     /// A waiting take's place in this coordinator's line for the key.
     ticket: Option<Ticket>,
+    /// A generated lease_id's first take that may have landed, and when it may have expired
+    /// ([`Lapse`]: sent again after that, the lease_id could take a second slot, the first
+    /// cleaned away as ended, after a first grant nobody was told of).
+    lapse: Option<Lapse>,
 }
 
 impl Take<'_> {
+    /// A generated lease_id is single-use: after its slot ended (or may have, unanswered), it
+    /// is replaced, and what the old one may have done is no longer this call's business.
+    fn new_lease_id(&mut self) {
+        (self.lease_id, self.landed, self.how) = (LeaseId::generate(), false, How::Blind);
+        if let Some(l) = self.lapse.as_mut() {
+            l.until_ms = None;
+        }
+    }
+
     fn entry(&self, fence: u64, now: u64) -> SlotHolder {
         SlotHolder {
             lease_id: self.lease_id.clone(),
@@ -80,7 +94,8 @@ impl Coordinator {
         // freed here go to its waiters in arrival order.
         let ticket = (!opts.wait.unwrap_or_default().is_zero()).then(|| self.wakeups.enter(key));
         let (seen, how, landed) = (None, How::Blind, false);
-        let mut t = Take { key, holder, duration_ms, opts, slots, lease_id, seen, how, landed, ticket };
+        let lapse = opts.lease_id.is_none().then(|| Lapse::new(duration_ms));
+        let mut t = Take { key, holder, duration_ms, opts, slots, lease_id, seen, how, landed, ticket, lapse };
         let res = self.takes(&mut t, wait_deadline, deadline).await;
         res.map_err(|e| {
             let open = matches!(e, Error::StoreUnavailable(_) | Error::Throttled(_) | Error::LeaseHeld { .. });
@@ -98,7 +113,11 @@ impl Coordinator {
         loop {
             self.await_slot_turn(t, wait_deadline).await;
             self.check_clock(t.key).await?;
-            let (w, sent, now, fence) = self.take_once(t, deadline).await?;
+            let Some((w, sent, now, fence)) = self.take_once(t, deadline).await? else {
+                // Not sent: the first take that may have landed may have expired ([`Lapse`]).
+                t.new_lease_id();
+                continue;
+            };
             match sort_take(w, &t.lease_id, fence, now, t.slots) {
                 SlotAnswer::Granted(r) => {
                     let lease = self.slot_granted(t, r, sent, now).await;
@@ -111,13 +130,13 @@ impl Coordinator {
                     if t.opts.lease_id.is_some() {
                         return Err(Error::StoreUnavailable("the store answered after the slot's safe time".into()));
                     }
-                    (t.lease_id, t.landed, t.how) = (LeaseId::generate(), false, How::Blind);
+                    t.new_lease_id();
                 }
                 SlotAnswer::Ended(reason) => {
                     if t.opts.lease_id.is_some() {
                         return Err(Error::NotHolder { key: t.key.to_string(), reason });
                     }
-                    (t.lease_id, t.landed, t.how) = (LeaseId::generate(), false, How::Blind);
+                    t.new_lease_id();
                 }
                 SlotAnswer::Make(seen) => (t.seen, t.how) = (seen.or(t.seen), How::Make),
                 SlotAnswer::Above(f) => (t.seen, t.how) = (Some(f), How::Blind),
@@ -147,10 +166,12 @@ impl Coordinator {
     }
 
     /// One take, written as `t.how` says; its answer, when it was sent, the clock, the fence.
-    async fn take_once(&self, t: &mut Take<'_>, deadline: Instant) -> Result<(Write, Instant, u64, u64)> {
+    /// `None`: not sent, as the first take that may have landed may have expired ([`Lapse`]).
+    async fn take_once(&self, t: &mut Take<'_>, deadline: Instant) -> Result<Option<(Write, Instant, u64, u64)>> {
         let mut fence = 0;
         let max = self.max_duration_ms();
         let mut landed = t.landed;
+        let mut lapse = t.lapse.take();
         let res = self
             .write_noting(
                 t.key,
@@ -178,12 +199,15 @@ impl Coordinator {
                     })
                 },
                 &mut landed,
-                None,
+                lapse.as_mut(),
             )
             .await;
-        t.landed = landed;
-        let (w, sent, now) = res.map_err(|f| f.into_error(t.key))?;
-        Ok((w, sent, now, fence))
+        (t.landed, t.lapse) = (landed, lapse);
+        match res {
+            Ok((w, sent, now)) => Ok(Some((w, sent, now, fence))),
+            Err(f) if f.lapsed => Ok(None),
+            Err(f) => Err(f.into_error(t.key)),
+        }
     }
 
     /// The slot is ours. A grant that saw many ended entries tidies them (best effort).
