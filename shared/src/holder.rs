@@ -114,7 +114,10 @@ async fn renew_loop(
         // A semaphore's holder names its duration: its renewal then goes straight to its slot.
         let by = lease.slots.map(|_| Duration::from_millis(duration_ms));
         let renewal = coord.heartbeat_until(&lease.key, &lease.lease_id, by, safe_until);
+        // `biased`: polled in order, so that a run on a virtual clock replays exactly (tokio's
+        // random start draws from an unseeded generator); the renewal first.
         let outcome = tokio::select! {
+            biased;
             r = renewal => Some(r),
             _ = tokio::time::sleep_until(safe_until.into()) => None,
         };
@@ -216,6 +219,7 @@ impl HeldLease {
                 }
             };
             tokio::select! {
+                biased;
                 changed = rx.changed() => {
                     if changed.is_err() {
                         // The renewal task ended without a verdict (fail-closed lease): wait on safe time only.
@@ -230,7 +234,10 @@ impl HeldLease {
     /// Runs `work`, cancelling it (dropping the future) if the lease is lost or its safe time
     /// passes first: self-fencing for holders that cannot pass the fence to their resource.
     pub async fn run<F: Future>(&self, work: F) -> std::result::Result<F::Output, Lost> {
+        // The work first: finished at the instant the lease is lost, its output stands (its
+        // effects are done).
         tokio::select! {
+            biased;
             out = work => Ok(out),
             lost = self.lost() => Err(lost),
         }

@@ -4,9 +4,11 @@
 //! has) share one simulated store ([`SimStore`]: DynamoDB's conditional writes, a lagging index,
 //! late TTL deletion, and lost answers, delayed duplicates, refused connections, throttles and
 //! stalls), each with its own skewed and drifting clock ([`SimClock`]), all on one thread in a
-//! tokio runtime whose time is virtual. Clients take plain, waiting, fail-closed, keep-alive and
-//! batch leases, write to a guarded resource with their fences, pause past their leases and
-//! crash. Everything random comes from the seed, so a seed replays exactly.
+//! tokio runtime whose time is virtual. Clients take plain, waiting, fail-closed, keep-alive,
+//! queued and batch leases, semaphore slots and leases held with `HeldLease`, write to a guarded
+//! resource with their fences, pause past their leases and crash; processes are cut off from
+//! the store, and clocks step, jump and go wrong unseen. Everything random comes from the seed,
+//! so a seed replays exactly.
 //!
 //! A checker then reads the history (what each client was told, the store's applied writes)
 //! and reports every violation of the protocol's promises (see [`check`]).
@@ -62,6 +64,12 @@ pub struct Settings {
     /// Semaphores: a fifth of the sessions take a slot of a semaphore (2 or 3 slots; one seed
     /// in eight, a class of its own).
     pub semaphores: bool,
+    /// Held leases: a tenth of the sessions hold a lease with [`leasehold::HeldLease`] (the Rust
+    /// library's holder: renewed in the background, the work run under `run`, released or
+    /// dropped), and now and then a process is cut off from the store for 0.5-5 s (its holders'
+    /// renewals fail until their safe time ends). In the blind-clock class (no regression seed
+    /// there: the others' histories stay as they were).
+    pub held_leases: bool,
 }
 
 impl Settings {
@@ -75,6 +83,7 @@ impl Settings {
             clock_jumps: seed % 8 == 2,
             blind_clock: seed % 8 == 3,
             semaphores: seed % 8 == 6,
+            held_leases: seed % 8 == 3,
         }
     }
 }
@@ -169,6 +178,8 @@ struct World {
     blind_clock: bool,
     /// See [`Settings::semaphores`].
     semaphores: bool,
+    /// See [`Settings::held_leases`].
+    held_leases: bool,
     /// Acquire-function invocations running in each process (stopped by its crash).
     invocations: BTreeMap<String, Vec<tokio::task::AbortHandle>>,
 }
@@ -331,6 +342,7 @@ async fn simulate(s: Settings) -> Outcome {
         hot_key: s.hot_key,
         blind_clock: s.blind_clock,
         semaphores: s.semaphores,
+        held_leases: s.held_leases,
     }));
     // The work items enter their first state (no faults yet: setup).
     {
@@ -411,6 +423,15 @@ async fn simulate(s: Settings) -> Outcome {
         // an operator force-releases such keys far more often, and the next grants must not
         // copy its fence (the fence lead) nor let TTL delete it early (the TTL after the fence).
         let force = force || (s.blind_clock && draw(&world, |w| w.chance(0.05)));
+        // With held leases, a process is cut off from the store now and then (a network
+        // partition of 0.5-5 s): its holders' renewals fail until their safe time ends.
+        if s.held_leases && draw(&world, |w| w.chance(0.02)) {
+            let (i, ms) = draw(&world, |w| (w.below(s.coordinators as u64) as usize, w.between(500, 5000)));
+            if let Some((node, _)) = &nodes[i] {
+                lock(&world).fault("partition");
+                node.store.partition(Duration::from_millis(ms));
+            }
+        }
         if force {
             let i = draw(&world, |w| w.below(s.coordinators as u64)) as usize;
             if let Some((node, _)) = &nodes[i] {
@@ -900,6 +921,10 @@ async fn client(node: Arc<Node>, world: Shared, n: usize) {
             semaphore(&node, &world, &name).await;
             continue;
         }
+        if lock(&world).held_leases && kind < 10 {
+            held(&node, &world, &name).await;
+            continue;
+        }
         match kind {
             0..=39 => plain(&node, &world, &name).await,
             40..=49 => fail_closed(&node, &world, &name).await,
@@ -1018,6 +1043,71 @@ async fn plain(node: &Node, world: &Shared, name: &str) {
         }
     };
     hold(node, world, name, lease, None).await;
+}
+
+/// A lease held with [`leasehold::HeldLease`]: renewed in the background (every renewal the
+/// holder is given is told), the work run under `run` (cancelled at a loss or at the safe time)
+/// and writing to the guarded resource when done, then released, or dropped (released in the
+/// background).
+async fn held(node: &Node, world: &Shared, name: &str) {
+    let (k, dur, work, drop_it) =
+        draw(world, |w| (key(w.below(KEYS as u64)), w.between(600, 3000), w.between(100, 6000), w.chance(0.3)));
+    if !op(world) {
+        return;
+    }
+    let h = match node.coord.hold(&k, name, Duration::from_millis(dur), AcquireOptions::default()).await {
+        Ok(h) => h,
+        Err(e) => {
+            if let Some((_, id)) = e.unknown_leases().into_iter().next() {
+                if op(world) {
+                    let _ = node.coord.release(&k, &LeaseId::from_string(id)).await;
+                }
+            }
+            return;
+        }
+    };
+    let Some(first) = h.lease() else { return };
+    told(world, name, &first);
+    let mut rx = h.watch();
+    let watcher = {
+        let (w, n) = (world.clone(), name.to_string());
+        tokio::spawn(async move {
+            while rx.changed().await.is_ok() {
+                let state = rx.borrow_and_update().clone();
+                match state {
+                    leasehold::HoldState::Held(l) => told(&w, &n, &l),
+                    leasehold::HoldState::Lost(_) => return,
+                }
+            }
+        })
+    };
+    let done = h
+        .run(async {
+            tokio::time::sleep(Duration::from_millis(work)).await;
+            // `run` cancels the work at a loss or at the safe time: it never gets this far later.
+            if h.last_safe_until().is_some_and(|s| now() > s) {
+                lock(world).violations.push(Violation::new(
+                    "worked_past_safe_time",
+                    &k,
+                    format!("{name}'s work under HeldLease::run went on past the lease's safe time"),
+                ));
+            }
+            if let Some(l) = h.lease() {
+                write_resource(world, &k, &l, true);
+            }
+        })
+        .await;
+    if done.is_err() {
+        lock(world).fault("held_lease_lost");
+    }
+    ended(world, name, &k, &first.lease_id);
+    op(world);
+    if drop_it {
+        drop(h);
+    } else {
+        let _ = h.release().await;
+    }
+    watcher.abort();
 }
 
 /// The semaphores of the semaphore runs (`Settings::semaphores`): key and N.

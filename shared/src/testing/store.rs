@@ -138,6 +138,8 @@ struct State {
     rng: u64,
     counts: FaultCounts,
     stopped: Vec<u32>,
+    /// Handles cut off from the store until then (a network partition).
+    partitioned: BTreeMap<u32, Instant>,
     next_id: u32,
     log: Vec<Applied>,
     next_ttl_check: i64,
@@ -175,6 +177,7 @@ impl SimStore {
             rng: seed ^ 0x5eed_5eed_5eed_5eed,
             counts: FaultCounts::default(),
             stopped: Vec::new(),
+            partitioned: BTreeMap::new(),
             next_id: 1,
             log: Vec::new(),
             next_ttl_check: 0,
@@ -207,6 +210,14 @@ impl SimStore {
     /// Requests already sent still land.
     pub fn stop(&self) {
         self.state().stopped.push(self.id);
+    }
+
+    /// The process of this handle is cut off from the store for `duration` (a network
+    /// partition): its requests are refused, not sent, until then. Requests already sent still
+    /// land.
+    pub fn partition(&self, duration: Duration) {
+        let until = tokio_now() + duration;
+        self.state().partitioned.insert(self.id, until);
     }
 
     /// Has the process of this handle stopped ([`SimStore::stop`])?
@@ -258,6 +269,9 @@ impl SimStore {
             s.counts.stopped += 1;
             drop(s);
             return Err(Error::not_sent("simulated store: this process has stopped"));
+        }
+        if s.partitioned.get(&self.id).is_some_and(|u| tokio_now() < *u) {
+            return Err(Error::not_sent("simulated store: this process is cut off from the store"));
         }
         let f = s.faults.clone();
         let mut out = s.between(f.latency_ms);
