@@ -126,3 +126,28 @@ fn regression_seeds_of_the_fixed_findings_keep_every_promise() {
         assert!(!text.contains(finding), "{args:?} found {finding}:\n{text}");
     }
 }
+
+/// Every patch of `scripts/sim-reverts/` (a fix reverted, or a mutation of the holder, that
+/// `scripts/sim-reverts.sh` shows the simulation finds) still applies to this tree: the
+/// seeds-to-find in BENCHMARKS.md stay reproducible by one command.
+#[test]
+fn every_revert_patch_still_applies() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let dir = root.join("scripts/sim-reverts");
+    let mut patches: Vec<_> = std::fs::read_dir(&dir)
+        .expect("scripts/sim-reverts")
+        .map(|e| e.expect("an entry").path())
+        .filter(|p| p.extension().is_some_and(|x| x == "patch"))
+        .collect();
+    patches.sort();
+    assert!(patches.len() >= 10, "the revert patches are there: {patches:?}");
+    for p in patches {
+        let out = std::process::Command::new("git")
+            .current_dir(&root)
+            .args(["apply", "--check"])
+            .arg(&p)
+            .output()
+            .expect("git runs");
+        assert!(out.status.success(), "{} no longer applies: {}", p.display(), String::from_utf8_lossy(&out.stderr));
+    }
+}
