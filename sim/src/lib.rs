@@ -1019,6 +1019,16 @@ fn answered_by_own_lease(
     }
 }
 
+/// An acquire that failed ambiguously: the lease that may have landed is released with the id
+/// the error names (one call more).
+async fn release_unknown(node: &Node, world: &Shared, k: &str, e: &Error) {
+    if let Some((_, id)) = e.unknown_leases().into_iter().next() {
+        if op(world) {
+            let _ = node.coord.release(k, &LeaseId::from_string(id)).await;
+        }
+    }
+}
+
 /// A plain lease, maybe waited for: work, heartbeats, a pause now and then, release.
 async fn plain(node: &Node, world: &Shared, name: &str) {
     let (k, wait, dur) = draw(world, |w| {
@@ -1033,12 +1043,7 @@ async fn plain(node: &Node, world: &Shared, name: &str) {
     let lease = match acquire(node, world, &k, name, Some(Duration::from_millis(dur)), opts).await {
         Ok(l) => l,
         Err(e) => {
-            // A lease that may have landed is released with the id the error names.
-            if let Some((_, id)) = e.unknown_leases().into_iter().next() {
-                if op(world) {
-                    let _ = node.coord.release(&k, &LeaseId::from_string(id)).await;
-                }
-            }
+            release_unknown(node, world, &k, &e).await;
             return;
         }
     };
@@ -1058,11 +1063,7 @@ async fn held(node: &Node, world: &Shared, name: &str) {
     let h = match node.coord.hold(&k, name, Duration::from_millis(dur), AcquireOptions::default()).await {
         Ok(h) => h,
         Err(e) => {
-            if let Some((_, id)) = e.unknown_leases().into_iter().next() {
-                if op(world) {
-                    let _ = node.coord.release(&k, &LeaseId::from_string(id)).await;
-                }
-            }
+            release_unknown(node, world, &k, &e).await;
             return;
         }
     };
@@ -1130,11 +1131,7 @@ async fn semaphore(node: &Node, world: &Shared, name: &str) {
     let mut lease = match acquire(node, world, k, name, Some(Duration::from_millis(dur)), opts).await {
         Ok(l) => l,
         Err(e) => {
-            if let Some((_, id)) = e.unknown_leases().into_iter().next() {
-                if op(world) {
-                    let _ = node.coord.release(k, &LeaseId::from_string(id)).await;
-                }
-            }
+            release_unknown(node, world, k, &e).await;
             return;
         }
     };
