@@ -96,7 +96,7 @@ pub enum Condition {
     /// by a later try (a retried invocation writes the waiter item of its slot again with its
     /// own task token; a write of an earlier try, held in the network, must not put the dead
     /// token back). DynamoDB: `(attribute_not_exists(fence) OR fence = :zero) AND
-    /// (attribute_not_exists(renewed_at_ms) OR renewed_at_ms < :now)`
+    /// (attribute_not_exists(renewed_at_ms) OR renewed_at_ms <= :now)`
     WaiterNewer { now_ms: u64 },
     /// The release of `lease_id` may hand the key straight to an in-process waiter of
     /// `coordinator`: the item is still that lease as read (`fence`), unreleased, past its
@@ -246,7 +246,7 @@ impl Condition {
     /// The waiter queue's conditions (DESIGN.md, "The waiter queue") on an existing item.
     fn holds_on_queue(&self, r: &Record) -> bool {
         match self {
-            Condition::WaiterNewer { now_ms } => r.fence == 0 && r.renewed_at_ms.is_none_or(|t| t < *now_ms),
+            Condition::WaiterNewer { now_ms } => r.fence == 0 && r.renewed_at_ms.is_none_or(|t| t <= *now_ms),
             Condition::Queueable { now_ms, lease_id, start } => {
                 (r.is_held(*now_ms) || r.queue_len() > 0)
                     && (r.queue_tail_lease_id.as_ref() != Some(lease_id) || r.queue_len() == 0)

@@ -198,7 +198,7 @@ fn queue_guard(c: &Condition) -> Guard {
         // A waiter item (or nothing), not written since by a later try of its queued acquire
         // (a retried invocation's token is never overwritten by an earlier try's).
         Condition::WaiterNewer { now_ms } => guard(
-            "(attribute_not_exists(fence) OR fence = :zero) AND (attribute_not_exists(renewed_at_ms) OR renewed_at_ms < :now)",
+            "(attribute_not_exists(fence) OR fence = :zero) AND (attribute_not_exists(renewed_at_ms) OR renewed_at_ms <= :now)",
             [("zero", num(0)), ("now", num(*now_ms))],
         ),
         // Held, or with waiters ahead; and this lease_id's slot not already taken (a retried
