@@ -2,7 +2,9 @@
 //! different library starts each round), after unmeasured warm-up cycles.
 
 use std::collections::BTreeMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+use leasehold_tests::proxy::ProxyFault;
 
 use serde_json::{json, Value};
 
@@ -62,6 +64,15 @@ async fn report(s: &Setup, p: &Params, rss: &mut Rss) {
     let Params { m1n, rounds, warmup, .. } = *p;
     // Interleaved rounds: every library runs a slice of the cycles in turn.
     let mut acc: BTreeMap<&str, M1Acc> = BTreeMap::new();
+    // `LEASEHOLD_BENCH_RTT_MS=N`: the proxy holds every request N ms before forwarding it, for
+    // every library alike (an in-region round trip instead of DynamoDB Local's sub-millisecond
+    // answers): every request then parks the client's threads until its answer, in either
+    // library, as it does against DynamoDB, so the client CPU no longer depends on how fast
+    // the local server evaluates each library's requests.
+    let rtt = std::env::var("LEASEHOLD_BENCH_RTT_MS").ok().and_then(|v| v.parse::<u64>().ok()).filter(|&ms| ms > 0);
+    if let Some(ms) = rtt {
+        s.proxy.random_faults(1000, &[ProxyFault::Delay(Duration::from_millis(ms))], 1);
+    }
     // Warm-up, not measured: DynamoDB Local's JIT compiles each request shape on first use,
     // which would otherwise be charged to whichever library runs first.
     for lib in &libs {
@@ -86,10 +97,14 @@ async fn report(s: &Setup, p: &Params, rss: &mut Rss) {
             note_rss(rss, lib, &v);
         }
     }
+    s.proxy.clear_faults();
     let floor = acc["raw"].rate();
     println!(
         "\nM1 uncontended: 1 worker, acquire+release of distinct keys, {m1n} cycles each, {rounds} interleaved rounds"
     );
+    if let Some(ms) = rtt {
+        println!("(every request held {ms} ms by the proxy: LEASEHOLD_BENCH_RTT_MS)");
+    }
     println!("(p50/p99: medians over the rounds; client CPU: the harness process's CPU time per cycle)");
     println!(
         "{:<16} {:>10} {:>9} {:>9} {:>13} {:>12} {:>9}",

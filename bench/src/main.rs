@@ -19,7 +19,9 @@
 //! drain a work state against a hand-written Query + UpdateItem floor). `sem` (16 workers on a
 //! semaphore of 4 slots against the counter-and-map floor of AWS's concurrency-control sample)
 //! runs only when named too. With `LEASEHOLD_BENCH_PERF=DIR`, every child runs under `perf
-//! record -F 2999`, its profile in DIR (one file per library, scenario and round).
+//! record -F 2999`, its profile in DIR (one file per library, scenario and round). With
+//! `LEASEHOLD_BENCH_RTT_MS=N`, M1 runs (warm-up included) with every request held N ms by the
+//! proxy (a round trip like DynamoDB's, the same for every library).
 
 //!
 //! One module per scenario, each with a `run` for both sides of a [`Step`]; the

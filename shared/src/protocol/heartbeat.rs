@@ -25,7 +25,8 @@ impl Coordinator {
         if let Some(d) = duration {
             self.config.limits.duration("duration_ms", d)?;
         }
-        self.check_clock(key).await?;
+        // The clock is checked by each write itself, right before it is sent (`write`): the
+        // slot's renewal and the lease's alike.
         let duration_ms = duration.map(|d| d.as_millis() as u64);
         // A key seen as a semaphore: the holder's slot first (one request), the plain lease
         // only if the item is no semaphore (DESIGN.md, "Semaphores": Cost).

@@ -11,16 +11,19 @@
 //!   against DESIGN.md word for word);
 //! - `item`: records as items and back (the item schema);
 //! - `scan`: the Scan and the index Queries behind [`Store::scan`] and [`Store::count`];
-//! - `date`: the interceptor that samples the `Date` of DynamoDB's answers for the clock check;
+//! - `date`: the HTTP client wrapper that samples the `Date` of DynamoDB's answers for the clock
+//!   check;
 //! - `https`: the HTTPS client, its trust store loaded on first use.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use aws_sdk_dynamodb::config::StalledStreamProtectionConfig;
 use aws_sdk_dynamodb::error::{ProvideErrorMetadata, SdkError};
 use aws_sdk_dynamodb::types::{ReturnValue, ReturnValuesOnConditionCheckFailure};
 use aws_sdk_dynamodb::Client;
+use aws_smithy_runtime_api::client::http::SharedHttpClient;
 
 use super::table::{self, TableSpec, LEASE_TABLE};
 use super::{Condition, Mutation, Page, ScanKind, Store, Write};
@@ -168,6 +171,10 @@ const LOCAL_TABLE: TableSpec = TableSpec { stream: "", ..LEASE_TABLE };
 /// global secondary index).
 const LOCAL_TABLE_WITHOUT_INDEXES: TableSpec = TableSpec { indexes: &[], ..LOCAL_TABLE };
 
+/// The SDK's stalled-stream protection's grace period: a request bounded by a shorter timeout
+/// needs no such protection.
+const STALL_GRACE: Duration = Duration::from_secs(5);
+
 /// How long [`DynamoStore::create_table`] waits for the table to become active.
 const CREATE_WAIT: Duration = Duration::from_secs(60);
 
@@ -178,7 +185,7 @@ const CREATE_WAIT: Duration = Duration::from_secs(60);
 /// read when the first connection is made, once for every client built from this config.
 pub async fn load_sdk_config(attempt_timeout: Duration) -> aws_config::SdkConfig {
     aws_config::defaults(aws_config::BehaviorVersion::latest())
-        .http_client(aws_smithy_runtime_api::client::http::SharedHttpClient::new(https::DeferredTrust::new()))
+        .http_client(SharedHttpClient::new(https::DeferredTrust::new()))
         .retry_config(aws_config::retry::RetryConfig::disabled())
         .timeout_config(
             aws_config::timeout::TimeoutConfig::builder()
@@ -192,12 +199,24 @@ pub async fn load_sdk_config(attempt_timeout: Duration) -> aws_config::SdkConfig
 }
 
 impl DynamoStore {
-    /// A store on `table` through `client` (to which it adds the `Date` sampler of the clock
-    /// check).
+    /// A store on `table` through `client`, whose HTTP client it wraps in the `Date` sampler
+    /// of the clock check (a client without an HTTP client of its own gets leasehold's: rustls
+    /// on ring, the platform's trust store read on first use).
     pub fn new(client: Client, table: impl Into<String>) -> Self {
         let clock = Arc::new(ClockSamples::default());
-        let conf = client.config().to_builder().interceptor(date::DateSampler(clock.clone())).build();
-        DynamoStore { client: Client::from_conf(conf), table: table.into(), clock }
+        let http = client.config().http_client().unwrap_or_else(|| SharedHttpClient::new(https::DeferredTrust::new()));
+        let mut conf = client.config().to_builder().http_client(date::DateSampling::new(http, clock.clone()));
+        // Stalled-stream protection off when a timeout bounds every request (as
+        // `load_sdk_config`'s does), its answer's body included, inside the protection's 5 s
+        // grace period: the protection then guards nothing, and costs a body wrapper and an
+        // interceptor on every request.
+        let bounded = client.config().timeout_config().is_some_and(|t| {
+            [t.operation_attempt_timeout(), t.operation_timeout()].into_iter().flatten().any(|d| d <= STALL_GRACE)
+        });
+        if bounded {
+            conf = conf.stalled_stream_protection(StalledStreamProtectionConfig::disabled());
+        }
+        DynamoStore { client: Client::from_conf(conf.build()), table: table.into(), clock }
     }
 
     /// A store on `table` configured from the standard AWS environment.
@@ -432,5 +451,38 @@ impl Store for DynamoStore {
 
     async fn count(&self, kind: &ScanKind) -> Result<u64> {
         self.count_items(kind).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn client(timeout: Option<Duration>) -> Client {
+        let mut conf = aws_sdk_dynamodb::Config::builder().behavior_version(aws_config::BehaviorVersion::latest());
+        if let Some(t) = timeout {
+            conf =
+                conf.timeout_config(aws_config::timeout::TimeoutConfig::builder().operation_attempt_timeout(t).build());
+        }
+        Client::from_conf(conf.build())
+    }
+
+    fn stall_protected(s: &DynamoStore) -> bool {
+        s.client().config().stalled_stream_protection().is_none_or(|c| c.is_enabled())
+    }
+
+    /// The store's client always has an HTTP client (the `Date` sampler wraps it), and goes
+    /// without stalled-stream protection only when a timeout inside its grace period bounds
+    /// every request.
+    #[test]
+    fn the_store_client_samples_dates_and_drops_stall_protection_only_when_bounded() {
+        let bounded = DynamoStore::new(client(Some(Duration::from_secs(3))), "t");
+        assert!(bounded.client().config().http_client().is_some());
+        assert!(!stall_protected(&bounded));
+        let unbounded = DynamoStore::new(client(None), "t");
+        assert!(unbounded.client().config().http_client().is_some());
+        assert!(stall_protected(&unbounded));
+        let long = DynamoStore::new(client(Some(Duration::from_secs(30))), "t");
+        assert!(stall_protected(&long));
     }
 }
