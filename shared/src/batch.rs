@@ -93,7 +93,7 @@ impl Coordinator {
         limits.key(key)?;
         limits.holder(holder)?;
         check_state(state)?;
-        self.check_clock(key).await?;
+        // The clock is checked by the write itself, right before it is sent (`write`).
         let deadline = self.monotonic() + self.config().retry_budget;
         let shard = self.state_shard(key, state);
         let (w, _, now) = self

@@ -108,11 +108,11 @@ impl Coordinator {
         })
     }
 
-    /// The loop of a semaphore acquire: the clock check, one take, what its answer means.
+    /// The loop of a semaphore acquire: one take (the clock checked by its write, right before
+    /// it is sent), and what its answer means.
     async fn takes(&self, t: &mut Take<'_>, wait_deadline: Instant, deadline: Instant) -> Result<Lease> {
         loop {
             self.await_slot_turn(t, wait_deadline).await;
-            self.check_clock(t.key).await?;
             let Some((w, sent, now, fence)) = self.take_once(t, deadline).await? else {
                 // Not sent: the first take that may have landed may have expired ([`Lapse`]).
                 t.new_lease_id();
