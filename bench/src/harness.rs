@@ -20,9 +20,13 @@ pub const LEASE: Duration = Duration::from_secs(10);
 /// here, not in production.
 pub fn libraries() -> Vec<&'static str> {
     let mut v = vec!["leasehold", "leasehold+index", "raw"];
-    // `LEASEHOLD_BENCH_SHAPED`: also the bare SDK client sending leasehold's own requests.
-    if std::env::var_os("LEASEHOLD_BENCH_SHAPED").is_some() {
+    // `LEASEHOLD_BENCH_SHAPED`: also the bare SDK client sending leasehold's own requests;
+    // `=parts`, also the variants that each leave one part of that shape out (for M1: M4 leaves them out).
+    if let Some(shaped) = std::env::var_os("LEASEHOLD_BENCH_SHAPED") {
         v.push("raw-shaped");
+        if shaped == "parts" {
+            v.extend(["shaped-bare-condition", "shaped-delete", "shaped-two-attributes"]);
+        }
     }
     if cfg!(feature = "compare") {
         v.push("dynamodb-lease");
@@ -41,14 +45,27 @@ pub fn peak_rss_kb() -> u64 {
 /// CPU time this process has used so far, in ms (every thread's run time from
 /// /proc/self/task/*/schedstat, in ns).
 pub fn cpu_ms() -> f64 {
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return f64::NAN };
-    let mut ns = 0u64;
+    sched_totals().map_or(f64::NAN, |(ns, _)| ns as f64 / 1e6)
+}
+
+/// How many times this process's threads have been put on a CPU so far (the third field of
+/// /proc/self/task/*/schedstat): each is a thread woken (or preempted and resumed).
+pub fn cpu_runs() -> u64 {
+    sched_totals().map_or(0, |(_, runs)| runs)
+}
+
+/// Every thread's run time (ns) and run count, summed, from /proc/self/task/*/schedstat.
+fn sched_totals() -> Option<(u64, u64)> {
+    let tasks = std::fs::read_dir("/proc/self/task").ok()?;
+    let (mut ns, mut runs) = (0u64, 0u64);
     for t in tasks.flatten() {
         if let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) {
-            ns += s.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            let mut f = s.split_whitespace().map(|v| v.parse::<u64>().unwrap_or(0));
+            ns += f.next().unwrap_or(0);
+            runs += f.nth(1).unwrap_or(0);
         }
     }
-    ns as f64 / 1e6
+    Some((ns, runs))
 }
 
 pub fn pct(sorted: &[f64], p: f64) -> f64 {

@@ -62,7 +62,14 @@ impl Lib {
                 Lib::Leasehold(Coordinator::new(Arc::new(DynamoStore::new(client, table)), config()))
             }
             "raw" => Lib::Raw(client, table.to_string()),
-            "raw-shaped" => Lib::RawShaped(client, table.to_string(), Box::new(Shaped::new())),
+            "raw-shaped" => Lib::RawShaped(client, table.to_string(), Box::new(Shaped::new(Part::Whole))),
+            "shaped-bare-condition" => {
+                Lib::RawShaped(client, table.to_string(), Box::new(Shaped::new(Part::BareCondition)))
+            }
+            "shaped-delete" => Lib::RawShaped(client, table.to_string(), Box::new(Shaped::new(Part::Delete))),
+            "shaped-two-attributes" => {
+                Lib::RawShaped(client, table.to_string(), Box::new(Shaped::new(Part::TwoAttributes)))
+            }
             #[cfg(feature = "compare")]
             "dynamodb-lease" | "dynamodb-lease/drop" => Lib::DynamodbLease(
                 dynamodb_lease::Client::builder()
@@ -193,15 +200,35 @@ impl Lib {
     }
 }
 
+/// What a [`Shaped`] library sends: leasehold's two requests whole (`raw-shaped`), or one of
+/// three variants that each leave one part out (`LEASEHOLD_BENCH_SHAPED=parts`), to tell what
+/// each part costs the server. No variant is a safe protocol.
+#[derive(Clone, Copy, PartialEq)]
+pub enum Part {
+    /// Both requests as leasehold sends them.
+    Whole,
+    /// The acquire's PutItem of the whole lease under the bare pair's `attribute_not_exists`
+    /// instead of the free-key condition (no `ALL_OLD` either); the release whole.
+    BareCondition,
+    /// The acquire whole; the release a conditional DeleteItem, as the bare pair's (it drops
+    /// the fence).
+    Delete,
+    /// The acquire's free-key condition on an item of two attributes (`key`, `lease_id`); the
+    /// release a DeleteItem (the UpdateItem needs the lease's attributes). Against `Delete`:
+    /// what the other eight attributes cost.
+    TwoAttributes,
+}
+
 /// The texts of leasehold's acquire and release, rendered once (see [`Lib::RawShaped`]).
 pub struct Shaped {
+    part: Part,
     acquire_condition: String,
     release_condition: String,
     release_update: String,
 }
 
 impl Shaped {
-    fn new() -> Shaped {
+    fn new(part: Part) -> Shaped {
         use leasehold::store::dynamo::expressions;
         use leasehold::store::{Condition, Mutation, NewLease};
         let id = leasehold::LeaseId::from_string("x");
@@ -210,40 +237,47 @@ impl Shaped {
             expressions(&Condition::Free { now_ms: 1, fence: 1, lease_id: id.clone() }, &Mutation::Acquire(lease));
         let (release_condition, release_update) =
             expressions(&Condition::Unreleased { lease_id: id }, &Mutation::Release { now_ms: 1, ttl: 1 });
-        Shaped { acquire_condition, release_condition, release_update }
+        Shaped { part, acquire_condition, release_condition, release_update }
     }
 
     fn num(v: u64) -> AttributeValue {
         AttributeValue::N(v.to_string())
     }
 
-    /// leasehold's PutItem of a 10 s lease: the same ten attributes and condition values.
+    /// leasehold's PutItem of a 10 s lease: the same ten attributes and condition values (less,
+    /// as `part` says).
     async fn acquire(&self, c: &aws_sdk_dynamodb::Client, t: &str, key: &str, holder: &str) -> Option<Held> {
         use aws_sdk_dynamodb::types::ReturnValuesOnConditionCheckFailure;
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
         let (now_ms, fence) = (now.as_millis() as u64, now.as_micros() as u64);
         let id = leasehold::LeaseId::generate().expose().to_string();
         let d = LEASE.as_millis() as u64;
-        let r = c
+        let mut put = c
             .put_item()
             .table_name(t)
             .item("key", AttributeValue::S(key.into()))
-            .item("fence", Self::num(fence))
-            .item("holder", AttributeValue::S(holder.into()))
-            .item("lease_id", AttributeValue::S(id.clone()))
-            .item("acquired_at_ms", Self::num(now_ms))
-            .item("min_hold_until_ms", Self::num(now_ms))
-            .item("renewed_at_ms", Self::num(now_ms))
-            .item("expires_at_ms", Self::num(now_ms + d))
-            .item("duration_ms", Self::num(d))
-            .item("ttl", Self::num((now_ms + d + 60_000).div_ceil(1000) + 86_400))
-            .condition_expression(&self.acquire_condition)
-            .expression_attribute_values(":now", Self::num(now_ms))
-            .expression_attribute_values(":fence", Self::num(fence))
-            .expression_attribute_values(":lease_id", AttributeValue::S(id.clone()))
-            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
-            .send()
-            .await;
+            .item("lease_id", AttributeValue::S(id.clone()));
+        if self.part != Part::TwoAttributes {
+            put = put
+                .item("fence", Self::num(fence))
+                .item("holder", AttributeValue::S(holder.into()))
+                .item("acquired_at_ms", Self::num(now_ms))
+                .item("min_hold_until_ms", Self::num(now_ms))
+                .item("renewed_at_ms", Self::num(now_ms))
+                .item("expires_at_ms", Self::num(now_ms + d))
+                .item("duration_ms", Self::num(d))
+                .item("ttl", Self::num((now_ms + d + 60_000).div_ceil(1000) + 86_400));
+        }
+        put = if self.part == Part::BareCondition {
+            put.condition_expression("attribute_not_exists(#k)").expression_attribute_names("#k", "key")
+        } else {
+            put.condition_expression(&self.acquire_condition)
+                .expression_attribute_values(":now", Self::num(now_ms))
+                .expression_attribute_values(":fence", Self::num(fence))
+                .expression_attribute_values(":lease_id", AttributeValue::S(id.clone()))
+                .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+        };
+        let r = put.send().await;
         match r {
             Ok(_) => Some(Held::Shaped(key.into(), id)),
             Err(e) if e.as_service_error().is_some_and(|s| s.is_conditional_check_failed_exception()) => None,
@@ -251,9 +285,21 @@ impl Shaped {
         }
     }
 
-    /// leasehold's release: the UpdateItem answering the whole item (`ALL_NEW`).
+    /// leasehold's release: the UpdateItem answering the whole item (`ALL_NEW`); with
+    /// `Part::Delete` or `Part::TwoAttributes` a DeleteItem.
     async fn release(&self, c: &aws_sdk_dynamodb::Client, t: &str, key: String, id: String) {
         use aws_sdk_dynamodb::types::{ReturnValue, ReturnValuesOnConditionCheckFailure};
+        if matches!(self.part, Part::Delete | Part::TwoAttributes) {
+            c.delete_item()
+                .table_name(t)
+                .key("key", AttributeValue::S(key))
+                .condition_expression("lease_id = :lease_id")
+                .expression_attribute_values(":lease_id", AttributeValue::S(id))
+                .send()
+                .await
+                .expect("delete");
+            return;
+        }
         let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
         let out = c
             .update_item()

@@ -9,7 +9,7 @@ use leasehold_tests::proxy::ProxyFault;
 use serde_json::{json, Value};
 
 use crate::harness::{
-    cpu_ms, libraries, note_rss, pct, peak_rss_kb, run_child, scenario_run, ChildArgs, Params, Rss, Setup,
+    cpu_ms, cpu_runs, libraries, note_rss, pct, peak_rss_kb, run_child, scenario_run, ChildArgs, Params, Rss, Setup,
 };
 use crate::libs::Lib;
 
@@ -22,6 +22,7 @@ struct M1Acc {
     p99: Vec<f64>,
     requests: u64,
     cpu_ms: f64,
+    runs: u64,
 }
 
 impl M1Acc {
@@ -38,7 +39,7 @@ async fn child(a: &ChildArgs) -> Value {
     let l = Lib::new(lib, endpoint, table).await;
     let mut lat = Vec::with_capacity(n);
     let (mut acq, mut rel) = (Vec::with_capacity(n), Vec::with_capacity(n));
-    let cpu0 = cpu_ms();
+    let (cpu0, runs0) = (cpu_ms(), cpu_runs());
     let t = Instant::now();
     for i in 0..n {
         let s = Instant::now();
@@ -51,12 +52,12 @@ async fn child(a: &ChildArgs) -> Value {
         rel.push(total - a);
     }
     let el = t.elapsed().as_secs_f64();
-    let cpu = cpu_ms() - cpu0;
+    let (cpu, runs) = (cpu_ms() - cpu0, cpu_runs() - runs0);
     for v in [&mut lat, &mut acq, &mut rel] {
         v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     }
     json!({"cycles": n, "secs": el, "p50": pct(&lat, 0.5), "p99": pct(&lat, 0.99),
-               "acquire_p50": pct(&acq, 0.5), "release_p50": pct(&rel, 0.5), "cpu_ms": cpu, "rss_kb": peak_rss_kb()})
+               "acquire_p50": pct(&acq, 0.5), "release_p50": pct(&rel, 0.5), "cpu_ms": cpu, "runs": runs, "rss_kb": peak_rss_kb()})
 }
 
 async fn report(s: &Setup, p: &Params, rss: &mut Rss) {
@@ -94,6 +95,7 @@ async fn report(s: &Setup, p: &Params, rss: &mut Rss) {
             e.p99.push(v["p99"].as_f64().unwrap());
             e.requests += reqs;
             e.cpu_ms += v["cpu_ms"].as_f64().unwrap_or(f64::NAN);
+            e.runs += v["runs"].as_u64().unwrap_or(0);
             note_rss(rss, lib, &v);
         }
     }
@@ -105,10 +107,13 @@ async fn report(s: &Setup, p: &Params, rss: &mut Rss) {
     if let Some(ms) = rtt {
         println!("(every request held {ms} ms by the proxy: LEASEHOLD_BENCH_RTT_MS)");
     }
-    println!("(p50/p99: medians over the rounds; client CPU: the harness process's CPU time per cycle)");
     println!(
-        "{:<16} {:>10} {:>9} {:>9} {:>13} {:>12} {:>9}",
-        "library", "cycles/s", "p50 ms", "p99 ms", "requests/cyc", "client CPU", "vs raw"
+        "(p50/p99: medians over the rounds; client CPU: the harness process's CPU time per cycle; \
+         runs/cyc: times its threads were put on a CPU per cycle, i.e. woken)"
+    );
+    println!(
+        "{:<22} {:>10} {:>9} {:>9} {:>13} {:>12} {:>9} {:>9}",
+        "library", "cycles/s", "p50 ms", "p99 ms", "requests/cyc", "client CPU", "runs/cyc", "vs raw"
     );
     for lib in &libs {
         let a = &acc[lib];
@@ -118,15 +123,29 @@ async fn report(s: &Setup, p: &Params, rss: &mut Rss) {
             pct(&v, 0.5)
         };
         println!(
-            "{:<16} {:>10.0} {:>9.2} {:>9.2} {:>13.2} {:>10.0}µs {:>8.2}x",
+            "{:<22} {:>10.0} {:>9.2} {:>9.2} {:>13.2} {:>10.0}µs {:>9.2} {:>8.2}x",
             lib,
             a.rate(),
             med(&a.p50),
             med(&a.p99),
             a.requests as f64 / a.cycles as f64,
             a.cpu_ms * 1000.0 / a.cycles as f64,
+            a.runs as f64 / a.cycles as f64,
             a.rate() / floor
         );
+    }
+    // The issue's target is leasehold's client CPU per cycle and its cycles/s against the bare
+    // pair's; against raw-shaped, what leasehold's own code costs beyond its requests.
+    let cpu = |a: &M1Acc| a.cpu_ms / a.cycles as f64;
+    for floor in ["raw", "raw-shaped"] {
+        if let Some(f) = acc.get(floor) {
+            let l = &acc["leasehold"];
+            println!(
+                "leasehold / {floor}: client CPU per cycle {:.3}x, cycles/s {:.3}x",
+                cpu(l) / cpu(f),
+                l.rate() / f.rate()
+            );
+        }
     }
     if let Some(dl) = acc.get("dynamodb-lease") {
         println!("leasehold / dynamodb-lease: {:.2}x", acc["leasehold"].rate() / dl.rate());

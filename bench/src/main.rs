@@ -9,12 +9,14 @@
 //! the keep-alive index; M1 and M2 only), `raw` (a bare aws-sdk conditional PutItem +
 //! DeleteItem loop: the floor), with `LEASEHOLD_BENCH_SHAPED` set `raw-shaped` (the bare SDK
 //! client sending leasehold's own acquire and release requests: what the requests' shape costs
-//! apart from leasehold's code), and with `--features compare` the `dynamodb-lease` crate (in
-//! M3 twice: releasing with `Lease::release().await`, and by dropping the lease). Every library
-//! first runs unmeasured M1 cycles (`--warmup`, default 3,000 each): DynamoDB Local's JIT
-//! compiler otherwise takes a core for tens of thousands of requests. A different library
-//! starts each M1 round. This is a benchmark, not a test: it asserts nothing and prints
-//! figures. Two scenarios run only when named: `serve-m3` (M3's shape over HTTP through
+//! apart from leasehold's code; with `LEASEHOLD_BENCH_SHAPED=parts` also three variants of it
+//! that each leave one part out, `shaped-bare-condition`, `shaped-delete` and
+//! `shaped-two-attributes`: what each part costs DynamoDB Local), and with `--features compare`
+//! the `dynamodb-lease` crate (in M3 twice: releasing with `Lease::release().await`, and by
+//! dropping the lease). Every library first runs unmeasured M1 cycles (`--warmup`, default
+//! 3,000 each): DynamoDB Local's JIT compiler otherwise takes a core for tens of thousands of
+//! requests. A different library starts each M1 round. This is a benchmark, not a test: it
+//! asserts nothing and prints figures. Two scenarios run only when named: `serve-m3` (M3's shape over HTTP through
 //! `leasehold serve` on the embedded store, with in-process wake-ups) and `batch` (8 workers
 //! drain a work state against a hand-written Query + UpdateItem floor). `sem` (16 workers on a
 //! semaphore of 4 slots against the counter-and-map floor of AWS's concurrency-control sample)

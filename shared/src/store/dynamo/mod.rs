@@ -437,12 +437,15 @@ impl Store for DynamoStore {
     }
 
     async fn update(&self, key: &str, condition: &Condition, mutation: &Mutation) -> Result<Write> {
-        match mutation {
-            Mutation::Acquire(n) => self.put_item(condition, lease_item(key, n), n.record(key)).await,
-            Mutation::PutWaiter(r) => self.put_item(condition, waiter_item(r)?, (**r).clone()).await,
-            Mutation::PutSemaphore(r) => self.put_item(condition, semaphore_item(r), (**r).clone()).await,
-            _ => self.update_item(key, condition, mutation).await,
-        }
+        // One call site of each request: every `.await` of an SDK request holds its future
+        // (about 6 KB) inline in this one's frame.
+        let (item, written) = match mutation {
+            Mutation::Acquire(n) => (lease_item(key, n), n.record(key)),
+            Mutation::PutWaiter(r) => (waiter_item(r)?, (**r).clone()),
+            Mutation::PutSemaphore(r) => (semaphore_item(r), (**r).clone()),
+            _ => return self.update_item(key, condition, mutation).await,
+        };
+        self.put_item(condition, item, written).await
     }
 
     async fn scan(&self, kind: &ScanKind, start: Option<&str>, limit: u32) -> Result<Page> {
