@@ -21,7 +21,8 @@ pub const LEASE: Duration = Duration::from_secs(10);
 pub fn libraries() -> Vec<&'static str> {
     let mut v = vec!["leasehold", "leasehold+index", "raw"];
     // `LEASEHOLD_BENCH_SHAPED`: also the bare SDK client sending leasehold's own requests;
-    // `=parts`, also the variants that each leave one part of that shape out (for M1: M4 leaves them out).
+    // `=parts`, also the variants that each leave one part of that shape out (for M1; M4
+    // leaves them out).
     if let Some(shaped) = std::env::var_os("LEASEHOLD_BENCH_SHAPED") {
         v.push("raw-shaped");
         if shaped == "parts" {

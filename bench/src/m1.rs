@@ -29,6 +29,11 @@ impl M1Acc {
     fn rate(&self) -> f64 {
         self.cycles as f64 / self.secs
     }
+
+    /// Client CPU per cycle, in µs.
+    fn cpu_us(&self) -> f64 {
+        self.cpu_ms * 1000.0 / self.cycles as f64
+    }
 }
 
 scenario_run!(child, report);
@@ -129,20 +134,19 @@ async fn report(s: &Setup, p: &Params, rss: &mut Rss) {
             med(&a.p50),
             med(&a.p99),
             a.requests as f64 / a.cycles as f64,
-            a.cpu_ms * 1000.0 / a.cycles as f64,
+            a.cpu_us(),
             a.runs as f64 / a.cycles as f64,
             a.rate() / floor
         );
     }
     // The target is leasehold's client CPU per cycle and its cycles/s against the bare
     // pair's; against raw-shaped, what leasehold's own code costs beyond its requests.
-    let cpu = |a: &M1Acc| a.cpu_ms / a.cycles as f64;
     for floor in ["raw", "raw-shaped"] {
         if let Some(f) = acc.get(floor) {
             let l = &acc["leasehold"];
             println!(
                 "leasehold / {floor}: client CPU per cycle {:.3}x, cycles/s {:.3}x",
-                cpu(l) / cpu(f),
+                l.cpu_us() / f.cpu_us(),
                 l.rate() / f.rate()
             );
         }

@@ -53,7 +53,7 @@ async fn report(s: &Setup, p: &Params, _rss: &mut Rss) {
     let Params { m4trials, .. } = *p;
     let margin = Config::default().skew_margin.as_millis();
     println!("\nM4 crash handover: A holds a 2,000 ms lease and dies, B already waits; gap between A's last write and B's acquiring write (proxy clock); skew margin {margin} ms, bound 2,000..={} ms", 2000 + margin + 100);
-    // The bare pairs have no expiry to wait out.
+    // The bare pairs have no expiry to wait out; leasehold+index runs in M1 and M2 only.
     let bare = |l: &str| l.starts_with("raw") || l.starts_with("shaped-") || l == "leasehold+index";
     for lib in libs.iter().filter(|l| !bare(l)) {
         let mut gaps = Vec::new();

@@ -31,6 +31,11 @@ impl DeferredTrust {
                 .build_https(),
         )
     }
+
+    /// A new one, shared as an SDK configuration's HTTP client.
+    pub(crate) fn shared() -> SharedHttpClient {
+        SharedHttpClient::new(DeferredTrust::new())
+    }
 }
 
 impl HttpClient for DeferredTrust {

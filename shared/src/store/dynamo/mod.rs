@@ -23,7 +23,6 @@ use aws_sdk_dynamodb::config::StalledStreamProtectionConfig;
 use aws_sdk_dynamodb::error::{ProvideErrorMetadata, SdkError};
 use aws_sdk_dynamodb::types::{ReturnValue, ReturnValuesOnConditionCheckFailure};
 use aws_sdk_dynamodb::Client;
-use aws_smithy_runtime_api::client::http::SharedHttpClient;
 
 use super::table::{self, TableSpec, LEASE_TABLE};
 use super::{Condition, Mutation, Page, ScanKind, Store, Write};
@@ -185,7 +184,7 @@ const CREATE_WAIT: Duration = Duration::from_secs(60);
 /// read when the first connection is made, once for every client built from this config.
 pub async fn load_sdk_config(attempt_timeout: Duration) -> aws_config::SdkConfig {
     aws_config::defaults(aws_config::BehaviorVersion::latest())
-        .http_client(SharedHttpClient::new(https::DeferredTrust::new()))
+        .http_client(https::DeferredTrust::shared())
         .retry_config(aws_config::retry::RetryConfig::disabled())
         .timeout_config(
             aws_config::timeout::TimeoutConfig::builder()
@@ -204,7 +203,7 @@ impl DynamoStore {
     /// on ring, the platform's trust store read on first use).
     pub fn new(client: Client, table: impl Into<String>) -> Self {
         let clock = Arc::new(ClockSamples::default());
-        let http = client.config().http_client().unwrap_or_else(|| SharedHttpClient::new(https::DeferredTrust::new()));
+        let http = client.config().http_client().unwrap_or_else(https::DeferredTrust::shared);
         let mut conf = client.config().to_builder().http_client(date::DateSampling::new(http, clock.clone()));
         // Stalled-stream protection off when a timeout bounds every request (as
         // `load_sdk_config`'s does), its answer's body included, inside the protection's 5 s
