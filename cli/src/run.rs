@@ -13,7 +13,8 @@
 //! Stopping before the safe time ends: with `safe_until` the holder's deadline of the last
 //! renewal (see DESIGN.md, "Clocks"), SIGKILL is scheduled at `safe_until - lead` and
 //! SIGTERM `grace` before it, `grace` being `--grace` clamped to half of what a lease leaves
-//! after one renewal interval, `(2/3 duration - skew_margin) / 2` (9.9 s with the defaults),
+//! after one renewal interval, `(2/3 duration - margin) / 2` with the coordinator's safe
+//! margin (9.9 s with the defaults),
 //! and `lead` = min(100 ms, duration / 20). Every renewal moves both; when renewals
 //! fail, the command is stopped before another host can take the key. A loss reported by the
 //! store (taken over, force-released) sends SIGTERM at once and SIGKILL `grace` later (or at
@@ -60,7 +61,9 @@ SIGHUP and SIGQUIT sent to run are forwarded to the group.
 
 The command is stopped before the lease's safe time ends: SIGKILL just before it (100 ms, or
 a twentieth of --duration if less) and SIGTERM --grace earlier, --grace being clamped to
-half of (2/3 of --duration - the skew margin): 9.9 s with the defaults. Every renewal pushes
+half of (2/3 of --duration - the safe margin): 9.9 s with the defaults. (The safe margin is
+the skew margin, or more on DynamoDB while its answers leave this machine's clock uncertain.)
+Every renewal pushes
 both back, so they only fire when renewals fail.
 If the store reports the lease lost (taken over, force-released), the command gets SIGTERM at
 once and SIGKILL --grace later. Either way run exits 76. Processes the command leaves in its
@@ -127,7 +130,7 @@ pub struct RunArgs {
     /// a plain lease)
     #[arg(long, value_name = "N", conflicts_with_all = ["next", "min_hold"])]
     pub slots: Option<u32>,
-    /// Time between SIGTERM and SIGKILL when the command must stop (at most (2/3 --duration - skew margin) / 2)
+    /// Time between SIGTERM and SIGKILL when the command must stop (at most (2/3 --duration - safe margin) / 2)
     #[arg(long, default_value = "10s", value_parser = duration::parse, value_name = "D")]
     pub grace: Duration,
     /// The command and its arguments, after `--`
@@ -138,7 +141,7 @@ pub struct RunArgs {
 /// When the command must be stopped, relative to the holder's safe time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StopPlan {
-    /// SIGTERM to SIGKILL: `--grace`, at most half of `2/3 duration - skew_margin`.
+    /// SIGTERM to SIGKILL: `--grace`, at most half of `2/3 duration - margin`.
     pub grace: Duration,
     /// SIGKILL goes this long before the safe time ends.
     pub lead: Duration,
@@ -146,11 +149,12 @@ pub struct StopPlan {
 
 impl StopPlan {
     /// After a renewal sent at `t`, the next is due at `t + d/3` and the safe time ends at
-    /// `t + d - skew`: between the two lie `2d/3 - skew`. The grace takes at most half of it,
-    /// so a renewal (with its retries) always has the other half, less `lead`, to land before
-    /// the SIGTERM, and healthy renewals never stop the command.
-    pub fn new(grace: Duration, duration: Duration, skew_margin: Duration) -> StopPlan {
-        let between = (duration * 2 / 3).saturating_sub(skew_margin);
+    /// `t + d - margin` (the coordinator's safe margin): between the two lie `2d/3 - margin`.
+    /// The grace takes at most half of it, so a renewal (with its retries) always has the other
+    /// half, less `lead`, to land before the SIGTERM, and healthy renewals never stop the
+    /// command.
+    pub fn new(grace: Duration, duration: Duration, margin: Duration) -> StopPlan {
+        let between = (duration * 2 / 3).saturating_sub(margin);
         StopPlan { grace: grace.min(between / 2), lead: Duration::from_millis(100).min(duration / 20) }
     }
 }
@@ -194,7 +198,9 @@ async fn run(g: &Global, mut args: RunArgs) -> i32 {
     };
     let lease = held.lease();
     let (fence, expires) = (held.fence(), lease.as_ref().and_then(|l| l.expires_at_ms).unwrap_or(0));
-    let plan = StopPlan::new(args.grace, args.duration, coord.config().skew_margin);
+    // The margin the lease's safe time is counted with: the skew margin, or more while the
+    // store's answers leave this clock less certain (DESIGN.md, "Clocks").
+    let plan = StopPlan::new(args.grace, args.duration, coord.safe_margin_now());
 
     let foreground = terminal_foreground();
     let mut cmd = tokio::process::Command::new(&args.command[0]);

@@ -96,7 +96,7 @@ pub const FENCE_VALUE: &str = ":lh_fence";
 /// The fence condition ANDed to the caller's: the recorded fence is absent or not above ours.
 pub const FENCE_CONDITION: &str = "attribute_not_exists(#lh_fence) OR #lh_fence <= :lh_fence";
 /// The condition of the lease-live `ConditionCheck` on the lease item (`:lh_now` is the
-/// coordinator's clock plus the skew margin).
+/// coordinator's clock plus its safe margin).
 pub(crate) const LEASE_LIVE_CONDITION: &str =
     "lease_id = :lh_lease_id AND attribute_not_exists(released_at_ms) AND (attribute_not_exists(expires_at_ms) OR expires_at_ms > :lh_now)";
 
@@ -461,15 +461,16 @@ pub(crate) fn lease_live_check(
 
 impl Coordinator {
     /// The lease-live `ConditionCheck` for the lease `lease_id` on `key`, at this
-    /// coordinator's clock plus the skew margin: a commit carrying it is refused once the
-    /// lease is within the margin of its expiry.
+    /// coordinator's clock plus its safe margin (the skew margin, or more while the store's
+    /// answers leave its clock less certain: DESIGN.md, "Clocks"): a commit carrying it is
+    /// refused once the lease is past its holder's safe time.
     pub(crate) fn lease_live_check(
         &self,
         lease_table: &str,
         key: &str,
         lease_id: &LeaseId,
     ) -> Result<TransactWriteItem, FencedError> {
-        let live_at = self.now_ms() + self.config().skew_margin.as_millis() as u64;
+        let live_at = self.now_ms() + self.safe_margin_now().as_millis() as u64;
         lease_live_check(lease_table, key, lease_id, live_at)
     }
 

@@ -42,7 +42,8 @@ pub enum HoldState {
     Lost(Lost),
 }
 
-/// A lease held by this process and renewed in the background (every third of its duration).
+/// A lease held by this process and renewed in the background (every third of its duration, or
+/// halfway to its safe time when that is sooner).
 /// Dropping it releases the lease in the background; [`HeldLease::release`] does so and waits.
 /// Both also release after a loss: a renewal sent before the loss may have landed late and
 /// extended the lease (the release is conditional on the lease_id, so it cannot free a lease
@@ -105,7 +106,14 @@ async fn renew_loop(
     let mut pause = interval;
     loop {
         let Some(safe_until) = lease.safe_until else { return };
-        let next = (coord.monotonic() + pause).min(safe_until);
+        // Every third of the duration, or halfway to the safe time when that is sooner (a safe
+        // margin large against the duration: DESIGN.md, "Clocks"); after a `ClockSkew`, no
+        // sooner than it asked.
+        let now = coord.monotonic();
+        let mut next = (now + pause).min(safe_until);
+        if pause == interval {
+            next = next.min(now + safe_until.saturating_duration_since(now) / 2);
+        }
         pause = interval;
         tokio::time::sleep_until(next.into()).await;
         if tx.is_closed() {

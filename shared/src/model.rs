@@ -175,8 +175,8 @@ impl SlotHolder {
     }
 
     /// The holder's view of this slot of `key`, `safe_until` measured as for a lease.
-    pub fn lease(&self, key: &str, slots: Option<u32>, sent: Instant, now_ms: u64, skew_margin_ms: u64) -> Lease {
-        let remaining = self.expires_at_ms.saturating_sub(now_ms).saturating_sub(skew_margin_ms);
+    pub fn lease(&self, key: &str, slots: Option<u32>, sent: Instant, now_ms: u64, margin_ms: u64) -> Lease {
+        let remaining = self.expires_at_ms.saturating_sub(now_ms).saturating_sub(margin_ms);
         Lease {
             key: key.to_string(),
             holder: self.holder.clone(),
@@ -269,6 +269,14 @@ impl Record {
         self.released_at_ms.max(self.freed_at_ms)
     }
 
+    /// The stamp at which a write freed this key, when its expiry was not after it: the key was
+    /// free by the clock of the coordinator that freed it, whatever the clock of the one reading
+    /// it now (DESIGN.md, "Clocks": a released key is free to every taker).
+    pub fn freed_by_stamp(&self) -> Option<u64> {
+        let at = self.freed_at()?;
+        self.expires_at_ms.is_some_and(|e| e <= at).then_some(at)
+    }
+
     /// What a grant that replaces the whole item must write a fence above: the last fence, and
     /// the last queue's tail when its queue is empty (a new queue starts above the fence, so
     /// its numbers stay above every earlier queue's: DESIGN.md, "The waiter queue", Layout).
@@ -355,10 +363,12 @@ impl Record {
     }
 
     /// The holder's view, with `safe_until` measured on the holder's monotonic clock from the
-    /// instant the request was sent (`sent`, when the coordinator clock read `now_ms`).
-    pub fn lease(&self, sent: Instant, now_ms: u64, skew_margin_ms: u64) -> Lease {
+    /// instant the request was sent (`sent`, when the coordinator clock read `now_ms`): it ends
+    /// `margin_ms` before the expiry by that clock (the coordinator's safe margin: DESIGN.md,
+    /// "Clocks").
+    pub fn lease(&self, sent: Instant, now_ms: u64, margin_ms: u64) -> Lease {
         let safe_until = self.expires_at_ms.map(|e| {
-            let remaining = e.saturating_sub(now_ms).saturating_sub(skew_margin_ms);
+            let remaining = e.saturating_sub(now_ms).saturating_sub(margin_ms);
             sent + std::time::Duration::from_millis(remaining)
         });
         Lease {

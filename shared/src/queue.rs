@@ -208,8 +208,12 @@ impl Coordinator {
         item.waiter = Some(waiter);
         // Stamped with this try's clock: a retried invocation writes the item again with its
         // own token, and a write of an earlier try held in the network must not put the dead
-        // token back (`WaiterNewer`; refused, it changes nothing).
-        self.write(&wk, deadline, |now| {
+        // token back (`WaiterNewer`; refused, it changes nothing). This machine's own clock,
+        // not the corrected one (the stamp judges no expiry): a new process's corrected clock
+        // may lag the store's by up to a second and more (DESIGN.md, "Clocks"), and a retry on
+        // a new process a second later would be refused as the older.
+        self.write(&wk, deadline, |_| {
+            let now = self.own_clock_ms();
             item.renewed_at_ms = Some(now);
             Ok((Condition::WaiterNewer { now_ms: now }, Mutation::PutWaiter(Box::new(item.clone()))))
         })
@@ -364,7 +368,7 @@ impl Coordinator {
             // Its mark went meanwhile (a delivery to the dead token answered `Gone`): as a
             // plain acquire that finds its own live lease.
             Some(Own::Free(r)) => {
-                let lease = r.lease(self.monotonic(), self.now_ms(), self.skew_ms());
+                let lease = self.lease_now(&r);
                 self.deliver_free_grant(key, lease, task_token, deliver).await.map(Some)
             }
             // Revoked meanwhile (its delivery to the dead token answered `Gone`), or expired.
@@ -384,7 +388,7 @@ impl Coordinator {
     /// was): left to the queue's delivery.
     async fn take_over(&self, key: &str, r: &Record, token: &str, deliver: &Arc<dyn Deliver>) -> Result<Enqueued> {
         let old = r.pending_token.clone().unwrap_or_default();
-        let lease = r.lease(self.monotonic(), self.now_ms(), self.skew_ms()).with_safe_for(self.monotonic());
+        let lease = self.lease_now(r).with_safe_for(self.monotonic());
         if old == token {
             return Ok(Enqueued::Granted(lease));
         }
@@ -489,7 +493,10 @@ impl Coordinator {
             // read (a step during the read is refused, not written).
             let now = self.checked_now(key).await?;
             let sent = self.monotonic();
-            if r.is_held(now) {
+            // Every write below is conditional on this very item (its fence): judged free by the
+            // clock that freed it, if that is later than this one.
+            let at = self.freed_floor(&r, now);
+            if r.is_held(at) {
                 if let Some(token) = r.pending_token.clone() {
                     if now.saturating_sub(r.acquired_at_ms) >= DELIVERY_GRACE_MS {
                         self.redeliver(key, &r, &token, &deliver, &mut served).await?;
@@ -516,7 +523,7 @@ impl Coordinator {
                 Some(w) if w.timeout_at_ms.is_none_or(|t| t > now) => w,
                 Some(_) => {
                     // Its task timed out: pass over it.
-                    if self.skip(key, &r, now, seq).await? {
+                    if self.skip(key, &r, at, seq).await? {
                         served.skipped += 1;
                         let _ = self.store().delete(&wk, &Condition::NotLease).await;
                     }
@@ -528,22 +535,22 @@ impl Coordinator {
                         // right after the second (or the sweep does).
                         return Ok(served);
                     }
-                    if self.skip(key, &r, now, seq).await? {
+                    if self.skip(key, &r, at, seq).await? {
                         served.skipped += 1;
                     }
                     continue;
                 }
             };
             // Grant: the waiter's lease, a fence above every earlier one, the head moved on.
-            let mut lease = self.waiter_lease(key, &r, &waiter, now)?;
+            let mut lease = self.waiter_lease(key, &r, &waiter, at)?;
             lease.released = r.released_at_ms.map(|_| (r.lease_id.clone(), r.fence));
-            let cond = Condition::HandOver { fence: r.fence, now_ms: now, head };
+            let cond = Condition::HandOver { fence: r.fence, now_ms: at, head };
             let grant = Mutation::Grant { lease, seq, token: waiter.task_token.clone() };
             let granted = match self.store().update(key, &cond, &grant).await? {
                 Write::Applied(g) => g,
                 Write::Rejected(_) => continue,
             };
-            if !self.deliver_grant(&deliver, key, &granted, sent, now, &waiter, &mut served).await? {
+            if !self.deliver_grant(&deliver, key, &granted, sent, at, &waiter, &mut served).await? {
                 return Ok(served);
             }
         }
@@ -631,7 +638,7 @@ impl Coordinator {
         served: &mut Served,
     ) -> Result<bool> {
         let (fence, seq, wk) = (granted.fence, waiter.seq, waiter_key(key, waiter.seq));
-        let lease = granted.lease(sent, now, self.skew_ms()).with_safe_for(sent);
+        let lease = granted.lease(sent, now, self.safe_margin(sent, now)).with_safe_for(sent);
         let token = waiter.task_token.clone();
         match self.deliver_with_retries(deliver, &token, &lease).await {
             Ok(()) => {
@@ -768,8 +775,7 @@ impl Coordinator {
         deliver: &Arc<dyn Deliver>,
         served: &mut Served,
     ) -> Result<()> {
-        let now = self.now_ms();
-        let lease = r.lease(self.monotonic(), now, self.skew_ms()).with_safe_for(self.monotonic());
+        let lease = self.lease_now(r).with_safe_for(self.monotonic());
         match deliver.success(token, &lease).await {
             Ok(()) => served.delivered += 1,
             Err(DeliveryError::Gone(why)) => {

@@ -375,6 +375,82 @@ pub fn test_config() -> Config {
     c
 }
 
+/// The widest safe margin (DESIGN.md, "Clocks") a coordinator may count when every answer its
+/// clock evidence rests on came within `spent` (a new coordinator's first request): its skew
+/// margin on the embedded store, whose evidence is exact; on DynamoDB, each answer an interval
+/// a second (the `Date`'s resolution) plus the allowance for a late stamp plus its round trip
+/// wide, every one of them holding the store's clock, so that their agreed bounds are at most
+/// twice that apart.
+pub fn widest_first_margin(c: &Coordinator, spent: Duration) -> Duration {
+    let skew = c.config().skew_margin;
+    if c.store().name() == "sqlite" {
+        skew
+    } else {
+        skew.max(2 * (Duration::from_millis(1001) + c.config().date_lag + spent))
+    }
+}
+
+/// Keeps `store`'s client answering steadily (a read of `key` every 17 ms, so that the answers'
+/// sub-second phases cover the second) until the returned guard is dropped: the clock evidence
+/// of a coordinator with steady traffic.
+pub fn steady_traffic(store: Arc<dyn Store>, key: &str) -> tokio::task::AbortHandle {
+    let key = key.to_string();
+    tokio::spawn(async move {
+        loop {
+            let _ = store.get(&key).await;
+            tokio::time::sleep(Duration::from_millis(17)).await;
+        }
+    })
+    .abort_handle()
+}
+
+/// The edges of the band of clocks a coordinator on `store` is accepted with (DESIGN.md,
+/// "Clocks"): the largest offsets (ms) ahead of the store's clock and behind it at which an
+/// acquire with `config` is not refused with `ClockSkew`, to within `step` ms, searched up to
+/// `cap` ms. `store` should have answered steadily for a second first ([`steady_traffic`]).
+/// The store's clock must be this machine's (DynamoDB Local, the embedded store).
+pub async fn accepted_band(store: Arc<dyn Store>, config: &Config, step: i64, cap: i64) -> (i64, i64) {
+    let accepted = |offset_ms: i64| {
+        let (store, config) = (store.clone(), config.clone());
+        async move {
+            let c = Coordinator::new(store, Config { clock_offset_ms: offset_ms, ..config });
+            // A loaded machine's store may time out: each try on a key of its own.
+            for attempt in 0..5 {
+                let key = format!("band-probe{offset_ms}-{attempt}");
+                let opts = leasehold::AcquireOptions::default();
+                match c.acquire(&key, "probe", Some(Duration::from_secs(5)), opts).await {
+                    Ok(l) => {
+                        let _ = c.release(&key, &l.lease_id).await;
+                        return true;
+                    }
+                    Err(Error::ClockSkew(_)) => return false,
+                    Err(e) if e.is_transient() => continue,
+                    Err(e) => panic!("probing the band at {offset_ms} ms: {e}"),
+                }
+            }
+            panic!("probing the band at {offset_ms} ms: the store did not answer")
+        }
+    };
+    let mut edges = [0i64; 2];
+    for (side, sign) in [(0, 1i64), (1, -1)] {
+        // Accepted at `lo`, refused at `hi` (or `hi` is the cap).
+        let (mut lo, mut hi) = (0, cap);
+        if accepted(sign * cap).await {
+            lo = cap;
+        }
+        while hi - lo > step {
+            let mid = (lo + hi) / 2;
+            if accepted(sign * mid).await {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        edges[side] = lo;
+    }
+    (edges[0], edges[1])
+}
+
 pub enum Backend {
     Sqlite(SqliteStore, TempDir),
     Dynamo(DynamoStore),

@@ -6,7 +6,7 @@
 //! (its connection closed without an answer, so it retried) still reaches DynamoDB later. Here
 //! 40% of the `UpdateItem`s are held 1 s, their connection is then closed without an answer,
 //! and the original request is forwarded 1.85 s after it arrived, after the retry. Twelve
-//! holders contend for one key with 2 s leases, renewing every 0.7 s; each believes it holds
+//! holders contend for one key with 3 s leases, renewing every 0.7 s; each believes it holds
 //! the lease from the instant the acquire's answer arrives until its own send instant of the
 //! request that answered last + `safe_for_ms` (or until a renewal fails or it releases). Two
 //! holders' believed windows must never intersect, and a fenced resource written only inside
@@ -18,11 +18,18 @@
 //! ahead and 5 s behind, beyond the margin: their holders must be refused (`ClockSkew`), never
 //! granted, and the honest holders must neither overlap nor lose the key.
 //!
+//! `edge_clocks_through_serve_stay_safe` runs the same with two coordinators whose clocks sit
+//! just inside opposite edges of the band the clock check accepts with steady traffic (found
+//! first, in process, through the same proxy: about 490 ms ahead and 230 ms behind the
+//! store's clock with the 200 ms margin): each is accepted, and their clocks differ by more
+//! than three times the margin (DESIGN.md, "Clocks").
+//!
 //! A semaphore run (`semaphore_serve_safety_run`) puts 16 holders on a semaphore of 4 slots, on
 //! the embedded store and on DynamoDB, with the fault proxy also between the holders and the
 //! servers: never more than 4 may believe at once, and every holder must be served.
 //!
-//! `short_serve_safety_run` (14 s), `wrong_clocks_are_refused_through_serve` and
+//! `short_serve_safety_run` (14 s), `edge_clocks_through_serve_stay_safe` (14 s),
+//! `wrong_clocks_are_refused_through_serve` and
 //! `short_semaphore_serve_safety_run::{embedded,dynamodb}` (16 s) are in the normal suite; the
 //! long runs (>= 60 s, `LEASEHOLD_SAFETY_SECS` to change it) are
 //! `cargo test -p leasehold-tests --test safety_serve -- --ignored --nocapture`.
@@ -39,12 +46,18 @@ use cli_support::{command_with_clock, dynamo_env, Server};
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
-use leasehold_tests::proxied_table;
+use leasehold::store::DynamoStore;
 use leasehold_tests::proxy::{Proxy, ProxyFault};
+use leasehold_tests::{accepted_band, proxied_table, steady_traffic, test_config};
 use serde_json::{json, Value};
 
 /// Lease duration the holders ask for.
 const LEASE_MS: u64 = 2000;
+/// The plain run's: a renewal held 1 s by the fault proxy must still be answered within the
+/// holder's belief (its safe time, which ends the safe margin before the expiry: 350 to 550 ms
+/// on DynamoDB with steady traffic, up to about 1.3 s for a process's first answers; DESIGN.md,
+/// "Clocks"), 0.7 s after the last renewal's send.
+const SERVE_LEASE_MS: u64 = 3000;
 /// How often a holder renews.
 const RENEW_EVERY: Duration = Duration::from_millis(700);
 /// The server's skew margin (LEASEHOLD_SKEW_MARGIN_MS), also what the fallback belief
@@ -127,6 +140,15 @@ struct Window {
     end: Instant,
 }
 
+/// The clocks of the coordinators the honest holders talk to.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Clocks {
+    /// [`HONEST_CLOCKS`]: up to 120 ms apart.
+    Near,
+    /// Two coordinators just inside opposite edges of the band the clock check accepts.
+    Edges,
+}
+
 /// The resource the lease guards: written only inside a believed window.
 #[derive(Default)]
 struct Resource {
@@ -146,6 +168,8 @@ struct Totals {
     releases: AtomicU64,
     beliefs_ran_out: AtomicU64,
     errors: Mutex<BTreeMap<String, u64>>,
+    /// Acquisitions by the index of the coordinator that granted them.
+    by_server: Mutex<BTreeMap<usize, u64>>,
 }
 
 impl Totals {
@@ -329,7 +353,8 @@ async fn holder(sh: Arc<Shared>, n: usize) {
     while Instant::now() < sh.stop_at {
         // Its own lease_id, so that a retried acquire returns the lease a lost attempt took.
         let lease_id = format!("{:016x}{:016x}", rand(&mut seed), rand(&mut seed));
-        let acquire_body = json!({"holder": name, "duration_ms": LEASE_MS, "wait_ms": 1500, "lease_id": lease_id});
+        let acquire_body =
+            json!({"holder": name, "duration_ms": SERVE_LEASE_MS, "wait_ms": 1500, "lease_id": lease_id});
         let granted = acquire(&mut conn, &sh.key, &acquire_body, t).await;
         let Some((sent, sent_wall, answer)) = granted else {
             if rogue {
@@ -345,6 +370,9 @@ async fn holder(sh: Arc<Shared>, n: usize) {
         let fence = answer["fence"].as_u64().expect("fence in the acquire answer");
         let mut believed_until = belief(sent, sent_wall, &answer, &sh.missing_safe_for);
         t.acquired.fetch_add(1, Ordering::Relaxed);
+        if !rogue {
+            *t.by_server.lock().unwrap().entry(n % sh.honest.len()).or_default() += 1;
+        }
         let release_body = json!({"lease_id": lease_id});
         if believed_until <= start {
             // The answer arrived after the lease's safe time: never believed.
@@ -419,10 +447,34 @@ fn overlaps(sh: &Shared) -> Vec<String> {
 /// Clock offsets (s) of the coordinators within the margin: up to 120 ms apart.
 const HONEST_CLOCKS: [f64; 3] = [0.0, 0.06, -0.06];
 
-async fn serve_safety_run(seconds: u64, rogue_clocks: &[f64]) {
+/// The clock offsets (s) of two coordinators just inside opposite edges of the band the clock
+/// check accepts on `table` through `conf` (the run's proxy), with steady traffic: found in
+/// process, on the same DynamoDB Local and proxy, as the narrowest edges over a second and a
+/// half of steady answers (DESIGN.md, "Clocks").
+async fn edge_clocks(conf: &aws_config::SdkConfig, table: &str) -> Vec<f64> {
+    let store: Arc<dyn leasehold::store::Store> =
+        Arc::new(DynamoStore::new(aws_sdk_dynamodb::Client::new(conf), table.to_string()));
+    let traffic = steady_traffic(store.clone(), "edge-traffic");
+    let config = leasehold::Config { skew_margin: Duration::from_millis(MARGIN_MS), ..test_config() };
+    let (mut ahead, mut behind) = (i64::MAX, i64::MAX);
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (a, b) = accepted_band(store.clone(), &config, 5, 3000).await;
+        (ahead, behind) = (ahead.min(a), behind.min(b));
+    }
+    traffic.abort();
+    println!("band the clock check accepts with steady traffic: {ahead} ms ahead, {behind} ms behind");
+    vec![(ahead - 20) as f64 / 1000.0, -(behind - 20) as f64 / 1000.0]
+}
+
+async fn serve_safety_run(seconds: u64, clocks: Clocks, rogue_clocks: &[f64]) {
     let holders = 12;
     let rogue_holders = if rogue_clocks.is_empty() { 0 } else { 4 };
-    let (proxy, table, _) = proxied_table().await;
+    let (proxy, table, conf) = proxied_table().await;
+    let honest_clocks = match clocks {
+        Clocks::Near => HONEST_CLOCKS.to_vec(),
+        Clocks::Edges => edge_clocks(&conf, &table).await,
+    };
     let mut env = dynamo_env(&proxy.endpoint());
     for (k, v) in [
         ("LEASEHOLD_MIN_DURATION_MS", "100".to_string()),
@@ -439,7 +491,7 @@ async fn serve_safety_run(seconds: u64, rogue_clocks: &[f64]) {
             offsets.iter().map(|&o| Server::start_command(command_with_clock(o), &store_args, &env)).collect::<Vec<_>>()
         })
     };
-    let honest = start(HONEST_CLOCKS.to_vec()).await.expect("start servers");
+    let honest = start(honest_clocks.clone()).await.expect("start servers");
     let rogue = start(rogue_clocks.to_vec()).await.expect("start servers");
     proxy.random_faults_on(
         "UpdateItem",
@@ -477,14 +529,15 @@ async fn serve_safety_run(seconds: u64, rogue_clocks: &[f64]) {
     // Acquires are PutItems; heartbeats and releases are the UpdateItems the faults hit.
     let store_requests = proxy.counts();
     println!(
-        "serve safety: {seconds} s, {holders} holders on one key through coordinators with clocks {HONEST_CLOCKS:?} s, \
-         {rogue_holders} more through clocks {rogue_clocks:?} s (granted {}): HTTP requests {}, acquisitions {}, LeaseHeld {}, \
+        "serve safety: {seconds} s, {holders} holders on one key through coordinators with clocks {honest_clocks:?} s, \
+         {rogue_holders} more through clocks {rogue_clocks:?} s (granted {}): HTTP requests {}, acquisitions {} (by coordinator {:?}), LeaseHeld {}, \
          heartbeats {}, releases {}, beliefs run out {}, answers too late to believe {}, errors {:?}, \
          DynamoDB requests {store_requests:?}, faults injected {}, duplicates forwarded late {}, writes accepted {}, \
          stale writes {}, overlaps {}{}",
         sh.rogue_granted.load(Ordering::Relaxed),
         t.requests.load(Ordering::Relaxed),
         t.acquired.load(Ordering::Relaxed),
+        t.by_server.lock().unwrap(),
         t.held.load(Ordering::Relaxed),
         t.heartbeats.load(Ordering::Relaxed),
         t.releases.load(Ordering::Relaxed),
@@ -510,6 +563,11 @@ async fn serve_safety_run(seconds: u64, rogue_clocks: &[f64]) {
     assert!(proxy.late_forwarded() > 0, "no delayed duplicate reached DynamoDB");
     assert!(t.acquired.load(Ordering::Relaxed) >= 2, "the key never changed hands");
     assert!(t.heartbeats.load(Ordering::Relaxed) >= 5, "too few renewals to mean anything");
+    if clocks == Clocks::Edges {
+        // Both edges granted, and took the key from each other.
+        let by = t.by_server.lock().unwrap().clone();
+        assert!((0..2).all(|i| by.get(&i).is_some_and(|&n| n >= 5)), "a coordinator at an edge barely granted: {by:?}");
+    }
     if rogue_holders > 0 {
         let refused =
             t.errors.lock().unwrap().iter().filter(|(k, _)| k.contains("ClockSkew")).map(|(_, n)| *n).sum::<u64>();
@@ -521,19 +579,27 @@ async fn serve_safety_run(seconds: u64, rogue_clocks: &[f64]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn short_serve_safety_run() {
-    serve_safety_run(14, &[]).await;
+    serve_safety_run(14, Clocks::Near, &[]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_clocks_are_refused_through_serve() {
-    serve_safety_run(8, &[5.0, -5.0]).await;
+    serve_safety_run(8, Clocks::Near, &[5.0, -5.0]).await;
+}
+
+/// Two coordinators just inside opposite edges of the band the clock check accepts (each
+/// accepted, their clocks further apart than the margin: about 700 ms with the 200 ms margin),
+/// under the same run: no two believed holds may overlap (DESIGN.md, "Clocks").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn edge_clocks_through_serve_stay_safe() {
+    serve_safety_run(14, Clocks::Edges, &[]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "long run (>= 60 s): cargo test -p leasehold-tests --test safety_serve -- --ignored --nocapture"]
 async fn long_serve_safety_run() {
     let secs = std::env::var("LEASEHOLD_SAFETY_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(60);
-    serve_safety_run(secs, &[]).await;
+    serve_safety_run(secs, Clocks::Near, &[]).await;
 }
 
 // ---- semaphores ---------------------------------------------------------------------------------

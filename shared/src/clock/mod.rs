@@ -17,7 +17,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 pub(crate) mod skew;
 
 pub use skew::ClockSamples;
-pub(crate) use skew::{Sample, AGREEMENT, DATE_LAG_MS};
+pub(crate) use skew::{Sample, DATE_LAG_MS};
 
 /// A source of wall and monotonic time.
 ///

@@ -48,6 +48,10 @@ pub(crate) struct Attempts<'a> {
     visit: Option<Visit>,
     /// The last fence seen on this key: the next one must be above it.
     seen_fence: Option<u64>,
+    /// The next attempt is made on a key seen freed by a clock ahead of this one ([`Freed`]).
+    freed: Option<Freed>,
+    /// The fence floor of the last item an attempt was pinned to: once per item.
+    pinned: Option<u64>,
     /// The end of the caller's wait, and of the whole call (the wait, or the retry budget,
     /// or the caller's deadline).
     wait_deadline: Instant,
@@ -57,7 +61,49 @@ pub(crate) struct Attempts<'a> {
     ticket: Option<InLine>,
 }
 
+/// A key seen freed (released, or freed by a queue write) at `at_ms` by the clock of the
+/// coordinator that freed it, with its expiry not after that: free by that clock, though
+/// perhaps not yet by this one, which may be further behind the store's (DESIGN.md, "Clocks":
+/// a released key is free to every taker). The next attempt is made with a `:now` of at least
+/// `at_ms`, and with its fence pinned just above the item's fence floor: every later grant on
+/// the key has a fence above that floor, so the attempt can take this very item or nothing.
+#[derive(Debug, Clone, Copy)]
+struct Freed {
+    floor: u64,
+    at_ms: u64,
+}
+
+impl Freed {
+    fn of(r: &Record) -> Option<Freed> {
+        let at_ms = r.freed_by_stamp()?;
+        let free = r.queue_len() == 0 && r.pending_token.is_none();
+        free.then(|| Freed { floor: r.fence_floor(), at_ms })
+    }
+
+    /// The attempt's clock: this coordinator's, or the freeing one's if that is later.
+    fn now(self, now: u64) -> u64 {
+        now.max(self.at_ms)
+    }
+}
+
 impl Attempts<'_> {
+    /// Makes the next attempt on the freed item `r` ([`Freed`]), once per item and before the
+    /// call's deadline: `false` when it is not freed, was tried so already, or was freed at a
+    /// stamp past `latest_ms` (what the store's clock can be now: a stamp beyond is a wrong
+    /// clock's, never adopted), or the deadline has come.
+    fn pin(&mut self, r: &Record, latest_ms: u64, now: Instant) -> bool {
+        if now >= self.deadline {
+            return false;
+        }
+        match Freed::of(r).filter(|f| self.pinned != Some(f.floor) && f.at_ms <= latest_ms) {
+            Some(f) => {
+                (self.pinned, self.freed) = (Some(f.floor), Some(f));
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Has this call left its line (its deadline came while a release was writing its grant)?
     fn departed(&self) -> bool {
         self.ticket.as_ref().is_some_and(|t| t.departed())
@@ -207,7 +253,20 @@ impl Coordinator {
         let visit = ask.want.cloned();
         let generated = ask.opts.lease_id.is_none() && ask.opts.keepalive.is_none();
         let lapse = ask.duration.filter(|_| generated).map(|d| Lapse::new(d.as_millis() as u64));
-        Ok(Attempts { ask, lease_id, landed, lapse, visit, seen_fence: None, wait_deadline, deadline, wait, ticket })
+        Ok(Attempts {
+            ask,
+            lease_id,
+            landed,
+            lapse,
+            visit,
+            seen_fence: None,
+            freed: None,
+            pinned: None,
+            wait_deadline,
+            deadline,
+            wait,
+            ticket,
+        })
     }
 
     /// The loop of an acquire call: its turn, the clock check, one attempt, and what the
@@ -291,7 +350,10 @@ impl Coordinator {
             a.new_lease_id();
         }
         let template = a.ask.lease(a.lease_id, a.wait.advertise());
-        let (lease_id, visit, seen) = (&*a.lease_id, &a.visit, a.seen_fence);
+        if let Some(d) = template.duration_ms {
+            self.settle_margin(key, d, a.deadline).await;
+        }
+        let (lease_id, visit, seen, freed) = (&*a.lease_id, &a.visit, a.seen_fence, a.freed.take());
         let mut fence = 0;
         let (w, sent, now) = match self
             .write_noting(
@@ -299,7 +361,12 @@ impl Coordinator {
                 a.deadline,
                 Some(lease_id),
                 |now| {
-                    fence = self.next_fence(key, seen)?;
+                    let now = freed.map_or(now, |f| f.now(now));
+                    fence = match freed {
+                        // Checked as any fence above the item's would be, then pinned to it.
+                        Some(f) => self.next_fence(key, Some(f.floor)).map(|_| f.floor + 1)?,
+                        None => self.next_fence(key, seen)?,
+                    };
                     let cond = match visit {
                         // Fail-closed: never on a key released after this attempt's clock.
                         None if template.duration_ms.is_none() => {
@@ -339,6 +406,7 @@ impl Coordinator {
         if a.ask.want.is_some() && matches!(w, Write::Rejected(None)) {
             return Err(Error::NotFound { key: key.to_string() });
         }
+        let now = freed.map_or(now, |f| f.now(now));
         let after = visit.is_none() && template.duration_ms.is_none();
         Ok((sort_acquire(w, lease_id, fence, now, visit.as_ref(), after)?, sent, now))
     }
@@ -349,7 +417,7 @@ impl Coordinator {
     async fn on_granted(&self, a: &mut Attempts<'_>, r: Record, sent: Instant, now: u64) -> Result<Next> {
         check_fence(&r)?;
         let advertised = r.poll_ms;
-        let lease = r.lease(sent, now, self.skew_ms());
+        let lease = r.lease(sent, now, self.safe_margin(sent, now));
         if lease.safe_until.is_none_or(|t| t > self.monotonic()) {
             a.wait.granted(advertised);
             if let Some(t) = a.ticket.as_mut() {
@@ -387,6 +455,9 @@ impl Coordinator {
     /// held in the network may have been given up on by its caller). Go again once this clock
     /// has passed the release.
     async fn on_early(&self, a: &mut Attempts<'_>, r: Record, now: u64) -> Result<Next> {
+        if a.pin(&r, self.now_ms() + self.safe_margin_now().as_millis() as u64, self.monotonic()) {
+            return Ok(Next::Again);
+        }
         let freed_at = r.freed_at();
         let ahead = freed_at.unwrap_or(now).saturating_sub(now) + 1;
         let until = self.monotonic() + Duration::from_millis(ahead);
@@ -421,6 +492,9 @@ impl Coordinator {
     /// Another lease holds the key: sleep until the next paced attempt, or answer `LeaseHeld`
     /// once the wait is over.
     async fn on_held(&self, a: &mut Attempts<'_>, r: Record) -> Result<Next> {
+        if a.pin(&r, self.now_ms() + self.safe_margin_now().as_millis() as u64, self.monotonic()) {
+            return Ok(Next::Again);
+        }
         // A free key kept for its queued waiters has no expiry to wake up for: the paced poll
         // alone (not a tight loop on an expiry already past).
         let now = self.now_ms();
@@ -458,7 +532,7 @@ impl Coordinator {
     pub(crate) fn handed(&self, grant: Option<(Record, Instant, u64)>) -> Result<Option<(Lease, Option<u64>)>> {
         let Some((g, sent, now)) = grant else { return Ok(None) };
         check_fence(&g)?;
-        let lease = g.lease(sent, now, self.skew_ms());
+        let lease = g.lease(sent, now, self.safe_margin(sent, now));
         Ok(lease.safe_until.is_none_or(|s| s > self.monotonic()).then_some((lease, g.poll_ms)))
     }
 

@@ -21,6 +21,26 @@ impl Coordinator {
         duration: Option<Duration>,
         deadline: Instant,
     ) -> Result<Lease> {
+        let lease = self.renew(key, lease_id, duration, deadline).await?;
+        // Renewed, but answered with no safe time left (a slow answer, or a safe margin as long
+        // as the lease: DESIGN.md, "Clocks"): of no use to the holder, which must stop now. It
+        // is never told as a renewal; a heartbeat sent again may get a safe time.
+        if lease.safe_until.is_some_and(|s| s <= self.monotonic()) {
+            return Err(Error::StoreUnavailable(format!(
+                "{key:?} was renewed, but the answer came after the renewed lease's safe time had passed"
+            )));
+        }
+        Ok(lease)
+    }
+
+    /// The renewal of [`Coordinator::heartbeat_until`], its safe time as it came.
+    async fn renew(
+        &self,
+        key: &str,
+        lease_id: &LeaseId,
+        duration: Option<Duration>,
+        deadline: Instant,
+    ) -> Result<Lease> {
         self.config.limits.key(key)?;
         if let Some(d) = duration {
             self.config.limits.duration("duration_ms", d)?;
@@ -63,7 +83,7 @@ impl Coordinator {
             return match w {
                 Write::Applied(r) => {
                     check_fence(&r)?;
-                    Ok(r.lease(sent, now, self.skew_ms()))
+                    Ok(r.lease(sent, now, self.safe_margin(sent, now)))
                 }
                 // Refused for the TTL alone: the same renewal without it; in a terminal state,
                 // whose keys keep a lease's TTL (DESIGN.md, "Terminal states"), with it but
@@ -78,7 +98,7 @@ impl Coordinator {
                 // renewal already landed, or the new expiry would be earlier. The lease as it is.
                 Write::Rejected(Some(r)) if r.is_live_for(lease_id, now) => {
                     check_fence(&r)?;
-                    Ok(r.lease(sent, now, self.skew_ms()))
+                    Ok(r.lease(sent, now, self.safe_margin(sent, now)))
                 }
                 // A semaphore's item: the holder's own renewal (DESIGN.md, "Semaphores").
                 Write::Rejected(Some(r)) if r.slots.is_some() => {

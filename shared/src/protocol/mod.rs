@@ -46,9 +46,11 @@ pub struct Config {
     pub limits: Limits,
     /// Duration of a lease when the request names none.
     pub default_duration: Duration,
-    /// Largest difference assumed between any two coordinator clocks (and between a holder's
-    /// monotonic clock rate and real time over one lease): `safe_until` ends this much before
-    /// the expiry.
+    /// The largest error of this coordinator's clock against the store's that is not refused
+    /// (`ClockSkew` once the store's answers agree it is beyond), and the least time
+    /// `safe_until` ends before the expiry (an allowance for the drift of the holder's monotonic
+    /// clock over one lease; more when the store's answers leave its clock less certain,
+    /// DESIGN.md, "Clocks").
     pub skew_margin: Duration,
     /// How long after its expiry an item may be swept by TTL.
     pub ttl_grace: Duration,
@@ -180,14 +182,15 @@ impl Coordinator {
         &self.id
     }
 
-    /// The coordinator's clock: epoch milliseconds.
+    /// The coordinator's clock: epoch milliseconds, never ahead of what the store's recent
+    /// answers prove its clock to be (DESIGN.md, "Clocks").
     pub fn now_ms(&self) -> u64 {
-        (self.config.clock.wall_ms() + self.config.clock_offset_ms).max(0) as u64
+        self.corrected_us() / 1000
     }
 
     /// The coordinator's clock in epoch microseconds: where fences come from.
     pub fn now_us(&self) -> u64 {
-        (self.config.clock.wall_us() + self.config.clock_offset_ms * 1000).max(0) as u64
+        self.corrected_us()
     }
 
     /// The coordinator's monotonic clock: what deadlines and `safe_until` are measured in.

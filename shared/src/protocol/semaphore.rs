@@ -168,6 +168,7 @@ impl Coordinator {
     /// One take, written as `t.how` says; its answer, when it was sent, the clock, the fence.
     /// `None`: not sent, as the first take that may have landed may have expired ([`Lapse`]).
     async fn take_once(&self, t: &mut Take<'_>, deadline: Instant) -> Result<Option<(Write, Instant, u64, u64)>> {
+        self.settle_margin(t.key, t.duration_ms, deadline).await;
         let mut fence = 0;
         let max = self.max_duration_ms();
         let mut landed = t.landed;
@@ -220,7 +221,7 @@ impl Coordinator {
             let _ = self.store.update(t.key, &cond, &Mutation::TidySlots { ended: gone, taken: live, ttl }).await;
         }
         let h = r.slot(&t.lease_id).expect("a granted take has its entry");
-        h.lease(t.key, r.slots, sent, now, self.skew_ms())
+        h.lease(t.key, r.slots, sent, now, self.safe_margin(sent, now))
     }
 
     /// Full, or a live plain lease: sleep until the next slot frees (or `poll_max`), or answer
@@ -310,7 +311,7 @@ impl Coordinator {
             Write::Rejected(r) => return Ok(Err((r, now))),
         };
         let h = r.slot(lease_id).expect("a live holder has its entry");
-        Ok(Ok(h.lease(key, r.slots, sent, now, self.skew_ms())))
+        Ok(Ok(h.lease(key, r.slots, sent, now, self.safe_margin(sent, now))))
     }
 
     /// Releases the semaphore holder `lease_id` of `key`. Idempotent: a released holder whose

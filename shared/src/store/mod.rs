@@ -96,9 +96,11 @@ pub trait Store: Send + Sync + 'static {
     /// One page of at most `limit` items after `start`.
     async fn scan(&self, kind: &ScanKind, start: Option<&str>, limit: u32) -> Result<Page>;
 
-    /// Evidence of the store's own clock (the `Date` of its answers), when the store is remote:
-    /// coordinators check their clock against it before judging or writing expiries. `None`:
-    /// the store shares the coordinators' clock (the embedded store, one machine).
+    /// Evidence of the store's own clock (the `Date` of DynamoDB's answers, the machine's clock
+    /// as the embedded store answers): coordinators check their clock against it before judging
+    /// or writing expiries, never write a clock reading ahead of it, and count their holders'
+    /// safe time by it (DESIGN.md, "Clocks"). `None`: no evidence; coordinators use their own
+    /// clock as it is, with the skew margin alone.
     fn clock(&self) -> Option<&ClockSamples> {
         None
     }

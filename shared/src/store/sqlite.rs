@@ -21,7 +21,7 @@ use async_trait::async_trait;
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 
 use super::{keepalive_shard, Condition, Mutation, Page, ScanKind, Store, Write, KEEPALIVE_SHARDS};
-use crate::clock::{Clock, SystemClock};
+use crate::clock::{Clock, ClockSamples, Sample, SystemClock};
 use crate::error::{Error, Result};
 use crate::model::Record;
 
@@ -39,6 +39,10 @@ pub struct SqliteStore {
     #[cfg_attr(not(test), allow(dead_code))]
     groups: Arc<std::sync::atomic::AtomicU64>,
     path: PathBuf,
+    /// The store's own clock: this machine's, read as each answer comes back (DESIGN.md,
+    /// "Clocks": the same check and corrections as for DynamoDB's `Date`, exact here).
+    reference: Arc<dyn Clock>,
+    samples: Arc<ClockSamples>,
 }
 
 /// How the writer's commits are synced. The product always uses [`Synchronous::Full`]; `Normal`
@@ -114,7 +118,32 @@ impl SqliteStore {
             .name("leasehold-sqlite-writer".into())
             .spawn(move || writer(&c, &queue, &g))
             .map_err(|e| Error::StoreUnavailable(format!("embedded store: cannot start its writer: {e}")))?;
-        Ok(SqliteStore { conn: Arc::new(Mutex::new(conn)), writes, write_conn, groups, path })
+        Ok(SqliteStore {
+            conn: Arc::new(Mutex::new(conn)),
+            writes,
+            write_conn,
+            groups,
+            path,
+            reference: Arc::new(SystemClock),
+            samples: Arc::new(ClockSamples::exact()),
+        })
+    }
+
+    /// This handle with `clock` as the store's own clock (tests: a machine's clock that
+    /// coordinators with clocks of their own are judged against), and evidence of its own.
+    #[doc(hidden)]
+    pub fn with_reference_clock(self, clock: Arc<dyn Clock>) -> Self {
+        SqliteStore { reference: clock, samples: Arc::new(ClockSamples::exact()), ..self }
+    }
+
+    /// `answer`, noting the store's clock as it comes back: the evidence coordinators check
+    /// their clocks against (read after the request was made and before it is answered).
+    fn sampled<T>(&self, sent: Instant, answer: Result<T>) -> Result<T> {
+        if answer.is_ok() {
+            let date_us = self.reference.wall_us();
+            self.samples.record(Sample { sent, received: self.reference.now(), date_us });
+        }
+        answer
     }
 
     /// The default store file: `$LEASEHOLD_DB`, else `$XDG_DATA_HOME/leasehold/leases.db`,
@@ -497,16 +526,23 @@ impl Store for SqliteStore {
     }
 
     async fn get(&self, key: &str) -> Result<Option<Record>> {
-        let key = key.to_string();
-        self.blocking(move |c| read(c, &key)).await
+        let (key, sent) = (key.to_string(), self.reference.now());
+        let answer = self.blocking(move |c| read(c, &key)).await;
+        self.sampled(sent, answer)
     }
 
     async fn update(&self, key: &str, condition: &Condition, mutation: &Mutation) -> Result<Write> {
         let op = Op::Update { key: key.to_string(), condition: condition.clone(), mutation: mutation.clone() };
-        match self.submit(op).await? {
+        let sent = self.reference.now();
+        let answer = self.submit(op).await;
+        match self.sampled(sent, answer)? {
             Done::Write(w) => Ok(w),
             Done::Purged(_) => unreachable!("an update answers a write"),
         }
+    }
+
+    fn clock(&self) -> Option<&ClockSamples> {
+        Some(&self.samples)
     }
 
     async fn count(&self, kind: &ScanKind) -> Result<u64> {

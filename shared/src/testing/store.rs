@@ -358,7 +358,7 @@ impl SimStore {
                 tokio::time::sleep(back).await;
                 if date_ms > 0 {
                     let date_s = ((date_ms + self.date_offset_ms).max(0) / 1000) as u64;
-                    self.samples.record(Sample { sent, received: tokio_now(), date_s });
+                    self.samples.record(Sample::dated(sent, tokio_now(), date_s));
                 }
                 Ok(done)
             }

@@ -82,7 +82,7 @@ impl HttpConnector for Sampled {
             let received = SystemClock.now();
             let date = response.headers().get("date").and_then(|d| DateTime::from_str(d, DateFormat::HttpDate).ok());
             if let Some(date) = date.filter(|d| d.secs() > 0) {
-                samples.record(Sample { sent, received, date_s: date.secs() as u64 });
+                samples.record(Sample::dated(sent, received, date.secs() as u64));
             }
             Ok(response)
         })
