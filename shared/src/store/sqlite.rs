@@ -369,28 +369,29 @@ enum Job {
     },
 }
 
-/// Where a job's answer goes, and the answer it has so far: "not written" until its group's
-/// transaction evaluated it; sent once that transaction committed (or failed).
+/// Where a job's answer goes, and the answer its group's transaction gave it (none before);
+/// sent once that transaction committed, or failed.
 struct Reply<T> {
     to: tokio::sync::oneshot::Sender<Result<T>>,
-    answer: Result<T>,
+    answer: Option<Result<T>>,
 }
 
 impl<T> Reply<T> {
     fn new(to: tokio::sync::oneshot::Sender<Result<T>>) -> Reply<T> {
-        Reply { to, answer: Err(Error::StoreUnavailable("embedded store: the write was not committed".into())) }
+        Reply { to, answer: None }
     }
 
     /// Keeps the answer of an evaluation; a failed statement abandons the transaction.
     fn keep(&mut self, evaluated: rusqlite::Result<Result<T>>) -> rusqlite::Result<()> {
-        self.answer = evaluated?;
+        self.answer = Some(evaluated?);
         Ok(())
     }
 
-    /// Sends the answer. A caller that stopped waiting (a dropped future) gets nothing; its
-    /// write stands.
+    /// Sends the answer (a write its group never answered was not committed). A caller that
+    /// stopped waiting (a dropped future) gets nothing; its write stands.
     fn send(self) {
-        let _ = self.to.send(self.answer);
+        let not_committed = || Err(Error::StoreUnavailable("embedded store: the write was not committed".into()));
+        let _ = self.to.send(self.answer.unwrap_or_else(not_committed));
     }
 }
 
@@ -419,8 +420,8 @@ impl Job {
     /// This job failed with its group's transaction.
     fn fail(&mut self, e: Error) {
         match self {
-            Job::Update { reply, .. } | Job::Delete { reply, .. } => reply.answer = Err(e),
-            Job::Purge { reply, .. } => reply.answer = Err(e),
+            Job::Update { reply, .. } | Job::Delete { reply, .. } => reply.answer = Some(Err(e)),
+            Job::Purge { reply, .. } => reply.answer = Some(Err(e)),
         }
     }
 
