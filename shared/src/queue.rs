@@ -16,7 +16,7 @@ use async_trait::async_trait;
 use crate::error::{Error, NotHolderReason as Reason, Result};
 use crate::model::{Lease, LeaseId, Record, Released};
 use crate::protocol::{AcquireOptions, Coordinator, ReleaseHook};
-use crate::store::{Condition, Mutation, NewLease, ScanKind, Write};
+use crate::store::{Condition, Mutation, NewLease, QueueCondition, QueueMutation, ScanKind, Write};
 
 /// The waiter key layout and the queue index partitions are the store's (`store/mod.rs`).
 pub use crate::store::{queue_shard, split_waiter_key, waiter_key, QUEUE_SHARDS, QUEUE_SHARD_BASE, SEPARATOR};
@@ -205,13 +205,16 @@ impl Coordinator {
         item.acquired_at_ms = waiter.enqueued_at_ms;
         item.expires_at_ms = Some(0);
         item.ttl = Some(self.ttl_after(waits_until.saturating_add(self.max_duration_ms())));
-        item.waiter = Some(waiter);
+        item.queue.waiter = Some(waiter);
         // Stamped with this try's clock: a retried invocation writes the item again with its
         // own token, and a write of an earlier try held in the network must not put the dead
         // token back (`WaiterNewer`; refused, it changes nothing).
         self.write(&wk, deadline, |now| {
             item.renewed_at_ms = Some(now);
-            Ok((Condition::WaiterNewer { now_ms: now }, Mutation::PutWaiter(Box::new(item.clone()))))
+            Ok((
+                Condition::Queue(QueueCondition::WaiterNewer { now_ms: now }),
+                Mutation::Queue(QueueMutation::PutWaiter(Box::new(item.clone()))),
+            ))
         })
         .await
         .map_err(|f| f.into_error(key))?;
@@ -263,28 +266,29 @@ impl Coordinator {
             let start = self.now_us().max(floor + 1);
             let (w, _, now) = self
                 .write(key, deadline, |now| {
-                    Ok((
-                        Condition::Queueable { now_ms: now, lease_id: lease_id.clone(), start },
-                        Mutation::Enqueue { now_ms: now, start, lease_id: lease_id.clone(), shard },
-                    ))
+                    let join = QueueCondition::Queueable { now_ms: now, lease_id: lease_id.clone(), start };
+                    let enqueue = QueueMutation::Enqueue { now_ms: now, start, lease_id: lease_id.clone(), shard };
+                    Ok((join.into(), enqueue.into()))
                 })
                 .await
                 .map_err(|f| f.into_error(key))?;
             let (r, enqueued_at) = match w {
                 Write::Applied(r) => (r, now),
-                Write::Rejected(Some(r)) if r.queue_tail_lease_id.as_ref() == Some(&lease_id) && r.queue_len() > 0 => {
-                    let at = r.queue_tail_at_ms.unwrap_or(now);
+                Write::Rejected(Some(r))
+                    if r.queue.queue_tail_lease_id.as_ref() == Some(&lease_id) && r.queue_len() > 0 =>
+                {
+                    let at = r.queue.queue_tail_at_ms.unwrap_or(now);
                     (r, at)
                 }
                 // A new queue, and its start not above the item's fence: go again above it.
-                Write::Rejected(Some(r)) if r.queue_head.is_none() && r.fence >= start => {
+                Write::Rejected(Some(r)) if r.queue.queue_head.is_none() && r.fence >= start => {
                     floor = r.fence;
                     continue;
                 }
                 // Freed in between: take it.
                 Write::Rejected(_) => continue,
             };
-            let seq = r.queue_tail.expect("an enqueue sets the tail");
+            let seq = r.queue.queue_tail.expect("an enqueue sets the tail");
             let waiter = Waiter {
                 seq,
                 holder: holder.to_string(),
@@ -296,7 +300,7 @@ impl Coordinator {
                 enqueued_at_ms: enqueued_at,
                 timeout_at_ms,
             };
-            return self.place_waiter(key, waiter, r.queue_head.unwrap_or(seq - 1), now, deadline).await;
+            return self.place_waiter(key, waiter, r.queue.queue_head.unwrap_or(seq - 1), now, deadline).await;
         }
         Err(Error::StoreUnavailable(format!("{key:?} kept changing hands while joining its queue")))
     }
@@ -383,20 +387,21 @@ impl Coordinator {
     /// as a plain acquire of an ended lease_id. The same token (an invocation sent again as it
     /// was): left to the queue's delivery.
     async fn take_over(&self, key: &str, r: &Record, token: &str, deliver: &Arc<dyn Deliver>) -> Result<Enqueued> {
-        let old = r.pending_token.clone().unwrap_or_default();
+        let old = r.queue.pending_token.clone().unwrap_or_default();
         let lease = r.lease(self.monotonic(), self.now_ms(), self.skew_ms()).with_safe_for(self.monotonic());
         if old == token {
             return Ok(Enqueued::Granted(lease));
         }
         let deadline = self.monotonic() + self.config().retry_budget;
-        let cond = Condition::Undelivered { fence: r.fence, token: old };
-        let mark = Mutation::MarkUndelivered { token: token.to_string(), shard: queue_shard(key) };
+        let cond = Condition::Queue(QueueCondition::Undelivered { fence: r.fence, token: old });
+        let mark =
+            Mutation::Queue(QueueMutation::MarkUndelivered { token: token.to_string(), shard: queue_shard(key) });
         let (w, _, _) =
             self.write(key, deadline, |_| Ok((cond.clone(), mark.clone()))).await.map_err(|f| f.into_error(key))?;
         match w {
             Write::Applied(_) => {}
             // An earlier try of this write landed (its answer lost).
-            Write::Rejected(Some(g)) if g.fence == r.fence && g.pending_token.as_deref() == Some(token) => {}
+            Write::Rejected(Some(g)) if g.fence == r.fence && g.queue.pending_token.as_deref() == Some(token) => {}
             Write::Rejected(_) => return Err(Error::NotHolder { key: key.to_string(), reason: Reason::Released }),
         }
         let mut served = Served::default();
@@ -415,16 +420,18 @@ impl Coordinator {
         if &r.lease_id == lease_id {
             // Its slot was granted (the plain acquire before saw it marked undelivered).
             return Ok(Some(match crate::protocol::ended_reason(&r, lease_id, self.now_ms()) {
-                None if r.pending_token.is_some() => Own::Granted(r),
+                None if r.queue.pending_token.is_some() => Own::Granted(r),
                 None => Own::Free(r),
                 Some(reason) => Own::Ended(reason),
             }));
         }
-        let (Some(head), Some(tail)) = (r.queue_head, r.queue_tail) else { return Ok(None) };
+        let (Some(head), Some(tail)) = (r.queue.queue_head, r.queue.queue_tail) else { return Ok(None) };
         let since = self.now_ms().saturating_sub(RETRY_WINDOW_MS);
         for seq in (head + 1..=tail).rev().take(RETRY_SCAN_SLOTS as usize) {
             let wk = waiter_key(key, seq);
-            let Some(w) = self.read(deadline, || self.store().get(&wk)).await?.and_then(|w| w.waiter) else { continue };
+            let Some(w) = self.read(deadline, || self.store().get(&wk)).await?.and_then(|w| w.queue.waiter) else {
+                continue;
+            };
             if &w.lease_id == lease_id && w.seq == seq {
                 return Ok(Some(Own::Slot(head, w)));
             }
@@ -456,7 +463,10 @@ impl Coordinator {
             Err(DeliveryError::Transient(why)) => {
                 tracing::warn!(key, why, "delivery of a queued acquire's grant failed; the sweep delivers it");
                 let deadline = self.monotonic() + self.config().retry_budget;
-                let mark = Mutation::MarkUndelivered { token: token.to_string(), shard: queue_shard(key) };
+                let mark = Mutation::Queue(QueueMutation::MarkUndelivered {
+                    token: token.to_string(),
+                    shard: queue_shard(key),
+                });
                 if let Err(f) = self.write(key, deadline, |_| Ok((Condition::FenceIs(lease.fence), mark.clone()))).await
                 {
                     let e = f.into_error(key);
@@ -490,14 +500,14 @@ impl Coordinator {
             let now = self.checked_now(key).await?;
             let sent = self.monotonic();
             if r.is_held(now) {
-                if let Some(token) = r.pending_token.clone() {
+                if let Some(token) = r.queue.pending_token.clone() {
                     if now.saturating_sub(r.acquired_at_ms) >= DELIVERY_GRACE_MS {
                         self.redeliver(key, &r, &token, &deliver, &mut served).await?;
                     }
                 }
                 return Ok(served);
             }
-            if let Some(token) = r.pending_token.clone() {
+            if let Some(token) = r.queue.pending_token.clone() {
                 // A grant still marked undelivered whose lease has ended: released by its
                 // holder (so it was delivered), or expired before any delivery was known to land.
                 if !self.end_undelivered(key, &r, &token, &deliver, &mut served).await? {
@@ -508,17 +518,17 @@ impl Coordinator {
             if r.queue_len() == 0 {
                 return Ok(served);
             }
-            let head = r.queue_head.expect("a queue has a head");
+            let head = r.queue.queue_head.expect("a queue has a head");
             let seq = head + 1;
             let wk = waiter_key(key, seq);
-            let waiter = self.store().get(&wk).await?.and_then(|w| w.waiter).filter(|w| w.seq == seq);
+            let waiter = self.store().get(&wk).await?.and_then(|w| w.queue.waiter).filter(|w| w.seq == seq);
             let waiter = match waiter {
                 Some(w) if w.timeout_at_ms.is_none_or(|t| t > now) => w,
                 Some(_) => {
                     // Its task timed out: pass over it.
                     if self.skip(key, &r, now, seq).await? {
                         served.skipped += 1;
-                        let _ = self.store().delete(&wk, &Condition::NotLease).await;
+                        let _ = self.store().delete(&wk, &Condition::Queue(QueueCondition::NotLease)).await;
                     }
                     continue;
                 }
@@ -537,8 +547,8 @@ impl Coordinator {
             // Grant: the waiter's lease, a fence above every earlier one, the head moved on.
             let mut lease = self.waiter_lease(key, &r, &waiter, now)?;
             lease.released = r.released_at_ms.map(|_| (r.lease_id.clone(), r.fence));
-            let cond = Condition::HandOver { fence: r.fence, now_ms: now, head };
-            let grant = Mutation::Grant { lease, seq, token: waiter.task_token.clone() };
+            let cond = Condition::Queue(QueueCondition::HandOver { fence: r.fence, now_ms: now, head });
+            let grant = Mutation::Queue(QueueMutation::Grant { lease, seq, token: waiter.task_token.clone() });
             let granted = match self.store().update(key, &cond, &grant).await? {
                 Write::Applied(g) => g,
                 Write::Rejected(_) => continue,
@@ -553,13 +563,13 @@ impl Coordinator {
     /// When slot `seq` (missing its waiter item) was taken, at the latest: the enqueue time of
     /// the first waiter item after it (its slot was taken later), else when the tail last moved.
     async fn slot_taken_by(&self, key: &str, r: &Record, seq: u64) -> Result<u64> {
-        let tail = r.queue_tail.unwrap_or(seq);
+        let tail = r.queue.queue_tail.unwrap_or(seq);
         for next in seq + 1..=tail.min(seq + 4) {
-            if let Some(w) = self.store().get(&waiter_key(key, next)).await?.and_then(|w| w.waiter) {
+            if let Some(w) = self.store().get(&waiter_key(key, next)).await?.and_then(|w| w.queue.waiter) {
                 return Ok(w.enqueued_at_ms);
             }
         }
-        Ok(r.queue_tail_at_ms.unwrap_or(0))
+        Ok(r.queue.queue_tail_at_ms.unwrap_or(0))
     }
 
     /// A free key whose last grant is still marked undelivered: a released grant was delivered
@@ -592,12 +602,12 @@ impl Coordinator {
         self.store()
             .update(
                 key,
-                &Condition::Undelivered { fence: r.fence, token: token.to_string() },
-                &Mutation::Delivered { now_ms: self.now_ms() },
+                &Condition::Queue(QueueCondition::Undelivered { fence: r.fence, token: token.to_string() }),
+                &Mutation::Queue(QueueMutation::Delivered { now_ms: self.now_ms() }),
             )
             .await?;
-        if let Some(seq) = r.queue_head {
-            let _ = self.store().delete(&waiter_key(key, seq), &Condition::NotLease).await;
+        if let Some(seq) = r.queue.queue_head {
+            let _ = self.store().delete(&waiter_key(key, seq), &Condition::Queue(QueueCondition::NotLease)).await;
         }
         Ok(true)
     }
@@ -610,7 +620,7 @@ impl Coordinator {
             metadata: waiter.metadata.clone(),
             keepalive: waiter.keepalive.clone(),
             // A key in a work state is kept until it is taken: no TTL (as for a batch grant).
-            ttl: r.state.is_none().then(|| self.ttl_after(now + waiter.duration_ms)),
+            ttl: r.work.state.is_none().then(|| self.ttl_after(now + waiter.duration_ms)),
             ..NewLease::new(&waiter.holder, waiter.lease_id.clone(), now, Some(waiter.duration_ms), fence)
         })
     }
@@ -636,9 +646,12 @@ impl Coordinator {
         match self.deliver_with_retries(deliver, &token, &lease).await {
             Ok(()) => {
                 served.delivered += 1;
-                let delivered = Mutation::Delivered { now_ms: self.checked_now(key).await? };
-                let _ = self.store().update(key, &Condition::UndeliveredLive { fence, token }, &delivered).await?;
-                let _ = self.store().delete(&wk, &Condition::NotLease).await;
+                let delivered = Mutation::Queue(QueueMutation::Delivered { now_ms: self.checked_now(key).await? });
+                let _ = self
+                    .store()
+                    .update(key, &Condition::Queue(QueueCondition::UndeliveredLive { fence, token }), &delivered)
+                    .await?;
+                let _ = self.store().delete(&wk, &Condition::Queue(QueueCondition::NotLease)).await;
                 Ok(false)
             }
             Err(DeliveryError::Gone(why)) => {
@@ -648,10 +661,10 @@ impl Coordinator {
                 // that invocation's to deliver, and the revoke is refused.
                 tracing::info!(key, seq, why, "queued waiter is gone; its grant is revoked");
                 // A key in a work state is kept until it is taken: no TTL.
-                let ttl = granted.state.is_none().then(|| self.ttl_after(now + self.max_duration_ms()));
-                let m = Mutation::Revoke { now_ms: self.checked_now(key).await?, ttl };
-                self.store().update(key, &Condition::Undelivered { fence, token }, &m).await?;
-                let _ = self.store().delete(&wk, &Condition::NotLease).await;
+                let ttl = granted.work.state.is_none().then(|| self.ttl_after(now + self.max_duration_ms()));
+                let m = Mutation::Queue(QueueMutation::Revoke { now_ms: self.checked_now(key).await?, ttl });
+                self.store().update(key, &Condition::Queue(QueueCondition::Undelivered { fence, token }), &m).await?;
+                let _ = self.store().delete(&wk, &Condition::Queue(QueueCondition::NotLease)).await;
                 served.skipped += 1;
                 Ok(true)
             }
@@ -674,14 +687,15 @@ impl Coordinator {
         lease_id: &LeaseId,
         r: &Record,
     ) -> Result<Option<Released>> {
-        let (Some(deliver), Some(head)) = (self.deliver(), r.queue_head) else { return Ok(None) };
+        let (Some(deliver), Some(head)) = (self.deliver(), r.queue.queue_head) else { return Ok(None) };
         self.check_clock(key).await?;
         let now = self.now_ms();
         if r.min_hold_until_ms > now {
             return Ok(None);
         }
         let seq = head + 1;
-        let waiter = self.store().get(&waiter_key(key, seq)).await?.and_then(|w| w.waiter).filter(|w| w.seq == seq);
+        let waiter =
+            self.store().get(&waiter_key(key, seq)).await?.and_then(|w| w.queue.waiter).filter(|w| w.seq == seq);
         let Some(waiter) = waiter.filter(|w| w.timeout_at_ms.is_none_or(|t| t > now)) else { return Ok(None) };
         // Through the retrying write: the grant keeps the releasing lease's id, so a retry whose
         // earlier try landed recognises it (as does a retried release), and a write that may
@@ -695,8 +709,13 @@ impl Coordinator {
                 let mut lease = self.waiter_lease(key, r, &waiter, now)?;
                 lease.released = Some(released_id.clone());
                 Ok((
-                    Condition::ReleaseHandOver { lease_id: lease_id.clone(), fence: r.fence, now_ms: now, head },
-                    Mutation::Grant { lease, seq, token: waiter.task_token.clone() },
+                    Condition::Queue(QueueCondition::ReleaseHandOver {
+                        lease_id: lease_id.clone(),
+                        fence: r.fence,
+                        now_ms: now,
+                        head,
+                    }),
+                    Mutation::Queue(QueueMutation::Grant { lease, seq, token: waiter.task_token.clone() }),
                 ))
             })
             .await
@@ -709,15 +728,15 @@ impl Coordinator {
             // first, and that release revokes a grant its first delivery finds gone. The grant
             // stays marked; the sweep delivers it after the grace, and never revokes.
             Write::Rejected(Some(g))
-                if g.released_lease_id.as_ref() == Some(lease_id)
+                if g.queue.released_lease_id.as_ref() == Some(lease_id)
                     && g.lease_id == waiter.lease_id
-                    && g.queue_head == Some(seq) =>
+                    && g.queue.queue_head == Some(seq) =>
             {
-                return Ok(Some(Released::at(key, r.fence, g.acquired_at_ms, tries == 1, r.state.clone())));
+                return Ok(Some(Released::at(key, r.fence, g.acquired_at_ms, tries == 1, r.work.state.clone())));
             }
             Write::Rejected(_) => return Ok(None),
         };
-        let released = Released::at(key, r.fence, now, false, r.state.clone());
+        let released = Released::at(key, r.fence, now, false, r.work.state.clone());
         let mut served = Served::default();
         if self.deliver_grant(&deliver, key, &granted, sent, now, &waiter, &mut served).await? {
             if let Err(e) = self.serve_queue(key).await {
@@ -781,18 +800,20 @@ impl Coordinator {
                 return Ok(());
             }
         }
-        let cond = Condition::UndeliveredLive { fence: r.fence, token: token.to_string() };
-        self.store().update(key, &cond, &Mutation::Delivered { now_ms: self.checked_now(key).await? }).await?;
-        if let Some(seq) = r.queue_head {
-            let _ = self.store().delete(&waiter_key(key, seq), &Condition::NotLease).await;
+        let cond = Condition::Queue(QueueCondition::UndeliveredLive { fence: r.fence, token: token.to_string() });
+        self.store()
+            .update(key, &cond, &Mutation::Queue(QueueMutation::Delivered { now_ms: self.checked_now(key).await? }))
+            .await?;
+        if let Some(seq) = r.queue.queue_head {
+            let _ = self.store().delete(&waiter_key(key, seq), &Condition::Queue(QueueCondition::NotLease)).await;
         }
         Ok(())
     }
 
     /// Passes over waiter `seq` (the head moves on) if the key is still free with the same head.
     async fn skip(&self, key: &str, r: &Record, now: u64, seq: u64) -> Result<bool> {
-        let cond = Condition::HandOver { fence: r.fence, now_ms: now, head: seq - 1 };
-        let m = Mutation::Skip { seq, now_ms: self.checked_now(key).await? };
+        let cond = Condition::Queue(QueueCondition::HandOver { fence: r.fence, now_ms: now, head: seq - 1 });
+        let m = Mutation::Queue(QueueMutation::Skip { seq, now_ms: self.checked_now(key).await? });
         Ok(matches!(self.store().update(key, &cond, &m).await?, Write::Applied(_)))
     }
 
@@ -862,8 +883,11 @@ impl Coordinator {
             }
         }
         match self.store().get(key).await {
-            Ok(Some(r)) if r.queue_len() == 0 && r.pending_token.is_none() => {
-                if let Ok(Write::Applied(_)) = self.store().update(key, &Condition::QueueIdle, &Mutation::Unindex).await
+            Ok(Some(r)) if r.queue_len() == 0 && r.queue.pending_token.is_none() => {
+                if let Ok(Write::Applied(_)) = self
+                    .store()
+                    .update(key, &Condition::Queue(QueueCondition::QueueIdle), &Mutation::Queue(QueueMutation::Unindex))
+                    .await
                 {
                     report.unindexed += 1;
                 }
@@ -881,9 +905,9 @@ impl Coordinator {
     pub async fn queue_position(&self, key: &str, lease_id: &LeaseId, limit: u64) -> Result<Option<u64>> {
         self.config().limits.key(key)?;
         let Some(r) = self.store().get(key).await? else { return Ok(None) };
-        let (Some(head), Some(tail)) = (r.queue_head, r.queue_tail) else { return Ok(None) };
+        let (Some(head), Some(tail)) = (r.queue.queue_head, r.queue.queue_tail) else { return Ok(None) };
         for seq in head + 1..=tail.min(head + limit) {
-            if let Some(w) = self.store().get(&waiter_key(key, seq)).await?.and_then(|w| w.waiter) {
+            if let Some(w) = self.store().get(&waiter_key(key, seq)).await?.and_then(|w| w.queue.waiter) {
                 if &w.lease_id == lease_id {
                     return Ok(Some(seq - head));
                 }

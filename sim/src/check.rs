@@ -18,7 +18,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use leasehold::store::Mutation;
+use leasehold::store::{LeaseMutation, Mutation, QueueMutation, SemaphoreMutation, WorkMutation};
 use leasehold::testing::Applied;
 
 use crate::Event;
@@ -83,8 +83,13 @@ pub(crate) fn check(events: &[Event], log: &[Applied], t0: Instant, fence_lead: 
 fn released_once(log: &[Applied], out: &mut Vec<Violation>) {
     for a in log {
         let (Some(m), Some(old)) = (&a.mutation, &a.old) else { continue };
-        let again = matches!(m, Mutation::Release { .. } | Mutation::ReleaseTo { .. } | Mutation::Extend { .. });
-        if again && old.released_at_ms.is_some() && old.slots.is_none() {
+        let again = matches!(
+            m,
+            Mutation::Lease(LeaseMutation::Release { .. })
+                | Mutation::Work(WorkMutation::ReleaseTo { .. })
+                | Mutation::Lease(LeaseMutation::Extend { .. })
+        );
+        if again && old.released_at_ms.is_some() && old.semaphore.slots.is_none() {
             let mut v = Violation::new(
                 "released_lease_changed",
                 &a.key,
@@ -101,8 +106,8 @@ fn released_once(log: &[Applied], out: &mut Vec<Violation>) {
 /// in-process hand-over never replaces an item whose `awaited_by` names another coordinator.
 fn marks_kept(log: &[Applied], out: &mut Vec<Violation>) {
     for a in log {
-        let (Some(Mutation::Acquire(n)), Some(old)) = (&a.mutation, &a.old) else { continue };
-        let (Some(line), Some(waiter)) = (&n.handed_in, &old.awaited_by) else { continue };
+        let (Some(Mutation::Lease(LeaseMutation::Acquire(n))), Some(old)) = (&a.mutation, &a.old) else { continue };
+        let (Some(line), Some(waiter)) = (&n.handed_in, &old.queue.awaited_by) else { continue };
         if line != waiter && a.new.is_some() {
             let mut v = Violation::new(
                 "mark_ignored",
@@ -139,10 +144,12 @@ fn starvation(events: &[Event], log: &[Applied], out: &mut Vec<Violation>) {
     let mut grants: BTreeMap<&str, Vec<(Instant, Option<&str>)>> = BTreeMap::new();
     for a in log {
         match (&a.mutation, &a.new) {
-            (Some(Mutation::Acquire(n)), Some(_)) => {
+            (Some(Mutation::Lease(LeaseMutation::Acquire(n))), Some(_)) => {
                 grants.entry(a.key.as_str()).or_default().push((a.at, n.handed_in.as_deref()))
             }
-            (Some(Mutation::Grant { .. }), Some(_)) => grants.entry(a.key.as_str()).or_default().push((a.at, None)),
+            (Some(Mutation::Queue(QueueMutation::Grant { .. })), Some(_)) => {
+                grants.entry(a.key.as_str()).or_default().push((a.at, None))
+            }
             _ => {}
         }
     }
@@ -185,7 +192,7 @@ fn queues(log: &[Applied], out: &mut Vec<Violation>) {
             last.remove(a.key.as_str());
         }
         match (&a.mutation, &a.old) {
-            (Some(Mutation::Grant { seq, .. }), _) => {
+            (Some(Mutation::Queue(QueueMutation::Grant { seq, .. })), _) => {
                 let before = last.insert(a.key.as_str(), *seq).unwrap_or(0);
                 if *seq <= before {
                     // A repeated number is a later queue reusing an earlier one's numbers, and
@@ -200,8 +207,8 @@ fn queues(log: &[Applied], out: &mut Vec<Violation>) {
                     out.push(v);
                 }
             }
-            (Some(Mutation::Enqueue { lease_id, .. }), Some(old))
-                if old.queue_len() > 0 && old.queue_tail_lease_id.as_ref() == Some(lease_id) =>
+            (Some(Mutation::Queue(QueueMutation::Enqueue { lease_id, .. })), Some(old))
+                if old.queue_len() > 0 && old.queue.queue_tail_lease_id.as_ref() == Some(lease_id) =>
             {
                 let mut v = Violation::new(
                     "enqueued_twice",
@@ -224,7 +231,7 @@ fn releases(events: &[Event], log: &[Applied], out: &mut Vec<Violation>) {
     for e in events {
         let Event::ReleaseRefused { key, lease, at } = e else { continue };
         let item = log.iter().rev().find(|a| a.key == *key && a.at <= *at).and_then(|a| a.new.as_ref());
-        if item.is_some_and(|r| r.released_lease_id.as_ref().is_some_and(|id| id.expose() == lease)) {
+        if item.is_some_and(|r| r.queue.released_lease_id.as_ref().is_some_and(|id| id.expose() == lease)) {
             let mut v = Violation::new(
                 "release_not_holder",
                 key,
@@ -272,8 +279,8 @@ fn copied_past_lead(log: &[Applied], t0: Instant, lead: Duration, out: &mut Vec<
     let bound = (lead + Duration::from_millis(crate::SKEW_MARGIN_MS)).as_micros() as u64;
     for a in log {
         let lease = match a.mutation.as_ref() {
-            Some(Mutation::Acquire(n)) => n,
-            Some(Mutation::Grant { lease, .. }) => lease,
+            Some(Mutation::Lease(LeaseMutation::Acquire(n))) => n,
+            Some(Mutation::Queue(QueueMutation::Grant { lease, .. })) => lease,
             _ => continue,
         };
         let now = true_us(t0, a.at);
@@ -323,13 +330,13 @@ fn deleted_before_its_fence(log: &[Applied], t0: Instant, out: &mut Vec<Violatio
 /// No item in a work state is deleted by TTL (a key in a state is kept until it is taken).
 fn ttl_on_work_items(log: &[Applied], out: &mut Vec<Violation>) {
     for a in log.iter().filter(|a| a.ttl) {
-        if let Some(old) = a.old.as_ref().filter(|r| r.state.is_some()) {
+        if let Some(old) = a.old.as_ref().filter(|r| r.work.state.is_some()) {
             let mut v = Violation::new(
                 "work_item_deleted_by_ttl",
                 &a.key,
                 format!(
                     "TTL deleted a key in work state {:?} (a renewal left its TTL)",
-                    old.state.as_deref().unwrap_or("")
+                    old.work.state.as_deref().unwrap_or("")
                 ),
             );
             v.at = Some(a.at);
@@ -403,11 +410,11 @@ pub(crate) fn history(
         };
         let what = if a.key == key { what } else { format!("{what} of waiter {}", &a.key[key.len() + 1..]) };
         let new = a.new.as_ref().map_or(String::new(), |r| {
-            let queue = match (r.queue_head, r.queue_tail) {
+            let queue = match (r.queue.queue_head, r.queue.queue_tail) {
                 (Some(h), Some(t)) => format!(" queue {}..{}", h % 10_000, t % 10_000),
                 _ => String::new(),
             };
-            let mark = match (&r.pending_token, &r.waiter) {
+            let mark = match (&r.queue.pending_token, &r.queue.waiter) {
                 (Some(t), _) => format!(" undelivered to {}", short_token(t)),
                 (None, Some(w)) => format!(" token {}", short_token(&w.task_token)),
                 _ => String::new(),
@@ -432,19 +439,27 @@ pub(crate) fn history(
 
 fn describe(m: &Mutation) -> String {
     match m {
-        Mutation::Acquire(n) if n.handed_in.is_some() => {
+        Mutation::Lease(LeaseMutation::Acquire(n)) if n.handed_in.is_some() => {
             format!("Acquire (handed over within {})", short(n.handed_in.as_deref().unwrap_or_default()))
         }
-        Mutation::WaitsIn { coordinator } => format!("WaitsIn (by {})", short(coordinator)),
-        Mutation::TakeSlot { slot, .. } => format!("TakeSlot of {}", short(slot.lease_id.expose())),
-        Mutation::RenewSlot { lease_id, .. } => format!("RenewSlot of {}", short(lease_id.expose())),
-        Mutation::ReleaseSlot { lease_id, .. } => format!("ReleaseSlot of {}", short(lease_id.expose())),
-        Mutation::TidySlots { ended, .. } => {
+        Mutation::Queue(QueueMutation::WaitsIn { coordinator }) => format!("WaitsIn (by {})", short(coordinator)),
+        Mutation::Semaphore(SemaphoreMutation::TakeSlot { slot, .. }) => {
+            format!("TakeSlot of {}", short(slot.lease_id.expose()))
+        }
+        Mutation::Semaphore(SemaphoreMutation::RenewSlot { lease_id, .. }) => {
+            format!("RenewSlot of {}", short(lease_id.expose()))
+        }
+        Mutation::Semaphore(SemaphoreMutation::ReleaseSlot { lease_id, .. }) => {
+            format!("ReleaseSlot of {}", short(lease_id.expose()))
+        }
+        Mutation::Semaphore(SemaphoreMutation::TidySlots { ended, .. }) => {
             format!("TidySlots of {}", ended.iter().map(|l| short(l.expose())).collect::<Vec<_>>().join(", "))
         }
         _ => {
+            // The kind's own variant: `Lease(Extend { .. })` is an `Extend`.
             let s = format!("{m:?}");
-            s.split([' ', '(', '{']).next().unwrap_or("").to_string()
+            let inner = s.split_once('(').map_or(s.as_str(), |(_, variant)| variant);
+            inner.split([' ', '(', '{', ')']).next().unwrap_or("").to_string()
         }
     }
 }
@@ -574,7 +589,7 @@ fn blind(client: &str) -> bool {
 fn forces(log: &[Applied]) -> BTreeMap<&str, Vec<(Instant, u64)>> {
     let mut out: BTreeMap<&str, Vec<(Instant, u64)>> = BTreeMap::new();
     for a in log {
-        if let (Some(Mutation::ForceRelease { .. }), Some(old)) = (&a.mutation, &a.old) {
+        if let (Some(Mutation::Lease(LeaseMutation::ForceRelease { .. })), Some(old)) = (&a.mutation, &a.old) {
             out.entry(a.key.as_str()).or_default().push((a.at, old.fence));
         }
     }
@@ -624,8 +639,8 @@ fn fences(events: &[Event], log: &[Applied], out: &mut Vec<Violation>) {
             }
         }
         let grant = match a.mutation.as_ref() {
-            Some(Mutation::Acquire(n)) => Some(n),
-            Some(Mutation::Grant { lease, .. }) => Some(lease),
+            Some(Mutation::Lease(LeaseMutation::Acquire(n))) => Some(n),
+            Some(Mutation::Queue(QueueMutation::Grant { lease, .. })) => Some(lease),
             _ => None,
         };
         if let Some(n) = grant {
@@ -641,7 +656,7 @@ fn fences(events: &[Event], log: &[Applied], out: &mut Vec<Violation>) {
             }
             // A queue sequence number granted again (reported by `queues`).
             let reused = match a.mutation.as_ref() {
-                Some(Mutation::Grant { seq, .. }) => !seqs.insert((a.key.as_str(), *seq)),
+                Some(Mutation::Queue(QueueMutation::Grant { seq, .. })) => !seqs.insert((a.key.as_str(), *seq)),
                 _ => false,
             };
             if !granted.insert((a.key.as_str(), n.lease_id.expose())) && !reused {
@@ -655,7 +670,9 @@ fn fences(events: &[Event], log: &[Applied], out: &mut Vec<Violation>) {
                 // A retry now keeps its earlier slot when it finds that item; left: the earlier
                 // item landing after the retry looked (DESIGN.md, "Simulation").
                 let second_told = told_after.get(&(a.key.as_str(), n.lease_id.expose())).is_some_and(|t| *t > a.at);
-                let queued_untold = was_told && !second_told && matches!(a.mutation, Some(Mutation::Grant { .. }));
+                let queued_untold = was_told
+                    && !second_told
+                    && matches!(a.mutation, Some(Mutation::Queue(QueueMutation::Grant { .. })));
                 let mut v = Violation::new(
                     if queued_untold {
                         "queued_lease_id_regranted"
@@ -682,9 +699,9 @@ fn fences(events: &[Event], log: &[Applied], out: &mut Vec<Violation>) {
 /// The slot a write granted, if it took one: its fence and lease_id.
 fn slot_granted(a: &Applied) -> Option<(u64, &str)> {
     match a.mutation.as_ref()? {
-        Mutation::TakeSlot { slot, .. } => Some((slot.fence, slot.lease_id.expose())),
-        Mutation::PutSemaphore(r) => {
-            r.slot_holders.iter().find(|h| h.fence == r.fence).map(|h| (h.fence, h.lease_id.expose()))
+        Mutation::Semaphore(SemaphoreMutation::TakeSlot { slot, .. }) => Some((slot.fence, slot.lease_id.expose())),
+        Mutation::Semaphore(SemaphoreMutation::PutSemaphore(r)) => {
+            r.semaphore.slot_holders.iter().find(|h| h.fence == r.fence).map(|h| (h.fence, h.lease_id.expose()))
         }
         _ => None,
     }
@@ -694,7 +711,7 @@ fn slot_granted(a: &Applied) -> Option<(u64, &str)> {
 fn finished(events: &[Event], log: &[Applied], out: &mut Vec<Violation>) {
     let mut landed: BTreeMap<(&str, &str), u32> = BTreeMap::new();
     for a in log {
-        if let (Some(Mutation::ReleaseTo { .. }), Some(old)) = (&a.mutation, &a.old) {
+        if let (Some(Mutation::Work(WorkMutation::ReleaseTo { .. })), Some(old)) = (&a.mutation, &a.old) {
             *landed.entry((a.key.as_str(), old.lease_id.expose())).or_default() += 1;
         }
     }

@@ -554,8 +554,8 @@ async fn simulate(s: Settings) -> Outcome {
         let k = work_key(i);
         match store.peek(&k) {
             Some(r)
-                if r.state.as_deref() == Some(todo(s.seed).as_str())
-                    || r.state.as_deref() == Some(done(s.seed).as_str()) =>
+                if r.work.state.as_deref() == Some(todo(s.seed).as_str())
+                    || r.work.state.as_deref() == Some(done(s.seed).as_str()) =>
             {
                 if r.is_held(checker.now_ms()) {
                     lock(&world).violations.push(Violation::new(
@@ -569,12 +569,12 @@ async fn simulate(s: Settings) -> Outcome {
                 let mut v = Violation::new(
                     "work_item_lost",
                     &k,
-                    format!("work item {k} left its states: {:?}", other.map(|r| r.state)),
+                    format!("work item {k} left its states: {:?}", other.map(|r| r.work.state)),
                 );
                 // Deleted by TTL in its state (the store's log says so).
                 if store_log(&store)
                     .iter()
-                    .any(|a| a.key == k && a.ttl && a.old.as_ref().is_some_and(|r| r.state.is_some()))
+                    .any(|a| a.key == k && a.ttl && a.old.as_ref().is_some_and(|r| r.work.state.is_some()))
                 {
                     v.kind = "work_item_deleted_by_ttl";
                 }
@@ -658,18 +658,20 @@ async fn idle_past_evidence(world: &Shared, store: &SimStore, truth: &Arc<SimClo
 fn freed_by_queue_write(log: &[leasehold::testing::Applied], key: &str, lease_id: &str) -> bool {
     let on_key: Vec<_> = log.iter().filter(|a| a.key == key).collect();
     let Some(i) = on_key.iter().rposition(
-        |a| matches!(&a.mutation, Some(leasehold::store::Mutation::Acquire(n)) if n.lease_id.expose() == lease_id),
+        |a| matches!(&a.mutation, Some(leasehold::store::Mutation::Lease(leasehold::store::LeaseMutation::Acquire(n))) if n.lease_id.expose() == lease_id),
     ) else {
         return false;
     };
-    let blocked = |r: &leasehold::Record| r.pending_token.is_some() || r.queue_len() > 0;
+    let blocked = |r: &leasehold::Record| r.queue.pending_token.is_some() || r.queue_len() > 0;
     // Back from the acquire to the last write that ended or granted a lease: a queue write
     // since then unblocked the key.
     for a in on_key[..i].iter().rev() {
-        use leasehold::store::Mutation as M;
+        use leasehold::store::{LeaseMutation as L, Mutation as M, QueueMutation as Q};
         if matches!(
             a.mutation,
-            None | Some(M::Release { .. } | M::ForceRelease { .. } | M::Acquire(_) | M::Grant { .. })
+            None | Some(
+                M::Lease(L::Release { .. } | L::ForceRelease { .. } | L::Acquire(_)) | M::Queue(Q::Grant { .. })
+            )
         ) {
             return false;
         }
@@ -952,7 +954,9 @@ async fn acquire(
     // A fail-closed acquire's own lease: whether the item holds it (it never expires).
     let own = opts.lease_id.clone().filter(|_| duration.is_none());
     let holds_own = |id: &LeaseId| {
-        node.store.peek(k).is_some_and(|r| &r.lease_id == id && r.released_at_ms.is_none() && r.slots.is_none())
+        node.store
+            .peek(k)
+            .is_some_and(|r| &r.lease_id == id && r.released_at_ms.is_none() && r.semaphore.slots.is_none())
     };
     let held_before = own.as_ref().is_some_and(holds_own);
     let opts_waited = opts.wait.is_some_and(|w| !w.is_zero());

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use leasehold::queue::{queue_shard, Deliver, DeliveryError, Enqueued, SEPARATOR};
-use leasehold::store::{Condition, Mutation, Page, ScanKind, Store, Write};
+use leasehold::store::{Condition, Mutation, Page, QueueMutation, ScanKind, Store, Write};
 use leasehold::{AcquireOptions, Clock, ClockSamples, Config, Coordinator, Error, Lease, LeaseId, Record, SystemClock};
 use leasehold_tests::{both_backends, test_config, Backend, Fault, Faulty};
 
@@ -89,12 +89,12 @@ async fn a_stale_fail_closed_acquire_never_takes_a_key_a_queue_write_freed_after
     let other = b.coordinator(test_config());
     let server = b.coordinator(test_config()).with_deliver(Arc::new(Delivers));
     let held = other.acquire(k, "other", secs(60), AcquireOptions::default()).await.unwrap();
-    let mark = Mutation::MarkUndelivered { token: "task".into(), shard: queue_shard(k) };
+    let mark = Mutation::Queue(QueueMutation::MarkUndelivered { token: "task".into(), shard: queue_shard(k) });
     let w = b.store().update(k, &Condition::FenceIs(held.fence), &mark).await.unwrap();
     assert!(matches!(w, leasehold::store::Write::Applied(_)), "{w:?}");
     // Released by a coordinator that serves no queue: the mark stays.
     other.release(k, &held.lease_id).await.unwrap();
-    assert!(b.store().get(k).await.unwrap().unwrap().pending_token.is_some());
+    assert!(b.store().get(k).await.unwrap().unwrap().queue.pending_token.is_some());
     // The stale attempt's clock is past the release (a release before it is not compared).
     tokio::time::sleep(Duration::from_millis(5)).await;
     let id = LeaseId::generate();
@@ -110,7 +110,7 @@ async fn a_stale_fail_closed_acquire_never_takes_a_key_a_queue_write_freed_after
     tokio::time::sleep(Duration::from_millis(5)).await;
     server.serve_queue(k).await.unwrap();
     let item = b.store().get(k).await.unwrap().unwrap();
-    assert!(item.pending_token.is_none(), "{item:?}");
+    assert!(item.queue.pending_token.is_none(), "{item:?}");
     assert!(sent.elapsed() < Duration::from_secs(3), "the stale attempt must land after the mark went");
     // The stale attempt lands (3 s after it was sent), and is refused.
     tokio::time::sleep(Duration::from_secs(3).saturating_sub(sent.elapsed()) + Duration::from_millis(700)).await;
@@ -132,7 +132,7 @@ async fn a_stale_plain_acquire_never_takes_a_key_a_queue_write_freed_after_it_wa
     let other = b.coordinator(test_config());
     let server = b.coordinator(test_config()).with_deliver(Arc::new(Delivers));
     let held = other.acquire(k, "other", secs(60), AcquireOptions::default()).await.unwrap();
-    let mark = Mutation::MarkUndelivered { token: "task".into(), shard: queue_shard(k) };
+    let mark = Mutation::Queue(QueueMutation::MarkUndelivered { token: "task".into(), shard: queue_shard(k) });
     let w = b.store().update(k, &Condition::FenceIs(held.fence), &mark).await.unwrap();
     assert!(matches!(w, leasehold::store::Write::Applied(_)), "{w:?}");
     other.release(k, &held.lease_id).await.unwrap();
@@ -154,7 +154,7 @@ async fn a_stale_plain_acquire_never_takes_a_key_a_queue_write_freed_after_it_wa
     // The queue ends the released grant's mark, stamping `freed_at_ms`.
     tokio::time::sleep(Duration::from_millis(5)).await;
     server.serve_queue(k).await.unwrap();
-    assert!(b.store().get(k).await.unwrap().unwrap().freed_at_ms.is_some());
+    assert!(b.store().get(k).await.unwrap().unwrap().queue.freed_at_ms.is_some());
     assert!(sent.elapsed() < Duration::from_secs(3), "both stale attempts must land after the mark went");
     // Both land, and are refused.
     tokio::time::sleep(Duration::from_millis(3650 + 700).saturating_sub(sent.elapsed())).await;
@@ -239,7 +239,7 @@ impl Store for HeldWaiterWrite {
         self.inner.get(key).await
     }
     async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
-        if matches!(m, Mutation::PutWaiter(_)) && self.armed.swap(false, Ordering::SeqCst) {
+        if matches!(m, Mutation::Queue(QueueMutation::PutWaiter(_))) && self.armed.swap(false, Ordering::SeqCst) {
             let (inner, key, c, m) = (self.inner.clone(), key.to_string(), c.clone(), m.clone());
             let (gate, landed) = (self.gate.clone(), self.landed.clone());
             tokio::spawn(async move {
@@ -582,7 +582,7 @@ async fn an_unanswered_renewal_leaves_no_ttl_on_a_work_item(b: Backend) {
     assert!(r.is_err(), "{r:?}");
     faulty.plan.lock().unwrap().clear();
     let item = b.store().get("wi-ttl").await.unwrap().unwrap();
-    assert_eq!(item.state.as_deref(), Some("todo-ttl"));
+    assert_eq!(item.work.state.as_deref(), Some("todo-ttl"));
     assert_eq!(item.ttl, None, "a renewal left a TTL on a work item: {item:?}");
 }
 
@@ -598,7 +598,7 @@ async fn a_renewal_of_a_work_item_extends_it_without_a_ttl(b: Backend) {
         assert_eq!(h.fence, l.fence);
         assert!(h.expires_at_ms >= l.expires_at_ms);
         let item = b.store().get("wi-renew").await.unwrap().unwrap();
-        assert_eq!(item.state.as_deref(), Some("todo-renew"));
+        assert_eq!(item.work.state.as_deref(), Some("todo-renew"));
         assert_eq!(item.ttl, None, "{item:?}");
     }
     let plain = c.acquire("plain-renew", "h", secs(30), AcquireOptions::default()).await.unwrap();
