@@ -12,7 +12,7 @@ use crate::finale;
 use crate::node::{clock_jumps, config, crash_node, start_node, Jumped, Kind, Running};
 use crate::sfn::{functions_node, queue_sweeper};
 use crate::store_log::fault_map;
-use crate::world::{draw, key, lock, now, todo, work_key, Event, Shared, World, KEYS, WORK};
+use crate::world::{done, draw, key, lock, now, todo, work_key, Event, Shared, World, KEYS, WORK};
 use crate::{check, Outcome, Settings, ATTEMPT_TIMEOUT, EPOCH_MS, SKEW_MARGIN_MS};
 
 /// The processes of a run, and the faults the driver has under way.
@@ -85,7 +85,8 @@ fn outcome(
     let mut w = lock(world);
     let events = std::mem::take(&mut w.events);
     let mut violations = std::mem::take(&mut w.violations);
-    violations.extend(check::check(&events, &log, t0, config(truth.clone(), s.blind_clock).fence_lead));
+    let lead = config(truth.clone(), s.blind_clock).fence_lead;
+    violations.extend(check::check(&events, &log, t0, lead, &done(s.seed)));
     let findings = violations.iter().filter(|v| v.known).fold(BTreeMap::new(), |mut m, v| {
         *m.entry(v.kind).or_default() += 1;
         m

@@ -7,7 +7,9 @@
 //!   above every fence the key carried before (TTL deletions included).
 //! - **A lease_id is granted at most once** on a key (once told to a holder).
 //! - **No late answer**: a grant or renewal is never told after its safe time passed.
-//! - **Work items**: a release into the final state answered as done was applied exactly once.
+//! - **Work items**: a release into the final state answered as done was applied exactly once;
+//!   an item in its final state is never taken again from the state it left; each item enters
+//!   its final state once per `put`.
 //!
 //! The run itself checks, as it goes: the guarded resource never sees two leases with one fence
 //! and never refuses a holder within its safe time; every acquire ends by its deadline; a
@@ -67,13 +69,21 @@ pub(super) fn short(id: &str) -> &str {
 }
 
 /// Every check over the history; the violations carry the key's history around them.
-pub(crate) fn check(events: &[Event], log: &[Applied], t0: Instant, fence_lead: Duration) -> Vec<Violation> {
+pub(crate) fn check(
+    events: &[Event],
+    log: &[Applied],
+    t0: Instant,
+    fence_lead: Duration,
+    final_state: &str,
+) -> Vec<Violation> {
     let mut out = Vec::new();
     holders::overlaps(events, log, t0, &mut out);
     fences::fences(events, log, &mut out);
     holders::told_in_time(events, t0, &mut out);
     work::finished(events, log, &mut out);
     work::ttl_on_work_items(log, &mut out);
+    work::final_items_kept(log, final_state, &mut out);
+    work::finished_once_per_put(log, final_state, &mut out);
     fences::deleted_before_its_fence(log, t0, &mut out);
     fences::copied_past_lead(log, t0, fence_lead, &mut out);
     queues::queues(log, &mut out);

@@ -46,3 +46,58 @@ pub(super) fn finished(events: &[Event], log: &[Applied], out: &mut Vec<Violatio
         }
     }
 }
+
+/// An item in its final state is never taken again: a take from a work state lands only on an
+/// item still in the visit it read (`FreeIn`), so no grant moves an item out of its final state
+/// (a take from the first state on a finished item would write the first state back into it).
+/// An acquire of the key by name keeps the state it is in, the final one included.
+pub(super) fn final_items_kept(log: &[Applied], final_state: &str, out: &mut Vec<Violation>) {
+    for a in log {
+        let (Some(Mutation::Acquire(_) | Mutation::Grant { .. }), Some(old), Some(new)) = (&a.mutation, &a.old, &a.new)
+        else {
+            continue;
+        };
+        if old.state.as_deref() == Some(final_state) && new.state != old.state {
+            let mut v = Violation::new(
+                "finished_item_taken",
+                &a.key,
+                format!(
+                    "{}, in its final state, was taken again by lease {} of state {:?}",
+                    a.key,
+                    super::short(new.lease_id.expose()),
+                    new.state.as_deref().unwrap_or("")
+                ),
+            );
+            v.at = Some(a.at);
+            out.push(v);
+        }
+    }
+}
+
+/// Each item enters its final state once per `put`: between two puts of an item (its setup
+/// included), at most one release into the final state lands on it.
+pub(super) fn finished_once_per_put(log: &[Applied], final_state: &str, out: &mut Vec<Violation>) {
+    // Per item: entries into the final state since its last put.
+    let mut entries: BTreeMap<&str, u32> = BTreeMap::new();
+    for a in log {
+        match (&a.mutation, &a.new) {
+            (Some(Mutation::Enter { .. }), Some(_)) => {
+                entries.insert(a.key.as_str(), 0);
+            }
+            (Some(Mutation::ReleaseTo { state, .. }), Some(_)) if state == final_state => {
+                let n = entries.entry(a.key.as_str()).or_default();
+                *n += 1;
+                if *n > 1 {
+                    let mut v = Violation::new(
+                        "finished_twice_per_put",
+                        &a.key,
+                        format!("{} entered its final state {n} times since it was last put", a.key),
+                    );
+                    v.at = Some(a.at);
+                    out.push(v);
+                }
+            }
+            _ => {}
+        }
+    }
+}
