@@ -261,8 +261,9 @@ impl Coordinator {
                 break;
             }
             let shard = format!("{state}#{}", (first + i) % shards);
-            // Contention is remembered per store handle and state.
-            let memo = format!("{:p}/{state}", std::sync::Arc::as_ptr(self.store()));
+            // Contention is remembered per coordinator and state (by its id, not an address: a
+            // process's allocations decide nothing it does, and a simulated seed replays).
+            let memo = format!("{}/{state}", self.id());
             let spread = contended(&memo, self.monotonic());
             let page = if spread { (want * SPREAD).min(MAX_CANDIDATES) } else { 2 * want };
             let now = self.now_ms();
