@@ -66,8 +66,8 @@ pub use crate::model::Waiter;
 
 /// What a queued acquire sent again with its lease_id finds of its earlier try.
 enum Own {
-    /// Its waiter item (in the queue whose head is the number).
-    Slot(u64, Waiter),
+    /// Its waiter item.
+    Slot(Waiter),
     /// Its slot's grant, live, still marked undelivered (the item as read).
     Granted(Record),
     /// Its slot's grant, live, no longer marked (the item as read).
@@ -193,23 +193,24 @@ impl Coordinator {
         self.deliver().ok_or_else(|| Error::invalid("a queued acquire needs Step Functions delivery"))
     }
 
-    /// Writes the waiter item of `waiter` (slot `waiter.seq` of `key`'s queue, joined at `now`).
-    async fn put_waiter(&self, key: &str, waiter: Waiter, now: u64, deadline: Instant) -> Result<()> {
-        // Kept as long as the waiter may wait (its own timeout, else a year) and then hold.
+    /// Writes the waiter item of `waiter` (slot `waiter.seq` of `key`'s queue).
+    async fn put_waiter(&self, key: &str, waiter: Waiter, deadline: Instant) -> Result<()> {
         let max_wait = self.config().limits.max_wait.as_millis() as u64;
-        let waits_until = waiter.timeout_at_ms.unwrap_or(now.saturating_add(LONGEST_WAIT_MS)).max(now + max_wait);
         let wk = waiter_key(key, waiter.seq);
         let mut item = Record::key_only(wk.clone());
         item.holder = waiter.holder.clone();
         item.lease_id = waiter.lease_id.clone();
         item.acquired_at_ms = waiter.enqueued_at_ms;
         item.expires_at_ms = Some(0);
-        item.ttl = Some(self.ttl_after(waits_until.saturating_add(self.max_duration_ms())));
+        let timeout_at_ms = waiter.timeout_at_ms;
         item.queue.waiter = Some(waiter);
         // Stamped with this try's clock: a retried invocation writes the item again with its
         // own token, and a write of an earlier try held in the network must not put the dead
-        // token back (`WaiterNewer`; refused, it changes nothing).
+        // token back (`WaiterNewer`; refused, it changes nothing). Kept as long as the waiter
+        // may wait (its own timeout, else a year) and then hold, from the same clock.
         self.write(&wk, deadline, |now| {
+            let waits_until = timeout_at_ms.unwrap_or(now.saturating_add(LONGEST_WAIT_MS)).max(now + max_wait);
+            item.ttl = Some(self.ttl_after(waits_until.saturating_add(self.max_duration_ms())));
             item.renewed_at_ms = Some(now);
             Ok((
                 Condition::Queue(QueueCondition::WaiterNewer { now_ms: now }),
@@ -247,7 +248,7 @@ impl Coordinator {
         for _ in 0..8 {
             // Free and without waiters: the plain acquire (one request).
             match self.acquire(key, holder, Some(duration), opts.clone()).await {
-                Ok(lease) => return self.deliver_free_grant(key, lease, task_token, &deliver).await,
+                Ok(lease) => return self.deliver_free_grant(key, lease, task_token, &deliver, true).await,
                 Err(Error::LeaseHeld { .. }) => {}
                 Err(e) => return Err(e),
             }
@@ -300,7 +301,7 @@ impl Coordinator {
                 enqueued_at_ms: enqueued_at,
                 timeout_at_ms,
             };
-            return self.place_waiter(key, waiter, r.queue.queue_head.unwrap_or(seq - 1), now, deadline).await;
+            return self.place_waiter(key, waiter, r.queue.queue_head.unwrap_or(seq - 1), deadline).await;
         }
         Err(Error::StoreUnavailable(format!("{key:?} kept changing hands while joining its queue")))
     }
@@ -328,16 +329,9 @@ impl Coordinator {
     /// Writes the waiter item of a slot taken (or kept) in `key`'s queue, whose head is `head`,
     /// and answers `Queued`. The key may have been freed between the enqueue and this write,
     /// with nobody to serve this waiter: it is served now (one read when the key is still held).
-    async fn place_waiter(
-        &self,
-        key: &str,
-        waiter: Waiter,
-        head: u64,
-        now: u64,
-        deadline: Instant,
-    ) -> Result<Enqueued> {
+    async fn place_waiter(&self, key: &str, waiter: Waiter, head: u64, deadline: Instant) -> Result<Enqueued> {
         let (seq, lease_id) = (waiter.seq, waiter.lease_id.clone());
-        self.put_waiter(key, waiter, now, deadline).await?;
+        self.put_waiter(key, waiter, deadline).await?;
         if let Err(e) = self.serve_queue(key).await {
             tracing::warn!(key, error = e.name(), "serving the queue after an enqueue failed");
         }
@@ -346,9 +340,9 @@ impl Coordinator {
 
     /// A queued acquire sent again with its lease_id (a retried invocation, with a new task
     /// token): what became of its earlier try. Its waiter item found in the queue: the slot is
-    /// kept, the item written again with this try's token. Its slot granted already, the grant
-    /// still marked undelivered to the earlier try's token: taken over ([`Self::take_over`]).
-    /// `None`: neither, the acquire goes on (enqueues).
+    /// kept, the item written again with this try's token ([`Self::after_rewrite`]). Its slot
+    /// granted already, the grant still marked undelivered to the earlier try's token: taken
+    /// over ([`Self::take_over`]). `None`: neither, the acquire goes on (enqueues).
     async fn resume(
         &self,
         key: &str,
@@ -359,21 +353,65 @@ impl Coordinator {
     ) -> Result<Option<Enqueued>> {
         match self.own_waiter(key, lease_id).await? {
             None => Ok(None),
-            Some(Own::Slot(head, w)) => {
+            Some(Own::Slot(w)) => {
                 let deadline = self.monotonic() + self.config().retry_budget;
+                let seq = w.seq;
                 let waiter = Waiter { task_token: task_token.to_string(), timeout_at_ms, ..w };
-                self.place_waiter(key, waiter, head, self.now_ms(), deadline).await.map(Some)
+                self.put_waiter(key, waiter, deadline).await?;
+                self.after_rewrite(key, lease_id, seq, task_token, deliver).await.map(Some)
             }
             Some(Own::Granted(r)) => self.take_over(key, &r, task_token, deliver).await.map(Some),
             // Its mark went meanwhile (a delivery to the dead token answered `Gone`): as a
             // plain acquire that finds its own live lease.
             Some(Own::Free(r)) => {
                 let lease = r.lease(self.monotonic(), self.now_ms(), self.skew_ms());
-                self.deliver_free_grant(key, lease, task_token, deliver).await.map(Some)
+                self.deliver_free_grant(key, lease, task_token, deliver, true).await.map(Some)
             }
             // Revoked meanwhile (its delivery to the dead token answered `Gone`), or expired.
             Some(Own::Ended(reason)) => Err(Error::NotHolder { key: key.to_string(), reason }),
         }
+    }
+
+    /// A retried invocation wrote its slot `seq`'s waiter item again with its own `token`; the
+    /// slot may have been granted meanwhile from the item as it was, to the earlier try's token
+    /// (dead: its delivery answers `Gone`, and the grant would be revoked, this token left
+    /// waiting). So the lease item is read again. The slot not granted yet: its grant is written
+    /// after this read, and whoever delivers it reads the waiter item again before taking a
+    /// `Gone` as final ([`Self::rewritten`]): this token is served. Granted: as when the look
+    /// finds the grant: still marked, taken over ([`Self::take_over`]); no longer marked,
+    /// delivered to this token but never released on `Gone` (this token may have it already:
+    /// a deliverer that read the rewritten item); ended, or the key moved on past the slot,
+    /// `NotHolder` (released) at once, as a retry that comes after the revoke is answered: the
+    /// grant was revoked before the mark could move (or this token had it, and its task has
+    /// moved on). The rewritten item of a slot served is deleted.
+    async fn after_rewrite(
+        &self,
+        key: &str,
+        lease_id: &LeaseId,
+        seq: u64,
+        token: &str,
+        deliver: &Arc<dyn Deliver>,
+    ) -> Result<Enqueued> {
+        let deadline = self.monotonic() + self.config().retry_budget;
+        let r = self.read(deadline, || self.store().get(key)).await?;
+        if let Some(head) = r.as_ref().and_then(|r| r.queue.queue_head).filter(|h| *h < seq) {
+            if let Err(e) = self.serve_queue(key).await {
+                tracing::warn!(key, error = e.name(), "serving the queue after an enqueue failed");
+            }
+            return Ok(Enqueued::Queued { seq, position: seq - head, lease_id: lease_id.clone() });
+        }
+        let own = r.filter(|r| &r.lease_id == lease_id);
+        let done = match own.map(|r| (crate::protocol::ended_reason(&r, lease_id, self.now_ms()), r)) {
+            Some((None, r)) if r.queue.pending_token.is_some() => self.take_over(key, &r, token, deliver).await,
+            Some((None, r)) => {
+                let lease = r.lease(self.monotonic(), self.now_ms(), self.skew_ms());
+                self.deliver_free_grant(key, lease, token, deliver, false).await
+            }
+            Some((Some(reason), _)) => Err(Error::NotHolder { key: key.to_string(), reason }),
+            None => Err(Error::NotHolder { key: key.to_string(), reason: Reason::Released }),
+        };
+        let _ = self.store().delete(&waiter_key(key, seq), &Condition::Queue(QueueCondition::NotLease)).await;
+        done
     }
 
     /// The queue's grant `r` of this acquire's lease_id, marked undelivered to an earlier try's
@@ -433,7 +471,7 @@ impl Coordinator {
                 continue;
             };
             if &w.lease_id == lease_id && w.seq == seq {
-                return Ok(Some(Own::Slot(head, w)));
+                return Ok(Some(Own::Slot(w)));
             }
             if w.enqueued_at_ms < since {
                 break;
@@ -443,18 +481,22 @@ impl Coordinator {
     }
 
     /// A queued acquire took the free key: delivers the lease. Only a first attempt answered
-    /// `Gone` proves the task never had it: then the lease is released. Any other failure may
-    /// follow a delivery that landed (its answer lost), so the grant is kept, marked
-    /// undelivered, and the sweep delivers it again.
+    /// `Gone` proves the task never had it (`gone_proves`: nobody else could have delivered it
+    /// to this token): then the lease is released. Any other failure may follow a delivery that
+    /// landed (its answer lost), so the grant is kept, marked undelivered, and the sweep
+    /// delivers it again.
     async fn deliver_free_grant(
         &self,
         key: &str,
         lease: Lease,
         token: &str,
         deliver: &Arc<dyn Deliver>,
+        gone_proves: bool,
     ) -> Result<Enqueued> {
         match self.deliver_with_retries(deliver, token, &lease).await {
             Ok(()) => Ok(Enqueued::Granted(lease)),
+            // The lease may be this token's already: it ends with its duration.
+            Err(DeliveryError::Gone(_)) if !gone_proves => Ok(Enqueued::Granted(lease)),
             Err(DeliveryError::Gone(why)) => {
                 // Nobody will use it: free the key (and serve any waiter behind).
                 let _ = self.release(key, &lease.lease_id).await;
@@ -575,8 +617,11 @@ impl Coordinator {
     /// A free key whose last grant is still marked undelivered: a released grant was delivered
     /// (its holder had the lease_id), so only the mark goes; an expired one may never have
     /// reached its waiter, which would then wait until its own timeout: it is told
-    /// (`SendTaskFailure`, `LeaseExpired`) and the mark goes. `false`: the failure could not be
-    /// sent (transient), the mark stays and the queue waits for the next sweep.
+    /// (`SendTaskFailure`, `LeaseExpired`), at the token of the slot's waiter item too when a
+    /// retried invocation wrote it again ([`Self::rewritten`]), and the mark goes, stamped with
+    /// this clock checked right before it is read (after the failure, which may take seconds).
+    /// `false`: the failure could not be sent (transient), the mark stays and the queue waits
+    /// for the next sweep.
     async fn end_undelivered(
         &self,
         key: &str,
@@ -590,20 +635,29 @@ impl Coordinator {
                 "the lease granted on {key:?} (fence {}) expired before its delivery was confirmed; acquire again",
                 r.fence
             );
-            match deliver.failure(token, "LeaseExpired", &cause).await {
-                Ok(()) | Err(DeliveryError::Gone(_)) => served.skipped += 1,
-                Err(DeliveryError::Transient(why)) => {
-                    tracing::warn!(key, why, "could not tell the waiter of an expired grant; the sweep tries again");
-                    served.undelivered += 1;
-                    return Ok(false);
+            let newer = self.rewritten(key, r, token).await?;
+            for to in std::iter::once(token).chain(newer.as_deref()) {
+                match deliver.failure(to, "LeaseExpired", &cause).await {
+                    Ok(()) | Err(DeliveryError::Gone(_)) => {}
+                    Err(DeliveryError::Transient(why)) => {
+                        tracing::warn!(
+                            key,
+                            why,
+                            "could not tell the waiter of an expired grant; the sweep tries again"
+                        );
+                        served.undelivered += 1;
+                        return Ok(false);
+                    }
                 }
             }
+            served.skipped += 1;
         }
+        let freed = Mutation::Queue(QueueMutation::Delivered { now_ms: self.checked_now(key).await? });
         self.store()
             .update(
                 key,
                 &Condition::Queue(QueueCondition::Undelivered { fence: r.fence, token: token.to_string() }),
-                &Mutation::Queue(QueueMutation::Delivered { now_ms: self.now_ms() }),
+                &freed,
             )
             .await?;
         if let Some(seq) = r.queue.queue_head {
@@ -655,6 +709,16 @@ impl Coordinator {
                 Ok(false)
             }
             Err(DeliveryError::Gone(why)) => {
+                // A retried invocation of the waiter's task wrote the slot's waiter item again
+                // with its own token after it was read for this grant: the grant goes to that
+                // token (the mark moves to it, so the revoke below cannot land), never revoked.
+                if let Some(newer) = self.rewritten(key, granted, &token).await? {
+                    tracing::info!(key, seq, why, "the waiter's task was retried; its grant goes to the new token");
+                    if self.move_mark(key, fence, &token, &newer).await? {
+                        self.redeliver(key, granted, &newer, deliver, served).await?;
+                    }
+                    return Ok(false);
+                }
                 // Never delivered (the first answer said so): nobody holds it. Free the key and
                 // serve the next waiter; unless a retried invocation of the waiter's task moved
                 // the mark to its own token (this one died with its attempt): then the grant is
@@ -778,7 +842,9 @@ impl Coordinator {
 
     /// A grant left undelivered: deliver it again. Whatever the answer, the mark goes (an
     /// answer of `Gone` may follow an earlier delivery that landed, so the lease is not
-    /// revoked: it ends with its duration), unless the delivery failed transiently.
+    /// revoked: it ends with its duration), unless the delivery failed transiently. A `Gone`
+    /// whose slot's waiter item carries another token now (a retried invocation's,
+    /// [`Self::rewritten`]) moves the mark to that token and delivers there.
     async fn redeliver(
         &self,
         key: &str,
@@ -789,18 +855,31 @@ impl Coordinator {
     ) -> Result<()> {
         let now = self.now_ms();
         let lease = r.lease(self.monotonic(), now, self.skew_ms()).with_safe_for(self.monotonic());
-        match deliver.success(token, &lease).await {
-            Ok(()) => served.delivered += 1,
-            Err(DeliveryError::Gone(why)) => {
-                tracing::info!(key, why, "undelivered grant's waiter is gone; the grant ends with its duration");
+        let mut token = token.to_string();
+        // Bounded: a task is tried a few times, each try with one token.
+        for _ in 0..4 {
+            match deliver.success(&token, &lease).await {
+                Ok(()) => served.delivered += 1,
+                Err(DeliveryError::Gone(why)) => {
+                    if let Some(newer) = self.rewritten(key, r, &token).await? {
+                        if !self.move_mark(key, r.fence, &token, &newer).await? {
+                            // Moved by the retried invocation itself: its delivery.
+                            return Ok(());
+                        }
+                        token = newer;
+                        continue;
+                    }
+                    tracing::info!(key, why, "undelivered grant's waiter is gone; the grant ends with its duration");
+                }
+                Err(DeliveryError::Transient(why)) => {
+                    tracing::warn!(key, why, "redelivery failed; the next sweep tries again");
+                    served.undelivered += 1;
+                    return Ok(());
+                }
             }
-            Err(DeliveryError::Transient(why)) => {
-                tracing::warn!(key, why, "redelivery failed; the next sweep tries again");
-                served.undelivered += 1;
-                return Ok(());
-            }
+            break;
         }
-        let cond = Condition::Queue(QueueCondition::UndeliveredLive { fence: r.fence, token: token.to_string() });
+        let cond = Condition::Queue(QueueCondition::UndeliveredLive { fence: r.fence, token: token.clone() });
         self.store()
             .update(key, &cond, &Mutation::Queue(QueueMutation::Delivered { now_ms: self.checked_now(key).await? }))
             .await?;
@@ -808,6 +887,30 @@ impl Coordinator {
             let _ = self.store().delete(&waiter_key(key, seq), &Condition::Queue(QueueCondition::NotLease)).await;
         }
         Ok(())
+    }
+
+    /// The task token the waiter item of grant `r`'s slot carries now, when it is another than
+    /// `token`, the one the grant was delivered to: a retried invocation of the waiter's task
+    /// (Step Functions gives each try a token of its own, the failed try's is dead) wrote the
+    /// item again after it was read for the grant. One read, made only when a delivery to
+    /// `token` answered `Gone` or its grant expired undelivered.
+    async fn rewritten(&self, key: &str, r: &Record, token: &str) -> Result<Option<String>> {
+        let Some(seq) = r.queue.queue_head else { return Ok(None) };
+        let deadline = self.monotonic() + self.config().retry_budget;
+        let wk = waiter_key(key, seq);
+        let w = self.read(deadline, || self.store().get(&wk)).await?.and_then(|w| w.queue.waiter);
+        Ok(w.filter(|w| w.seq == seq && w.lease_id == r.lease_id && w.task_token != token).map(|w| w.task_token))
+    }
+
+    /// Moves the undelivered mark of the grant with `fence` from `old` to `new`; false when it
+    /// no longer names `old` (revoked, delivered, or moved by the retried invocation itself).
+    async fn move_mark(&self, key: &str, fence: u64, old: &str, new: &str) -> Result<bool> {
+        let deadline = self.monotonic() + self.config().retry_budget;
+        let cond = Condition::Queue(QueueCondition::Undelivered { fence, token: old.to_string() });
+        let mark = Mutation::Queue(QueueMutation::MarkUndelivered { token: new.to_string(), shard: queue_shard(key) });
+        let (w, _, _) =
+            self.write(key, deadline, |_| Ok((cond.clone(), mark.clone()))).await.map_err(|f| f.into_error(key))?;
+        Ok(matches!(w, Write::Applied(_)))
     }
 
     /// Passes over waiter `seq` (the head moves on) if the key is still free with the same head.
