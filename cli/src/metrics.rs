@@ -195,11 +195,11 @@ impl Metrics {
         }
         let _ = writeln!(o, "# HELP leasehold_queue_length Waiters queued on a key (keys with waiters only).\n# TYPE leasehold_queue_length gauge");
         let mut states: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
-        for r in items.iter().filter(|r| r.waiter.is_none()) {
+        for r in items.iter().filter(|r| r.queue.waiter.is_none()) {
             if r.queue_len() > 0 {
                 let _ = writeln!(o, "leasehold_queue_length{{key=\"{}\"}} {}", escape(&r.key), r.queue_len());
             }
-            if let Some(s) = &r.state {
+            if let Some(s) = &r.work.state {
                 let e = states.entry(s.as_str()).or_default();
                 e.0 += 1;
                 if r.is_held(now_ms) {

@@ -167,8 +167,8 @@ impl Coordinator {
         let max = self.max_duration_ms();
         let w = self
             .write(key, deadline, |now| {
-                let cond = Condition::Unreleased { lease_id: lease_id.clone() };
-                Ok((cond, Mutation::Release { now_ms: now, ttl: self.ttl_after(now + max) }))
+                let cond = Condition::Lease(LeaseCondition::Unreleased { lease_id: lease_id.clone() });
+                Ok((cond, Mutation::Lease(LeaseMutation::Release { now_ms: now, ttl: self.ttl_after(now + max) })))
             })
             .await;
         match w {
