@@ -316,9 +316,12 @@ async fn an_expired_grant_s_mark_is_not_stamped_with_a_clock_stepped_during_its_
     );
     assert!(matches!(r, Err(Error::ClockSkew(_))), "{r:?}");
     assert!(item.queue.pending_token.is_some(), "the mark stays for a clock that passes the check: {item:?}");
-    // NTP steps the clock back: the mark goes, stamped with a true clock.
+    // NTP steps the clock back: the mark goes, stamped with a true clock. Every stamp is the
+    // coordinator's clock moved back to what the store's answers prove its clock to be at
+    // least (DESIGN.md, "Clocks"): up to a second behind this machine's with DynamoDB's
+    // whole-second `Date`, so the stamp is compared with that clock as it was before.
     clock.0.fetch_add(60_000_000, Ordering::SeqCst);
-    let before = leasehold::Clock::wall_ms(&leasehold::SystemClock) as u64;
+    let before = c.now_ms();
     c.serve_queue(k).await.unwrap();
     let item = b.store().get(k).await.unwrap().unwrap();
     assert!(item.queue.pending_token.is_none() && item.queue.freed_at_ms.is_some_and(|f| f >= before), "{item:?}");
