@@ -26,7 +26,13 @@ fn sources(dir: &Path) -> Vec<(PathBuf, String)> {
                 stack.push(p);
             } else if p.extension().is_some_and(|e| e == "rs") {
                 let text = std::fs::read_to_string(&p).unwrap();
-                let end = text.find("#[cfg(test)]\nmod tests").unwrap_or(text.len());
+                // A file's unit tests (also those that need the `testing` feature) are no part of
+                // its module's imports.
+                let end = ["#[cfg(test)]\nmod tests", "#[cfg(all(test, feature = \"testing\"))]\nmod tests"]
+                    .iter()
+                    .filter_map(|m| text.find(m))
+                    .min()
+                    .unwrap_or(text.len());
                 out.push((p, text[..end].to_string()));
             }
         }
