@@ -19,6 +19,15 @@ use leasehold::{Coordinator, Error};
 use crate::target::{choose, Either, Failure};
 use crate::{duration, exit, output, Global};
 
+/// What `serve --table` uses of the table: its key, the `state` index (the work routes) and the
+/// `keepalive` index (an acquire with a keepalive is renewed through it by the deployment's
+/// sweep). No route queues (task tokens arrive by direct invoke only), so not the `queue` index.
+const SERVE_USES: &[leasehold::store::table::Part] = &[
+    leasehold::store::table::Part::Key,
+    leasehold::store::table::Part::Index(leasehold::store::dynamo::STATE_INDEX),
+    leasehold::store::table::Part::Index(leasehold::store::dynamo::KEEPALIVE_INDEX),
+];
+
 pub const HELP: &str = "\
 Routes (the same as the HTTP API of the AWS deployment):
   POST /leases/acquire/{key}   POST /leases/heartbeat/{key}   POST /leases/release/{key}
@@ -78,7 +87,7 @@ async fn serve(g: &Global, args: ServeArgs) -> i32 {
             Ok(s) => (Arc::new(s.clone()), Some(s)),
             Err(e) => return output::failure(g, &Failure::unreachable(format!("{}: {e}", choice.describe()))),
         },
-        StoreChoice::Dynamo { .. } => match crate::target::open_store(&choice).await {
+        StoreChoice::Dynamo { .. } => match crate::target::open_store(g, &choice, SERVE_USES, true).await {
             Ok(s) => (s, None),
             Err(f) => return output::failure(g, &f),
         },

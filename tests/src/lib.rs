@@ -14,6 +14,7 @@ use leasehold::store::{Condition, DynamoStore, Mutation, Page, ScanKind, SqliteS
 use leasehold::{Config, Coordinator, Error, Record, Result};
 
 pub mod apigw;
+pub mod cfn;
 pub mod emulator;
 pub mod http;
 pub mod lambda_lab;

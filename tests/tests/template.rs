@@ -159,10 +159,21 @@ fn lease_table_matches_the_store() {
         gsis[1]["KeySchema"],
         json!([{"AttributeName": attr::STATE_SHARD, "KeyType": "HASH"}, {"AttributeName": attr::EXPIRES_AT, "KeyType": "RANGE"}])
     );
-    // Only what a batch's candidate needs (the attributes the store's candidate Query names).
+    // Only what a batch's candidate needs (the attributes the store's candidate Query names)
+    // when StateIndexProjection says INCLUDE; ALL by default, as stacks made before the
+    // parameter have it (CloudFormation cannot change a projection in place: upgrade.rs).
     assert_eq!(
         gsis[1]["Projection"],
-        json!({"ProjectionType": "INCLUDE", "NonKeyAttributes": leasehold::store::dynamo::STATE_INDEX_ATTRIBUTES})
+        json!({"Fn::If": [
+            "StateIndexIncludes",
+            {"ProjectionType": "INCLUDE", "NonKeyAttributes": leasehold::store::dynamo::STATE_INDEX_ATTRIBUTES},
+            {"ProjectionType": "ALL"}
+        ]})
+    );
+    assert_eq!(t["Parameters"]["StateIndexProjection"]["Default"], "ALL");
+    assert_eq!(
+        t["Conditions"]["StateIndexIncludes"],
+        json!({"Fn::Equals": [{"Ref": "StateIndexProjection"}, "INCLUDE"]})
     );
     // The queue index, as `DynamoStore::create_table` makes it.
     assert_eq!(gsis[2]["IndexName"], leasehold::store::dynamo::QUEUE_INDEX);
@@ -201,7 +212,10 @@ fn history_table_matches_the_history_function() {
 fn lease_table_is_the_cli_table() {
     use leasehold::store::table::LEASE_TABLE as spec;
     let t = raw();
-    let p = &t["Resources"]["LeaseTable"]["Properties"];
+    // As a stack created with StateIndexProjection=INCLUDE has it (the default, ALL, is what
+    // earlier stacks have: `table check` notes it, everything works).
+    let resolver = leasehold_tests::cfn::Resolver::new(t, &[("StateIndexProjection", "INCLUDE")]);
+    let p = &resolver.resolve(&t["Resources"]["LeaseTable"]["Properties"]);
     assert_eq!(p["BillingMode"], spec.billing);
     assert_eq!(p["KeySchema"], json!([{"AttributeName": spec.key, "KeyType": "HASH"}]));
     let defs: BTreeSet<(String, String)> = p["AttributeDefinitions"]
@@ -233,6 +247,8 @@ fn lease_table_is_the_cli_table() {
     assert_eq!(p["GlobalSecondaryIndexes"], json!(gsis));
     assert_eq!(p["TimeToLiveSpecification"], json!({"AttributeName": spec.ttl, "Enabled": true}));
     assert_eq!(p["StreamSpecification"], json!({"StreamViewType": spec.stream}));
+    assert_eq!(p["DeletionProtectionEnabled"], json!(spec.deletion_protection));
+    assert_eq!(p["PointInTimeRecoverySpecification"]["PointInTimeRecoveryEnabled"], json!(spec.point_in_time_recovery));
 }
 
 #[test]
