@@ -202,9 +202,10 @@ pub const OUTCOME_METRICS: [&str; 2] = ["Latency", "Invocations"];
 /// executions that ended without releasing: crashed or stopped), `SweepErrors`,
 /// `SweepDescribeFailures` (leases renewed because DescribeExecution failed for their
 /// execution), `SweepIncomplete` (1 when the budget or the time ran out before every shard
-/// was read); `ClockSkew` (answered `ClockSkew`: this function's clock is refused, see
-/// DESIGN.md, "Clocks").
-pub const COUNT_METRICS: [&str; 12] = [
+/// was read), `QueueSweepErrors` (keys the queue sweep could not serve, or 1 when it could not
+/// read the queue index at all); `ClockSkew` (answered `ClockSkew`: this function's clock is
+/// refused, see DESIGN.md, "Clocks").
+pub const COUNT_METRICS: [&str; 13] = [
     "ClockSkew",
     "Acquired",
     "Contended",
@@ -217,6 +218,7 @@ pub const COUNT_METRICS: [&str; 12] = [
     "SweepErrors",
     "SweepDescribeFailures",
     "SweepIncomplete",
+    "QueueSweepErrors",
 ];
 
 /// The counts of one invocation (names from [`COUNT_METRICS`]).
@@ -234,7 +236,8 @@ fn counts(function: Function, outcome: &str, waited: bool, lost: bool) -> Vec<(&
     c
 }
 
-fn sweep_counts(r: &SweepReport, clock_skew: bool) -> Vec<(&'static str, u64)> {
+/// The counts of a scheduled run: the keep-alive sweep's report, the queue sweep's errors.
+fn sweep_counts(r: &SweepReport, queue_errors: u32, clock_skew: bool) -> Vec<(&'static str, u64)> {
     vec![
         ("Throttled", 0),
         ("ClockSkew", u64::from(clock_skew)),
@@ -244,6 +247,7 @@ fn sweep_counts(r: &SweepReport, clock_skew: bool) -> Vec<(&'static str, u64)> {
         ("SweepErrors", r.errors.into()),
         ("SweepDescribeFailures", r.describe_failures.into()),
         ("SweepIncomplete", u64::from(!r.complete)),
+        ("QueueSweepErrors", queue_errors.into()),
     ]
 }
 
@@ -441,24 +445,30 @@ impl Handler {
             tracing::error!(error = e.name(), message = %e, "keep-alive and queue sweeps refused");
             let report = SweepReport { errors: 1, complete: false, ..Default::default() };
             return Handled {
-                counts: sweep_counts(&report, matches!(e, Error::ClockSkew(_))),
+                counts: sweep_counts(&report, 0, matches!(e, Error::ClockSkew(_))),
                 result: Ok(serde_json::to_value(&report).expect("report serialises")),
                 outcome: e.name().to_string(),
             };
         }
         let report = self.coord.keepalive_sweep(self.executions.clone(), self.sweep_max_items, deadline).await;
         // Then the waiter queues: expired holders replaced, undelivered grants delivered.
-        match self.coord.sweep_queues(deadline).await {
-            Ok(q) => tracing::info!(
-                keys = q.keys,
-                delivered = q.served.delivered,
-                undelivered = q.served.undelivered,
-                skipped = q.served.skipped,
-                errors = q.errors,
-                "queue sweep"
-            ),
-            Err(e) => tracing::warn!(error = e.name(), "queue sweep failed"),
-        }
+        let queue_errors = match self.coord.sweep_queues(deadline).await {
+            Ok(q) => {
+                tracing::info!(
+                    keys = q.keys,
+                    delivered = q.served.delivered,
+                    undelivered = q.served.undelivered,
+                    skipped = q.served.skipped,
+                    errors = q.errors,
+                    "queue sweep"
+                );
+                q.errors
+            }
+            Err(e) => {
+                tracing::warn!(error = e.name(), message = %e, "queue sweep failed");
+                1
+            }
+        };
         tracing::info!(
             scanned = report.scanned,
             renewed = report.renewed,
@@ -471,7 +481,7 @@ impl Handler {
             "keep-alive sweep"
         );
         Handled {
-            counts: sweep_counts(&report, false),
+            counts: sweep_counts(&report, queue_errors, false),
             result: Ok(serde_json::to_value(&report).expect("report serialises")),
             outcome: "sweep".to_string(),
         }
@@ -618,8 +628,8 @@ mod tests {
             ("acquire", "LeaseHeld", counts(Function::Acquire, "LeaseHeld", false, false)),
             ("heartbeat", "NotHolder", counts(Function::Heartbeat, "NotHolder", false, true)),
             ("release", "Throttled", counts(Function::Release, "Throttled", false, false)),
-            ("heartbeat", "sweep", sweep_counts(&sweep, false)),
-            ("heartbeat", "ClockSkew", sweep_counts(&sweep, true)),
+            ("heartbeat", "sweep", sweep_counts(&sweep, 4, false)),
+            ("heartbeat", "ClockSkew", sweep_counts(&sweep, 0, true)),
         ];
         for (f, outcome, c) in &cases {
             let line = with_clock_offset(metric_line(f, outcome, 1.5, c), Some((-120, 900)));
@@ -655,10 +665,11 @@ mod tests {
                 "SweepReleased",
                 "SweepErrors",
                 "SweepDescribeFailures",
-                "SweepIncomplete"
+                "SweepIncomplete",
+                "QueueSweepErrors"
             ]
             .map(|n| get(4, n)),
-            [Some(9), Some(5), Some(2), Some(1), Some(3), Some(1)]
+            [Some(9), Some(5), Some(2), Some(1), Some(3), Some(1), Some(4)]
         );
         assert_eq!((get(4, "ClockSkew"), get(5, "ClockSkew")), (Some(0), Some(1)));
         let line = with_clock_offset(

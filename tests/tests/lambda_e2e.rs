@@ -723,6 +723,55 @@ async fn keepalive_sweep_against_step_functions() {
     bounded.assert_no_respawn();
 }
 
+/// The EMF metric lines of a lab's functions so far.
+fn metric_lines(lab: &Lab) -> Vec<Value> {
+    lab.emu
+        .server
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("\"_aws\""))
+        .filter_map(|l| l.find('{').and_then(|i| serde_json::from_str(&l[i..]).ok()))
+        .collect()
+}
+
+/// A queue sweep that fails (here: a table made before the `queue` index, as during an
+/// upgrade's backfill) is counted in the scheduled run's metric line (`QueueSweepErrors`, the
+/// QueueSweepFailing alarm), not only logged; the keep-alive sweep still runs; a run on a full
+/// table counts none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_queue_sweep_is_counted() {
+    use leasehold::store::table::{create_as, TableSpec, LEASE_TABLE};
+    let local = tokio::task::spawn_blocking(leasehold_tests::dynamo_local).await.unwrap();
+    let name = format!("no-queue-{}", std::process::id());
+    let without_queue: Vec<_> = LEASE_TABLE.indexes.iter().filter(|i| i.name != "queue").cloned().collect();
+    let spec = TableSpec {
+        indexes: Box::leak(without_queue.into_boxed_slice()),
+        stream: "",
+        deletion_protection: false,
+        point_in_time_recovery: false,
+        ..LEASE_TABLE
+    };
+    let client = local.client().await;
+    create_as(&client, &name, &spec, Duration::from_secs(120)).await.expect("create table");
+    let store = leasehold::store::DynamoStore::new(client, name);
+    let env = [("LEASEHOLD_ASSUMED_TIMEOUT_MS", "30000".to_string())];
+    let lab = Lab::start_on(store, &env, &[]).await;
+    let report = sweep(&lab).await;
+    assert_eq!(n(&report, "errors"), 0, "the keep-alive sweep is fine: {report}");
+    let count = |lab: &Lab| {
+        let lines = metric_lines(lab);
+        let sweeps: Vec<&Value> =
+            lines.iter().filter(|m| m["Function"] == "heartbeat" && m["Outcome"] == "sweep").collect();
+        assert_eq!(sweeps.len(), 1, "{lines:#?}");
+        sweeps[0]["QueueSweepErrors"].as_u64()
+    };
+    // One per queue shard whose Query failed.
+    assert!(count(&lab).is_some_and(|n| n >= 1), "{:?}", count(&lab));
+    let full = Lab::start(&env, &[]).await;
+    sweep(&full).await;
+    assert_eq!(count(&full), Some(0));
+}
+
 // ------------------------------------------------------------------------------------------
 // API Gateway's own routing, from template.yaml
 // ------------------------------------------------------------------------------------------

@@ -1239,10 +1239,24 @@ fn alarms_watch_the_sweep_and_throttles_and_notify_the_optional_topic() {
         assert!(p["AlarmDescription"].as_str().is_some_and(|d| d.len() > 40), "{name} tells the operator what to do");
         watched.insert(format!("{metric}:{}", p["ComparisonOperator"].as_str().unwrap()));
         if metric == "Invocations" {
-            // No sweep at all: missing data is the failure itself.
-            assert_eq!(dims, [("Function", "heartbeat"), ("Outcome", "sweep")]);
-            assert_eq!(p["TreatMissingData"], "breaching", "{name}");
-            assert_eq!(p["Period"]["Fn::FindInMap"][1], json!({"Ref": "KeepaliveSweepPeriodMinutes"}));
+            // No sweep at all is the failure itself: a window without a sweep counts 0 (FILL)
+            // once sweeps have reported in the evaluated range; before the first sweep of a new
+            // stack the alarm stays INSUFFICIENT_DATA, and after a whole range without one it
+            // keeps its state (ignore), instead of firing on a fresh deploy (breaching did).
+            let ms = p["Metrics"].as_array().unwrap();
+            let stat = ms.iter().find_map(|m| m.get("MetricStat")).unwrap();
+            let sweep_dims: Vec<(&str, &str)> = as_list(&stat["Metric"]["Dimensions"])
+                .iter()
+                .map(|d| (d["Name"].as_str().unwrap(), d["Value"].as_str().unwrap()))
+                .collect();
+            assert_eq!(sweep_dims, [("Function", "heartbeat"), ("Outcome", "sweep")]);
+            assert_eq!(stat["Stat"], "SampleCount");
+            let id = ms.iter().find(|m| m.get("MetricStat").is_some()).unwrap()["Id"].as_str().unwrap();
+            let shown: Vec<&Value> = ms.iter().filter(|m| m["ReturnData"] == true).collect();
+            assert_eq!(shown.len(), 1, "{name}");
+            assert_eq!(shown[0]["Expression"], format!("FILL({id}, 0)"), "{name}");
+            assert_eq!(p["TreatMissingData"], "ignore", "{name}");
+            assert_eq!(stat["Period"]["Fn::FindInMap"][1], json!({"Ref": "KeepaliveSweepPeriodMinutes"}));
             // M of N: one late EMF datapoint does not flap it.
             let (m, n) = (p["DatapointsToAlarm"].as_u64().unwrap_or(0), p["EvaluationPeriods"].as_u64().unwrap());
             assert!(m >= 2 && n > m, "{name}: {m} of {n}");
@@ -1253,6 +1267,7 @@ fn alarms_watch_the_sweep_and_throttles_and_notify_the_optional_topic() {
     let want: BTreeSet<String> = [
         "SweepErrors+SweepDescribeFailures:GreaterThanOrEqualToThreshold",
         "SweepIncomplete:GreaterThanOrEqualToThreshold",
+        "QueueSweepErrors:GreaterThanOrEqualToThreshold",
         "Invocations:LessThanThreshold",
         "Throttled:GreaterThanOrEqualToThreshold",
         "SweepReleased:GreaterThanOrEqualToThreshold",
