@@ -31,6 +31,10 @@ use crate::protocol::Coordinator;
 #[cfg(feature = "streams")]
 pub mod history;
 
+/// How the keep-alive sweep learns which executions ended: listed per state machine,
+/// described as the fallback.
+pub mod executions;
+
 /// The three deployed functions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Function {
@@ -117,6 +121,29 @@ impl Executions for StepFunctions {
     }
 }
 
+/// Step Functions ListExecutions (RUNNING, 1,000 a page) as the sweep's lists.
+#[async_trait]
+impl executions::RunningExecutions for StepFunctions {
+    async fn running_page(
+        &self,
+        state_machine_arn: &str,
+        next: Option<String>,
+    ) -> Result<(Vec<String>, Option<String>), String> {
+        let out = self
+            .0
+            .list_executions()
+            .state_machine_arn(state_machine_arn)
+            .status_filter(aws_sdk_sfn::types::ExecutionStatus::Running)
+            .max_results(1000)
+            .set_next_token(next)
+            .send()
+            .await
+            .map_err(|e| aws_smithy_types::error::display::DisplayErrorContext(&e).to_string())?;
+        let arns = out.executions().iter().map(|e| e.execution_arn().to_string()).collect();
+        Ok((arns, out.next_token().map(str::to_string)))
+    }
+}
+
 /// Step Functions `SendTaskSuccess` / `SendTaskFailure` as the queue's delivery.
 #[async_trait]
 impl crate::queue::Deliver for StepFunctions {
@@ -174,6 +201,9 @@ pub struct Handler {
     pub function: Function,
     pub coord: Coordinator,
     pub executions: Option<Arc<dyn Executions>>,
+    /// With `executions`: the state machines' RUNNING executions, listed once per scheduled run
+    /// ([`executions::ListedRun`]); `executions` then only answers what the lists do not.
+    pub running: Option<Arc<dyn executions::RunningExecutions>>,
     /// Most live keep-alive leases one scheduled run renews or releases (stale index entries
     /// do not count).
     pub sweep_max_items: u32,
@@ -450,7 +480,15 @@ impl Handler {
                 outcome: e.name().to_string(),
             };
         }
-        let report = self.coord.keepalive_sweep(self.executions.clone(), self.sweep_max_items, deadline).await;
+        let listed = match (&self.executions, &self.running) {
+            (Some(describe), Some(lister)) => {
+                Some(Arc::new(executions::ListedRun::new(lister.clone(), describe.clone())))
+            }
+            _ => None,
+        };
+        let ex = listed.clone().map(|l| l as Arc<dyn Executions>).or_else(|| self.executions.clone());
+        let report = self.coord.keepalive_sweep(ex, self.sweep_max_items, deadline).await;
+        let (list_pages, described) = listed.map_or((0, 0), |l| l.calls());
         // Then the waiter queues: expired holders replaced, undelivered grants delivered.
         let queue_errors = match self.coord.sweep_queues(deadline).await {
             Ok(q) => {
@@ -478,6 +516,8 @@ impl Handler {
             errors = report.errors,
             describe_failures = report.describe_failures,
             complete = report.complete,
+            list_pages,
+            described,
             "keep-alive sweep"
         );
         Handled {
@@ -566,17 +606,19 @@ pub(crate) async fn handler_from_env(function: Function) -> Result<Handler, Erro
     // DescribeExecution with adaptive retries (client-side rate limiting when throttled):
     // one sweep may describe hundreds of executions, and a failure counts against the sweep.
     // Delivery keeps its own client (no SDK retries: the queue decides what a failure means).
-    let executions: Option<Arc<dyn Executions>> = if function == Function::Heartbeat {
+    // ListExecutions (once per state machine and run) before DescribeExecution: DESIGN.md,
+    // "Keep-alive on the holder's behalf".
+    let sweep_sfn = (function == Function::Heartbeat).then(|| {
         let conf = aws_sdk_sfn::config::Builder::from(&conf)
             .retry_config(aws_smithy_types::retry::RetryConfig::adaptive().with_max_attempts(4))
             .build();
-        Some(Arc::new(StepFunctions(aws_sdk_sfn::Client::from_conf(conf))))
-    } else {
-        None
-    };
+        Arc::new(StepFunctions(aws_sdk_sfn::Client::from_conf(conf)))
+    });
+    let executions = sweep_sfn.clone().map(|s| s as Arc<dyn Executions>);
+    let running = sweep_sfn.map(|s| s as Arc<dyn executions::RunningExecutions>);
     let sweep_max_items = std::env::var("LEASEHOLD_SWEEP_MAX_ITEMS").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
     let coord = Coordinator::new(store, config).with_deliver(sfn);
-    Ok(Handler { function, coord, executions, sweep_max_items })
+    Ok(Handler { function, coord, executions, running, sweep_max_items })
 }
 
 /// The whole `main` of a function: logging, clients built once, then the runtime loop.

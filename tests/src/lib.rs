@@ -20,6 +20,7 @@ pub mod http;
 pub mod lambda_lab;
 pub mod proxy;
 pub mod sfn_quotas;
+pub mod sfn_throttle;
 pub mod statemachines;
 
 /// The repository root.

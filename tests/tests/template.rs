@@ -395,6 +395,12 @@ fn allowed_resource(action: &str, resource: &Value, own_log_group: &str) -> bool
                 || (resource.get("Fn::Split").is_some()
                     && resource.to_string().contains(r#"{"Ref":"KeepaliveStateMachineArns"}"#))
         }
+        // A sweep lists the running executions of each state machine once (ListExecutions acts
+        // on the state machine).
+        "states:ListExecutions" => {
+            MACHINES.iter().any(|m| *resource == json!({"Ref": m}))
+                || *resource == json!({"Ref": "KeepaliveStateMachineArns"})
+        }
         "logs:CreateLogStream" | "logs:PutLogEvents" => *resource == log_group,
         // The waiter queue's delivery: a service-integration task token belongs to no resource
         // IAM can name (DESIGN.md, "The waiter queue").
@@ -429,6 +435,7 @@ fn function_roles_are_least_privilege() {
                 "dynamodb:DeleteItem",
                 "dynamodb:Query",
                 "states:DescribeExecution",
+                "states:ListExecutions",
                 "states:SendTaskSuccess",
                 "states:SendTaskFailure",
                 "logs:CreateLogStream",

@@ -5,8 +5,8 @@
 //! The comparison ([`compare`]) is a pure function of the definition and the table's
 //! `DescribeTable` / `DescribeTimeToLive` answers, so it is tested without a server; each
 //! problem names the [`Part`] of the table it is about, so that a command fails only on the
-//! parts it uses ([`Findings::for_parts`]). [`create`], [`inspect`] and [`check`] are the
-//! requests around it.
+//! parts it uses ([`Findings::for_parts`]). [`create`] and [`inspect`] are the requests around
+//! it.
 
 use std::time::Duration;
 
@@ -192,7 +192,7 @@ fn sdk_err<E: ProvideErrorMetadata + std::error::Error + 'static>(what: &str, ta
 
 /// Creates `table` as [`LEASE_TABLE`] says (on-demand, key schema, the indexes, the stream),
 /// waits until it and its indexes are active (at most `wait`), and enables TTL. Idempotent: an
-/// existing table is left as it is (check it with [`check`]). Returns whether it created it.
+/// existing table is left as it is (check it with [`inspect`]). Returns whether it created it.
 pub async fn create(client: &Client, table: &str, wait: Duration) -> Result<bool> {
     create_as(client, table, &LEASE_TABLE, wait).await
 }
@@ -279,8 +279,8 @@ pub async fn point_in_time_recovery(client: &Client, table: &str) -> Option<bool
     Some(pitr.point_in_time_recovery_status() == Some(&PointInTimeRecoveryStatus::Enabled))
 }
 
-/// What [`check`] found wrong with a table: one line per difference, in the order an operator
-/// would fix them.
+/// What a check found wrong with a table ([`Findings::problems`], or no such table): one line per
+/// difference, in the order an operator would fix them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mismatch(pub Vec<String>);
 
