@@ -205,6 +205,49 @@ fn history_table_matches_the_history_function() {
     assert_eq!(stream["Properties"]["Stream"], json!({"Fn::GetAtt": ["LeaseTable", "StreamArn"]}));
 }
 
+/// The history pipeline loses nothing silently: a batch the function gives up on (retries
+/// exhausted, or older than the stream keeps records) goes to an on-failure queue, and alarms
+/// watch the function's errors, its lag behind the stream and that queue.
+#[test]
+fn history_pipeline_fails_over_to_a_queue_and_is_alarmed() {
+    let t = raw();
+    let stream = &t["Resources"]["HistoryFunction"]["Properties"]["Events"]["LeaseStream"]["Properties"];
+    assert_eq!(stream["BisectBatchOnFunctionError"], true);
+    assert!(stream["MaximumRetryAttempts"].as_u64().is_some_and(|n| (1..=10).contains(&n)), "{stream}");
+    let age = stream["MaximumRecordAgeInSeconds"].as_u64().unwrap();
+    assert!(age < 24 * 3600, "given up on before the stream's 24 h retention drops the records: {age}");
+    assert_eq!(
+        stream["DestinationConfig"],
+        json!({"OnFailure": {"Type": "SQS", "Destination": {"Fn::GetAtt": ["HistoryFailures", "Arn"]}}})
+    );
+    assert_eq!(t["Resources"]["HistoryFailures"]["Type"], "AWS::SQS::Queue");
+    let alarms: BTreeMap<&str, &Value> = resources_of(t, "AWS::CloudWatch::Alarm").into_iter().collect();
+    let watched = |namespace: &str, metric: &str, dimension: Value| {
+        alarms.values().find(|a| {
+            let p = &a["Properties"];
+            p["Namespace"] == namespace
+                && p["MetricName"] == metric
+                && as_list(&p["Dimensions"])[0]["Value"] == dimension
+        })
+    };
+    let function = json!({"Ref": "HistoryFunction"});
+    for (namespace, metric, dimension) in [
+        ("AWS/Lambda", "Errors", function.clone()),
+        ("AWS/Lambda", "IteratorAge", function),
+        ("AWS/SQS", "ApproximateNumberOfMessagesVisible", json!({"Fn::GetAtt": ["HistoryFailures", "QueueName"]})),
+    ] {
+        let a = watched(namespace, metric, dimension).unwrap_or_else(|| panic!("no alarm on {namespace} {metric}"));
+        let p = &a["Properties"];
+        assert_eq!(p["TreatMissingData"], "notBreaching", "{metric}");
+        assert_eq!(p["ComparisonOperator"], "GreaterThanOrEqualToThreshold", "{metric}");
+        assert_eq!(
+            p["AlarmActions"],
+            json!({"Fn::If": ["HasAlarmTopic", [{"Ref": "AlarmTopicArn"}], {"Ref": "AWS::NoValue"}]}),
+            "{metric}"
+        );
+    }
+}
+
 /// `leasehold table create` makes exactly template.yaml's table: the same key schema, attribute
 /// definitions, indexes (keys and projections), TTL, billing and stream
 /// (`leasehold::store::table::LEASE_TABLE` is what both the CLI and `table check` use).
@@ -386,8 +429,12 @@ fn allowed_resource(action: &str, resource: &Value, own_log_group: &str) -> bool
         "dynamodb:DescribeStream" | "dynamodb:GetRecords" | "dynamodb:GetShardIterator" | "dynamodb:ListStreams" => {
             *resource == json!({"Fn::GetAtt": ["LeaseTable", "StreamArn"]})
         }
-        "dynamodb:PutItem" if own_log_group == "HistoryLogGroup" => {
+        "dynamodb:BatchWriteItem" if own_log_group == "HistoryLogGroup" => {
             *resource == json!({"Fn::GetAtt": ["HistoryTable", "Arn"]})
+        }
+        // The history stream's on-failure destination.
+        "sqs:SendMessage" if own_log_group == "HistoryLogGroup" => {
+            *resource == json!({"Fn::GetAtt": ["HistoryFailures", "Arn"]})
         }
         a if a.starts_with("dynamodb:") => *resource == table,
         "states:DescribeExecution" => {
@@ -461,7 +508,8 @@ fn function_roles_are_least_privilege() {
                 "dynamodb:GetRecords",
                 "dynamodb:GetShardIterator",
                 "dynamodb:ListStreams",
-                "dynamodb:PutItem",
+                "dynamodb:BatchWriteItem",
+                "sqs:SendMessage",
                 "logs:CreateLogStream",
                 "logs:PutLogEvents",
             ],
@@ -1201,8 +1249,9 @@ fn alarms_watch_the_sweep_and_throttles_and_notify_the_optional_topic() {
     let mut watched = BTreeSet::new();
     for (name, a) in &alarms {
         let p = &a["Properties"];
-        if p["Namespace"] == "AWS/Lambda" {
-            // Lambda's own metric (AcquireThrottled, checked with the reservation).
+        if p["Namespace"] == "AWS/Lambda" || p["Namespace"] == "AWS/SQS" {
+            // AWS's own metrics (AcquireThrottled, checked with the reservation; the history
+            // pipeline's, checked with it).
             continue;
         }
         // A metric-math alarm: each of its metrics is one the functions emit.
