@@ -22,6 +22,7 @@ mod metrics;
 mod output;
 mod run;
 mod serve;
+mod snapshot;
 mod table;
 mod target;
 mod work;

@@ -532,7 +532,7 @@ impl Store for SqliteStore {
         self.blocking(move |c| {
             let limit = limit.max(1) as i64;
             let rows: Vec<(String, String)> = match kind {
-                ScanKind::All => {
+                ScanKind::All | ScanKind::Snapshot => {
                     let mut st = c
                         .prepare_cached("SELECT key, record FROM leases WHERE key > ?1 ORDER BY key LIMIT ?2")
                         .map_err(store_err)?;
