@@ -603,7 +603,8 @@ async fn a_refused_clock_runs_no_queue_sweep() {
         Arc::new(DynamoStore::new(dynamo_local().client().await, ddb.table().to_string()));
     let wrong =
         Coordinator::new(store, Config { clock_offset_ms: 30_000, ..test_config() }).with_deliver(deliveries.clone());
-    let h = Handler { function: Function::Heartbeat, coord: wrong, executions: None, sweep_max_items: 100 };
+    let h =
+        Handler { function: Function::Heartbeat, coord: wrong, executions: None, running: None, sweep_max_items: 100 };
     let event = json!({"source": "aws.events", "detail-type": "Scheduled Event", "detail": {}});
     let _ = h.handle(event, Duration::from_secs(20)).await;
     assert!(deliveries.0.lock().unwrap().is_empty(), "a live key was handed over: {:?}", deliveries.0.lock().unwrap());

@@ -159,10 +159,21 @@ fn lease_table_matches_the_store() {
         gsis[1]["KeySchema"],
         json!([{"AttributeName": attr::STATE_SHARD, "KeyType": "HASH"}, {"AttributeName": attr::EXPIRES_AT, "KeyType": "RANGE"}])
     );
-    // Only what a batch's candidate needs (the attributes the store's candidate Query names).
+    // Only what a batch's candidate needs (the attributes the store's candidate Query names)
+    // when StateIndexProjection says INCLUDE; ALL by default, as stacks made before the
+    // parameter have it (CloudFormation cannot change a projection in place: upgrade.rs).
     assert_eq!(
         gsis[1]["Projection"],
-        json!({"ProjectionType": "INCLUDE", "NonKeyAttributes": leasehold::store::dynamo::STATE_INDEX_ATTRIBUTES})
+        json!({"Fn::If": [
+            "StateIndexIncludes",
+            {"ProjectionType": "INCLUDE", "NonKeyAttributes": leasehold::store::dynamo::STATE_INDEX_ATTRIBUTES},
+            {"ProjectionType": "ALL"}
+        ]})
+    );
+    assert_eq!(t["Parameters"]["StateIndexProjection"]["Default"], "ALL");
+    assert_eq!(
+        t["Conditions"]["StateIndexIncludes"],
+        json!({"Fn::Equals": [{"Ref": "StateIndexProjection"}, "INCLUDE"]})
     );
     // The queue index, as `DynamoStore::create_table` makes it.
     assert_eq!(gsis[2]["IndexName"], leasehold::store::dynamo::QUEUE_INDEX);
@@ -194,6 +205,49 @@ fn history_table_matches_the_history_function() {
     assert_eq!(stream["Properties"]["Stream"], json!({"Fn::GetAtt": ["LeaseTable", "StreamArn"]}));
 }
 
+/// The history pipeline loses nothing silently: a batch the function gives up on (retries
+/// exhausted, or older than the stream keeps records) goes to an on-failure queue, and alarms
+/// watch the function's errors, its lag behind the stream and that queue.
+#[test]
+fn history_pipeline_fails_over_to_a_queue_and_is_alarmed() {
+    let t = raw();
+    let stream = &t["Resources"]["HistoryFunction"]["Properties"]["Events"]["LeaseStream"]["Properties"];
+    assert_eq!(stream["BisectBatchOnFunctionError"], true);
+    assert!(stream["MaximumRetryAttempts"].as_u64().is_some_and(|n| (1..=10).contains(&n)), "{stream}");
+    let age = stream["MaximumRecordAgeInSeconds"].as_u64().unwrap();
+    assert!(age < 24 * 3600, "given up on before the stream's 24 h retention drops the records: {age}");
+    assert_eq!(
+        stream["DestinationConfig"],
+        json!({"OnFailure": {"Type": "SQS", "Destination": {"Fn::GetAtt": ["HistoryFailures", "Arn"]}}})
+    );
+    assert_eq!(t["Resources"]["HistoryFailures"]["Type"], "AWS::SQS::Queue");
+    let alarms: BTreeMap<&str, &Value> = resources_of(t, "AWS::CloudWatch::Alarm").into_iter().collect();
+    let watched = |namespace: &str, metric: &str, dimension: Value| {
+        alarms.values().find(|a| {
+            let p = &a["Properties"];
+            p["Namespace"] == namespace
+                && p["MetricName"] == metric
+                && as_list(&p["Dimensions"])[0]["Value"] == dimension
+        })
+    };
+    let function = json!({"Ref": "HistoryFunction"});
+    for (namespace, metric, dimension) in [
+        ("AWS/Lambda", "Errors", function.clone()),
+        ("AWS/Lambda", "IteratorAge", function),
+        ("AWS/SQS", "ApproximateNumberOfMessagesVisible", json!({"Fn::GetAtt": ["HistoryFailures", "QueueName"]})),
+    ] {
+        let a = watched(namespace, metric, dimension).unwrap_or_else(|| panic!("no alarm on {namespace} {metric}"));
+        let p = &a["Properties"];
+        assert_eq!(p["TreatMissingData"], "notBreaching", "{metric}");
+        assert_eq!(p["ComparisonOperator"], "GreaterThanOrEqualToThreshold", "{metric}");
+        assert_eq!(
+            p["AlarmActions"],
+            json!({"Fn::If": ["HasAlarmTopic", [{"Ref": "AlarmTopicArn"}], {"Ref": "AWS::NoValue"}]}),
+            "{metric}"
+        );
+    }
+}
+
 /// `leasehold table create` makes exactly template.yaml's table: the same key schema, attribute
 /// definitions, indexes (keys and projections), TTL, billing and stream
 /// (`leasehold::store::table::LEASE_TABLE` is what both the CLI and `table check` use).
@@ -201,7 +255,10 @@ fn history_table_matches_the_history_function() {
 fn lease_table_is_the_cli_table() {
     use leasehold::store::table::LEASE_TABLE as spec;
     let t = raw();
-    let p = &t["Resources"]["LeaseTable"]["Properties"];
+    // As a stack created with StateIndexProjection=INCLUDE has it (the default, ALL, is what
+    // earlier stacks have: `table check` notes it, everything works).
+    let resolver = leasehold_tests::cfn::Resolver::new(t, &[("StateIndexProjection", "INCLUDE")]);
+    let p = &resolver.resolve(&t["Resources"]["LeaseTable"]["Properties"]);
     assert_eq!(p["BillingMode"], spec.billing);
     assert_eq!(p["KeySchema"], json!([{"AttributeName": spec.key, "KeyType": "HASH"}]));
     let defs: BTreeSet<(String, String)> = p["AttributeDefinitions"]
@@ -233,6 +290,8 @@ fn lease_table_is_the_cli_table() {
     assert_eq!(p["GlobalSecondaryIndexes"], json!(gsis));
     assert_eq!(p["TimeToLiveSpecification"], json!({"AttributeName": spec.ttl, "Enabled": true}));
     assert_eq!(p["StreamSpecification"], json!({"StreamViewType": spec.stream}));
+    assert_eq!(p["DeletionProtectionEnabled"], json!(spec.deletion_protection));
+    assert_eq!(p["PointInTimeRecoverySpecification"]["PointInTimeRecoveryEnabled"], json!(spec.point_in_time_recovery));
 }
 
 #[test]
@@ -370,14 +429,24 @@ fn allowed_resource(action: &str, resource: &Value, own_log_group: &str) -> bool
         "dynamodb:DescribeStream" | "dynamodb:GetRecords" | "dynamodb:GetShardIterator" | "dynamodb:ListStreams" => {
             *resource == json!({"Fn::GetAtt": ["LeaseTable", "StreamArn"]})
         }
-        "dynamodb:PutItem" if own_log_group == "HistoryLogGroup" => {
+        "dynamodb:BatchWriteItem" if own_log_group == "HistoryLogGroup" => {
             *resource == json!({"Fn::GetAtt": ["HistoryTable", "Arn"]})
+        }
+        // The history stream's on-failure destination.
+        "sqs:SendMessage" if own_log_group == "HistoryLogGroup" => {
+            *resource == json!({"Fn::GetAtt": ["HistoryFailures", "Arn"]})
         }
         a if a.starts_with("dynamodb:") => *resource == table,
         "states:DescribeExecution" => {
             MACHINES.iter().any(|m| *resource == executions(m))
                 || (resource.get("Fn::Split").is_some()
                     && resource.to_string().contains(r#"{"Ref":"KeepaliveStateMachineArns"}"#))
+        }
+        // A sweep lists the running executions of each state machine once (ListExecutions acts
+        // on the state machine).
+        "states:ListExecutions" => {
+            MACHINES.iter().any(|m| *resource == json!({"Ref": m}))
+                || *resource == json!({"Ref": "KeepaliveStateMachineArns"})
         }
         "logs:CreateLogStream" | "logs:PutLogEvents" => *resource == log_group,
         // The waiter queue's delivery: a service-integration task token belongs to no resource
@@ -413,6 +482,7 @@ fn function_roles_are_least_privilege() {
                 "dynamodb:DeleteItem",
                 "dynamodb:Query",
                 "states:DescribeExecution",
+                "states:ListExecutions",
                 "states:SendTaskSuccess",
                 "states:SendTaskFailure",
                 "logs:CreateLogStream",
@@ -438,7 +508,8 @@ fn function_roles_are_least_privilege() {
                 "dynamodb:GetRecords",
                 "dynamodb:GetShardIterator",
                 "dynamodb:ListStreams",
-                "dynamodb:PutItem",
+                "dynamodb:BatchWriteItem",
+                "sqs:SendMessage",
                 "logs:CreateLogStream",
                 "logs:PutLogEvents",
             ],
@@ -1178,8 +1249,9 @@ fn alarms_watch_the_sweep_and_throttles_and_notify_the_optional_topic() {
     let mut watched = BTreeSet::new();
     for (name, a) in &alarms {
         let p = &a["Properties"];
-        if p["Namespace"] == "AWS/Lambda" {
-            // Lambda's own metric (AcquireThrottled, checked with the reservation).
+        if p["Namespace"] == "AWS/Lambda" || p["Namespace"] == "AWS/SQS" {
+            // AWS's own metrics (AcquireThrottled, checked with the reservation; the history
+            // pipeline's, checked with it).
             continue;
         }
         // A metric-math alarm: each of its metrics is one the functions emit.
@@ -1223,10 +1295,24 @@ fn alarms_watch_the_sweep_and_throttles_and_notify_the_optional_topic() {
         assert!(p["AlarmDescription"].as_str().is_some_and(|d| d.len() > 40), "{name} tells the operator what to do");
         watched.insert(format!("{metric}:{}", p["ComparisonOperator"].as_str().unwrap()));
         if metric == "Invocations" {
-            // No sweep at all: missing data is the failure itself.
-            assert_eq!(dims, [("Function", "heartbeat"), ("Outcome", "sweep")]);
-            assert_eq!(p["TreatMissingData"], "breaching", "{name}");
-            assert_eq!(p["Period"]["Fn::FindInMap"][1], json!({"Ref": "KeepaliveSweepPeriodMinutes"}));
+            // No sweep at all is the failure itself: a window without a sweep counts 0 (FILL)
+            // once sweeps have reported in the evaluated range; before the first sweep of a new
+            // stack the alarm stays INSUFFICIENT_DATA, and after a whole range without one it
+            // keeps its state (ignore), instead of firing on a fresh deploy (breaching did).
+            let ms = p["Metrics"].as_array().unwrap();
+            let stat = ms.iter().find_map(|m| m.get("MetricStat")).unwrap();
+            let sweep_dims: Vec<(&str, &str)> = as_list(&stat["Metric"]["Dimensions"])
+                .iter()
+                .map(|d| (d["Name"].as_str().unwrap(), d["Value"].as_str().unwrap()))
+                .collect();
+            assert_eq!(sweep_dims, [("Function", "heartbeat"), ("Outcome", "sweep")]);
+            assert_eq!(stat["Stat"], "SampleCount");
+            let id = ms.iter().find(|m| m.get("MetricStat").is_some()).unwrap()["Id"].as_str().unwrap();
+            let shown: Vec<&Value> = ms.iter().filter(|m| m["ReturnData"] == true).collect();
+            assert_eq!(shown.len(), 1, "{name}");
+            assert_eq!(shown[0]["Expression"], format!("FILL({id}, 0)"), "{name}");
+            assert_eq!(p["TreatMissingData"], "ignore", "{name}");
+            assert_eq!(stat["Period"]["Fn::FindInMap"][1], json!({"Ref": "KeepaliveSweepPeriodMinutes"}));
             // M of N: one late EMF datapoint does not flap it.
             let (m, n) = (p["DatapointsToAlarm"].as_u64().unwrap_or(0), p["EvaluationPeriods"].as_u64().unwrap());
             assert!(m >= 2 && n > m, "{name}: {m} of {n}");
@@ -1237,6 +1323,7 @@ fn alarms_watch_the_sweep_and_throttles_and_notify_the_optional_topic() {
     let want: BTreeSet<String> = [
         "SweepErrors+SweepDescribeFailures:GreaterThanOrEqualToThreshold",
         "SweepIncomplete:GreaterThanOrEqualToThreshold",
+        "QueueSweepErrors:GreaterThanOrEqualToThreshold",
         "Invocations:LessThanThreshold",
         "Throttled:GreaterThanOrEqualToThreshold",
         "SweepReleased:GreaterThanOrEqualToThreshold",
