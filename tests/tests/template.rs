@@ -438,7 +438,19 @@ fn allowed_resource(action: &str, resource: &Value, own_log_group: &str) -> bool
         }
         a if a.starts_with("dynamodb:") => *resource == table,
         "states:DescribeExecution" => {
-            MACHINES.iter().any(|m| *resource == executions(m))
+            // A state machine of the template's, by reference or (the BatchProcessor: a
+            // reference would make a cycle through HeartbeatFunction) by the name its resource
+            // gives it; a conditional one when its condition holds.
+            let resource = match resource.get("Fn::If") {
+                Some(branches) if branches[2] == json!({"Ref": "AWS::NoValue"}) => &branches[1],
+                _ => resource,
+            };
+            let batch = json!({"Fn::Sub": [
+                "arn:${AWS::Partition}:states:${AWS::Region}:${AWS::AccountId}:execution:batch-processor-${StackUuid}:*",
+                {"StackUuid": {"Fn::Select": [2, {"Fn::Split": ["/", {"Ref": "AWS::StackId"}]}]}}
+            ]});
+            state_machines().iter().any(|m| *resource == executions(m))
+                || *resource == batch
                 || (resource.get("Fn::Split").is_some()
                     && resource.to_string().contains(r#"{"Ref":"KeepaliveStateMachineArns"}"#))
         }
@@ -752,11 +764,17 @@ fn state_machines_release_on_every_path() {
             let next = s["Next"].as_str().unwrap_or_else(|| panic!("{machine}.{name} ends the execution"));
             assert!(reachable(def, next).contains(release), "{machine}.{name} -> {next}");
         }
-        // Failures end in Fail states, reached only after the release.
+        // Failures end in Fail states, reached only after the release (or before the acquire:
+        // input refused, nothing taken).
         let fails: Vec<&str> = all.iter().filter(|(_, s)| s["Type"] == "Fail").map(|(n, _)| n.as_str()).collect();
         assert!(!fails.is_empty(), "{machine} has Fail states");
-        let after_release = reachable(def, release);
-        for (name, s) in all {
+        // ReleaseStale gives back the lease of a run before a redrive (statemachines::rule).
+        let mut after_release = reachable(def, release);
+        if all.contains_key("ReleaseStale") {
+            after_release.extend(reachable(def, "ReleaseStale"));
+        }
+        let after_acquire = reachable(def, "Acquire");
+        for (name, s) in all.iter().filter(|(n, _)| after_acquire.contains(n.as_str())) {
             let mut next: Vec<&str> = vec![];
             next.extend(s["Next"].as_str());
             next.extend(s["Default"].as_str());
@@ -880,16 +898,23 @@ fn fenced_update_writes_with_the_fence_condition_and_releases_on_every_path() {
     assert_eq!(w["Resource"], "arn:${Partition}:states:::dynamodb:updateItem");
     let p = &w["Parameters"];
     assert_eq!(p["TableName"], "${FencedTargetTableName}");
-    assert_eq!(p["ConditionExpression"], leasehold::fenced::FENCE_CONDITION);
+    // The fence condition; resumed by a redrive in a later run than its lease's, one no item
+    // meets (statemachines::rule).
+    let condition = p["ConditionExpression.$"].as_str().expect("ConditionExpression.$");
+    let first = format!("States.Array('{}', ", leasehold::fenced::FENCE_CONDITION);
+    assert!(condition.contains(&first) && condition.contains(statemachines::rule::REDRIVE_COUNT), "{condition}");
     assert!(p["UpdateExpression"].as_str().unwrap().starts_with("SET #lh_fence = :lh_fence"), "records the fence");
     assert_eq!(p["ExpressionAttributeNames"]["#lh_fence"], leasehold::fenced::DEFAULT_ATTRIBUTE);
     assert_eq!(p["ExpressionAttributeValues"][":lh_fence"]["N.$"], "States.JsonToString($.lease.fence)");
     assert_eq!(w["ResultPath"], Value::Null);
     let catches = w["Catch"].as_array().unwrap();
     let refused = catches.iter().find(|c| c["ErrorEquals"] == json!(["DynamoDB.ConditionalCheckFailedException"]));
-    assert_eq!(refused.expect("a refused write is caught")["Next"], "Release");
-    assert!(catches.iter().any(|c| c["ErrorEquals"] == json!(["States.ALL"]) && c["Next"] == "Release"));
-    assert_eq!(w["Next"], "Release");
+    let refused = refused.expect("a refused write is caught");
+    assert_eq!(refused["ResultPath"], "$.fenced");
+    assert!(reachable(def, refused["Next"].as_str().unwrap()).contains("Release"));
+    assert!(catches.iter().any(|c| c["ErrorEquals"] == json!(["States.ALL"])
+        && reachable(def, c["Next"].as_str().unwrap()).contains("Release")));
+    assert!(reachable(def, w["Next"].as_str().unwrap()).contains("Release"));
     for (name, s) in all {
         if s["Type"] == "Task" && name != "Release" {
             let catches = s["Catch"].as_array().unwrap_or_else(|| panic!("{name} catches"));
@@ -928,8 +953,8 @@ fn concurrency_limited_takes_a_slot_per_item_and_releases_on_every_path() {
     const M: &str = "ConcurrencyLimitedStateMachine";
     let def = definition(M);
     let map = &states(def)["ForEachItem"];
-    assert_eq!((map["Type"].as_str(), map["ItemsPath"].as_str()), (Some("Map"), Some("$.items")));
-    assert!(map["ItemSelector"].get("items.$").is_none(), "no iteration carries the whole list");
+    assert_eq!((map["Type"].as_str(), map["ItemsPath"].as_str()), (Some("Map"), Some("$.current.chunk")));
+    assert!(!map["ItemSelector"].to_string().contains("chunks"), "no iteration carries the whole list");
     let it = &map["ItemProcessor"];
     let all = states(it);
     let acquire = &all["Acquire"];
@@ -938,7 +963,7 @@ fn concurrency_limited_takes_a_slot_per_item_and_releases_on_every_path() {
     let request = &all["Request"]["Parameters"];
     assert_eq!(request["slots.$"], "$.config.slots");
     assert_eq!(request["lease_id.$"], "$.slot.lease_id");
-    assert_eq!(all["Init"]["Parameters"]["lease_id.$"], "States.UUID()");
+    assert_eq!(all["Init"]["Parameters"]["slot"]["lease_id.$"], "States.UUID()");
     assert!(!reachable(it, "Acquire").contains("Init"), "the lease_id is made once per iteration");
     assert_eq!(all["CountPoll"]["Parameters"]["lease_id.$"], "$.slot.lease_id", "polls keep the lease_id");
     // Full: wait and ask again, up to max_polls times.
@@ -970,14 +995,21 @@ fn concurrency_limited_takes_a_slot_per_item_and_releases_on_every_path() {
     }
     assert!(reachable(it, release["Next"].as_str().unwrap()).contains("ItemDone"));
     assert_eq!(reachable(it, it["StartAt"].as_str().unwrap()).len(), all.len(), "unreachable states");
-    // The work step ends before the default slot duration: every attempt's timeout and the
-    // pauses between them.
+    // The work step ends before the slot's least duration (statemachines::rule checks every
+    // path); the default duration is one the definition accepts.
+    let rule = statemachines::rule::check(M, def);
+    assert!(rule.violations.is_empty(), "{:#?}", rule.violations);
+    assert_eq!(rule.timed_work, BTreeSet::from(["ForEachItem/Work".to_string()]));
+    let least = states(def)["Validate"]["Choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["Variable"] == "$.args.duration_ms" && c["NumericLessThan"].is_u64())
+        .map(|c| c["NumericLessThan"].as_u64().unwrap())
+        .expect("the least duration is checked");
+    let duration = states(def)["Defaults"]["Parameters"]["defaults"]["duration_ms"].as_u64().unwrap();
+    assert!(duration >= least, "{duration} < {least}");
     let work = &all["Work"];
-    let timeout = work["TimeoutSeconds"].as_u64().expect("Work TimeoutSeconds");
-    let retries: u64 = work["Retry"].as_array().unwrap().iter().map(|r| r["MaxAttempts"].as_u64().unwrap()).sum();
-    let pauses: u64 = (0..retries).map(|i| 2u64.pow(i as u32)).sum();
-    let duration_s = states(def)["Defaults"]["Parameters"]["defaults"]["duration_ms"].as_u64().unwrap() / 1000;
-    assert!(timeout * (retries + 1) + pauses < duration_s, "the work step can outlast its slot");
     assert_eq!(work["ResultPath"], Value::Null);
     assert!(work.as_object().unwrap().contains_key("ResultPath"));
     // Policies: invoke the two functions (and the optional work function).
@@ -1047,9 +1079,15 @@ fn state_machines_survive_what_states_all_cannot_catch() {
         assert!(work.as_object().unwrap().contains_key("ResultPath"), "{machine}: ResultPath: null, not absent");
         assert!(work.get("ResultSelector").is_none(), "{machine}");
         assert!(work.get("OutputPath").is_none(), "{machine}");
-        // Every Lambda task retries the Lambda client's own timeout too.
+        // Every Lambda task retries the Lambda client's own timeout too, except the work: its
+        // invocation may still run after those errors, and the lease is kept until it must
+        // have ended instead (statemachines::rule; only a throttled invocation is retried).
         for (name, s) in all {
             if s["Type"] != "Task" {
+                continue;
+            }
+            if name == "Work" {
+                assert_eq!(s["Retry"][0]["ErrorEquals"], json!(["Lambda.TooManyRequestsException"]), "{machine}");
                 continue;
             }
             let retries = s["Retry"].as_array().unwrap_or_else(|| panic!("{machine}.{name} retries"));
@@ -1347,21 +1385,58 @@ fn alarms_watch_the_sweep_and_throttles_and_notify_the_optional_topic() {
     }
 }
 
-/// The BatchProcessor can continue as a new execution of itself: it is named so that its
-/// policy can grant states:StartExecution on exactly that state machine (no dependency cycle),
-/// its ContinueAsNew task starts `$$.StateMachine.Id`, it may invoke the heartbeat function (each
-/// iteration renews its lease), and every Lambda task retries Lambda's transient errors.
+/// The state machines that continue as new executions of themselves (BatchProcessor,
+/// ConcurrencyLimited) are named so that their policies can grant states:StartExecution on
+/// exactly that state machine (no dependency cycle), by the stack id's UUID (a state machine's
+/// name is at most 80 characters, a stack's 128: a name made of the stack name broke past 64).
+#[test]
+fn continuing_state_machines_are_named_by_the_stack_id() {
+    let t = raw();
+    for (machine, prefix) in
+        [("BatchProcessorStateMachine", "batch-processor"), ("ConcurrencyLimitedStateMachine", "concurrency-limited")]
+    {
+        let p = &t["Resources"][machine]["Properties"];
+        let uuid = json!({"StackUuid": {"Fn::Select": [2, {"Fn::Split": ["/", {"Ref": "AWS::StackId"}]}]}});
+        assert_eq!(p["Name"], json!({"Fn::Sub": [format!("{prefix}-${{StackUuid}}"), uuid]}), "{machine}");
+        // The longest name it can have: the prefix, a dash and a UUID.
+        assert!(prefix.len() + 1 + 36 <= 80, "{machine}");
+        let grants: Vec<&Value> = p["Policies"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|p| p["Statement"].as_array())
+            .flatten()
+            .filter(|st| st["Action"] == "states:StartExecution")
+            .collect();
+        assert_eq!(grants.len(), 1, "{machine}");
+        let arn = format!(
+            "arn:${{AWS::Partition}}:states:${{AWS::Region}}:${{AWS::AccountId}}:stateMachine:{prefix}-${{StackUuid}}"
+        );
+        assert_eq!(grants[0]["Resource"], json!({"Fn::Sub": [arn, uuid]}), "{machine}: StartExecution on itself only");
+        // The ContinueAsNew task starts $$.StateMachine.Id, and takes ExecutionAlreadyExists
+        // (a start whose answer was lost, retried after the execution ended) as done.
+        let def = statemachines::parsed(definition_name(machine));
+        let cont = &def["States"]["ContinueAsNew"];
+        assert_eq!(cont["Resource"], "arn:${Partition}:states:::states:startExecution");
+        assert_eq!(cont["Parameters"]["StateMachineArn.$"], "$$.StateMachine.Id");
+        let exists = json!(["StepFunctions.ExecutionAlreadyExistsException"]);
+        assert_eq!(cont["Retry"][0], json!({"ErrorEquals": exists, "MaxAttempts": 0}), "{machine}: not retried");
+        let caught = cont["Catch"].as_array().unwrap().iter().find(|c| c["ErrorEquals"] == exists).expect("caught");
+        let already = &def["States"][caught["Next"].as_str().unwrap()];
+        assert!(already["Parameters"]["execution_arn.$"].as_str().unwrap().contains("$.next.name"), "{machine}");
+    }
+}
+
+/// The BatchProcessor can continue as a new execution of itself, its ContinueAsNew task starts
+/// `$$.StateMachine.Id` with the whole configuration, it may invoke the heartbeat function
+/// (each iteration renews its lease), and every Lambda task retries Lambda's transient errors
+/// (but the work, statemachines::rule).
 #[test]
 fn batch_processor_continues_as_itself_and_retries_lambda_errors() {
     let t = raw();
     let p = &t["Resources"]["BatchProcessorStateMachine"]["Properties"];
-    assert_eq!(p["Name"], json!({"Fn::Sub": "${AWS::StackName}-batch-processor"}));
     let policies = p["Policies"].to_string();
     assert!(policies.contains("states:StartExecution"), "{policies}");
-    assert!(
-        policies.contains("stateMachine:${AWS::StackName}-batch-processor\""),
-        "StartExecution on itself only: {policies}"
-    );
     assert!(policies.contains("\"HeartbeatFunction\""), "{policies}");
     let subs = &p["DefinitionSubstitutions"];
     assert_eq!(
@@ -1381,8 +1456,12 @@ fn batch_processor_continues_as_itself_and_retries_lambda_errors() {
         .map(|k| k.trim_end_matches(".$"))
         .filter(|k| !k.starts_with("AWS_"))
         .collect();
-    let defaults: BTreeSet<&str> =
-        all["Defaults"]["Parameters"]["defaults"].as_object().unwrap().keys().map(|k| k.as_str()).collect();
+    let defaults: BTreeSet<&str> = all["Defaults"]["Parameters"]["defaults"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(|k| k.trim_end_matches(".$"))
+        .collect();
     assert_eq!(carried, defaults);
     let iteration = all["ProcessBatch"]["ItemProcessor"]["States"].as_object().unwrap();
     for (name, s) in all.iter().chain(iteration.iter()) {
@@ -1390,7 +1469,12 @@ fn batch_processor_continues_as_itself_and_retries_lambda_errors() {
             continue;
         }
         let retried: String = s["Retry"].to_string();
-        for e in ["Lambda.ServiceException", "Lambda.AWSLambdaException", "Lambda.SdkClientException"] {
+        let errors: &[&str] = if name == "Work" {
+            &["Lambda.TooManyRequestsException"]
+        } else {
+            &["Lambda.ServiceException", "Lambda.AWSLambdaException", "Lambda.SdkClientException"]
+        };
+        for e in errors {
             assert!(retried.contains(e), "{name} retries {e}: {retried}");
         }
         if iteration.contains_key(name) {
