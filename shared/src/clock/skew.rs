@@ -45,6 +45,9 @@ pub const AGREEMENT: usize = 3;
 #[derive(Debug, Default)]
 pub struct ClockSamples {
     samples: Mutex<VecDeque<Sample>>,
+    /// Held by the one write that reads the store for evidence while there is too little: the
+    /// other writes of the client wait for its answers instead of each reading for its own.
+    reading: tokio::sync::Mutex<()>,
 }
 
 /// Bounds on `server clock - coordinator clock`, in ms.
@@ -93,6 +96,13 @@ impl ClockSamples {
                 (s.sent, s.received) = (sent, received);
             }
         }
+    }
+
+    /// The turn to read the store for evidence: one write at a time, so that many writes
+    /// finding too little evidence at once (a new process's workers) make one read each turn,
+    /// not one each.
+    pub(crate) async fn reading_turn(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.reading.lock().await
     }
 
     /// How many samples are younger than [`MAX_AGE`].

@@ -46,9 +46,15 @@ impl Coordinator {
     pub(crate) async fn check_clock_by(&self, key: &str, deadline: Instant) -> Result<()> {
         let Some(samples) = self.store.clock() else { return Ok(()) };
         let need = crate::clock::AGREEMENT;
-        // Bounded: answers may come without a usable `Date`.
+        // Bounded: answers may come without a usable `Date`. One write of this store's client
+        // reads at a time; the others wait for its answers (a new process's workers would
+        // otherwise each read for evidence they all share).
         let mut reads = 0;
         while samples.recent(self.monotonic()) < need && reads < 2 * need && self.monotonic() < deadline {
+            let Ok(_turn) = tokio::time::timeout_at(deadline.into(), samples.reading_turn()).await else { break };
+            if samples.recent(self.monotonic()) >= need {
+                break;
+            }
             reads += 1;
             let _ = self.read(deadline, || self.store.get(key)).await;
         }
