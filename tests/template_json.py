@@ -9,6 +9,11 @@
                                            placeholder S3 location, and a state machine's
                                            local DefinitionUri (statemachines/*.asl.json)
                                            one under the same bucket, as `sam package` would)
+    template_json.py create-only TYPE...   per resource type, the properties whose change
+                                           replaces the resource (createOnlyProperties and
+                                           conditionalCreateOnlyProperties of the CloudFormation
+                                           registry schema cfn-lint ships, us-east-1), as
+                                           JSON pointers ("/properties/TableName")
 
 Runs with the Python of the tools venv (.tools/venv/bin/python), which has cfn-lint and
 the SAM translator.
@@ -50,7 +55,22 @@ def transformed(template):
     return transform(template, {}, Policies())
 
 
+def create_only(types):
+    from cfnlint.schema.manager import PROVIDER_SCHEMA_MANAGER
+
+    out = {}
+    for t in types:
+        schema = PROVIDER_SCHEMA_MANAGER.get_resource_schema("us-east-1", t).schema
+        paths = schema.get("createOnlyProperties", []) + schema.get("conditionalCreateOnlyProperties", [])
+        out[t] = sorted(set(paths))
+    return out
+
+
 def main():
+    if len(sys.argv) >= 2 and sys.argv[1] == "create-only":
+        json.dump(create_only(sys.argv[2:]), sys.stdout, indent=1, sort_keys=True)
+        print()
+        return
     if len(sys.argv) != 3 or sys.argv[1] not in ("raw", "transformed"):
         print(__doc__, file=sys.stderr)
         sys.exit(64)

@@ -57,7 +57,26 @@ pub fn cpu_runs() -> u64 {
 
 /// Every thread's run time (ns) and run count, summed, from /proc/self/task/*/schedstat.
 fn sched_totals() -> Option<(u64, u64)> {
-    let tasks = std::fs::read_dir("/proc/self/task").ok()?;
+    sched_totals_of("self")
+}
+
+/// CPU time (user and system) process `pid` has used so far, its exited threads' included,
+/// in ms (from /proc/PID/stat, in clock ticks of 10 ms): for a process whose threads come and
+/// go (a JVM), which the per-thread sums above would lose.
+fn process_cpu_ms(pid: &str) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The fields after the command name (in parentheses, which may hold spaces): utime and
+    // stime are the 14th and 15th fields of the line, the 12th and 13th after the name.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let mut f = rest.split_whitespace().skip(11).map(|v| v.parse::<u64>().ok());
+    let (user, system) = (f.next()??, f.next()??);
+    Some((user + system) as f64 * 10.0)
+}
+
+/// Every thread's run time (ns) and run count, summed, from /proc/PID/task/*/schedstat
+/// ("self": this process).
+fn sched_totals_of(pid: &str) -> Option<(u64, u64)> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
     let (mut ns, mut runs) = (0u64, 0u64);
     for t in tasks.flatten() {
         if let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) {
@@ -67,6 +86,21 @@ fn sched_totals() -> Option<(u64, u64)> {
         }
     }
     Some((ns, runs))
+}
+
+/// The process id of the DynamoDB Local server listening on `port` (its command line names the
+/// jar and the port), to read its CPU time.
+fn server_pid(port: u16) -> Option<String> {
+    let want = format!("-port {port}");
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid = e.file_name().to_string_lossy().to_string();
+        let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+        // The java process itself, not the watchdog shell whose command line names it too.
+        let java = cmd.split(' ').next().is_some_and(|exe| exe.ends_with("java"));
+        (pid.bytes().all(|b| b.is_ascii_digit()) && java && cmd.contains("DynamoDBLocal.jar") && cmd.contains(&want))
+            .then_some(pid)
+    })
 }
 
 pub fn pct(sorted: &[f64], p: f64) -> f64 {
@@ -160,6 +194,8 @@ pub(crate) use scenario_run;
 
 pub struct Setup {
     _local: DynamoLocal,
+    /// DynamoDB Local's process id (its CPU time is read around each child).
+    server: Option<String>,
     pub proxy: Proxy,
     pub tables: BTreeMap<&'static str, String>,
 }
@@ -213,7 +249,20 @@ pub async fn setup() -> Setup {
         }
         tables.insert(lib, table);
     }
-    Setup { _local: local, proxy, tables }
+    let server = server_pid(local.port);
+    Setup { _local: local, server, proxy, tables }
+}
+
+impl Setup {
+    /// CPU time DynamoDB Local has used so far, in ms (NaN when its process was not found).
+    pub fn server_cpu_ms(&self) -> f64 {
+        self.server.as_deref().and_then(process_cpu_ms).unwrap_or(f64::NAN)
+    }
+
+    /// CPU time this (the parent) process has used so far, in ms: the proxy's, while a child runs.
+    pub fn proxy_cpu_ms(&self) -> f64 {
+        cpu_ms()
+    }
 }
 
 /// Runs one child and returns its JSON plus the proxy's request count during it.
@@ -233,13 +282,38 @@ pub async fn run_child_counts(
 ) -> (Value, BTreeMap<String, u64>) {
     s.proxy.reset_counts();
     let exe = std::env::current_exe().unwrap();
+    // `LEASEHOLD_BENCH_PERF_SERVER=DIR`: DynamoDB Local is profiled while each child runs
+    // (`perf record -F 2999 -p`, by thread: its JIT compiler's threads are named), its profile
+    // written to DIR/server-LIB-SCENARIO-TAG.data.
+    let server_perf = match (std::env::var_os("LEASEHOLD_BENCH_PERF_SERVER"), &s.server) {
+        (Some(dir), Some(pid)) => {
+            let file = format!("server-{}-{scenario}-{tag}.data", lib.replace(['/', '+'], "_"));
+            let child = tokio::process::Command::new("perf")
+                .args(["record", "-q", "-F", "2999", "-p", pid, "-o"])
+                .arg(std::path::Path::new(&dir).join(file))
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .expect("perf record");
+            // perf attaches before it samples: give it a moment.
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            Some(child)
+        }
+        _ => None,
+    };
     // `LEASEHOLD_BENCH_PERF=DIR`: every child runs under `perf record` (flat, 2,999 Hz), its
     // profile written to DIR/LIB-SCENARIO-TAG.data (the figures then include perf's cost).
     let mut cmd = match std::env::var_os("LEASEHOLD_BENCH_PERF") {
         Some(dir) => {
             let file = format!("{}-{scenario}-{tag}.data", lib.replace(['/', '+'], "_"));
             let mut c = tokio::process::Command::new("perf");
-            c.args(["record", "-q", "-F", "2999", "-o"]).arg(std::path::Path::new(&dir).join(file)).arg("--").arg(exe);
+            c.args(["record", "-q", "-F", "2999"]);
+            // `LEASEHOLD_BENCH_PERF_ARGS`: more `perf record` arguments (`--call-graph dwarf`,
+            // `-e sched:sched_switch` for where threads go off the CPU, ...).
+            if let Ok(more) = std::env::var("LEASEHOLD_BENCH_PERF_ARGS") {
+                c.args(more.split_whitespace());
+            }
+            c.arg("-o").arg(std::path::Path::new(&dir).join(file)).arg("--").arg(exe);
             c
         }
         None => tokio::process::Command::new(exe),
@@ -261,6 +335,12 @@ pub async fn run_child_counts(
     assert!(out.status.success(), "{lib} {scenario} failed: {}", String::from_utf8_lossy(&out.stderr));
     let line = String::from_utf8_lossy(&out.stdout);
     let v: Value = serde_json::from_str(line.lines().last().unwrap_or("")).expect("child json");
+    if let Some(mut perf) = server_perf {
+        if let Some(pid) = perf.id() {
+            let _ = std::process::Command::new("kill").args(["-INT", &pid.to_string()]).status();
+        }
+        let _ = perf.wait().await;
+    }
     (v, s.proxy.counts())
 }
 

@@ -22,6 +22,7 @@ mod metrics;
 mod output;
 mod run;
 mod serve;
+mod snapshot;
 mod table;
 mod target;
 mod work;
@@ -87,6 +88,11 @@ pub struct Global {
     /// Print the API's JSON (results and errors) on stdout instead of text
     #[arg(long, global = true)]
     pub json: bool,
+    /// Do not check the DynamoDB table's definition before the command (it is otherwise
+    /// checked at most once an hour per table) [env: LEASEHOLD_SKIP_TABLE_CHECK]
+    #[arg(long = "skip-table-check", global = true, env = "LEASEHOLD_SKIP_TABLE_CHECK", hide_env = true,
+          value_parser = clap::builder::FalseyValueParser::new())]
+    pub skip_table_check: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -308,7 +314,13 @@ fn main() {
 }
 
 async fn lease_command(g: &Global, cmd: Cmd) -> i32 {
-    let target = match target::Target::open(g, true).await {
+    // The work-state commands use the `state` index; the others only the key.
+    let states = match &cmd {
+        Cmd::List(l) => l.state.is_some(),
+        Cmd::Release(r) => r.state.is_some(),
+        _ => false,
+    };
+    let target = match target::Target::open(g, true, table::uses(states)).await {
         Ok(t) => t,
         Err(f) => return output::failure(g, &f),
     };

@@ -1,7 +1,7 @@
 //! `GET /metrics` of `leasehold serve`, in the Prometheus text format (version 0.0.4): what this
 //! server answered (acquisitions, contention, waits, releases, errors by name), how long its
-//! store took, and, read from the store at each scrape, queue lengths and work-state counts.
-//! README lists every metric.
+//! store took, and, from the operator views' snapshot (`crate::snapshot`), queue lengths and
+//! work-state counts. README lists every metric.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -59,8 +59,12 @@ const WAIT_BOUNDS: &[f64] = &[0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 const STORE_BOUNDS: &[f64] = &[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5];
 const STORE_OPS: [&str; 4] = ["get", "update", "delete", "scan"];
 
-/// Most items one scrape reads to count queue lengths and work states.
+/// Most items one scan of the operator views' snapshot reads.
 pub const SCRAPE_ITEMS: usize = 10_000;
+
+/// Keys with a `leasehold_queue_length` series: the longest queues (a series per key with
+/// waiters would grow with the number of keys).
+pub const QUEUE_SERIES: usize = 20;
 
 pub struct Metrics {
     /// (operation, outcome): outcome `ok` or the error's name.
@@ -140,9 +144,11 @@ impl Metrics {
         self.store[op].observe(took);
     }
 
-    /// The exposition: this process's counters, then `items` read from the store (queue
-    /// lengths per key, keys per work state).
-    pub fn render(&self, items: &[Record], complete: bool, now_ms: u64) -> String {
+    /// The exposition: this process's counters, then the gauges of the operator views'
+    /// snapshot `view` (queue lengths of the [`QUEUE_SERIES`] longest queues, waiters and keys
+    /// with waiters in all, keys per work state).
+    pub fn render(&self, view: &crate::snapshot::View, now_ms: u64) -> String {
+        let complete = view.complete;
         let mut o = String::new();
         let counter = |o: &mut String, name: &str, help: &str, v: u64| {
             let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
@@ -193,12 +199,18 @@ impl Metrics {
         for (i, op) in STORE_OPS.iter().enumerate() {
             self.store[i].render(&mut o, "leasehold_store_latency_seconds", &format!("operation=\"{op}\""));
         }
-        let _ = writeln!(o, "# HELP leasehold_queue_length Waiters queued on a key (keys with waiters only).\n# TYPE leasehold_queue_length gauge");
+        let items: Vec<&Record> = view.items.values().filter(|r| r.queue.waiter.is_none()).collect();
+        let mut queues: Vec<(u64, &str)> =
+            items.iter().filter(|r| r.queue_len() > 0).map(|r| (r.queue_len(), r.key.as_str())).collect();
+        queues.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(b.1)));
+        let _ = writeln!(o, "# HELP leasehold_queue_length Waiters queued on a key: the {QUEUE_SERIES} longest queues only (leasehold_queued_keys says how many keys have waiters).\n# TYPE leasehold_queue_length gauge");
+        for (n, key) in queues.iter().take(QUEUE_SERIES) {
+            let _ = writeln!(o, "leasehold_queue_length{{key=\"{}\"}} {n}", escape(key));
+        }
+        let _ = writeln!(o, "# HELP leasehold_queued_waiters Waiters queued on every key.\n# TYPE leasehold_queued_waiters gauge\nleasehold_queued_waiters {}", queues.iter().map(|q| q.0).sum::<u64>());
+        let _ = writeln!(o, "# HELP leasehold_queued_keys Keys with waiters queued.\n# TYPE leasehold_queued_keys gauge\nleasehold_queued_keys {}", queues.len());
         let mut states: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
-        for r in items.iter().filter(|r| r.queue.waiter.is_none()) {
-            if r.queue_len() > 0 {
-                let _ = writeln!(o, "leasehold_queue_length{{key=\"{}\"}} {}", escape(&r.key), r.queue_len());
-            }
+        for r in &items {
             if let Some(s) = &r.work.state {
                 let e = states.entry(s.as_str()).or_default();
                 e.0 += 1;
@@ -218,7 +230,9 @@ impl Metrics {
         for (s, (_, h)) in &states {
             let _ = writeln!(o, "leasehold_work_state_held_keys{{state=\"{}\"}} {h}", escape(s));
         }
-        let _ = writeln!(o, "# HELP leasehold_scrape_complete 1 when the scrape read every item (at most {SCRAPE_ITEMS}), 0 when the gauges above count only the first ones.\n# TYPE leasehold_scrape_complete gauge\nleasehold_scrape_complete {}", u8::from(complete));
+        let _ = writeln!(o, "# HELP leasehold_scrape_complete 1 when the snapshot's scan read every item (at most {SCRAPE_ITEMS}), 0 when the gauges above count only the first ones.\n# TYPE leasehold_scrape_complete gauge\nleasehold_scrape_complete {}", u8::from(complete));
+        let _ = writeln!(o, "# HELP leasehold_scrapes_total Scans of the store this server made for its page, /summary and /metrics (at most one per --scan-every).\n# TYPE leasehold_scrapes_total counter\nleasehold_scrapes_total {}", view.scans);
+        let _ = writeln!(o, "# HELP leasehold_scrape_age_seconds Age of the scan the gauges above come from (this server's own writes since included).\n# TYPE leasehold_scrape_age_seconds gauge\nleasehold_scrape_age_seconds {}", view.age.as_secs_f64());
         let _ = writeln!(o, "# HELP leasehold_uptime_seconds Seconds since this server started.\n# TYPE leasehold_uptime_seconds gauge\nleasehold_uptime_seconds {}", self.started.elapsed().as_secs());
         o
     }
@@ -229,24 +243,21 @@ fn escape(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
 
-/// Reads at most [`SCRAPE_ITEMS`] items of `store`; `true` when that was all of them.
-pub async fn scrape(store: &dyn Store) -> leasehold::Result<(Vec<Record>, bool)> {
-    let (mut items, mut start) = (Vec::new(), None::<String>);
-    loop {
-        let page = store.scan(&ScanKind::All, start.as_deref(), 1000).await?;
-        items.extend(page.items);
-        match page.next {
-            Some(s) if items.len() < SCRAPE_ITEMS => start = Some(s),
-            Some(_) => return Ok((items, false)),
-            None => return Ok((items, true)),
-        }
-    }
-}
-
-/// The store, timed: every request's latency goes to `leasehold_store_latency_seconds`.
+/// The store, timed: every request's latency goes to `leasehold_store_latency_seconds`; and
+/// every item a request answers (written, rejected with the current item, read, deleted) goes
+/// to the operator views' snapshot, when there is one.
 pub struct Metered {
     pub inner: Arc<dyn Store>,
     pub metrics: Arc<Metrics>,
+    pub snapshot: Option<Arc<crate::snapshot::Snapshot>>,
+}
+
+impl Metered {
+    fn saw(&self, key: &str, record: Option<&Record>) {
+        if let Some(s) = &self.snapshot {
+            s.wrote(key, record);
+        }
+    }
 }
 
 #[async_trait]
@@ -259,6 +270,9 @@ impl Store for Metered {
         let t = Instant::now();
         let r = self.inner.get(key).await;
         self.metrics.store_op(0, t.elapsed());
+        if let Ok(item) = &r {
+            self.saw(key, item.as_ref());
+        }
         r
     }
 
@@ -266,6 +280,11 @@ impl Store for Metered {
         let t = Instant::now();
         let r = self.inner.update(key, condition, mutation).await;
         self.metrics.store_op(1, t.elapsed());
+        match &r {
+            Ok(Write::Applied(item)) => self.saw(key, Some(item)),
+            Ok(Write::Rejected(item)) => self.saw(key, item.as_ref()),
+            Err(_) => {}
+        }
         r
     }
 
@@ -273,6 +292,11 @@ impl Store for Metered {
         let t = Instant::now();
         let r = self.inner.delete(key, condition).await;
         self.metrics.store_op(2, t.elapsed());
+        match &r {
+            Ok(Write::Applied(_)) => self.saw(key, None),
+            Ok(Write::Rejected(item)) => self.saw(key, item.as_ref()),
+            Err(_) => {}
+        }
         r
     }
 

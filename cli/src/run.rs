@@ -170,7 +170,7 @@ async fn run(g: &Global, mut args: RunArgs) -> i32 {
         Ok(Either::Http(_)) => unreachable!("choose refuses URLs here"),
         Err(f) => return failure(g, &f),
     };
-    let coord = match coordinator(&choice).await {
+    let coord = match coordinator(g, &choice, crate::table::uses(args.next.is_some())).await {
         Ok((c, _)) => c,
         Err(f) => return failure(g, &f),
     };

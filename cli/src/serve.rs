@@ -19,6 +19,15 @@ use leasehold::{Coordinator, Error};
 use crate::target::{choose, Either, Failure};
 use crate::{duration, exit, output, Global};
 
+/// What `serve --table` uses of the table: its key, the `state` index (the work routes) and the
+/// `keepalive` index (an acquire with a keepalive is renewed through it by the deployment's
+/// sweep). No route queues (task tokens arrive by direct invoke only), so not the `queue` index.
+const SERVE_USES: &[leasehold::store::table::Part] = &[
+    leasehold::store::table::Part::Key,
+    leasehold::store::table::Part::Index(leasehold::store::dynamo::STATE_INDEX),
+    leasehold::store::table::Part::Index(leasehold::store::dynamo::KEEPALIVE_INDEX),
+];
+
 pub const HELP: &str = "\
 Routes (the same as the HTTP API of the AWS deployment):
   POST /leases/acquire/{key}   POST /leases/heartbeat/{key}   POST /leases/release/{key}
@@ -29,7 +38,10 @@ Operator routes (this server only):
   GET  /leases?prefix=P&limit=N                 POST /leases/force-release/{key}
   GET  /leases/history/{key}?since=1h&limit=N   who held the key when (GET /leases/history: every key)
   GET  /metrics                                 Prometheus text format (README, Metrics)
-  GET  /summary                                 keys per work state and queued waiters (the page's)
+  GET  /summary?prefix=P&limit=N                held keys, keys per work state, queued waiters (the page's)
+The page, /summary and the gauges of /metrics read a snapshot of the store, scanned again when a
+view asks and it is older than --scan-every (10s with --table, 1s on the embedded store); this
+server's own writes are applied to it as they land.
 Anyone who can reach the server can use every route, force-release included: keep it on
 127.0.0.1 (the default) or behind something that authenticates.
 The key is the rest of the path, '/' included (/leases/acquire/jobs/nightly is the key
@@ -47,6 +59,10 @@ pub struct ServeArgs {
     /// Address to listen on
     #[arg(long, default_value = "127.0.0.1:7878", value_name = "HOST:PORT")]
     pub addr: SocketAddr,
+    /// How old the table snapshot the page, /summary and /metrics read may be before a view
+    /// scans the table again (default: 10s with --table, 1s on the embedded store)
+    #[arg(long = "scan-every", env = "LEASEHOLD_SCAN_EVERY", value_parser = duration::parse, value_name = "D")]
+    pub scan_every: Option<Duration>,
     /// How often expired items of the embedded store are purged
     #[arg(long = "purge-every", default_value = "60s", value_parser = duration::parse, value_name = "D", hide = true)]
     pub purge_every: Duration,
@@ -78,17 +94,25 @@ async fn serve(g: &Global, args: ServeArgs) -> i32 {
             Ok(s) => (Arc::new(s.clone()), Some(s)),
             Err(e) => return output::failure(g, &Failure::unreachable(format!("{}: {e}", choice.describe()))),
         },
-        StoreChoice::Dynamo { .. } => match crate::target::open_store(&choice).await {
+        StoreChoice::Dynamo { .. } => match crate::target::open_store(g, &choice, SERVE_USES, true).await {
             Ok(s) => (s, None),
             Err(f) => return output::failure(g, &f),
         },
     };
     let metrics = Arc::new(crate::metrics::Metrics::default());
-    let store: Arc<dyn Store> = Arc::new(crate::metrics::Metered { inner: store, metrics: metrics.clone() });
+    let every = args.scan_every.unwrap_or(match &choice {
+        StoreChoice::Dynamo { .. } => DYNAMO_SCAN_EVERY,
+        StoreChoice::Embedded { .. } => Duration::from_secs(1),
+    });
+    let scanned: Arc<dyn Store> =
+        Arc::new(crate::metrics::Metered { inner: store.clone(), metrics: metrics.clone(), snapshot: None });
+    let snapshot = Arc::new(crate::snapshot::Snapshot::new(scanned, every));
+    let store: Arc<dyn Store> =
+        Arc::new(crate::metrics::Metered { inner: store, metrics: metrics.clone(), snapshot: Some(snapshot.clone()) });
     let coord = Coordinator::new(store.clone(), config);
     let ops = Arc::new(Ops {
         metrics,
-        store,
+        snapshot,
         history: match &choice {
             StoreChoice::Embedded { path } => crate::history::Source::Embedded(path.clone()),
             StoreChoice::Dynamo { table } => {
@@ -204,9 +228,14 @@ fn too_large() -> HttpResponse {
 pub struct Ops {
     pub history: crate::history::Source,
     pub metrics: Arc<crate::metrics::Metrics>,
-    /// The (timed) store, for the scrape of `/metrics`.
-    pub store: Arc<dyn Store>,
+    /// The table as the page, `/summary` and `/metrics` read it.
+    pub snapshot: Arc<crate::snapshot::Snapshot>,
 }
+
+/// How old the snapshot of a DynamoDB table may be before a view scans it again: a scan of
+/// 10,000 items of 500 bytes reads about 640 read units (eventually consistent), so a page
+/// left open costs at most one such scan every 10 s (BENCHMARKS.md, "What it costs").
+const DYNAMO_SCAN_EVERY: Duration = Duration::from_secs(10);
 
 async fn handle(coord: Coordinator, ops: Arc<Ops>, req: Request<Incoming>) -> Result<Response<Answer>, Infallible> {
     let acquire = req.method() == hyper::Method::POST && req.uri().path().starts_with("/leases/acquire/");
@@ -232,7 +261,7 @@ async fn handle(coord: Coordinator, ops: Arc<Ops>, req: Request<Incoming>) -> Re
             Ok(body) => match HttpRequest::from_raw(&method, &path, body.to_bytes().to_vec()) {
                 Ok(req) if req.path == "/" => page(&method),
                 Ok(req) if req.path == "/metrics" => metrics_route(&coord, &ops, &req).await,
-                Ok(req) if req.path == "/summary" => summary_route(&coord, &ops, &req).await,
+                Ok(req) if req.path == "/summary" => summary_route(&coord, &ops, &req, &path).await,
                 Ok(req) if req.path == "/leases/history" || req.path.starts_with("/leases/history/") => {
                     history_route(&coord, &ops, &req, &path).await
                 }
@@ -351,49 +380,68 @@ impl Drop for Answer {
     }
 }
 
-/// `GET /summary`: keys per work state (and how many of them are held) and queued waiters, for
-/// the operator page; read from the store as `/metrics` reads it.
-async fn summary_route(coord: &Coordinator, ops: &Ops, req: &HttpRequest) -> HttpResponse {
+/// `GET /summary[?prefix=P&limit=N]`: keys per work state (and how many of them are held),
+/// queued waiters, and the held leases whose key starts with `prefix` (at most `limit`, default
+/// 1,000), for the operator page; from the snapshot (`as_of_ms`: when its scan was read; this
+/// server's own writes since are in it).
+async fn summary_route(coord: &Coordinator, ops: &Ops, req: &HttpRequest, raw: &str) -> HttpResponse {
     if req.method != "GET" && req.method != "HEAD" {
         return api::method_not_allowed("GET", format!("use GET for /summary, not {}", req.method));
     }
-    match crate::metrics::scrape(ops.store.as_ref()).await {
-        Ok((items, complete)) => {
-            let now = coord.now_ms();
-            let mut states: std::collections::BTreeMap<&str, (u64, u64)> = Default::default();
-            let mut queued = 0;
-            for r in items.iter().filter(|r| r.queue.waiter.is_none()) {
-                queued += r.queue_len();
-                if let Some(s) = &r.work.state {
-                    let e = states.entry(s.as_str()).or_default();
-                    e.0 += 1;
-                    e.1 += u64::from(r.is_held(now));
-                }
-            }
-            let states: Vec<serde_json::Value> =
-                states.iter().map(|(s, (n, h))| serde_json::json!({ "state": s, "keys": n, "held": h })).collect();
-            let v = serde_json::json!({ "states": states, "queued_waiters": queued, "complete": complete });
-            HttpResponse {
-                status: 200,
-                headers: vec![("content-type".into(), "application/json".into())],
-                body: v.to_string(),
-                error: None,
+    let query = raw.split_once('?').map(|(_, q)| q).unwrap_or("");
+    let param = |name: &str| {
+        query.split('&').filter_map(|kv| kv.split_once('=')).find(|(k, _)| *k == name).map(|(_, v)| v.to_string())
+    };
+    let decoded =
+        |v: String| percent_encoding::percent_decode_str(&v.replace('+', " ")).decode_utf8_lossy().into_owned();
+    let prefix = param("prefix").map(decoded).unwrap_or_default();
+    let limit = param("limit").and_then(|l| l.parse::<usize>().ok()).unwrap_or(1000).min(10_000);
+    let view = match ops.snapshot.view().await {
+        Ok(v) => v,
+        Err(e) => return HttpResponse::error(&e, coord.now_ms()),
+    };
+    let now = coord.now_ms();
+    let mut states: std::collections::BTreeMap<&str, (u64, u64)> = Default::default();
+    let mut queued = 0;
+    let mut leases = Vec::new();
+    for r in view.items.values().filter(|r| r.queue.waiter.is_none()) {
+        queued += r.queue_len();
+        if let Some(s) = &r.work.state {
+            let e = states.entry(s.as_str()).or_default();
+            e.0 += 1;
+            e.1 += u64::from(r.is_held(now));
+        }
+        if leases.len() < limit && r.key.starts_with(prefix.as_str()) && r.is_held(now) {
+            let st = r.state(now);
+            if st.held {
+                leases.push(st);
             }
         }
-        Err(e) => HttpResponse::error(&e, coord.now_ms()),
+    }
+    let states: Vec<serde_json::Value> =
+        states.iter().map(|(s, (n, h))| serde_json::json!({ "state": s, "keys": n, "held": h })).collect();
+    let as_of = now.saturating_sub(view.age.as_millis() as u64);
+    let v = serde_json::json!({
+        "states": states, "queued_waiters": queued, "complete": view.complete, "as_of_ms": as_of, "leases": leases,
+    });
+    HttpResponse {
+        status: 200,
+        headers: vec![("content-type".into(), "application/json".into())],
+        body: v.to_string(),
+        error: None,
     }
 }
 
-/// `GET /metrics`: the Prometheus text exposition (see `metrics`).
+/// `GET /metrics`: the Prometheus text exposition (see `metrics`), its gauges from the snapshot.
 async fn metrics_route(coord: &Coordinator, ops: &Ops, req: &HttpRequest) -> HttpResponse {
     if req.method != "GET" && req.method != "HEAD" {
         return api::method_not_allowed("GET", format!("use GET for /metrics, not {}", req.method));
     }
-    match crate::metrics::scrape(ops.store.as_ref()).await {
-        Ok((items, complete)) => HttpResponse {
+    match ops.snapshot.view().await {
+        Ok(view) => HttpResponse {
             status: 200,
             headers: vec![("content-type".into(), "text/plain; version=0.0.4; charset=utf-8".into())],
-            body: ops.metrics.render(&items, complete, coord.now_ms()),
+            body: ops.metrics.render(&view, coord.now_ms()),
             error: None,
         },
         Err(e) => HttpResponse::error(&e, coord.now_ms()),

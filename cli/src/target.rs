@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use leasehold::api::{self, AcquireRequest, HeartbeatRequest, Operation, ReleaseRequest};
 use leasehold::env::StoreChoice;
+use leasehold::store::table::Part;
 use leasehold::store::Store;
 use leasehold::{Coordinator, Error, ErrorName};
 use serde_json::{json, Value};
@@ -95,19 +96,31 @@ pub enum Either {
     Http(Endpoint),
 }
 
-/// Opens a coordinator on `choice` with the configuration from the environment.
-pub async fn coordinator(choice: &StoreChoice) -> Result<(Coordinator, Arc<dyn Store>), Failure> {
+/// Opens a coordinator on `choice` with the configuration from the environment; `uses`: the
+/// parts of a DynamoDB table the command uses (see [`open_store`]).
+pub async fn coordinator(
+    g: &Global,
+    choice: &StoreChoice,
+    uses: &[Part],
+) -> Result<(Coordinator, Arc<dyn Store>), Failure> {
     let config = leasehold::env::config_from_env().map_err(|e| Failure::usage(e.to_string()))?;
-    let store = open_store(choice).await?;
+    let store = open_store(g, choice, uses, false).await?;
     Ok((Coordinator::new(store.clone(), config), store))
 }
 
-/// Opens the store of `choice`; a DynamoDB table is first checked once against what the code
-/// needs (`leasehold table check`), so a missing index fails here, not at the first batch.
-pub async fn open_store(choice: &StoreChoice) -> Result<Arc<dyn Store>, Failure> {
+/// Opens the store of `choice`; a DynamoDB table is first checked for the parts of it the
+/// command `uses` (`crate::table::check_before`: at most once an hour per table), so a missing
+/// index fails here, not at the first batch. `all_warnings`: also log the warnings of parts no
+/// command fails on (the stream: `serve`).
+pub async fn open_store(
+    g: &Global,
+    choice: &StoreChoice,
+    uses: &[Part],
+    all_warnings: bool,
+) -> Result<Arc<dyn Store>, Failure> {
     if let StoreChoice::Dynamo { table } = choice {
         let store = leasehold::store::DynamoStore::from_env(table.clone(), std::time::Duration::from_secs(3)).await;
-        crate::table::check_at_start(&store).await?;
+        crate::table::check_before(g, &store, uses, all_warnings).await?;
         return Ok(Arc::new(store));
     }
     choice.open().await.map_err(|e| Failure::unreachable(format!("{}: {e}", choice.describe())))
@@ -119,10 +132,11 @@ pub enum Target {
 }
 
 impl Target {
-    pub async fn open(g: &Global, allow_url: bool) -> Result<Target, Failure> {
+    /// `uses`: the parts of a DynamoDB table the command uses ([`open_store`]).
+    pub async fn open(g: &Global, allow_url: bool, uses: &[Part]) -> Result<Target, Failure> {
         match choose(g, allow_url)? {
             Either::Http(e) => Ok(Target::Http(e)),
-            Either::Store(choice) => Ok(Target::Local(coordinator(&choice).await?.0)),
+            Either::Store(choice) => Ok(Target::Local(coordinator(g, &choice, uses).await?.0)),
         }
     }
 

@@ -67,7 +67,7 @@ pub enum Work {
 pub fn main(g: &Global, w: Work) -> i32 {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
     rt.block_on(async {
-        let target = match Target::open(g, true).await {
+        let target = match Target::open(g, true, crate::table::uses(true)).await {
             Ok(t) => t,
             Err(f) => return output::failure(g, &f),
         };

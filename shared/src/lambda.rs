@@ -31,6 +31,10 @@ use crate::protocol::Coordinator;
 #[cfg(feature = "streams")]
 pub mod history;
 
+/// How the keep-alive sweep learns which executions ended: listed per state machine,
+/// described as the fallback.
+pub mod executions;
+
 /// The three deployed functions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Function {
@@ -117,6 +121,29 @@ impl Executions for StepFunctions {
     }
 }
 
+/// Step Functions ListExecutions (RUNNING, 1,000 a page) as the sweep's lists.
+#[async_trait]
+impl executions::RunningExecutions for StepFunctions {
+    async fn running_page(
+        &self,
+        state_machine_arn: &str,
+        next: Option<String>,
+    ) -> Result<(Vec<String>, Option<String>), String> {
+        let out = self
+            .0
+            .list_executions()
+            .state_machine_arn(state_machine_arn)
+            .status_filter(aws_sdk_sfn::types::ExecutionStatus::Running)
+            .max_results(1000)
+            .set_next_token(next)
+            .send()
+            .await
+            .map_err(|e| aws_smithy_types::error::display::DisplayErrorContext(&e).to_string())?;
+        let arns = out.executions().iter().map(|e| e.execution_arn().to_string()).collect();
+        Ok((arns, out.next_token().map(str::to_string)))
+    }
+}
+
 /// Step Functions `SendTaskSuccess` / `SendTaskFailure` as the queue's delivery.
 #[async_trait]
 impl crate::queue::Deliver for StepFunctions {
@@ -174,6 +201,9 @@ pub struct Handler {
     pub function: Function,
     pub coord: Coordinator,
     pub executions: Option<Arc<dyn Executions>>,
+    /// With `executions`: the state machines' RUNNING executions, listed once per scheduled run
+    /// ([`executions::ListedRun`]); `executions` then only answers what the lists do not.
+    pub running: Option<Arc<dyn executions::RunningExecutions>>,
     /// Most live keep-alive leases one scheduled run renews or releases (stale index entries
     /// do not count).
     pub sweep_max_items: u32,
@@ -202,9 +232,10 @@ pub const OUTCOME_METRICS: [&str; 2] = ["Latency", "Invocations"];
 /// executions that ended without releasing: crashed or stopped), `SweepErrors`,
 /// `SweepDescribeFailures` (leases renewed because DescribeExecution failed for their
 /// execution), `SweepIncomplete` (1 when the budget or the time ran out before every shard
-/// was read); `ClockSkew` (answered `ClockSkew`: this function's clock is refused, see
-/// DESIGN.md, "Clocks").
-pub const COUNT_METRICS: [&str; 12] = [
+/// was read), `QueueSweepErrors` (keys the queue sweep could not serve, or 1 when it could not
+/// read the queue index at all); `ClockSkew` (answered `ClockSkew`: this function's clock is
+/// refused, see DESIGN.md, "Clocks").
+pub const COUNT_METRICS: [&str; 13] = [
     "ClockSkew",
     "Acquired",
     "Contended",
@@ -217,6 +248,7 @@ pub const COUNT_METRICS: [&str; 12] = [
     "SweepErrors",
     "SweepDescribeFailures",
     "SweepIncomplete",
+    "QueueSweepErrors",
 ];
 
 /// The counts of one invocation (names from [`COUNT_METRICS`]).
@@ -234,7 +266,8 @@ fn counts(function: Function, outcome: &str, waited: bool, lost: bool) -> Vec<(&
     c
 }
 
-fn sweep_counts(r: &SweepReport, clock_skew: bool) -> Vec<(&'static str, u64)> {
+/// The counts of a scheduled run: the keep-alive sweep's report, the queue sweep's errors.
+fn sweep_counts(r: &SweepReport, queue_errors: u32, clock_skew: bool) -> Vec<(&'static str, u64)> {
     vec![
         ("Throttled", 0),
         ("ClockSkew", u64::from(clock_skew)),
@@ -244,6 +277,7 @@ fn sweep_counts(r: &SweepReport, clock_skew: bool) -> Vec<(&'static str, u64)> {
         ("SweepErrors", r.errors.into()),
         ("SweepDescribeFailures", r.describe_failures.into()),
         ("SweepIncomplete", u64::from(!r.complete)),
+        ("QueueSweepErrors", queue_errors.into()),
     ]
 }
 
@@ -441,24 +475,38 @@ impl Handler {
             tracing::error!(error = e.name(), message = %e, "keep-alive and queue sweeps refused");
             let report = SweepReport { errors: 1, complete: false, ..Default::default() };
             return Handled {
-                counts: sweep_counts(&report, matches!(e, Error::ClockSkew(_))),
+                counts: sweep_counts(&report, 0, matches!(e, Error::ClockSkew(_))),
                 result: Ok(serde_json::to_value(&report).expect("report serialises")),
                 outcome: e.name().to_string(),
             };
         }
-        let report = self.coord.keepalive_sweep(self.executions.clone(), self.sweep_max_items, deadline).await;
+        let listed = match (&self.executions, &self.running) {
+            (Some(describe), Some(lister)) => {
+                Some(Arc::new(executions::ListedRun::new(lister.clone(), describe.clone())))
+            }
+            _ => None,
+        };
+        let ex = listed.clone().map(|l| l as Arc<dyn Executions>).or_else(|| self.executions.clone());
+        let report = self.coord.keepalive_sweep(ex, self.sweep_max_items, deadline).await;
+        let (list_pages, described) = listed.map_or((0, 0), |l| l.calls());
         // Then the waiter queues: expired holders replaced, undelivered grants delivered.
-        match self.coord.sweep_queues(deadline).await {
-            Ok(q) => tracing::info!(
-                keys = q.keys,
-                delivered = q.served.delivered,
-                undelivered = q.served.undelivered,
-                skipped = q.served.skipped,
-                errors = q.errors,
-                "queue sweep"
-            ),
-            Err(e) => tracing::warn!(error = e.name(), "queue sweep failed"),
-        }
+        let queue_errors = match self.coord.sweep_queues(deadline).await {
+            Ok(q) => {
+                tracing::info!(
+                    keys = q.keys,
+                    delivered = q.served.delivered,
+                    undelivered = q.served.undelivered,
+                    skipped = q.served.skipped,
+                    errors = q.errors,
+                    "queue sweep"
+                );
+                q.errors
+            }
+            Err(e) => {
+                tracing::warn!(error = e.name(), message = %e, "queue sweep failed");
+                1
+            }
+        };
         tracing::info!(
             scanned = report.scanned,
             renewed = report.renewed,
@@ -468,10 +516,12 @@ impl Handler {
             errors = report.errors,
             describe_failures = report.describe_failures,
             complete = report.complete,
+            list_pages,
+            described,
             "keep-alive sweep"
         );
         Handled {
-            counts: sweep_counts(&report, false),
+            counts: sweep_counts(&report, queue_errors, false),
             result: Ok(serde_json::to_value(&report).expect("report serialises")),
             outcome: "sweep".to_string(),
         }
@@ -556,17 +606,19 @@ pub(crate) async fn handler_from_env(function: Function) -> Result<Handler, Erro
     // DescribeExecution with adaptive retries (client-side rate limiting when throttled):
     // one sweep may describe hundreds of executions, and a failure counts against the sweep.
     // Delivery keeps its own client (no SDK retries: the queue decides what a failure means).
-    let executions: Option<Arc<dyn Executions>> = if function == Function::Heartbeat {
+    // ListExecutions (once per state machine and run) before DescribeExecution: DESIGN.md,
+    // "Keep-alive on the holder's behalf".
+    let sweep_sfn = (function == Function::Heartbeat).then(|| {
         let conf = aws_sdk_sfn::config::Builder::from(&conf)
             .retry_config(aws_smithy_types::retry::RetryConfig::adaptive().with_max_attempts(4))
             .build();
-        Some(Arc::new(StepFunctions(aws_sdk_sfn::Client::from_conf(conf))))
-    } else {
-        None
-    };
+        Arc::new(StepFunctions(aws_sdk_sfn::Client::from_conf(conf)))
+    });
+    let executions = sweep_sfn.clone().map(|s| s as Arc<dyn Executions>);
+    let running = sweep_sfn.map(|s| s as Arc<dyn executions::RunningExecutions>);
     let sweep_max_items = std::env::var("LEASEHOLD_SWEEP_MAX_ITEMS").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
     let coord = Coordinator::new(store, config).with_deliver(sfn);
-    Ok(Handler { function, coord, executions, sweep_max_items })
+    Ok(Handler { function, coord, executions, running, sweep_max_items })
 }
 
 /// The whole `main` of a function: logging, clients built once, then the runtime loop.
@@ -618,8 +670,8 @@ mod tests {
             ("acquire", "LeaseHeld", counts(Function::Acquire, "LeaseHeld", false, false)),
             ("heartbeat", "NotHolder", counts(Function::Heartbeat, "NotHolder", false, true)),
             ("release", "Throttled", counts(Function::Release, "Throttled", false, false)),
-            ("heartbeat", "sweep", sweep_counts(&sweep, false)),
-            ("heartbeat", "ClockSkew", sweep_counts(&sweep, true)),
+            ("heartbeat", "sweep", sweep_counts(&sweep, 4, false)),
+            ("heartbeat", "ClockSkew", sweep_counts(&sweep, 0, true)),
         ];
         for (f, outcome, c) in &cases {
             let line = with_clock_offset(metric_line(f, outcome, 1.5, c), Some((-120, 900)));
@@ -655,10 +707,11 @@ mod tests {
                 "SweepReleased",
                 "SweepErrors",
                 "SweepDescribeFailures",
-                "SweepIncomplete"
+                "SweepIncomplete",
+                "QueueSweepErrors"
             ]
             .map(|n| get(4, n)),
-            [Some(9), Some(5), Some(2), Some(1), Some(3), Some(1)]
+            [Some(9), Some(5), Some(2), Some(1), Some(3), Some(1), Some(4)]
         );
         assert_eq!((get(4, "ClockSkew"), get(5, "ClockSkew")), (Some(0), Some(1)));
         let line = with_clock_offset(

@@ -127,7 +127,7 @@ impl Moto {
 /// Regions for Step Functions executions on moto: moto 5.2 cannot start a second execution in
 /// a region that already ran one (it deep-copies the backend, locks included), so every
 /// execution of a test process gets a region of its own.
-pub const MOTO_REGIONS: [&str; 22] = [
+pub const MOTO_REGIONS: [&str; 34] = [
     "us-east-1",
     "eu-west-1",
     "eu-west-2",
@@ -150,6 +150,18 @@ pub const MOTO_REGIONS: [&str; 22] = [
     "eu-south-1",
     "me-south-1",
     "ap-southeast-3",
+    "ap-east-2",
+    "ap-south-2",
+    "ap-southeast-4",
+    "ap-southeast-5",
+    "ap-southeast-6",
+    "ap-southeast-7",
+    "ca-west-1",
+    "eu-central-2",
+    "eu-south-2",
+    "il-central-1",
+    "me-central-1",
+    "mx-central-1",
 ];
 
 /// The next unused region of [`MOTO_REGIONS`] in this process, never `skip` (the functions'

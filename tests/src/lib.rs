@@ -14,11 +14,13 @@ use leasehold::store::{Condition, DynamoStore, LeaseMutation, Mutation, Page, Sc
 use leasehold::{Config, Coordinator, Error, Record, Result};
 
 pub mod apigw;
+pub mod cfn;
 pub mod emulator;
 pub mod http;
 pub mod lambda_lab;
 pub mod proxy;
 pub mod sfn_quotas;
+pub mod sfn_throttle;
 pub mod statemachines;
 
 /// The repository root.

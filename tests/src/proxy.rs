@@ -32,6 +32,9 @@ pub enum ProxyFault {
     Stall(Duration),
     /// Answer 400 ProvisionedThroughputExceededException without forwarding.
     Throttle,
+    /// Answer 400 ThrottlingException without forwarding: what DynamoDB's control plane
+    /// (DescribeTable, DescribeTimeToLive, ...) answers past its per-account rate.
+    ControlPlaneThrottle,
     /// Answer 500 InternalServerError without forwarding.
     ServerError,
     /// A delayed duplicate: hold the request `hold`, then close the client's connection
@@ -306,6 +309,14 @@ async fn handle(
                 400,
                 "com.amazonaws.dynamodb.v20120810#ProvisionedThroughputExceededException",
                 "injected throttle",
+            ));
+        }
+        Some(ProxyFault::ControlPlaneThrottle) => {
+            log(400);
+            return Ok(json_error(
+                400,
+                "com.amazonaws.dynamodb.v20120810#ThrottlingException",
+                "Rate of requests exceeds the allowed throughput.",
             ));
         }
         Some(ProxyFault::ServerError) => {

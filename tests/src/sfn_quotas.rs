@@ -9,6 +9,9 @@
 //!   GetExecutionHistory and [`check_history_within`] records (and stops) an execution past
 //!   them. The limit is a parameter, so that a test can lower it ([`MAX_HISTORY_EVENTS`] is
 //!   Step Functions' own) and make a short drain cross it several times.
+//! - 256 KiB per state's input and output (and an execution's): moto keeps them in the
+//!   history, and [`check_history_within`] records each one over the quota (Step Functions
+//!   fails such an execution with `States.DataLimitExceeded`).
 //!
 //! A state machine's `arn:aws:states:::states:startExecution` task (the BatchProcessor's
 //! continue-as-new) cannot run on moto 5.2: its service integration hands the task's
@@ -112,6 +115,44 @@ pub async fn forward_invoke_within_quotas(
     Response::from_parts(parts, Full::new(answer))
 }
 
+/// The invocation type a task asked for, and the Invoke path without it: moto drops a
+/// `lambda:invoke` task's `InvocationType`, so the tests' loader carries it in `Qualifier`
+/// (statemachines::for_moto), which reaches the adapter as `?Qualifier=` on the path; a
+/// `X-Amz-Invocation-Type` header (an SDK's own Invoke) counts too. A `DryRun` is answered by
+/// the adapter ([`dry_run`]): Lambda checks the request and runs nothing, where `cargo lambda
+/// watch` would run the function.
+pub fn invocation_type(path: &str, headers: &hyper::HeaderMap) -> (String, Option<String>) {
+    let header = headers.get("x-amz-invocation-type").and_then(|v| v.to_str().ok()).map(str::to_string);
+    let Some((base, query)) = path.split_once('?') else { return (path.to_string(), header) };
+    let mut kept = Vec::new();
+    let mut asked = header;
+    for pair in query.split('&') {
+        match pair.strip_prefix("Qualifier=") {
+            Some(t @ ("RequestResponse" | "DryRun" | "Event")) => asked = Some(t.to_string()),
+            _ => kept.push(pair),
+        }
+    }
+    let path = if kept.is_empty() { base.to_string() } else { format!("{base}?{}", kept.join("&")) };
+    (path, asked)
+}
+
+/// Lambda's answer to a dry run of `path` (204, no payload), recorded for [`dry_runs`].
+pub fn dry_run(path: &str) -> Response<Full<Bytes>> {
+    DRY_RUNS.lock().unwrap().push(path.to_string());
+    Response::builder()
+        .status(204)
+        .header("x-amzn-requestid", request_id())
+        .body(Full::new(Bytes::new()))
+        .expect("response")
+}
+
+/// The Invoke paths of every dry run answered so far.
+pub fn dry_runs() -> Vec<String> {
+    DRY_RUNS.lock().unwrap().clone()
+}
+
+static DRY_RUNS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
 /// True for a Step Functions API call (a state machine's `states:` service integration).
 pub fn is_sfn_call(target: Option<&str>) -> bool {
     target.is_some_and(|t| t.starts_with("AWSStepFunctions."))
@@ -126,13 +167,13 @@ pub fn started_by_machines() -> Vec<(String, String)> {
 static STARTED: Mutex<Vec<(String, String)>> = Mutex::new(Vec::new());
 
 /// A Step Functions client for moto in `region`. moto answers slowly while it interprets
-/// executions on a busy machine: patient timeouts, a few retries (StartExecution is idempotent
-/// by name and input).
+/// executions on a busy machine (a page of a long history can take tens of seconds under
+/// load): patient timeouts, a few retries (StartExecution is idempotent by name and input).
 pub async fn sfn_client(moto_endpoint: &str, region: &str) -> aws_sdk_sfn::Client {
     let base = sdk_config_for(moto_endpoint).await;
     let timeouts = aws_sdk_sfn::config::timeout::TimeoutConfig::builder()
-        .operation_attempt_timeout(Duration::from_secs(30))
-        .operation_timeout(Duration::from_secs(90))
+        .operation_attempt_timeout(Duration::from_secs(60))
+        .operation_timeout(Duration::from_secs(300))
         .build();
     let conf = aws_sdk_sfn::config::Builder::from(&base)
         .region(Region::new(region.to_string()))
@@ -232,14 +273,62 @@ pub fn is_start_execution_task(path: &str) -> bool {
 /// Executions started by [`start_execution_task`]: name -> (input, execution ARN).
 static BY_NAME: Mutex<Vec<(String, String, String)>> = Mutex::new(Vec::new());
 
+/// Where moto runs the execution that Step Functions would name `arn`: an execution started by
+/// [`start_execution_task`] runs in an unused region, so an ARN a definition builds itself
+/// (`arn:...:REGION:...:execution:MACHINE:NAME`, in the region of the execution that started
+/// it) is found by its name; any other ARN is returned as it is.
+pub fn where_moto_runs(arn: &str) -> String {
+    let name = arn.rsplit(':').next().unwrap_or_default();
+    let started = BY_NAME.lock().unwrap().iter().find(|(n, _, _)| n == name).map(|(_, _, e)| e.clone());
+    match started {
+        Some(e) if e.split(':').skip(4).eq(arn.split(':').skip(4)) => e,
+        _ => arn.to_string(),
+    }
+}
+
+/// Markers of [`lose_start_answer`]: (marker, lost already).
+static LOSE_ANSWER: Mutex<Vec<(String, bool)>> = Mutex::new(Vec::new());
+
+/// The first [`start_execution_task`] whose input contains `marker` starts its execution and
+/// answers as if its answer were lost (a transient error, which the task retries); the retry
+/// is answered only once that execution has ended, as a retry that comes late.
+pub fn lose_start_answer(marker: &str) {
+    LOSE_ANSWER.lock().unwrap().push((marker.to_string(), false));
+}
+
+/// Does `input` carry a marker whose answer is yet to be lost? (Marks it lost.)
+fn lose_this_answer(input: &str) -> bool {
+    let mut m = LOSE_ANSWER.lock().unwrap();
+    match m.iter_mut().find(|(marker, lost)| !*lost && input.contains(marker.as_str())) {
+        Some(e) => {
+            e.1 = true;
+            true
+        }
+        None => false,
+    }
+}
+
+/// Was the answer of the start with `input` lost? (Its retry then waits for the execution.)
+fn answer_was_lost(input: &str) -> bool {
+    LOSE_ANSWER.lock().unwrap().iter().any(|(marker, lost)| *lost && input.contains(marker.as_str()))
+}
+
+/// Is the execution `arn` still running (moto's DescribeExecution)?
+async fn running(moto_endpoint: &str, arn: &str) -> bool {
+    let c = client_for(moto_endpoint, arn).await;
+    let d = c.describe_execution().execution_arn(arn).send().await.unwrap_or_else(|e| panic!("describe {arn}: {e:?}"));
+    *d.status() == aws_sdk_sfn::types::ExecutionStatus::Running
+}
+
 /// Answers the Invoke of [`START_EXECUTION_FUNCTION`] as Step Functions' `states:startExecution`
 /// integration answers the task: `body` is the task's evaluated `Parameters`
 /// (`StateMachineArn`, `Name`, `Input` as an object or a string); the input quota; the
 /// execution started on moto at `moto_endpoint` ([`start_in_unused_region`]); the result
 /// `{"ExecutionArn", "StartDate"}`. StartExecution is idempotent by name as in AWS: a retry
-/// with the same name and input gets the same execution; another input under a name already
-/// used fails with `StepFunctions.ExecutionAlreadyExistsException`. Failures are function
-/// errors named as the integration names them.
+/// with the same name and input gets the same execution while it runs; once it has ended, or
+/// with another input, a name already used fails with
+/// `StepFunctions.ExecutionAlreadyExistsException`. Failures are function errors named as the
+/// integration names them. See [`lose_start_answer`] for a start whose answer is lost.
 pub async fn start_execution_task(moto_endpoint: &str, body: &[u8]) -> Response<Full<Bytes>> {
     let params: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
     let input = input_text(&params["Input"]);
@@ -253,7 +342,23 @@ pub async fn start_execution_task(moto_endpoint: &str, body: &[u8]) -> Response<
     if let Some(n) = &name {
         let seen = BY_NAME.lock().unwrap().iter().find(|(m, _, _)| m == n).cloned();
         match seen {
-            Some((_, i, e)) if i == input => return task_answer(json!({"ExecutionArn": e, "StartDate": 0})),
+            Some((_, i, e)) if i == input => {
+                if answer_was_lost(&input) {
+                    // The retry of a start whose answer was lost comes after its execution ended.
+                    let deadline = std::time::Instant::now() + Duration::from_secs(600);
+                    while running(moto_endpoint, &e).await {
+                        assert!(std::time::Instant::now() < deadline, "{e} still running");
+                        tokio::time::sleep(Duration::from_millis(250)).await;
+                    }
+                }
+                if running(moto_endpoint, &e).await {
+                    return task_answer(json!({"ExecutionArn": e, "StartDate": 0}));
+                }
+                return function_error(
+                    "StepFunctions.ExecutionAlreadyExistsException",
+                    &format!("an execution named {n} has already ended"),
+                );
+            }
             Some(_) => {
                 return function_error(
                     "StepFunctions.ExecutionAlreadyExistsException",
@@ -265,8 +370,12 @@ pub async fn start_execution_task(moto_endpoint: &str, body: &[u8]) -> Response<
     }
     match start_in_unused_region(moto_endpoint, arn, name.as_deref(), &input).await {
         Ok((execution_arn, started)) => {
+            let lost = lose_this_answer(&input);
             if let Some(n) = name {
                 BY_NAME.lock().unwrap().push((n, input, execution_arn.clone()));
+            }
+            if lost {
+                return function_error("StepFunctions.SdkClientException", "the answer was lost (a test's fault)");
             }
             task_answer(json!({"ExecutionArn": execution_arn, "StartDate": started}))
         }
@@ -386,7 +495,20 @@ pub async fn check_history(client: &aws_sdk_sfn::Client, arn: &str) -> usize {
 /// [`check_history`] against `limit` events instead of Step Functions' own quota (a test's
 /// lowered quota).
 pub async fn check_history_within(client: &aws_sdk_sfn::Client, arn: &str, limit: usize) -> usize {
-    let n = history_events(client, arn).await;
+    let events = all_history(client, arn).await;
+    let n = events.len();
+    let q = Quotas::global();
+    for e in &events {
+        let data = [
+            e.state_entered_event_details().and_then(|d| d.input()),
+            e.state_exited_event_details().and_then(|d| d.output()),
+            e.execution_started_event_details().and_then(|d| d.input()),
+            e.execution_succeeded_event_details().and_then(|d| d.output()),
+        ];
+        for d in data.into_iter().flatten() {
+            q.payload_exceeds(&format!("{arn}: the data of event {} ({:?})", e.id(), e.r#type()), d.len());
+        }
+    }
     if n > limit {
         Quotas::global().record(format!("{arn}: {n} history events (limit {limit})"));
         let _ = client.stop_execution().execution_arn(arn).error("States.HistoryLimitExceeded").send().await;

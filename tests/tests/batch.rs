@@ -95,8 +95,8 @@ impl Work {
 }
 
 /// The lease duration and the work time of the `slow/...` keys' test.
-const SLOW_DURATION_MS: u64 = 4000;
-const SLOW_WORK_MS: u64 = 1500;
+const SLOW_DURATION_MS: u64 = 8000;
+const SLOW_WORK_MS: u64 = 3000;
 
 struct Stack {
     moto: Moto,
@@ -117,6 +117,7 @@ fn start_invoke_adapter(port: u16, emulator_port: u16, moto_port: u16, work: Arc
             let method = req.method().as_str().to_string();
             let path = req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or_default();
             let target = req.headers().get("x-amz-target").and_then(|t| t.to_str().ok()).map(str::to_string);
+            let (path, invocation_type) = sfn_quotas::invocation_type(&path, req.headers());
             let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
             let moto = format!("http://127.0.0.1:{moto_port}");
             if sfn_quotas::is_sfn_call(target.as_deref()) {
@@ -125,6 +126,9 @@ fn start_invoke_adapter(port: u16, emulator_port: u16, moto_port: u16, work: Arc
             if sfn_quotas::is_start_execution_task(&path) {
                 // The ContinueAsNew task (see sfn_quotas: moto cannot run it as written).
                 return sfn_quotas::start_execution_task(&moto, &body).await;
+            }
+            if invocation_type.as_deref() == Some("DryRun") {
+                return sfn_quotas::dry_run(&path);
             }
             if !path.contains("/functions/work/") {
                 return sfn_quotas::forward_invoke_within_quotas(emulator_port, &method, &path, &body).await;
@@ -171,6 +175,8 @@ fn start_stack() -> Stack {
             ("AWS_SECRET_ACCESS_KEY", std::env::var("AWS_SECRET_ACCESS_KEY").unwrap_or_default()),
             ("AWS_REGION", region.clone()),
             ("AWS_DEFAULT_REGION", region),
+            // The batch's leases are keep-alive leases: at least 3 sweep periods, 3 s here.
+            ("LEASEHOLD_SWEEP_PERIOD_MS", "1000".to_string()),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
@@ -202,10 +208,12 @@ fn start_stack() -> Stack {
 }
 
 /// The definition file the template references, with its DefinitionSubstitutions replaced by
-/// the names the adapter serves, and its ContinueAsNew task's `Resource` pointed at the
-/// adapter (moto 5.2 cannot run a `states:startExecution` task: leasehold_tests::sfn_quotas).
+/// the names the adapter serves, as moto runs it (an execution never redriven:
+/// leasehold_tests::statemachines::for_moto), and its ContinueAsNew task's `Resource` pointed at
+/// the adapter (moto 5.2 cannot run a `states:startExecution` task: leasehold_tests::sfn_quotas).
 fn definition() -> String {
-    let (text, routed) = sfn_quotas::route_start_execution_through_adapter(&definition_as_written());
+    let text = leasehold_tests::statemachines::for_moto(&definition_as_written(), 0);
+    let (text, routed) = sfn_quotas::route_start_execution_through_adapter(&text);
     assert_eq!(routed, 1, "the ContinueAsNew task");
     text
 }
@@ -219,6 +227,9 @@ fn definition_as_written() -> String {
         ("ReleaseFunctionArn", "release"),
         ("WorkFunctionArn", "work"),
         ("Partition", "aws"),
+        // The default lease duration: 5 min, what the template gives for a 100 s sweep period.
+        // No sweep runs in these tests (none renews the leases), so they outlast the work.
+        ("KeepaliveDurationMs", "300000"),
     ] {
         text = text.replace(&format!("${{{name}}}"), value);
     }
@@ -394,7 +405,7 @@ async fn follow_within(s: &Stack, client: aws_sdk_sfn::Client, arn: String, limi
     loop {
         let end = end_within(&client, &arn, Duration::from_secs(1800), limit).await;
         assert_eq!(end.status, ExecutionStatus::Succeeded, "{arn}: {:?} {:?} {}", end.error, end.cause, end.output);
-        let next = end.output["continued_as"].as_str().map(str::to_string);
+        let next = end.output["continued_as"].as_str().map(sfn_quotas::where_moto_runs);
         ends.push(end);
         match next {
             Some(n) => {
@@ -630,6 +641,26 @@ async fn batch_processor_drain_continues_as_new_within_a_lowered_history_quota()
         "the drain needs more events than two executions may have: {}",
         drain.figures(250)
     );
+}
+
+/// The continue-as-new StartExecution's answer is lost and the task retries it after the
+/// continued execution has ended: Step Functions answers ExecutionAlreadyExists (the name of
+/// an execution that ended), which the definition takes as the continuation it started; the
+/// execution succeeds naming it, instead of retrying until it fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_processor_takes_execution_already_exists_as_continued() {
+    let s = tokio::task::spawn_blocking(stack).await.unwrap();
+    sfn_quotas::lose_start_answer("LOSTSTART");
+    let input = json!({"state": "LOSTSTART", "limit": 5, "max_attempts": 1, "continue_after_keys": 5});
+    let drain = drain_through_a_chain(s, "LOSTSTART", 10, input, sfn_quotas::MAX_HISTORY_EVENTS).await;
+    assert!(drain.ends.len() >= 2, "{}", drain.figures(10));
+    // The ARN the definition built: the continuation's, in the region of the execution that
+    // started it (where Step Functions runs it; moto runs it elsewhere, see sfn_quotas).
+    let mut parts: Vec<&str> = drain.ends[1].arn.split(':').collect();
+    parts[3] = sfn_quotas::region_of(&drain.ends[0].arn);
+    assert_eq!(drain.ends[0].output["continued_as"], parts.join(":"));
+    let started = sfn_quotas::started_by_machines();
+    assert_eq!(started.iter().filter(|(p, _)| *p == drain.ends[0].arn).count(), 1, "started once: {started:?}");
 }
 
 /// The adapter enforces the history quota: an execution that would pass it (its continue

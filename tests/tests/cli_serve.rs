@@ -309,7 +309,9 @@ fn operator_routes_list_force_release_and_the_page() {
     let (s, h, b) = http(a, "GET", "/", &[], b"");
     assert_eq!((s, header(&h, "content-type")), (200, Some("text/html; charset=utf-8")));
     assert!(header(&h, "content-security-policy").is_some_and(|c| c.contains("frame-ancestors 'none'")));
-    assert!(b.contains("fetch(\"/leases?") && b.contains("/leases/force-release/") && !b.contains("lease_id"));
+    // Its listing reads the server's snapshot (/summary), not a scan per poll (/leases).
+    assert!(b.contains("fetch(\"/summary?") && b.contains("/leases/force-release/") && !b.contains("lease_id"));
+    assert!(!b.contains("fetch(\"/leases?"), "the page does not scan the store on a timer");
     let (s, h, _) = http(a, "POST", "/", &[], b"");
     assert_eq!((s, header(&h, "allow")), (405, Some("GET")));
 }

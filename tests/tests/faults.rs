@@ -135,6 +135,33 @@ async fn stale_clock_evidence_is_refreshed_before_judging() {
     honest.acquire("stale-c", "honest", secs(60), AcquireOptions::default()).await.unwrap();
 }
 
+/// A new process's workers all find too little clock evidence at once: they share the reads
+/// one of them makes for it, instead of each reading for its own (16 workers read up to 48
+/// times before, each waiting for a lock and a round trip). The evidence is then as before:
+/// every acquire was checked and granted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_finding_too_little_clock_evidence_share_the_reads_for_it() {
+    let (proxy, table, conf) = proxied_table().await;
+    let store = Arc::new(DynamoStore::new(aws_sdk_dynamodb::Client::new(&conf), table));
+    let c = Coordinator::new(store, test_config());
+    proxy.reset_counts();
+    let mut tasks = Vec::new();
+    for w in 0..16 {
+        let c = c.clone();
+        tasks.push(tokio::spawn(async move {
+            c.acquire(&format!("evidence-{w}"), "w", secs(60), AcquireOptions::default()).await.map(|_| ())
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    let counts = proxy.counts();
+    let reads = counts.get("GetItem").copied().unwrap_or(0);
+    assert_eq!(counts.get("PutItem").copied(), Some(16), "{counts:?}");
+    // `AGREEMENT` answers are needed; a read may come without a usable `Date` (twice that).
+    assert!((3..=6).contains(&reads), "reads for clock evidence: {reads} ({counts:?})");
+}
+
 /// A wall clock that a test steps (the machine's, plus an offset).
 #[derive(Debug, Default)]
 struct Stepped(std::sync::atomic::AtomicI64);
@@ -606,7 +633,8 @@ async fn a_refused_clock_runs_no_queue_sweep() {
         Arc::new(DynamoStore::new(dynamo_local().client().await, ddb.table().to_string()));
     let wrong =
         Coordinator::new(store, Config { clock_offset_ms: 30_000, ..test_config() }).with_deliver(deliveries.clone());
-    let h = Handler { function: Function::Heartbeat, coord: wrong, executions: None, sweep_max_items: 100 };
+    let h =
+        Handler { function: Function::Heartbeat, coord: wrong, executions: None, running: None, sweep_max_items: 100 };
     let event = json!({"source": "aws.events", "detail-type": "Scheduled Event", "detail": {}});
     let _ = h.handle(event, Duration::from_secs(20)).await;
     assert!(deliveries.0.lock().unwrap().is_empty(), "a live key was handed over: {:?}", deliveries.0.lock().unwrap());

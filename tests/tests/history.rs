@@ -298,9 +298,11 @@ async fn scripted_run_through_the_stream() {
 
     let records = stream_records(&conf, &client, &table).await;
     assert!(records.len() >= want.len(), "{records:#?}");
+    // The function's requests go through a counting proxy (and a throttle injected below).
+    let proxy = leasehold_tests::proxy::Proxy::start(format!("127.0.0.1:{}", local.port).parse().unwrap()).await;
     let env: Vec<(String, String)> = vec![
         ("LEASEHOLD_HISTORY_TABLE".into(), history.clone()),
-        ("AWS_ENDPOINT_URL_DYNAMODB".into(), local.endpoint.clone()),
+        ("AWS_ENDPOINT_URL_DYNAMODB".into(), proxy.endpoint()),
         ("AWS_ACCESS_KEY_ID".into(), "test".into()),
         ("AWS_SECRET_ACCESS_KEY".into(), "test".into()),
         ("AWS_REGION".into(), "us-east-1".into()),
@@ -308,6 +310,7 @@ async fn scripted_run_through_the_stream() {
     ];
     let emu = tokio::task::spawn_blocking(move || leasehold_tests::emulator::Emulator::start(&env)).await.unwrap();
     let mut written = 0;
+    let mut with_events = 0;
     for batch in records.chunks(4) {
         let event = serde_json::json!({ "Records": batch });
         // What the function receives is an aws_lambda_events DynamoDB event.
@@ -315,11 +318,20 @@ async fn scripted_run_through_the_stream() {
         assert_eq!(parsed.records.len(), batch.len());
         let r = emu.invoke("history", &event).await;
         assert!(r.error_type.is_none(), "{:?}\n{}", r.body, emu.server.log_text());
-        written += r.body["events"].as_u64().unwrap();
+        let n = r.body["events"].as_u64().unwrap();
+        written += n;
+        with_events += u64::from(n > 0);
     }
-    // A batch delivered twice (a retry) writes nothing new.
+    // One BatchWriteItem per invocation with events (at most 25 of them), no PutItem.
+    let counts = proxy.counts();
+    assert_eq!(counts.get("BatchWriteItem").copied(), Some(with_events), "{counts:?}");
+    assert_eq!(counts.get("PutItem"), None, "{counts:?}");
+    // A batch delivered twice (a retry) writes nothing new; two throttled writes are sent again.
+    proxy.reset_counts();
+    proxy.inject(&[leasehold_tests::proxy::ProxyFault::Throttle, leasehold_tests::proxy::ProxyFault::Throttle]);
     let again = emu.invoke("history", &serde_json::json!({ "Records": records })).await;
     assert!(again.error_type.is_none(), "{:?}", again.body);
+    assert_eq!(proxy.counts().get("BatchWriteItem").copied(), Some(3), "two throttled, then written");
 
     let mut env = cli_support::dynamo_env(&local.endpoint);
     env.push(("LEASEHOLD_HISTORY_TABLE".into(), history.clone()));

@@ -723,6 +723,186 @@ async fn keepalive_sweep_against_step_functions() {
     bounded.assert_no_respawn();
 }
 
+/// Runs `f` on every item, `width` at a time, in order.
+async fn each<T, F, Fut, R>(items: Vec<T>, width: usize, f: F) -> Vec<R>
+where
+    F: Fn(T) -> Fut,
+    Fut: std::future::Future<Output = R>,
+{
+    let mut out = Vec::with_capacity(items.len());
+    let mut items = items.into_iter().peekable();
+    while items.peek().is_some() {
+        out.extend(join_all(items.by_ref().take(width).map(&f).collect()).await);
+    }
+    out
+}
+
+/// Polls every future until all are done; their outputs in order.
+async fn join_all<Fut: std::future::Future>(futs: Vec<Fut>) -> Vec<Fut::Output> {
+    use std::task::Poll;
+    let mut futs: Vec<std::pin::Pin<Box<Fut>>> = futs.into_iter().map(Box::pin).collect();
+    let mut out: Vec<Option<Fut::Output>> = futs.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (f, o) in futs.iter_mut().zip(out.iter_mut()) {
+            if o.is_none() {
+                match f.as_mut().poll(cx) {
+                    Poll::Ready(v) => *o = Some(v),
+                    Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            Poll::Pending
+        } else {
+            Poll::Ready(())
+        }
+    })
+    .await;
+    out.into_iter().map(|o| o.expect("done")).collect()
+}
+
+/// 1,000 keep-alive leases, each bound to its own execution, with Step Functions'
+/// DescribeExecution and ListExecutions throttled at their documented quotas (300 and 15 per
+/// second, 200 and 5 per second: the tests' adapter in front of moto): one scheduled run of
+/// the real heartbeat function renews every lease of a running execution and releases every
+/// lease of a stopped one, without one throttled call, because it lists the state machine's
+/// running executions once and describes only what the list does not show. The same leases
+/// judged by DescribeExecution alone (the sweep before the lists, with the function's client's
+/// adaptive retries) run into the quota: leases of ended executions are renewed instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keepalive_sweep_of_1000_executions_within_step_functions_quotas() {
+    use leasehold_tests::sfn_throttle::{SfnThrottle, DOCUMENTED};
+    let moto = tokio::task::spawn_blocking(|| Moto::start(free_port(), free_port())).await.unwrap();
+    let throttle = SfnThrottle::start(format!("127.0.0.1:{}", moto.port).parse().unwrap(), &DOCUMENTED).await;
+    let sfn = Sfn::new(&moto).await;
+    let env = [
+        ("AWS_ENDPOINT_URL_SFN", throttle.endpoint()),
+        ("LEASEHOLD_ASSUMED_TIMEOUT_MS", "60000".to_string()),
+        // Room for all of them in one run (a run that spends its whole budget says incomplete).
+        ("LEASEHOLD_SWEEP_MAX_ITEMS", "1100".to_string()),
+    ];
+    let lab = Lab::start(&env, &[]).await;
+    const N: usize = 1000;
+    let arns = each((0..N).collect(), 16, |i| {
+        let sfn = &sfn;
+        async move { sfn.start(&format!("ka-{i}")).await }
+    })
+    .await;
+    let until = now_ms() + 600_000;
+    // Set-up on a loaded machine: an acquire that timed out is sent again with its lease_id.
+    let leases = each(arns.iter().enumerate().collect(), 8, |(i, arn)| {
+        let (lab, key) = (&lab, format!("ka/many/{i}"));
+        let opts = AcquireOptions { lease_id: Some(LeaseId::generate()), ..keepalive(until, Some(arn)) };
+        async move {
+            loop {
+                match lab.coord.acquire(&key, "etl", Some(Duration::from_secs(120)), opts.clone()).await {
+                    Ok(l) => break l,
+                    Err(e) if e.is_transient() => tokio::time::sleep(Duration::from_millis(200)).await,
+                    Err(e) => panic!("set-up acquire of {key}: {e}"),
+                }
+            }
+        }
+    })
+    .await;
+    // Every 40th execution stops (25 of them): their leases must be released.
+    let stopped: Vec<usize> = (0..N).step_by(40).collect();
+    for &i in &stopped {
+        sfn.client.stop_execution().execution_arn(&arns[i]).send().await.expect("StopExecution");
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let report = sweep(&lab).await;
+    println!("sweep over {N} keep-alive executions: {report}; Step Functions calls: {:?}", throttle.all_calls());
+    assert_eq!(n(&report, "errors"), 0, "{report}");
+    assert_eq!(n(&report, "describe_failures"), 0, "{report}");
+    assert_eq!(report["complete"], true, "{report}");
+    assert_eq!(n(&report, "released") as usize, stopped.len(), "{report}");
+    assert_eq!(n(&report, "renewed") as usize, N - stopped.len(), "{report}");
+    let (listed, list_throttled) = throttle.calls("ListExecutions");
+    let (described, describe_throttled) = throttle.calls("DescribeExecution");
+    assert_eq!((list_throttled, describe_throttled), (0, 0), "{:?}", throttle.all_calls());
+    assert!((1..=2).contains(&listed), "one list of 1,000 (and at most one more page): {listed}");
+    let most = leasehold::lambda::executions::DESCRIBE_BEFORE_LISTING as u64 + stopped.len() as u64;
+    assert!(described <= most, "described {described}, at most {most}");
+    for (i, l) in leases.iter().enumerate() {
+        let s = lab.state(&l.key).await;
+        assert_eq!(s.held, !stopped.contains(&i), "{}", l.key);
+        assert_eq!(s.fence, l.fence);
+    }
+
+    // DescribeExecution alone (the sweep before the lists) asks once per lease: 1,000 calls a
+    // run against a quota of 300 at once and 15 per second (1,200 a minute at best, 850 outside
+    // the largest Regions, shared with every other caller in the account). Fired as the sweep
+    // fires them (16 at a time, no retries), the adapter passes no more than the quota allows.
+    throttle.reset();
+    let base = leasehold_tests::sfn_quotas::sfn_client(&throttle.endpoint(), "us-east-1").await;
+    let once = base.config().to_builder().retry_config(aws_smithy_types::retry::RetryConfig::disabled()).build();
+    let describe_only = leasehold::lambda::StepFunctions(aws_sdk_sfn::Client::from_conf(once));
+    let started = std::time::Instant::now();
+    let states = each(arns.clone(), 16, |arn| {
+        let d = &describe_only;
+        async move { leasehold::Executions::state(d, &arn).await }
+    })
+    .await;
+    let elapsed = started.elapsed().as_secs_f64();
+    let (passed, throttled) = throttle.calls("DescribeExecution");
+    let unknown = states.iter().filter(|s| **s == leasehold::ExecutionState::Unknown).count() as u64;
+    println!("DescribeExecution alone: {passed} passed, {throttled} throttled ({unknown} unjudged) in {elapsed:.1} s");
+    assert_eq!(passed + throttled, N as u64, "one call per lease");
+    assert!(passed as f64 <= 300.0 + 15.0 * elapsed + 1.0, "{passed} passed in {elapsed:.1} s");
+    assert_eq!(unknown, throttled, "a throttled call leaves its lease unjudged");
+}
+
+/// The EMF metric lines of a lab's functions so far.
+fn metric_lines(lab: &Lab) -> Vec<Value> {
+    lab.emu
+        .server
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("\"_aws\""))
+        .filter_map(|l| l.find('{').and_then(|i| serde_json::from_str(&l[i..]).ok()))
+        .collect()
+}
+
+/// A queue sweep that fails (here: a table made before the `queue` index, as during an
+/// upgrade's backfill) is counted in the scheduled run's metric line (`QueueSweepErrors`, the
+/// QueueSweepFailing alarm), not only logged; the keep-alive sweep still runs; a run on a full
+/// table counts none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_queue_sweep_is_counted() {
+    use leasehold::store::table::{create_as, TableSpec, LEASE_TABLE};
+    let local = tokio::task::spawn_blocking(leasehold_tests::dynamo_local).await.unwrap();
+    let name = format!("no-queue-{}", std::process::id());
+    let without_queue: Vec<_> = LEASE_TABLE.indexes.iter().filter(|i| i.name != "queue").cloned().collect();
+    let spec = TableSpec {
+        indexes: Box::leak(without_queue.into_boxed_slice()),
+        stream: "",
+        deletion_protection: false,
+        point_in_time_recovery: false,
+        ..LEASE_TABLE
+    };
+    let client = local.client().await;
+    create_as(&client, &name, &spec, Duration::from_secs(120)).await.expect("create table");
+    let store = leasehold::store::DynamoStore::new(client, name);
+    let env = [("LEASEHOLD_ASSUMED_TIMEOUT_MS", "30000".to_string())];
+    let lab = Lab::start_on(store, &env, &[]).await;
+    let report = sweep(&lab).await;
+    assert_eq!(n(&report, "errors"), 0, "the keep-alive sweep is fine: {report}");
+    let count = |lab: &Lab| {
+        let lines = metric_lines(lab);
+        let sweeps: Vec<&Value> =
+            lines.iter().filter(|m| m["Function"] == "heartbeat" && m["Outcome"] == "sweep").collect();
+        assert_eq!(sweeps.len(), 1, "{lines:#?}");
+        sweeps[0]["QueueSweepErrors"].as_u64()
+    };
+    // One per queue shard whose Query failed.
+    assert!(count(&lab).is_some_and(|n| n >= 1), "{:?}", count(&lab));
+    let full = Lab::start(&env, &[]).await;
+    sweep(&full).await;
+    assert_eq!(count(&full), Some(0));
+}
+
 // ------------------------------------------------------------------------------------------
 // API Gateway's own routing, from template.yaml
 // ------------------------------------------------------------------------------------------

@@ -1,7 +1,10 @@
 //! `GET /metrics` of `leasehold serve`: the Prometheus text format, parsed by a Prometheus
 //! text-format parser (the `prometheus-parse` crate), with the values a scripted set of
 //! requests must leave: acquisitions, contention, a waited acquire, releases, an expiry taken
-//! over, errors by name, store latency, a queue length and work-state counts.
+//! over, errors by name, store latency, a queue length and work-state counts. The gauges come
+//! from a snapshot of the store: one series per key for the 20 longest queues only, and on
+//! DynamoDB one eventually consistent scan per `--scan-every` however many views ask, with the
+//! server's own writes applied in between.
 
 mod cli_support;
 
@@ -119,6 +122,8 @@ async fn metrics_parse_and_count_what_happened() {
     assert_eq!(histogram_count(&m, "leasehold_acquire_wait_seconds", &[]), 1.0, "{text}");
     assert!(histogram_count(&m, "leasehold_store_latency_seconds", &[("operation", "update")]) >= 10.0, "{text}");
     assert_eq!(num(&m, "leasehold_queue_length", &[("key", "m/q")]), 1.0, "{text}");
+    assert_eq!(num(&m, "leasehold_queued_waiters", &[]), 1.0, "{text}");
+    assert_eq!(num(&m, "leasehold_queued_keys", &[]), 1.0, "{text}");
     assert_eq!(num(&m, "leasehold_work_state_keys", &[("state", "PENDING")]), 3.0, "{text}");
     assert_eq!(num(&m, "leasehold_work_state_held_keys", &[("state", "PENDING")]), 1.0, "{text}");
     assert_eq!(num(&m, "leasehold_scrape_complete", &[]), 1.0);
@@ -139,5 +144,107 @@ async fn metrics_parse_and_count_what_happened() {
     for name in m.docs.keys() {
         assert!(readme.contains(name.as_str()), "README describes {name}");
     }
+    drop(server);
+}
+
+/// 25 keys with queues of 1..=25 waiters: `leasehold_queue_length` has a series for the 20
+/// longest only; the totals count all of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn queue_length_series_are_bounded() {
+    let target = Target::embedded();
+    let db = std::path::PathBuf::from(&target.args[1]);
+    let store = leasehold::store::SqliteStore::open(&db).unwrap();
+    let c = Coordinator::new(Arc::new(store), test_config()).with_deliver(Arc::new(Nobody) as Arc<dyn Deliver>);
+    let d = Duration::from_secs(60);
+    for k in 1..=25u32 {
+        let key = format!("q/{k:02}");
+        c.acquire(&key, "holder", Some(d), AcquireOptions::default()).await.unwrap();
+        for w in 0..k {
+            let token = format!("tok-{k}-{w}");
+            let q = c.acquire_or_enqueue(&key, "waiter", d, AcquireOptions::default(), &token, None).await.unwrap();
+            assert!(matches!(q, Enqueued::Queued { .. }), "{q:?}");
+        }
+    }
+    let server = Server::start(&target.args, &[]);
+    let a = server.addr.clone();
+    let (m, text) = tokio::task::spawn_blocking(move || scrape(&a)).await.unwrap();
+    let series: Vec<&Sample> = m.samples.iter().filter(|s| s.metric == "leasehold_queue_length").collect();
+    // QUEUE_SERIES in cli/src/metrics.rs.
+    assert_eq!(series.len(), 20, "{text}");
+    let mut keys: Vec<&str> = series.iter().map(|s| s.labels.get("key").unwrap()).collect();
+    keys.sort();
+    let want: Vec<String> = (6..=25).map(|k| format!("q/{k:02}")).collect();
+    assert_eq!(keys, want.iter().map(String::as_str).collect::<Vec<_>>(), "the longest queues");
+    assert_eq!(num(&m, "leasehold_queue_length", &[("key", "q/25")]), 25.0);
+    assert_eq!(num(&m, "leasehold_queued_keys", &[]), 25.0);
+    assert_eq!(num(&m, "leasehold_queued_waiters", &[]), (1..=25).sum::<u32>() as f64);
+    drop(server);
+}
+
+/// `serve --table`'s page, `/summary` and `/metrics` read the table through one snapshot: one
+/// eventually consistent Scan for many views within `--scan-every`; the server's own acquire
+/// and release show at once (applied to the snapshot), another writer's only at the next scan.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn serve_table_scans_once_per_scan_every() {
+    let (proxy, table, conf) = leasehold_tests::proxied_table().await;
+    proxy.record(true);
+    let mut env = cli_support::dynamo_env(&proxy.endpoint());
+    env.push(("LEASEHOLD_SKIP_TABLE_CHECK".into(), "1".into()));
+    env.push(("LEASEHOLD_SCAN_EVERY".into(), "600s".into()));
+    let args = vec!["--table".to_string(), table.clone()];
+    let server = tokio::task::spawn_blocking(move || Server::start(&args, &env)).await.unwrap();
+    let a = server.addr.clone();
+    let scans = || proxy.events().iter().filter(|e| e.target == "Scan").count();
+    let summary = |a: &str| {
+        let (s, _, b) = http(a, "GET", "/summary?prefix=s/", &[], b"");
+        assert_eq!(s, 200, "{b}");
+        serde_json::from_str::<Value>(&b).unwrap()
+    };
+    let listed = |v: &Value| -> Vec<String> {
+        v["leases"].as_array().unwrap().iter().map(|l| l["key"].as_str().unwrap().to_string()).collect()
+    };
+    let a2 = a.clone();
+    let (lease, first) = tokio::task::spawn_blocking(move || {
+        let (s, l) = post(&a2, "/leases/acquire/s/mine", r#"{"holder":"h","duration_ms":30000}"#);
+        assert_eq!(s, 200, "{l}");
+        (l, summary(&a2))
+    })
+    .await
+    .unwrap();
+    assert_eq!(listed(&first), vec!["s/mine"], "{first}");
+    assert_eq!(scans(), 1);
+    // Another writer on the same table: not seen until the next scan.
+    let other = Coordinator::new(
+        Arc::new(leasehold::store::DynamoStore::new(aws_sdk_dynamodb::Client::new(&conf), table.clone())),
+        test_config(),
+    );
+    other.acquire("s/theirs", "them", Some(Duration::from_secs(30)), AcquireOptions::default()).await.unwrap();
+    let a3 = a.clone();
+    let views = tokio::task::spawn_blocking(move || {
+        let mut out = Vec::new();
+        for _ in 0..20 {
+            out.push(summary(&a3));
+        }
+        let (_, text) = scrape(&a3);
+        let rel = serde_json::json!({"lease_id": lease["lease_id"]}).to_string();
+        assert_eq!(post(&a3, "/leases/release/s/mine", &rel).0, 200);
+        out.push(summary(&a3));
+        (out, text)
+    })
+    .await
+    .unwrap();
+    let (out, text) = views;
+    assert_eq!(scans(), 1, "21 summaries and a scrape, one scan");
+    assert!(out[..20].iter().all(|v| listed(v) == vec!["s/mine"]), "{:?}", out[0]);
+    assert!(listed(&out[20]).is_empty(), "the server's own release shows at once: {}", out[20]);
+    assert!(text.contains("leasehold_scrapes_total 1"), "{text}");
+    let consistent: Vec<String> = proxy
+        .events()
+        .iter()
+        .filter(|e| e.target == "Scan")
+        .map(|e| e.request.clone())
+        .filter(|r| r.contains("\"ConsistentRead\":true"))
+        .collect();
+    assert!(consistent.is_empty(), "eventually consistent scans: {consistent:?}");
     drop(server);
 }

@@ -15,6 +15,10 @@
 //!   with the region that knows the token. `InvalidToken` answers from the other regions are
 //!   never shown to the functions.
 //!
+//!   A call that names an execution (the keep-alive sweep's `DescribeExecution`) goes to the
+//!   region of that execution only: another region's `ExecutionDoesNotExist` would tell the
+//!   sweep a running execution had ended.
+//!
 //! The adapter can also play a `SendTaskSuccess` that lands and whose answer never comes in
 //! time: the first one for a task whose lease is on a key containing `slow-answer` is answered
 //! 4 s late (after the functions' 3 s timeout), once moto has taken it.
@@ -70,11 +74,19 @@ async fn adapt(
         .collect();
     let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
     if target.starts_with("AWSStepFunctions.") {
-        // A function's Step Functions call: offered to every region at once; the answer of the
-        // region that knows the token wins (all `InvalidToken`: that answer).
+        // A function's Step Functions call: one that names an execution goes to its region;
+        // a task token's is offered to every region at once, and the answer of the region that
+        // knows the token wins (all `InvalidToken`: that answer).
         let url = format!("http://127.0.0.1:{moto_port}{path}");
+        let named = serde_json::from_slice::<Value>(&body)
+            .ok()
+            .and_then(|v| v["executionArn"].as_str().map(|a| a.split(':').nth(3).unwrap_or("").to_string()));
+        let regions: Vec<&str> = match &named {
+            Some(r) => MOTO_REGIONS.iter().copied().filter(|m| m == r).collect(),
+            None => MOTO_REGIONS.to_vec(),
+        };
         let mut set = tokio::task::JoinSet::new();
-        for region in MOTO_REGIONS {
+        for region in regions {
             let hs: Vec<(String, String)> =
                 headers
                     .iter()
@@ -115,7 +127,12 @@ async fn adapt(
         }
         return b.body(Full::new(Bytes::from(r.body))).unwrap();
     }
-    // moto's Lambda invoke: the emulator's function error becomes Lambda's answer.
+    // moto's Lambda invoke: the emulator's function error becomes Lambda's answer; a dry run
+    // runs nothing (see leasehold_tests::sfn_quotas::invocation_type).
+    let (path, invocation_type) = leasehold_tests::sfn_quotas::invocation_type(&path, &hyper::HeaderMap::new());
+    if invocation_type.as_deref() == Some("DryRun") {
+        return leasehold_tests::sfn_quotas::dry_run(&path);
+    }
     forward_invoke(emulator_port, &method, &path, &body).await
 }
 
@@ -165,6 +182,8 @@ fn stack() -> &'static Stack {
                 ("AWS_REGION", region.clone()),
                 ("AWS_DEFAULT_REGION", region),
                 ("LEASEHOLD_MIN_DURATION_MS", "500".to_string()),
+                // Keep-alive leases last at least 3 periods: 1.5 s here.
+                ("LEASEHOLD_SWEEP_PERIOD_MS", SWEEP_PERIOD_MS.to_string()),
             ]
             .into_iter()
             .map(|(k, v)| (k.to_string(), v))
@@ -201,18 +220,26 @@ fn unique(tag: &str) -> String {
     format!("{tag}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst))
 }
 
+/// The sweep period the functions are told, and the keep-alive duration the template gives
+/// the workflow for it (3 periods).
+const SWEEP_PERIOD_MS: u64 = 500;
+const KEEPALIVE_DURATION_MS: &str = "1500";
+
 /// The definition as the template deploys it, with its substitutions replaced by the names the
-/// emulator serves ("" for the work function: the Wait placeholder).
+/// emulator serves ("" for the work function: the Wait placeholder), as moto runs it (an
+/// execution never redriven: statemachines::for_moto).
 fn definition() -> String {
-    statemachines::definition(
+    let text = statemachines::definition(
         "queued_single_flight",
         &[
             ("AcquireFunctionArn", "acquire"),
             ("ReleaseFunctionArn", "release"),
             ("WorkFunctionArn", ""),
             ("Partition", "aws"),
+            ("KeepaliveDurationMs", KEEPALIVE_DURATION_MS),
         ],
-    )
+    );
+    statemachines::for_moto(&text, 0)
 }
 
 struct Run {
@@ -352,32 +379,82 @@ async fn queued_executions_are_served_one_at_a_time_in_order() {
     assert!(!end.held && end.queue_length == 0, "{end:?}");
 }
 
-/// A holder stopped mid-work (its lease expires, nobody releases) is replaced by the head
-/// waiter when the scheduled sweep runs after the expiry.
+/// EventBridge's scheduled event: the heartbeat function runs the keep-alive and queue sweeps.
+fn scheduled_event() -> Value {
+    json!({"source": "aws.events", "detail-type": "Scheduled Event", "detail": {}})
+}
+
+async fn sweep_once() {
+    let sweep = stack().emulator.invoke("heartbeat", &scheduled_event()).await;
+    assert!(sweep.error_type.is_none(), "{:?}", sweep.body);
+}
+
+/// The scheduled sweep, run every 400 ms (about one sweep period here) until the guard is
+/// dropped, as EventBridge runs it.
+struct Sweeping(tokio::task::JoinHandle<()>);
+
+impl Drop for Sweeping {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+fn sweeping() -> Sweeping {
+    Sweeping(tokio::spawn(async {
+        loop {
+            sweep_once().await;
+            tokio::time::sleep(Duration::from_millis(400)).await;
+        }
+    }))
+}
+
+/// The lease reaches a queued execution bound to it (keep-alive): a holder stopped mid-work
+/// does not keep the key until its lease expires. The sweep finds the execution ended,
+/// releases the lease and hands the key to the head waiter, long before the lease's expiry.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_stopped_holder_is_replaced_after_expiry_by_the_sweep() {
-    let s = stack();
+async fn a_stopped_holder_is_replaced_at_the_next_sweep() {
+    stack();
     let key = unique("stopped");
     let holder =
-        start(json!({"key": key, "duration_ms": 1500, "work_seconds": 60, "queue_timeout_seconds": 120})).await;
+        start(json!({"key": key, "duration_ms": 120_000, "work_seconds": 60, "queue_timeout_seconds": 120})).await;
     let held = wait_for(&key, "the holder's lease", |s| s.held && s.holder == holder.name).await;
-    let next = start(json!({"key": key, "duration_ms": 30000, "work_seconds": 1, "queue_timeout_seconds": 120})).await;
+    let ka = held.keepalive.clone().expect("a keep-alive lease");
+    assert_eq!(ka.execution_arn.as_deref(), Some(holder.arn.as_str()), "bound to the execution: {held:?}");
+    let next = start(json!({"key": key, "work_seconds": 1, "queue_timeout_seconds": 120})).await;
     wait_for(&key, "the waiter queued", |s| s.queue_length == 1).await;
     holder.client.stop_execution().execution_arn(&holder.arn).send().await.expect("stop");
-    // Nothing serves the queue before the expiry; the sweep after it does.
-    tokio::time::sleep(Duration::from_millis(
-        held.expires_at_ms.unwrap().saturating_sub(coordinator().await.now_ms()) + 200,
-    ))
-    .await;
-    let sweep = s
-        .emulator
-        .invoke("heartbeat", &json!({"source": "aws.events", "detail-type": "Scheduled Event", "detail": {}}))
-        .await;
-    assert!(sweep.error_type.is_none(), "{:?}", sweep.body);
+    // moto ends a stopped execution when its current state ends: wait for it.
+    let stopped = wait_end(&holder, Duration::from_secs(90)).await;
+    assert_eq!(stopped.status, ExecutionStatus::Aborted, "{stopped:?}");
+    sweep_once().await;
     let e = wait_end(&next, Duration::from_secs(60)).await;
     assert_eq!(e.status, ExecutionStatus::Succeeded, "{e:?}");
     assert!(e.output["fence"].as_u64().unwrap() > held.fence);
-    assert!(e.output["acquired_at_ms"].as_u64().unwrap() >= held.expires_at_ms.unwrap());
+    let acquired = e.output["acquired_at_ms"].as_u64().unwrap();
+    assert!(acquired < held.expires_at_ms.unwrap(), "freed by the sweep at {acquired}, not by the expiry {held:?}");
+}
+
+/// A queued execution's lease is renewed while the execution runs, however long its work: a
+/// holder whose work (18 s) outlasts its lease (6 s: a loaded machine's sweep can take
+/// seconds) keeps the key while the sweep runs; the execution queued behind it gets the key
+/// only once it released (a lease not bound to the execution expired under the work, and the
+/// sweep handed the key on).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_queued_executions_lease_outlives_its_duration_while_it_works() {
+    stack();
+    let _sweep = sweeping();
+    let key = unique("long-work");
+    let first = start(json!({"key": key, "duration_ms": 6000, "work_seconds": 18, "queue_timeout_seconds": 120})).await;
+    let held = wait_for(&key, "the first execution's lease", |s| s.held && s.holder == first.name).await;
+    let second = start(json!({"key": key, "duration_ms": 1500, "work_seconds": 1, "queue_timeout_seconds": 120})).await;
+    let (a, b) = (wait_end(&first, Duration::from_secs(120)).await, wait_end(&second, Duration::from_secs(120)).await);
+    assert_eq!(a.status, ExecutionStatus::Succeeded, "{a:?}");
+    assert_eq!(b.status, ExecutionStatus::Succeeded, "{b:?}");
+    let released = a.output["released_at_ms"].as_u64().unwrap();
+    assert!(released > held.expires_at_ms.unwrap() + 6000, "held well past its first expiry {held:?}: {released}");
+    let acquired = b.output["acquired_at_ms"].as_u64().unwrap();
+    assert!(acquired >= released, "one at a time: the second acquired at {acquired}, the first released at {released}");
+    assert!(b.output["fence"].as_u64().unwrap() > a.output["fence"].as_u64().unwrap());
 }
 
 /// The functions' delivery (`StepFunctions` as the queue's `Deliver`) against moto: a task

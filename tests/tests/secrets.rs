@@ -51,7 +51,7 @@ async fn no_lease_id_in_any_log_line() {
     let store = Arc::new(local.store().await);
     let coord = Coordinator::new(store, test_config());
     let mut secrets = Vec::new();
-    let h = |f| Handler { function: f, coord: coord.clone(), executions: None, sweep_max_items: 100 };
+    let h = |f| Handler { function: f, coord: coord.clone(), executions: None, running: None, sweep_max_items: 100 };
     let (acq, hb, rel) = (h(Function::Acquire), h(Function::Heartbeat), h(Function::Release));
     let t = Duration::from_secs(10);
 

@@ -159,10 +159,21 @@ fn lease_table_matches_the_store() {
         gsis[1]["KeySchema"],
         json!([{"AttributeName": attr::STATE_SHARD, "KeyType": "HASH"}, {"AttributeName": attr::EXPIRES_AT, "KeyType": "RANGE"}])
     );
-    // Only what a batch's candidate needs (the attributes the store's candidate Query names).
+    // Only what a batch's candidate needs (the attributes the store's candidate Query names)
+    // when StateIndexProjection says INCLUDE; ALL by default, as stacks made before the
+    // parameter have it (CloudFormation cannot change a projection in place: upgrade.rs).
     assert_eq!(
         gsis[1]["Projection"],
-        json!({"ProjectionType": "INCLUDE", "NonKeyAttributes": leasehold::store::dynamo::STATE_INDEX_ATTRIBUTES})
+        json!({"Fn::If": [
+            "StateIndexIncludes",
+            {"ProjectionType": "INCLUDE", "NonKeyAttributes": leasehold::store::dynamo::STATE_INDEX_ATTRIBUTES},
+            {"ProjectionType": "ALL"}
+        ]})
+    );
+    assert_eq!(t["Parameters"]["StateIndexProjection"]["Default"], "ALL");
+    assert_eq!(
+        t["Conditions"]["StateIndexIncludes"],
+        json!({"Fn::Equals": [{"Ref": "StateIndexProjection"}, "INCLUDE"]})
     );
     // The queue index, as `DynamoStore::create_table` makes it.
     assert_eq!(gsis[2]["IndexName"], leasehold::store::dynamo::QUEUE_INDEX);
@@ -194,6 +205,49 @@ fn history_table_matches_the_history_function() {
     assert_eq!(stream["Properties"]["Stream"], json!({"Fn::GetAtt": ["LeaseTable", "StreamArn"]}));
 }
 
+/// The history pipeline loses nothing silently: a batch the function gives up on (retries
+/// exhausted, or older than the stream keeps records) goes to an on-failure queue, and alarms
+/// watch the function's errors, its lag behind the stream and that queue.
+#[test]
+fn history_pipeline_fails_over_to_a_queue_and_is_alarmed() {
+    let t = raw();
+    let stream = &t["Resources"]["HistoryFunction"]["Properties"]["Events"]["LeaseStream"]["Properties"];
+    assert_eq!(stream["BisectBatchOnFunctionError"], true);
+    assert!(stream["MaximumRetryAttempts"].as_u64().is_some_and(|n| (1..=10).contains(&n)), "{stream}");
+    let age = stream["MaximumRecordAgeInSeconds"].as_u64().unwrap();
+    assert!(age < 24 * 3600, "given up on before the stream's 24 h retention drops the records: {age}");
+    assert_eq!(
+        stream["DestinationConfig"],
+        json!({"OnFailure": {"Type": "SQS", "Destination": {"Fn::GetAtt": ["HistoryFailures", "Arn"]}}})
+    );
+    assert_eq!(t["Resources"]["HistoryFailures"]["Type"], "AWS::SQS::Queue");
+    let alarms: BTreeMap<&str, &Value> = resources_of(t, "AWS::CloudWatch::Alarm").into_iter().collect();
+    let watched = |namespace: &str, metric: &str, dimension: Value| {
+        alarms.values().find(|a| {
+            let p = &a["Properties"];
+            p["Namespace"] == namespace
+                && p["MetricName"] == metric
+                && as_list(&p["Dimensions"])[0]["Value"] == dimension
+        })
+    };
+    let function = json!({"Ref": "HistoryFunction"});
+    for (namespace, metric, dimension) in [
+        ("AWS/Lambda", "Errors", function.clone()),
+        ("AWS/Lambda", "IteratorAge", function),
+        ("AWS/SQS", "ApproximateNumberOfMessagesVisible", json!({"Fn::GetAtt": ["HistoryFailures", "QueueName"]})),
+    ] {
+        let a = watched(namespace, metric, dimension).unwrap_or_else(|| panic!("no alarm on {namespace} {metric}"));
+        let p = &a["Properties"];
+        assert_eq!(p["TreatMissingData"], "notBreaching", "{metric}");
+        assert_eq!(p["ComparisonOperator"], "GreaterThanOrEqualToThreshold", "{metric}");
+        assert_eq!(
+            p["AlarmActions"],
+            json!({"Fn::If": ["HasAlarmTopic", [{"Ref": "AlarmTopicArn"}], {"Ref": "AWS::NoValue"}]}),
+            "{metric}"
+        );
+    }
+}
+
 /// `leasehold table create` makes exactly template.yaml's table: the same key schema, attribute
 /// definitions, indexes (keys and projections), TTL, billing and stream
 /// (`leasehold::store::table::LEASE_TABLE` is what both the CLI and `table check` use).
@@ -201,7 +255,10 @@ fn history_table_matches_the_history_function() {
 fn lease_table_is_the_cli_table() {
     use leasehold::store::table::LEASE_TABLE as spec;
     let t = raw();
-    let p = &t["Resources"]["LeaseTable"]["Properties"];
+    // As a stack created with StateIndexProjection=INCLUDE has it (the default, ALL, is what
+    // earlier stacks have: `table check` notes it, everything works).
+    let resolver = leasehold_tests::cfn::Resolver::new(t, &[("StateIndexProjection", "INCLUDE")]);
+    let p = &resolver.resolve(&t["Resources"]["LeaseTable"]["Properties"]);
     assert_eq!(p["BillingMode"], spec.billing);
     assert_eq!(p["KeySchema"], json!([{"AttributeName": spec.key, "KeyType": "HASH"}]));
     let defs: BTreeSet<(String, String)> = p["AttributeDefinitions"]
@@ -233,6 +290,8 @@ fn lease_table_is_the_cli_table() {
     assert_eq!(p["GlobalSecondaryIndexes"], json!(gsis));
     assert_eq!(p["TimeToLiveSpecification"], json!({"AttributeName": spec.ttl, "Enabled": true}));
     assert_eq!(p["StreamSpecification"], json!({"StreamViewType": spec.stream}));
+    assert_eq!(p["DeletionProtectionEnabled"], json!(spec.deletion_protection));
+    assert_eq!(p["PointInTimeRecoverySpecification"]["PointInTimeRecoveryEnabled"], json!(spec.point_in_time_recovery));
 }
 
 #[test]
@@ -370,14 +429,36 @@ fn allowed_resource(action: &str, resource: &Value, own_log_group: &str) -> bool
         "dynamodb:DescribeStream" | "dynamodb:GetRecords" | "dynamodb:GetShardIterator" | "dynamodb:ListStreams" => {
             *resource == json!({"Fn::GetAtt": ["LeaseTable", "StreamArn"]})
         }
-        "dynamodb:PutItem" if own_log_group == "HistoryLogGroup" => {
+        "dynamodb:BatchWriteItem" if own_log_group == "HistoryLogGroup" => {
             *resource == json!({"Fn::GetAtt": ["HistoryTable", "Arn"]})
+        }
+        // The history stream's on-failure destination.
+        "sqs:SendMessage" if own_log_group == "HistoryLogGroup" => {
+            *resource == json!({"Fn::GetAtt": ["HistoryFailures", "Arn"]})
         }
         a if a.starts_with("dynamodb:") => *resource == table,
         "states:DescribeExecution" => {
-            MACHINES.iter().any(|m| *resource == executions(m))
+            // A state machine of the template's, by reference or (the BatchProcessor: a
+            // reference would make a cycle through HeartbeatFunction) by the name its resource
+            // gives it; a conditional one when its condition holds.
+            let resource = match resource.get("Fn::If") {
+                Some(branches) if branches[2] == json!({"Ref": "AWS::NoValue"}) => &branches[1],
+                _ => resource,
+            };
+            let batch = json!({"Fn::Sub": [
+                "arn:${AWS::Partition}:states:${AWS::Region}:${AWS::AccountId}:execution:batch-processor-${StackUuid}:*",
+                {"StackUuid": {"Fn::Select": [2, {"Fn::Split": ["/", {"Ref": "AWS::StackId"}]}]}}
+            ]});
+            state_machines().iter().any(|m| *resource == executions(m))
+                || *resource == batch
                 || (resource.get("Fn::Split").is_some()
                     && resource.to_string().contains(r#"{"Ref":"KeepaliveStateMachineArns"}"#))
+        }
+        // A sweep lists the running executions of each state machine once (ListExecutions acts
+        // on the state machine).
+        "states:ListExecutions" => {
+            MACHINES.iter().any(|m| *resource == json!({"Ref": m}))
+                || *resource == json!({"Ref": "KeepaliveStateMachineArns"})
         }
         "logs:CreateLogStream" | "logs:PutLogEvents" => *resource == log_group,
         // The waiter queue's delivery: a service-integration task token belongs to no resource
@@ -413,6 +494,7 @@ fn function_roles_are_least_privilege() {
                 "dynamodb:DeleteItem",
                 "dynamodb:Query",
                 "states:DescribeExecution",
+                "states:ListExecutions",
                 "states:SendTaskSuccess",
                 "states:SendTaskFailure",
                 "logs:CreateLogStream",
@@ -438,7 +520,8 @@ fn function_roles_are_least_privilege() {
                 "dynamodb:GetRecords",
                 "dynamodb:GetShardIterator",
                 "dynamodb:ListStreams",
-                "dynamodb:PutItem",
+                "dynamodb:BatchWriteItem",
+                "sqs:SendMessage",
                 "logs:CreateLogStream",
                 "logs:PutLogEvents",
             ],
@@ -681,11 +764,17 @@ fn state_machines_release_on_every_path() {
             let next = s["Next"].as_str().unwrap_or_else(|| panic!("{machine}.{name} ends the execution"));
             assert!(reachable(def, next).contains(release), "{machine}.{name} -> {next}");
         }
-        // Failures end in Fail states, reached only after the release.
+        // Failures end in Fail states, reached only after the release (or before the acquire:
+        // input refused, nothing taken).
         let fails: Vec<&str> = all.iter().filter(|(_, s)| s["Type"] == "Fail").map(|(n, _)| n.as_str()).collect();
         assert!(!fails.is_empty(), "{machine} has Fail states");
-        let after_release = reachable(def, release);
-        for (name, s) in all {
+        // ReleaseStale gives back the lease of a run before a redrive (statemachines::rule).
+        let mut after_release = reachable(def, release);
+        if all.contains_key("ReleaseStale") {
+            after_release.extend(reachable(def, "ReleaseStale"));
+        }
+        let after_acquire = reachable(def, "Acquire");
+        for (name, s) in all.iter().filter(|(n, _)| after_acquire.contains(n.as_str())) {
             let mut next: Vec<&str> = vec![];
             next.extend(s["Next"].as_str());
             next.extend(s["Default"].as_str());
@@ -809,16 +898,23 @@ fn fenced_update_writes_with_the_fence_condition_and_releases_on_every_path() {
     assert_eq!(w["Resource"], "arn:${Partition}:states:::dynamodb:updateItem");
     let p = &w["Parameters"];
     assert_eq!(p["TableName"], "${FencedTargetTableName}");
-    assert_eq!(p["ConditionExpression"], leasehold::fenced::FENCE_CONDITION);
+    // The fence condition; resumed by a redrive in a later run than its lease's, one no item
+    // meets (statemachines::rule).
+    let condition = p["ConditionExpression.$"].as_str().expect("ConditionExpression.$");
+    let first = format!("States.Array('{}', ", leasehold::fenced::FENCE_CONDITION);
+    assert!(condition.contains(&first) && condition.contains(statemachines::rule::REDRIVE_COUNT), "{condition}");
     assert!(p["UpdateExpression"].as_str().unwrap().starts_with("SET #lh_fence = :lh_fence"), "records the fence");
     assert_eq!(p["ExpressionAttributeNames"]["#lh_fence"], leasehold::fenced::DEFAULT_ATTRIBUTE);
     assert_eq!(p["ExpressionAttributeValues"][":lh_fence"]["N.$"], "States.JsonToString($.lease.fence)");
     assert_eq!(w["ResultPath"], Value::Null);
     let catches = w["Catch"].as_array().unwrap();
     let refused = catches.iter().find(|c| c["ErrorEquals"] == json!(["DynamoDB.ConditionalCheckFailedException"]));
-    assert_eq!(refused.expect("a refused write is caught")["Next"], "Release");
-    assert!(catches.iter().any(|c| c["ErrorEquals"] == json!(["States.ALL"]) && c["Next"] == "Release"));
-    assert_eq!(w["Next"], "Release");
+    let refused = refused.expect("a refused write is caught");
+    assert_eq!(refused["ResultPath"], "$.fenced");
+    assert!(reachable(def, refused["Next"].as_str().unwrap()).contains("Release"));
+    assert!(catches.iter().any(|c| c["ErrorEquals"] == json!(["States.ALL"])
+        && reachable(def, c["Next"].as_str().unwrap()).contains("Release")));
+    assert!(reachable(def, w["Next"].as_str().unwrap()).contains("Release"));
     for (name, s) in all {
         if s["Type"] == "Task" && name != "Release" {
             let catches = s["Catch"].as_array().unwrap_or_else(|| panic!("{name} catches"));
@@ -857,8 +953,8 @@ fn concurrency_limited_takes_a_slot_per_item_and_releases_on_every_path() {
     const M: &str = "ConcurrencyLimitedStateMachine";
     let def = definition(M);
     let map = &states(def)["ForEachItem"];
-    assert_eq!((map["Type"].as_str(), map["ItemsPath"].as_str()), (Some("Map"), Some("$.items")));
-    assert!(map["ItemSelector"].get("items.$").is_none(), "no iteration carries the whole list");
+    assert_eq!((map["Type"].as_str(), map["ItemsPath"].as_str()), (Some("Map"), Some("$.current.chunk")));
+    assert!(!map["ItemSelector"].to_string().contains("chunks"), "no iteration carries the whole list");
     let it = &map["ItemProcessor"];
     let all = states(it);
     let acquire = &all["Acquire"];
@@ -867,7 +963,7 @@ fn concurrency_limited_takes_a_slot_per_item_and_releases_on_every_path() {
     let request = &all["Request"]["Parameters"];
     assert_eq!(request["slots.$"], "$.config.slots");
     assert_eq!(request["lease_id.$"], "$.slot.lease_id");
-    assert_eq!(all["Init"]["Parameters"]["lease_id.$"], "States.UUID()");
+    assert_eq!(all["Init"]["Parameters"]["slot"]["lease_id.$"], "States.UUID()");
     assert!(!reachable(it, "Acquire").contains("Init"), "the lease_id is made once per iteration");
     assert_eq!(all["CountPoll"]["Parameters"]["lease_id.$"], "$.slot.lease_id", "polls keep the lease_id");
     // Full: wait and ask again, up to max_polls times.
@@ -899,14 +995,21 @@ fn concurrency_limited_takes_a_slot_per_item_and_releases_on_every_path() {
     }
     assert!(reachable(it, release["Next"].as_str().unwrap()).contains("ItemDone"));
     assert_eq!(reachable(it, it["StartAt"].as_str().unwrap()).len(), all.len(), "unreachable states");
-    // The work step ends before the default slot duration: every attempt's timeout and the
-    // pauses between them.
+    // The work step ends before the slot's least duration (statemachines::rule checks every
+    // path); the default duration is one the definition accepts.
+    let rule = statemachines::rule::check(M, def);
+    assert!(rule.violations.is_empty(), "{:#?}", rule.violations);
+    assert_eq!(rule.timed_work, BTreeSet::from(["ForEachItem/Work".to_string()]));
+    let least = states(def)["Validate"]["Choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["Variable"] == "$.args.duration_ms" && c["NumericLessThan"].is_u64())
+        .map(|c| c["NumericLessThan"].as_u64().unwrap())
+        .expect("the least duration is checked");
+    let duration = states(def)["Defaults"]["Parameters"]["defaults"]["duration_ms"].as_u64().unwrap();
+    assert!(duration >= least, "{duration} < {least}");
     let work = &all["Work"];
-    let timeout = work["TimeoutSeconds"].as_u64().expect("Work TimeoutSeconds");
-    let retries: u64 = work["Retry"].as_array().unwrap().iter().map(|r| r["MaxAttempts"].as_u64().unwrap()).sum();
-    let pauses: u64 = (0..retries).map(|i| 2u64.pow(i as u32)).sum();
-    let duration_s = states(def)["Defaults"]["Parameters"]["defaults"]["duration_ms"].as_u64().unwrap() / 1000;
-    assert!(timeout * (retries + 1) + pauses < duration_s, "the work step can outlast its slot");
     assert_eq!(work["ResultPath"], Value::Null);
     assert!(work.as_object().unwrap().contains_key("ResultPath"));
     // Policies: invoke the two functions (and the optional work function).
@@ -976,9 +1079,15 @@ fn state_machines_survive_what_states_all_cannot_catch() {
         assert!(work.as_object().unwrap().contains_key("ResultPath"), "{machine}: ResultPath: null, not absent");
         assert!(work.get("ResultSelector").is_none(), "{machine}");
         assert!(work.get("OutputPath").is_none(), "{machine}");
-        // Every Lambda task retries the Lambda client's own timeout too.
+        // Every Lambda task retries the Lambda client's own timeout too, except the work: its
+        // invocation may still run after those errors, and the lease is kept until it must
+        // have ended instead (statemachines::rule; only a throttled invocation is retried).
         for (name, s) in all {
             if s["Type"] != "Task" {
+                continue;
+            }
+            if name == "Work" {
+                assert_eq!(s["Retry"][0]["ErrorEquals"], json!(["Lambda.TooManyRequestsException"]), "{machine}");
                 continue;
             }
             let retries = s["Retry"].as_array().unwrap_or_else(|| panic!("{machine}.{name} retries"));
@@ -1178,8 +1287,9 @@ fn alarms_watch_the_sweep_and_throttles_and_notify_the_optional_topic() {
     let mut watched = BTreeSet::new();
     for (name, a) in &alarms {
         let p = &a["Properties"];
-        if p["Namespace"] == "AWS/Lambda" {
-            // Lambda's own metric (AcquireThrottled, checked with the reservation).
+        if p["Namespace"] == "AWS/Lambda" || p["Namespace"] == "AWS/SQS" {
+            // AWS's own metrics (AcquireThrottled, checked with the reservation; the history
+            // pipeline's, checked with it).
             continue;
         }
         // A metric-math alarm: each of its metrics is one the functions emit.
@@ -1223,10 +1333,24 @@ fn alarms_watch_the_sweep_and_throttles_and_notify_the_optional_topic() {
         assert!(p["AlarmDescription"].as_str().is_some_and(|d| d.len() > 40), "{name} tells the operator what to do");
         watched.insert(format!("{metric}:{}", p["ComparisonOperator"].as_str().unwrap()));
         if metric == "Invocations" {
-            // No sweep at all: missing data is the failure itself.
-            assert_eq!(dims, [("Function", "heartbeat"), ("Outcome", "sweep")]);
-            assert_eq!(p["TreatMissingData"], "breaching", "{name}");
-            assert_eq!(p["Period"]["Fn::FindInMap"][1], json!({"Ref": "KeepaliveSweepPeriodMinutes"}));
+            // No sweep at all is the failure itself: a window without a sweep counts 0 (FILL)
+            // once sweeps have reported in the evaluated range; before the first sweep of a new
+            // stack the alarm stays INSUFFICIENT_DATA, and after a whole range without one it
+            // keeps its state (ignore), instead of firing on a fresh deploy (breaching did).
+            let ms = p["Metrics"].as_array().unwrap();
+            let stat = ms.iter().find_map(|m| m.get("MetricStat")).unwrap();
+            let sweep_dims: Vec<(&str, &str)> = as_list(&stat["Metric"]["Dimensions"])
+                .iter()
+                .map(|d| (d["Name"].as_str().unwrap(), d["Value"].as_str().unwrap()))
+                .collect();
+            assert_eq!(sweep_dims, [("Function", "heartbeat"), ("Outcome", "sweep")]);
+            assert_eq!(stat["Stat"], "SampleCount");
+            let id = ms.iter().find(|m| m.get("MetricStat").is_some()).unwrap()["Id"].as_str().unwrap();
+            let shown: Vec<&Value> = ms.iter().filter(|m| m["ReturnData"] == true).collect();
+            assert_eq!(shown.len(), 1, "{name}");
+            assert_eq!(shown[0]["Expression"], format!("FILL({id}, 0)"), "{name}");
+            assert_eq!(p["TreatMissingData"], "ignore", "{name}");
+            assert_eq!(stat["Period"]["Fn::FindInMap"][1], json!({"Ref": "KeepaliveSweepPeriodMinutes"}));
             // M of N: one late EMF datapoint does not flap it.
             let (m, n) = (p["DatapointsToAlarm"].as_u64().unwrap_or(0), p["EvaluationPeriods"].as_u64().unwrap());
             assert!(m >= 2 && n > m, "{name}: {m} of {n}");
@@ -1237,6 +1361,7 @@ fn alarms_watch_the_sweep_and_throttles_and_notify_the_optional_topic() {
     let want: BTreeSet<String> = [
         "SweepErrors+SweepDescribeFailures:GreaterThanOrEqualToThreshold",
         "SweepIncomplete:GreaterThanOrEqualToThreshold",
+        "QueueSweepErrors:GreaterThanOrEqualToThreshold",
         "Invocations:LessThanThreshold",
         "Throttled:GreaterThanOrEqualToThreshold",
         "SweepReleased:GreaterThanOrEqualToThreshold",
@@ -1260,21 +1385,58 @@ fn alarms_watch_the_sweep_and_throttles_and_notify_the_optional_topic() {
     }
 }
 
-/// The BatchProcessor can continue as a new execution of itself: it is named so that its
-/// policy can grant states:StartExecution on exactly that state machine (no dependency cycle),
-/// its ContinueAsNew task starts `$$.StateMachine.Id`, it may invoke the heartbeat function (each
-/// iteration renews its lease), and every Lambda task retries Lambda's transient errors.
+/// The state machines that continue as new executions of themselves (BatchProcessor,
+/// ConcurrencyLimited) are named so that their policies can grant states:StartExecution on
+/// exactly that state machine (no dependency cycle), by the stack id's UUID (a state machine's
+/// name is at most 80 characters, a stack's 128: a name made of the stack name broke past 64).
+#[test]
+fn continuing_state_machines_are_named_by_the_stack_id() {
+    let t = raw();
+    for (machine, prefix) in
+        [("BatchProcessorStateMachine", "batch-processor"), ("ConcurrencyLimitedStateMachine", "concurrency-limited")]
+    {
+        let p = &t["Resources"][machine]["Properties"];
+        let uuid = json!({"StackUuid": {"Fn::Select": [2, {"Fn::Split": ["/", {"Ref": "AWS::StackId"}]}]}});
+        assert_eq!(p["Name"], json!({"Fn::Sub": [format!("{prefix}-${{StackUuid}}"), uuid]}), "{machine}");
+        // The longest name it can have: the prefix, a dash and a UUID.
+        assert!(prefix.len() + 1 + 36 <= 80, "{machine}");
+        let grants: Vec<&Value> = p["Policies"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|p| p["Statement"].as_array())
+            .flatten()
+            .filter(|st| st["Action"] == "states:StartExecution")
+            .collect();
+        assert_eq!(grants.len(), 1, "{machine}");
+        let arn = format!(
+            "arn:${{AWS::Partition}}:states:${{AWS::Region}}:${{AWS::AccountId}}:stateMachine:{prefix}-${{StackUuid}}"
+        );
+        assert_eq!(grants[0]["Resource"], json!({"Fn::Sub": [arn, uuid]}), "{machine}: StartExecution on itself only");
+        // The ContinueAsNew task starts $$.StateMachine.Id, and takes ExecutionAlreadyExists
+        // (a start whose answer was lost, retried after the execution ended) as done.
+        let def = statemachines::parsed(definition_name(machine));
+        let cont = &def["States"]["ContinueAsNew"];
+        assert_eq!(cont["Resource"], "arn:${Partition}:states:::states:startExecution");
+        assert_eq!(cont["Parameters"]["StateMachineArn.$"], "$$.StateMachine.Id");
+        let exists = json!(["StepFunctions.ExecutionAlreadyExistsException"]);
+        assert_eq!(cont["Retry"][0], json!({"ErrorEquals": exists, "MaxAttempts": 0}), "{machine}: not retried");
+        let caught = cont["Catch"].as_array().unwrap().iter().find(|c| c["ErrorEquals"] == exists).expect("caught");
+        let already = &def["States"][caught["Next"].as_str().unwrap()];
+        assert!(already["Parameters"]["execution_arn.$"].as_str().unwrap().contains("$.next.name"), "{machine}");
+    }
+}
+
+/// The BatchProcessor can continue as a new execution of itself, its ContinueAsNew task starts
+/// `$$.StateMachine.Id` with the whole configuration, it may invoke the heartbeat function
+/// (each iteration renews its lease), and every Lambda task retries Lambda's transient errors
+/// (but the work, statemachines::rule).
 #[test]
 fn batch_processor_continues_as_itself_and_retries_lambda_errors() {
     let t = raw();
     let p = &t["Resources"]["BatchProcessorStateMachine"]["Properties"];
-    assert_eq!(p["Name"], json!({"Fn::Sub": "${AWS::StackName}-batch-processor"}));
     let policies = p["Policies"].to_string();
     assert!(policies.contains("states:StartExecution"), "{policies}");
-    assert!(
-        policies.contains("stateMachine:${AWS::StackName}-batch-processor\""),
-        "StartExecution on itself only: {policies}"
-    );
     assert!(policies.contains("\"HeartbeatFunction\""), "{policies}");
     let subs = &p["DefinitionSubstitutions"];
     assert_eq!(
@@ -1294,8 +1456,12 @@ fn batch_processor_continues_as_itself_and_retries_lambda_errors() {
         .map(|k| k.trim_end_matches(".$"))
         .filter(|k| !k.starts_with("AWS_"))
         .collect();
-    let defaults: BTreeSet<&str> =
-        all["Defaults"]["Parameters"]["defaults"].as_object().unwrap().keys().map(|k| k.as_str()).collect();
+    let defaults: BTreeSet<&str> = all["Defaults"]["Parameters"]["defaults"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(|k| k.trim_end_matches(".$"))
+        .collect();
     assert_eq!(carried, defaults);
     let iteration = all["ProcessBatch"]["ItemProcessor"]["States"].as_object().unwrap();
     for (name, s) in all.iter().chain(iteration.iter()) {
@@ -1303,7 +1469,12 @@ fn batch_processor_continues_as_itself_and_retries_lambda_errors() {
             continue;
         }
         let retried: String = s["Retry"].to_string();
-        for e in ["Lambda.ServiceException", "Lambda.AWSLambdaException", "Lambda.SdkClientException"] {
+        let errors: &[&str] = if name == "Work" {
+            &["Lambda.TooManyRequestsException"]
+        } else {
+            &["Lambda.ServiceException", "Lambda.AWSLambdaException", "Lambda.SdkClientException"]
+        };
+        for e in errors {
             assert!(retried.contains(e), "{name} retries {e}: {retried}");
         }
         if iteration.contains_key(name) {

@@ -76,10 +76,14 @@ fn start_invoke_adapter(port: u16, emulator_port: u16, dynamo_port: u16, dynamo_
             }
             let method = req.method().as_str().to_string();
             let path = req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or_default();
+            let (path, invocation_type) = sfn_quotas::invocation_type(&path, req.headers());
+            if invocation_type.as_deref() == Some("DryRun") {
+                return sfn_quotas::dry_run(&path);
+            }
             let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
-            if path.contains("/functions/limited/") {
-                // The ConcurrencyLimited workflow's work function (see `Limited`).
-                return limited().handle(&body).await;
+            if path.contains("/functions/redrive-work/") {
+                // The work function of the redrive test (see `RedriveWork`).
+                return redrive_work().handle(&path, &body).await;
             }
             if path.contains("/functions/huge/") {
                 // A work function whose answer exceeds Step Functions' 256 KiB result quota.
@@ -274,8 +278,13 @@ fn raw_template() -> &'static Value {
 
 /// The definition file template.yaml names for `machine`, with its DefinitionSubstitutions
 /// replaced by the names the emulator serves (`work`: the work function, "" for the Wait
-/// placeholder).
+/// placeholder), as moto runs it (an execution never redriven: statemachines::for_moto).
 fn definition(machine: &str, work: &str) -> String {
+    statemachines::for_moto(&definition_as_written(machine, work), 0)
+}
+
+/// [`definition`] as written, before [`statemachines::for_moto`].
+fn definition_as_written(machine: &str, work: &str) -> String {
     let props = &raw_template()["Resources"][machine]["Properties"];
     let subs = props["DefinitionSubstitutions"].as_object().expect("DefinitionSubstitutions");
     let fenced_target = FENCED_TARGET.get_or_init(fenced_target).as_str();
@@ -304,7 +313,6 @@ const SINGLE_FLIGHT: &str = "SingleFlightStateMachine";
 const SWEEP_PERIOD_MS: &str = "600";
 const KEEPALIVE_DURATION_MS: &str = "1800";
 const SCHEDULED: &str = "ScheduledJobStateMachine";
-const CONCURRENCY_LIMITED: &str = "ConcurrencyLimitedStateMachine";
 const FENCED: &str = "FencedUpdateStateMachine";
 static FENCED_TARGET: OnceLock<String> = OnceLock::new();
 
@@ -327,11 +335,17 @@ async fn start(machine: &str, work: &str, input: Value) -> Run {
 }
 
 async fn start_in(region: &str, machine: &str, work: &str, input: Value) -> Run {
+    start_definition(region, machine, definition(machine, work), input).await
+}
+
+/// Creates a state machine of `definition` (named after `machine`) in `region` and starts one
+/// execution of it.
+async fn start_definition(region: &str, machine: &str, definition: String, input: Value) -> Run {
     let client = sfn(region).await;
     let sm = client
         .create_state_machine()
         .name(unique(machine))
-        .definition(definition(machine, work))
+        .definition(definition)
         .role_arn("arn:aws:iam::123456789012:role/leasehold-example")
         .send()
         .await
@@ -501,18 +515,21 @@ const LONG: Duration = Duration::from_secs(240);
 
 // ---- fenced update ------------------------------------------------------------------------------
 
+/// A holder whose lease is taken from it during its work (an operator's force-release, and
+/// another execution takes the key and writes) writes last with the lower fence: the service
+/// integration's fenced write is refused, and the execution fails with Fenced.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fenced_update_refuses_the_stale_holders_write() {
     let s = tokio::task::spawn_blocking(stack).await.unwrap();
     let target = fenced_target_client(&s.dynamo_endpoint, &function_region()).await;
+    let coord = coordinator().await;
     let (key, item) = (unique("fenced"), unique("item"));
-    // A: a 2 s lease, then 8 s of "work": paused past its expiry before its write. (2 s: a
-    // loaded machine can answer a grant later than a shorter lease's safe time.)
-    let a =
-        start(FENCED, "", json!({"key": key, "item_id": item, "value": "A", "duration_ms": 2000, "work_seconds": 8}))
-            .await;
+    // A: 8 s of "work" before its write.
+    let a = start(FENCED, "", json!({"key": key, "item_id": item, "value": "A", "work_seconds": 8})).await;
     let lease_a = wait_acquired(&a, LONG).await;
-    // B: waits (server side) for A's lease to expire, takes the key and writes at once.
+    assert_eq!(lease_a["keepalive"]["execution_arn"], a.arn.as_str(), "bound to the execution: {lease_a}");
+    // The key is taken from A during its work; B takes it and writes at once.
+    coord.force_release(&key).await.expect("force-release");
     let b = start(FENCED, "", json!({"key": key, "item_id": item, "value": "B", "wait_ms": 20000})).await;
     let end_b = wait_end(&b, LONG).await;
     assert_eq!(end_b.status, ExecutionStatus::Succeeded, "{}", end_b.describe());
@@ -675,25 +692,32 @@ async fn single_flight_keepalive_outlives_the_lease_duration() {
     assert!(!lease_state(&key).await.held);
 }
 
+/// A plain lease ("keepalive": false) is not renewed, so it must outlast the longest the work
+/// step can run: a shorter one is refused before anything is taken. One taken from the
+/// execution during its work (an operator's force-release, and another holder takes the key)
+/// fails the execution with LeaseNotReleased instead of reporting success.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn single_flight_lease_taken_over_during_work_fails_the_execution() {
+async fn single_flight_plain_lease_outlasts_its_work_or_is_refused() {
     tokio::task::spawn_blocking(stack).await.unwrap();
-    // Without keep-alive, a 2 s lease expires during 6 s of work and another holder takes the
-    // key: the release finds the lease gone and the execution fails with LeaseNotReleased
-    // instead of reporting success.
     let coord = coordinator().await;
+    let key = unique("plain-short");
+    let input = json!({"key": key, "duration_ms": 60000, "work_seconds": 1, "keepalive": false});
+    let end = wait_end(&start(SINGLE_FLIGHT, "", input).await, LONG).await;
+    assert_eq!(end.status, ExecutionStatus::Failed, "{}", end.describe());
+    assert_eq!(end.error.as_deref(), Some("InvalidInput"), "{}", end.describe());
+    assert!(!end.entered("Acquire"), "{}", end.describe());
+    assert!(coord.get(&key).await.is_err(), "nothing was written for {key}");
+
     let key = unique("lost");
-    // A plain lease ("keepalive": false): nothing renews it.
-    let run =
-        start(SINGLE_FLIGHT, "", json!({"key": key, "duration_ms": 2000, "work_seconds": 6, "keepalive": false})).await;
+    let input = json!({"key": key, "duration_ms": 3_600_000, "work_seconds": 6, "keepalive": false});
+    let run = start(SINGLE_FLIGHT, "", input).await;
     let lease = wait_acquired(&run, LONG).await;
-    let expiry = lease["expires_at_ms"].as_u64().unwrap();
-    let wait = expiry.saturating_sub(coord.now_ms()) + 300;
-    tokio::time::sleep(Duration::from_millis(wait)).await;
+    assert!(lease.get("keepalive").is_none(), "a plain lease: {lease}");
+    coord.force_release(&key).await.expect("force-release");
     let other = coord
         .acquire(&key, "other", Some(Duration::from_secs(30)), leasehold::AcquireOptions::default())
         .await
-        .expect("the expired lease is free to take");
+        .expect("the force-released key is free to take");
     assert!(other.fence > lease["fence"].as_u64().unwrap());
     let end = wait_end(&run, LONG).await;
     assert_eq!(end.status, ExecutionStatus::Failed, "{}", end.describe());
@@ -816,8 +840,8 @@ async fn scheduled_job_failing_work_still_releases() {
 fn regions_are_distinct() {
     let set: std::collections::BTreeSet<&str> = MOTO_REGIONS.iter().copied().collect();
     assert_eq!(set.len(), MOTO_REGIONS.len());
-    // Executions started by the tests (at most 13 here) fit, with the functions' region left out.
-    assert!(MOTO_REGIONS.len() > 14);
+    // Executions started by the tests (at most 21 here) fit, with the functions' region left out.
+    assert!(MOTO_REGIONS.len() > 22);
 }
 
 // ---- what States.ALL cannot catch ---------------------------------------------------------------
@@ -843,7 +867,7 @@ async fn single_flight_oversized_work_result_leaves_the_key_to_the_sweep() {
     let state = lease_state(&key).await;
     if !state.held {
         assert!(state.released_at_ms.is_some(), "released, not lapsed: {state:?}");
-        sfn_quotas::assert_within_quotas_except(&["/functions/huge/"]);
+        sfn_quotas::assert_within_quotas_except(&["/functions/huge/", "/functions/redrive-work/"]);
         return;
     }
     let ka = state.keepalive.clone().expect("a keep-alive lease by default");
@@ -859,7 +883,7 @@ async fn single_flight_oversized_work_result_leaves_the_key_to_the_sweep() {
     let state = lease_state(&key).await;
     assert!(!state.held, "the sweep freed the key: {state:?}");
     assert!(state.released_at_ms.is_some(), "released, not lapsed: {state:?}");
-    sfn_quotas::assert_within_quotas_except(&["/functions/huge/"]);
+    sfn_quotas::assert_within_quotas_except(&["/functions/huge/", "/functions/redrive-work/"]);
 }
 
 /// FencedUpdate without item_id: refused before the acquire (after it, the missing path would
@@ -919,140 +943,314 @@ async fn http_refuses_invoke_only_fields() {
     coord.release(&key, &leasehold::LeaseId::from_string(inv.body["lease_id"].as_str().unwrap())).await.unwrap();
 }
 
-// ---- concurrency limited ------------------------------------------------------------------------
+// ---- redrive ------------------------------------------------------------------------------------
 
-/// The ConcurrencyLimited workflow's work function, served by the invoke adapter as
-/// `limited`: per key, how many calls run at once (the most seen), and each item index's calls.
+/// The redrive test's work function, served by the invoke adapter as `redrive-work`: records
+/// each call (key, fence, when); its first call answers more than Step Functions' 256 KiB (the
+/// execution fails at the work step with States.DataLimitExceeded, which no Catch catches:
+/// what an operator then fixes and redrives), later ones a small answer after `REDRIVE_WORK`.
 #[derive(Default)]
-struct Limited {
-    keys: std::sync::Mutex<std::collections::HashMap<String, LimitedKey>>,
+struct RedriveWork {
+    calls: std::sync::Mutex<Vec<(String, u64, u64)>>,
 }
 
-#[derive(Default, Debug, Clone)]
-struct LimitedKey {
-    running: usize,
-    most: usize,
-    calls: std::collections::BTreeMap<u64, usize>,
-    fences: Vec<u64>,
+const REDRIVE_WORK: Duration = Duration::from_millis(500);
+
+fn redrive_work() -> &'static RedriveWork {
+    static W: OnceLock<RedriveWork> = OnceLock::new();
+    W.get_or_init(RedriveWork::default)
 }
 
-/// How long one item's work takes.
-const LIMITED_WORK: Duration = Duration::from_millis(700);
-
-fn limited() -> &'static Limited {
-    static LIMITED: OnceLock<Limited> = OnceLock::new();
-    LIMITED.get_or_init(Limited::default)
-}
-
-impl Limited {
-    async fn handle(&self, body: &[u8]) -> hyper::Response<Full<Bytes>> {
+impl RedriveWork {
+    async fn handle(&self, path: &str, body: &[u8]) -> hyper::Response<Full<Bytes>> {
         let payload: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
         let key = payload["key"].as_str().unwrap_or("?").to_string();
-        {
-            let mut keys = self.keys.lock().unwrap();
-            let k = keys.entry(key.clone()).or_default();
-            k.running += 1;
-            k.most = k.most.max(k.running);
-            *k.calls.entry(payload["index"].as_u64().unwrap_or(u64::MAX)).or_default() += 1;
-            k.fences.extend(payload["fence"].as_u64());
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+        let first = {
+            let mut calls = self.calls.lock().unwrap();
+            let first = !calls.iter().any(|(k, _, _)| *k == key);
+            calls.push((key, payload["fence"].as_u64().unwrap_or(0), now));
+            first
+        };
+        if first {
+            return sfn_quotas::oversized_result(path, 300 * 1024).await;
         }
-        tokio::time::sleep(LIMITED_WORK).await;
-        self.keys.lock().unwrap().get_mut(&key).expect("key").running -= 1;
+        tokio::time::sleep(REDRIVE_WORK).await;
         hyper::Response::builder()
             .status(200)
             .header("x-amzn-requestid", request_id())
             .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(json!({"done": payload["index"]}).to_string())))
+            .body(Full::new(Bytes::from(json!({"done": payload["fence"]}).to_string())))
             .expect("response")
     }
 
-    fn seen(&self, key: &str) -> LimitedKey {
-        self.keys.lock().unwrap().get(key).cloned().unwrap_or_default()
+    fn calls(&self, key: &str) -> Vec<(u64, u64)> {
+        self.calls.lock().unwrap().iter().filter(|(k, _, _)| k == key).map(|(_, f, t)| (*f, *t)).collect()
     }
 }
 
-/// The history's `StateEntered` and `StateExited` events of the states named `state`, in the
-/// order Step Functions recorded them (event id): +1 entered, -1 exited.
-async fn state_edges(run: &Run, state: &str) -> Vec<(i64, i32)> {
-    let mut edges = Vec::new();
-    for e in sfn_quotas::all_history(&run.client, &run.arn).await {
-        if e.state_entered_event_details().is_some_and(|d| d.name() == state) {
-            edges.push((e.id(), 1));
-        } else if e.state_exited_event_details().is_some_and(|d| d.name() == state) {
-            edges.push((e.id(), -1));
+/// The scheduled keep-alive sweep, run every 500 ms (about one sweep period here) until the
+/// guard is dropped, as EventBridge runs it.
+struct Sweeping(tokio::task::JoinHandle<()>);
+
+impl Drop for Sweeping {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+fn sweeping() -> Sweeping {
+    Sweeping(tokio::spawn(async {
+        loop {
+            let inv = stack().emulator.invoke("heartbeat", &scheduled_event()).await;
+            assert!(inv.error_type.is_none(), "sweep: {:?}", inv.body);
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }))
+}
+
+/// The input the state `state` was entered with in the execution's history.
+async fn entered_with(run: &Run, state: &str) -> Value {
+    let h = sfn_quotas::all_history(&run.client, &run.arn).await;
+    let d = h
+        .iter()
+        .filter_map(|e| e.state_entered_event_details())
+        .rfind(|d| d.name() == state)
+        .unwrap_or_else(|| panic!("{state} was never entered"));
+    serde_json::from_str(d.input().expect("input")).expect("JSON input")
+}
+
+/// `RedriveExecution` resumes a failed execution at the state that failed, with the input it
+/// had there, after the keep-alive sweep released its lease (the execution had ended) and
+/// another holder took the key. moto runs no redrive (statemachines::for_moto), so the test
+/// runs what Step Functions runs: the definition from that state (Work), in run 1, with its
+/// input from the first run's history. The redriven work step is a DryRun: the work function
+/// never sees the stale fence while the other holder has the key; the execution gives back
+/// the old lease_id, takes a new one (`-r1`), waits for the other holder and works with a fence
+/// above its. The same resumption with the work step's gate removed calls the work function
+/// with the stale fence while another holder has the key: what the gate prevents.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redriven_execution_takes_its_lease_anew_before_it_works() {
+    tokio::task::spawn_blocking(stack).await.unwrap();
+    let coord = coordinator().await;
+    let key = unique("redrive");
+    let sweep = sweeping();
+    // Run 0 fails at its work step (a result over 256 KiB): no Release of its own.
+    // An 8 s lease: a loaded machine's sweep (the loop below) can take seconds.
+    let first = start(SINGLE_FLIGHT, "redrive-work", json!({"key": key, "wait_ms": 1000, "duration_ms": 8000})).await;
+    sfn_quotas::fail_on_violation(&first.client, &first.arn, "/functions/redrive-work/", LONG).await;
+    let end = wait_end(&first, LONG).await;
+    assert!(matches!(end.status, ExecutionStatus::Aborted | ExecutionStatus::Failed), "{}", end.describe());
+    assert!(!end.entered("Release"), "{}", end.describe());
+    let stale_fence = end.task_payload("Acquire")["fence"].as_u64().unwrap();
+    let work_input = entered_with(&first, "Work").await;
+    assert_eq!(work_input["lease"]["fence"].as_u64(), Some(stale_fence));
+    // The sweep renewed the lease while the execution ran, and releases it once it ended.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let st = loop {
+        let st = lease_state(&key).await;
+        if !st.held || Instant::now() > deadline {
+            break st;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(!st.held && st.released_at_ms.is_some(), "the sweep released it: {st:?}");
+    // Another holder takes the key for 4 s.
+    let other = coord
+        .acquire(&key, "other", Some(Duration::from_secs(60)), leasehold::AcquireOptions::default())
+        .await
+        .expect("the released key is free");
+    let holder = {
+        let (coord, key, other) = (coord.clone(), key.clone(), other.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(4)).await;
+            let released = coord.release(&key, &other.lease_id).await.expect("release");
+            released.released_at_ms
+        })
+    };
+    // The redrive: run 1, from Work, with Work's input.
+    let redriven = statemachines::resumed_at(&definition_as_written(SINGLE_FLIGHT, "redrive-work"), "Work", 1);
+    let dry_before = sfn_quotas::dry_runs().iter().filter(|p| p.contains("/functions/redrive-work/")).count();
+    let run = start_definition(next_region(), SINGLE_FLIGHT, redriven, work_input.clone()).await;
+    let end = wait_end(&run, LONG).await;
+    let other_released = holder.await.unwrap();
+    assert_eq!(end.status, ExecutionStatus::Succeeded, "{}", end.describe());
+    let dry = sfn_quotas::dry_runs().iter().filter(|p| p.contains("/functions/redrive-work/")).count();
+    assert_eq!(dry, dry_before + 1, "the resumed work step was a dry run");
+    let calls = redrive_work().calls(&key);
+    assert_eq!(calls.len(), 2, "one call in run 0, one after the new take: {calls:?}");
+    let (fence, at) = calls[1];
+    assert!(fence > other.fence && other.fence > stale_fence, "{stale_fence} < {} < {fence}", other.fence);
+    assert!(at >= other_released, "worked at {at}, after the other holder released at {other_released}");
+    assert_eq!(end.output["fence"].as_u64(), Some(fence), "{}", end.output);
+    let ids: std::collections::BTreeSet<String> = end
+        .history
+        .iter()
+        .filter_map(|e| e.output.as_ref())
+        .filter_map(|o| o["request"]["lease_id"].as_str().map(str::to_string))
+        .collect();
+    let old_id = work_input["request"]["lease_id"].as_str().unwrap();
+    assert!(ids.contains(&format!("{old_id}-r1")), "a new lease_id for the new take: {ids:?}");
+    assert!(!lease_state(&key).await.held);
+    drop(sweep);
+
+    // Without the gate, the same resumption works on the stale fence while another holds the key.
+    let intruder = coord
+        .acquire(&key, "intruder-check", Some(Duration::from_secs(60)), leasehold::AcquireOptions::default())
+        .await
+        .expect("free");
+    let mut ungated: Value = serde_json::from_str(&definition_as_written(SINGLE_FLIGHT, "redrive-work")).unwrap();
+    ungated["States"]["Work"]["Parameters"].as_object_mut().unwrap().remove("InvocationType.$");
+    let ungated = statemachines::resumed_at(&ungated.to_string(), "Work", 1);
+    let control = start_definition(next_region(), SINGLE_FLIGHT, ungated, work_input).await;
+    let deadline = Instant::now() + LONG;
+    while redrive_work().calls(&key).len() < 3 {
+        assert!(Instant::now() < deadline, "the ungated work step never ran");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(redrive_work().calls(&key)[2].0, stale_fence, "the stale fence reached the work function");
+    assert!(lease_state(&key).await.held, "while another holder had the key");
+    control.client.stop_execution().execution_arn(&control.arn).send().await.expect("stop");
+    coord.release(&key, &intruder.lease_id).await.unwrap();
+    sfn_quotas::assert_within_quotas_except(&["/functions/huge/", "/functions/redrive-work/"]);
+}
+
+// ---- the rule: work inside the lease ---------------------------------------------------------
+
+/// Every definition in statemachines/ that takes a lease keeps its work inside it (the rule of
+/// leasehold_tests::statemachines::rule): a new state machine cannot ship without it.
+#[test]
+fn every_state_machine_keeps_its_work_inside_its_lease() {
+    let all = statemachines::all();
+    assert!(all.len() >= 6, "{:?}", all.iter().map(|(n, _)| n).collect::<Vec<_>>());
+    let mut problems = Vec::new();
+    for (name, def) in &all {
+        let r = statemachines::rule::check(name, def);
+        println!("{name}: takes {:?}, bound work {:?}, timed work {:?}", r.takes, r.bound_work, r.timed_work);
+        problems.extend(r.violations.iter().cloned());
+        if r.works_under_a_lease() {
+            assert!(!r.bound_work.is_empty() || !r.timed_work.is_empty(), "{name}: no work state found");
         }
     }
-    edges.sort();
-    edges
-}
-
-/// The most iterations inside `state` at once, by the history's order of events.
-fn most_inside(edges: &[(i64, i32)]) -> i32 {
-    edges
-        .iter()
-        .scan(0, |n, (_, d)| {
-            *n += d;
-            Some(*n)
-        })
-        .max()
-        .unwrap_or(0)
-}
-
-/// 20 items on a semaphore of 3 slots: the Map runs 10 iterations at once, each takes a slot
-/// (polling every second while the semaphore is full), works 0.7 s and releases. The
-/// execution's history never has more than 3 iterations inside their Work state at once, the
-/// work function never runs more than 3 calls at once, every item is worked on exactly once
-/// and reported done, and the semaphore is empty afterwards.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn concurrency_limited_works_at_most_n_items_at_once() {
-    tokio::task::spawn_blocking(stack).await.unwrap();
-    let key = unique("limited");
-    let items: Vec<Value> = (0..20).map(|i| json!({"n": i})).collect();
-    let input = json!({"key": key, "slots": 3, "items": items, "wait_ms": 0, "poll_seconds": 1, "duration_ms": 60000});
-    let run = start(CONCURRENCY_LIMITED, "limited", input).await;
-    let end = wait_end(&run, LONG).await;
-    assert_eq!(end.status, ExecutionStatus::Succeeded, "{}", end.describe());
-    let outcomes = end.output["items"].as_array().unwrap_or_else(|| panic!("no items: {}", end.describe()));
-    assert_eq!(outcomes.len(), 20, "{}", end.output);
-    for (i, o) in outcomes.iter().enumerate() {
-        assert_eq!((o["index"].as_u64(), o["outcome"].as_str()), (Some(i as u64), Some("done")), "{o}");
+    assert!(problems.is_empty(), "{problems:#?}");
+    // A bound lease is renewed and freed by the sweep only if the sweep may describe the
+    // executions it is bound to: every state machine of the template whose definition binds a
+    // lease has its executions in the heartbeat role's DescribeExecution grant.
+    let t = raw_template();
+    let grant = t["Resources"]["HeartbeatRole"]["Properties"]["Policies"].to_string();
+    for (logical, r) in t["Resources"].as_object().unwrap() {
+        if r["Type"] != "AWS::Serverless::StateMachine" {
+            continue;
+        }
+        let uri = r["Properties"]["DefinitionUri"].as_str().unwrap();
+        let name = statemachines::name_of_uri(uri);
+        let rule = statemachines::rule::check(name, &statemachines::parsed(name));
+        if rule.bound_work.is_empty() {
+            continue;
+        }
+        let named = match r["Properties"]["Name"]["Fn::Sub"][0].as_str() {
+            Some(pattern) => format!("execution:{pattern}:*"),
+            None => format!("execution:${{{logical}.Name}}:*"),
+        };
+        assert!(grant.contains(&named), "{logical} binds leases, but the sweep may not describe {named}");
     }
-    // From the history: never more than 3 iterations in their work step at once.
-    let work = state_edges(&run, "Work").await;
-    assert_eq!(work.iter().filter(|(_, d)| *d == 1).count(), 20, "every item entered its work step once");
-    let most = most_inside(&work);
-    assert!(most <= 3, "{most} iterations in their work step at once on 3 slots");
-    assert!(most >= 2, "the slots were shared: at most {most} at once");
-    let polls = state_edges(&run, "WaitForSlot").await;
-    assert!(!polls.is_empty(), "no iteration ever found the semaphore full");
-    println!(
-        "concurrency limited: 20 items on 3 slots: at most {most} in Work at once, {} polls of a full semaphore, \
-         {} history events",
-        polls.len() / 2,
-        end.history.len()
-    );
-    // From the work function: the same bound, each item once, fences all distinct.
-    let seen = limited().seen(&key);
-    assert!(seen.most <= 3, "the work function ran {} items at once: {seen:?}", seen.most);
-    let once: std::collections::BTreeMap<u64, usize> = (0..20).map(|i| (i, 1)).collect();
-    assert_eq!(seen.calls, once, "each item worked on once");
-    let mut fences = seen.fences.clone();
-    fences.sort();
-    fences.dedup();
-    assert_eq!(fences.len(), 20, "every slot had a fence of its own: {:?}", seen.fences);
-    // Every slot was released.
-    let st = lease_state(&key).await;
-    assert!(!st.held && st.slots_taken.unwrap_or(0) == 0, "{st:?}");
 }
 
-/// Bad input fails before any slot is taken.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn concurrency_limited_refuses_bad_input() {
-    tokio::task::spawn_blocking(stack).await.unwrap();
-    let key = unique("limited-bad");
-    let run = start(CONCURRENCY_LIMITED, "limited", json!({"key": key, "items": [1, 2]})).await;
-    let end = wait_end(&run, LONG).await;
-    assert_eq!(end.status, ExecutionStatus::Failed, "{}", end.describe());
-    assert_eq!(end.error.as_deref(), Some("InvalidInput"));
-    assert!(!end.entered("Acquire"), "{}", end.describe());
+/// The rule finds what it is for: each mutation below of a shipped definition (the first is
+/// QueuedSingleFlight as it shipped before: a lease not bound to the execution, a work step
+/// without a timeout whose Lambda errors are retried at once) breaks it, and is named.
+#[test]
+fn the_rule_finds_work_outside_the_lease() {
+    type Mutation = fn(&mut Value);
+    fn states(d: &mut Value) -> &mut serde_json::Map<String, Value> {
+        d["States"].as_object_mut().unwrap()
+    }
+    fn iteration<'a>(d: &'a mut Value, map: &str) -> &'a mut serde_json::Map<String, Value> {
+        d["States"][map]["ItemProcessor"]["States"].as_object_mut().unwrap()
+    }
+    fn choices_without(d: &mut Value, state: &str, var: &str) {
+        let c = d["States"][state]["Choices"].as_array_mut().unwrap();
+        c.retain(|r| r["Variable"] != var && r["Not"]["Variable"] != var);
+    }
+    let cases: Vec<(&str, Mutation, &str)> = vec![
+        (
+            "queued_single_flight",
+            |d| {
+                let s = states(d);
+                s["Request"]["Parameters"].as_object_mut().unwrap().remove("keepalive");
+                s["WaitForTurn"]["Parameters"]["Payload"].as_object_mut().unwrap().remove("keepalive.$");
+                let w = s["Work"].as_object_mut().unwrap();
+                w.remove("TimeoutSeconds");
+                w["Retry"] = json!([{"ErrorEquals": ["Lambda.ServiceException", "Lambda.TooManyRequestsException"], "IntervalSeconds": 1, "BackoffRate": 2, "MaxAttempts": 3}]);
+            },
+            "neither bound to the execution nor of a checked duration",
+        ),
+        (
+            "queued_single_flight",
+            |d| drop(states(d)["Work"]["Parameters"].as_object_mut().unwrap().remove("InvocationType.$")),
+            "runs on a redrive",
+        ),
+        (
+            "single_flight",
+            |d| {
+                states(d)["Work"]["Retry"] =
+                    json!([{"ErrorEquals": ["Lambda.ServiceException"], "IntervalSeconds": 1, "MaxAttempts": 1}]);
+            },
+            "sooner than the last invocation must have ended",
+        ),
+        (
+            "single_flight",
+            |d| states(d)["Settle"]["Seconds"] = json!(10),
+            "releases while the work's invocation may still run",
+        ),
+        (
+            "single_flight",
+            |d| drop(states(d)["Work"]["Catch"].as_array_mut().unwrap().remove(0)),
+            "releases while the work's invocation may still run",
+        ),
+        (
+            "single_flight",
+            |d| {
+                for c in states(d)["PlainLease"]["Choices"].as_array_mut().unwrap() {
+                    if c["NumericLessThan"].is_u64() {
+                        c["NumericLessThan"] = json!(60000);
+                    }
+                }
+            },
+            "lasts at least 60000 ms, but the path runs",
+        ),
+        (
+            "scheduled_job",
+            |d| drop(states(d)["Work"].as_object_mut().unwrap().remove("TimeoutSeconds")),
+            "without TimeoutSeconds under a timed lease",
+        ),
+        ("scheduled_job", |d| choices_without(d, "PlainLease", "$.args.work_seconds"), "a Wait of unchecked length"),
+        (
+            "concurrency_limited",
+            |d| iteration(d, "ForEachItem")["Work"]["Retry"][0]["MaxAttempts"] = json!(3),
+            "but the path runs",
+        ),
+        ("concurrency_limited", |d| choices_without(d, "Validate", "$.args.duration_ms"), "nor of a checked duration"),
+        (
+            "fenced_update",
+            |d| {
+                let p = states(d)["FencedWrite"]["Parameters"].as_object_mut().unwrap();
+                p.remove("ConditionExpression.$");
+                p.insert("ConditionExpression".into(), json!(leasehold::fenced::FENCE_CONDITION));
+            },
+            "runs on a redrive",
+        ),
+        (
+            "batch_processor",
+            |d| drop(states(d)["TakeBatch"]["Parameters"]["Payload"].as_object_mut().unwrap().remove("keepalive")),
+            "a timed lease held across a Map",
+        ),
+    ];
+    for (name, mutate, expect) in cases {
+        let mut def = statemachines::parsed(name);
+        assert!(statemachines::rule::check(name, &def).violations.is_empty(), "{name} as shipped");
+        mutate(&mut def);
+        let found = statemachines::rule::check(name, &def).violations;
+        assert!(found.iter().any(|v| v.contains(expect)), "{name}: expected {expect:?}, found {found:#?}");
+    }
 }

@@ -102,6 +102,8 @@ pub async fn run(
 ) -> Result<Value> {
     match op {
         Operation::Next => {
+            let mut payload = payload;
+            super::fill_keepalive_until(&mut payload, coord.now_ms());
             let r: NextRequest = parse(payload)?;
             let state = from_path(path, r.state, "state")?;
             let mut wait = r.wait_ms.map(Duration::from_millis);

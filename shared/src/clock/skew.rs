@@ -74,12 +74,21 @@ pub struct ClockSamples {
     /// How many samples must agree on a bound ([`AGREEMENT`] for stamps that may be bad; one
     /// for a clock read in this process).
     agreement: usize,
+    /// Held by the one write that reads the store for evidence while there is too little: the
+    /// other writes of the client wait for its answers instead of each reading for its own.
+    reading: tokio::sync::Mutex<()>,
 }
 
 impl Default for ClockSamples {
     /// The evidence of a remote store's `Date` headers: second resolution, stamps possibly late.
     fn default() -> Self {
-        ClockSamples { inner: Mutex::default(), resolution_us: 1_000_000, lagged: true, agreement: AGREEMENT }
+        ClockSamples {
+            inner: Mutex::default(),
+            resolution_us: 1_000_000,
+            lagged: true,
+            agreement: AGREEMENT,
+            reading: Default::default(),
+        }
     }
 }
 
@@ -173,7 +182,13 @@ impl ClockSamples {
     /// The evidence of a clock read in this process as the store answers (the embedded store's
     /// reference clock): exact to the µs, and never stamped before the request.
     pub fn exact() -> Self {
-        ClockSamples { inner: Mutex::default(), resolution_us: 1, lagged: false, agreement: 1 }
+        ClockSamples {
+            inner: Mutex::default(),
+            resolution_us: 1,
+            lagged: false,
+            agreement: 1,
+            reading: Default::default(),
+        }
     }
 
     /// How many recent samples a coordinator must have before it judges (and how many must
@@ -285,6 +300,13 @@ impl ClockSamples {
             hi = hi.max(h);
         }
         proven.then_some(StoreClock { hi, ..*agreed })
+    }
+
+    /// The turn to read the store for evidence: one write at a time, so that many writes
+    /// finding too little evidence at once (a new process's workers) make one read each turn,
+    /// not one each.
+    pub(crate) async fn reading_turn(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.reading.lock().await
     }
 
     /// The offset of the clock `clock_at` (epoch ms at a monotonic instant) from the server's,

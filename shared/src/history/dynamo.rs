@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use aws_sdk_dynamodb::error::ProvideErrorMetadata;
 use aws_sdk_dynamodb::types::{
-    AttributeDefinition, AttributeValue, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType,
-    TimeToLiveSpecification,
+    AttributeDefinition, AttributeValue, BillingMode, KeySchemaElement, KeyType, PutRequest, ScalarAttributeType,
+    TimeToLiveSpecification, WriteRequest,
 };
 use aws_sdk_dynamodb::Client;
 
@@ -52,24 +52,74 @@ pub fn events_of_images(
     Ok(events(old.as_ref(), new.as_ref()))
 }
 
-/// Writes `events` into `table`, each kept `retention` after it happened (TTL). Idempotent: a
-/// stream record delivered twice writes the same items.
+/// Items one BatchWriteItem takes at most (DynamoDB's limit).
+pub const BATCH: usize = 25;
+
+/// Tries of one batch (its unprocessed items, or the whole request when it is throttled)
+/// before the write fails (and Lambda retries the stream batch).
+const TRIES: u32 = 8;
+
+/// The history item of an event.
+fn item(e: &Event, retention: Duration) -> HashMap<String, AttributeValue> {
+    let ttl = e.at_ms / 1000 + retention.as_secs();
+    HashMap::from([
+        (attr::KEY.to_string(), AttributeValue::S(e.key.clone())),
+        (attr::SK.to_string(), AttributeValue::S(sort_key(e))),
+        (attr::AT.to_string(), AttributeValue::N(e.at_ms.to_string())),
+        (attr::EVENT.to_string(), AttributeValue::S(serde_json::to_string(e).expect("event serialises"))),
+        (attr::TTL.to_string(), AttributeValue::N(ttl.to_string())),
+    ])
+}
+
+/// Writes `events` into `table`, each kept `retention` after it happened (TTL), 25 to a
+/// BatchWriteItem; items DynamoDB leaves unprocessed (and a throttled request) are sent again
+/// after a jittered pause, up to 8 tries. Idempotent: a stream record delivered twice writes the
+/// same items (two events with the same key and sort key in one call are written once: a batch
+/// may not name one item twice).
 pub async fn write(client: &Client, table: &str, events: &[Event], retention: Duration) -> Result<()> {
-    for e in events {
-        let ttl = e.at_ms / 1000 + retention.as_secs();
-        client
-            .put_item()
-            .table_name(table)
-            .item(attr::KEY, AttributeValue::S(e.key.clone()))
-            .item(attr::SK, AttributeValue::S(sort_key(e)))
-            .item(attr::AT, AttributeValue::N(e.at_ms.to_string()))
-            .item(attr::EVENT, AttributeValue::S(serde_json::to_string(e).expect("event serialises")))
-            .item(attr::TTL, AttributeValue::N(ttl.to_string()))
-            .send()
-            .await
-            .map_err(|err| sdk("write", &err))?;
+    let mut seen = std::collections::HashSet::new();
+    let unique: Vec<&Event> = events.iter().filter(|e| seen.insert((e.key.clone(), sort_key(e)))).collect();
+    for chunk in unique.chunks(BATCH) {
+        let requests = chunk
+            .iter()
+            .map(|e| {
+                let put = PutRequest::builder()
+                    .set_item(Some(item(e, retention)))
+                    .build()
+                    .map_err(|e| Error::StoreUnavailable(format!("history write: {e}")))?;
+                Ok(WriteRequest::builder().put_request(put).build())
+            })
+            .collect::<Result<Vec<_>>>()?;
+        write_batch(client, table, requests).await?;
     }
     Ok(())
+}
+
+/// One BatchWriteItem of at most [`BATCH`] puts, until every item is processed.
+async fn write_batch(client: &Client, table: &str, mut pending: Vec<WriteRequest>) -> Result<()> {
+    let mut backoff = crate::backoff::Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
+    for _ in 0..TRIES {
+        let sent = client.batch_write_item().request_items(table, pending.clone()).send().await;
+        match sent {
+            Ok(out) => {
+                pending = out.unprocessed_items().and_then(|u| u.get(table)).cloned().unwrap_or_default();
+                if pending.is_empty() {
+                    return Ok(());
+                }
+            }
+            Err(e)
+                if matches!(
+                    e.code(),
+                    Some("ProvisionedThroughputExceededException" | "ThrottlingException" | "RequestLimitExceeded")
+                ) => {}
+            Err(e) => return Err(sdk("write", &e)),
+        }
+        tokio::time::sleep(backoff.next_pause()).await;
+    }
+    Err(Error::StoreUnavailable(format!(
+        "history write: {} items still unprocessed after {TRIES} tries",
+        pending.len()
+    )))
 }
 
 /// The events of `key` at or after `since_ms`, oldest first, at most the newest `limit`.

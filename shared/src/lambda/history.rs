@@ -1,8 +1,10 @@
 //! The history function (functions/history): each DynamoDB Streams record of the lease table
 //! (NEW_AND_OLD_IMAGES) becomes the events [`crate::history::events`] derives from its old and new
 //! images, written into the history table (`LEASEHOLD_HISTORY_TABLE`) with a TTL of
-//! `LEASEHOLD_HISTORY_RETENTION_S` (default 7 days). A failed write fails the invocation, so
-//! Lambda retries the batch; writes are idempotent (the same record writes the same items).
+//! `LEASEHOLD_HISTORY_RETENTION_S` (default 7 days), the whole batch's events 25 to a
+//! BatchWriteItem. A failed write fails the invocation, so Lambda retries the batch (bisected,
+//! then sent to the on-failure queue: template.yaml); writes are idempotent (the same record
+//! writes the same items).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -42,9 +44,10 @@ pub fn item_from_json(v: &Value) -> Option<HashMap<String, AttributeValue>> {
     v.as_object()?.iter().map(|(k, a)| Some((k.clone(), attribute_from_json(a)?))).collect()
 }
 
-/// Handles one batch of stream records: returns how many events it wrote.
+/// Handles one batch of stream records: derives every record's events, then writes them all
+/// (25 to a BatchWriteItem); returns how many events it wrote.
 pub async fn handle(client: &Client, table: &str, retention: Duration, event: Event) -> Result<Value> {
-    let mut written = 0usize;
+    let mut all = Vec::new();
     for rec in &event.records {
         let image = |i: &aws_lambda_events::dynamodb::EventRecord, new: bool| -> Result<Option<HashMap<_, _>>> {
             let item = if new { &i.change.new_image } else { &i.change.old_image };
@@ -55,10 +58,10 @@ pub async fn handle(client: &Client, table: &str, retention: Duration, event: Ev
             item_from_json(&v).map(Some).ok_or_else(|| Error::invalid("stream record: unreadable image"))
         };
         let (old, new) = (image(rec, false)?, image(rec, true)?);
-        let events = events_of_images(old.as_ref(), new.as_ref())?;
-        write(client, table, &events, retention).await?;
-        written += events.len();
+        all.extend(events_of_images(old.as_ref(), new.as_ref())?);
     }
+    write(client, table, &all, retention).await?;
+    let written = all.len();
     tracing::info!(records = event.records.len(), events = written, "history written");
     Ok(json!({ "records": event.records.len(), "events": written }))
 }

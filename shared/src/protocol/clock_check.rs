@@ -149,10 +149,17 @@ impl Coordinator {
     /// [`Coordinator::check_clock`], reading for evidence until `deadline` at most (a write's
     /// own deadline: the check is part of its time).
     pub(crate) async fn check_clock_by(&self, key: &str, deadline: Instant) -> Result<()> {
-        let Some(need) = self.store.clock().map(|c| c.agreement()) else { return Ok(()) };
-        // Bounded: answers may come without a usable `Date`.
+        let Some(samples) = self.store.clock() else { return Ok(()) };
+        let need = samples.agreement();
+        // Bounded: answers may come without a usable `Date`. One write of this store's client
+        // reads at a time; the others wait for its answers (a new process's workers would
+        // otherwise each read for evidence they all share).
         let mut reads = 0;
         while self.store_clock().map_or(0, |s| s.samples) < need && reads < 2 * need && self.monotonic() < deadline {
+            let Ok(_turn) = tokio::time::timeout_at(deadline.into(), samples.reading_turn()).await else { break };
+            if self.store_clock().map_or(0, |s| s.samples) >= need {
+                break;
+            }
             reads += 1;
             let _ = self.read(deadline, || self.store.get(key)).await;
         }

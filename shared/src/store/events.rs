@@ -84,6 +84,23 @@ pub struct Event {
     pub interface: String,
 }
 
+/// A lease's renewals give a `renewed` event at most once per this long from its grant: the
+/// first renewal always, then the first one past each further 15 minutes. A keep-alive lease is
+/// renewed every sweep period (a minute by default) and a `leasehold run` lease every third of
+/// its duration; the history keeps that the lease was still held, not every beat (one item and
+/// one write a minute per keep-alive lease otherwise). Decided from the record alone, so both
+/// stores, and a stream record delivered twice, decide the same.
+pub const RENEWAL_EVENT_EVERY_MS: u64 = 15 * 60 * 1000;
+
+/// Whether a renewal from `o` to `new` (the same lease) is one the history records.
+fn renewal_recorded(o: &Record, new: &Record) -> bool {
+    let (Some(before), Some(now)) = (o.renewed_at_ms, new.renewed_at_ms) else { return true };
+    // A grant stamps its own time as the last renewal: the first renewal comes after it.
+    let first = before <= new.acquired_at_ms;
+    let mark = |t: u64| t.saturating_sub(new.acquired_at_ms) / RENEWAL_EVENT_EVERY_MS;
+    first || mark(now) > mark(before)
+}
+
 /// How many characters of a lease_id an event keeps.
 pub const LEASE_ID_PREFIX_CHARS: usize = 6;
 
@@ -242,7 +259,11 @@ pub fn events(old: Option<&Record>, new: Option<&Record>) -> Vec<Event> {
         let mut e = event(new, EventKind::Put, new.work.state_since_ms.unwrap_or(0));
         e.state = new.work.state.clone();
         out.push(e);
-    } else if is_lease(new) && new.released_at_ms.is_none() && new.expires_at_ms != o.expires_at_ms {
+    } else if is_lease(new)
+        && new.released_at_ms.is_none()
+        && new.expires_at_ms != o.expires_at_ms
+        && renewal_recorded(o, new)
+    {
         out.push(event(new, EventKind::Renewed, new.renewed_at_ms.unwrap_or(0)));
     }
     out
@@ -266,6 +287,26 @@ mod tests {
 
     fn kinds(ev: &[Event]) -> Vec<(EventKind, &str, u64, u64)> {
         ev.iter().map(|e| (e.kind, e.holder.as_str(), e.fence, e.at_ms)).collect()
+    }
+
+    /// A keep-alive lease renewed every minute for two hours: its first renewal, then one per
+    /// 15 minutes from the grant (8), not 120; the same records decide the same again.
+    #[test]
+    fn renewals_are_recorded_at_most_once_per_fifteen_minutes() {
+        let minute = 60_000;
+        let (mut r, _) =
+            apply(&Mutation::Lease(LeaseMutation::Acquire(lease("a", "aaaaaaaaaaaaaaaaaaaaaaaa", 1_000, 10))), None);
+        let mut at = Vec::new();
+        for i in 1..=120 {
+            let now = 1_000 + i * minute;
+            let (next, ev) =
+                apply(&Mutation::Lease(LeaseMutation::Extend { now_ms: now, duration_ms: None, ttl: None }), Some(&r));
+            assert!(ev.iter().all(|e| e.kind == EventKind::Renewed && e.at_ms == now), "{ev:?}");
+            assert_eq!(events(Some(&r), Some(&next)), ev, "decided from the records alone");
+            at.extend(ev.iter().map(|e| (e.at_ms - 1_000) / minute));
+            r = next;
+        }
+        assert_eq!(at, vec![1, 15, 30, 45, 60, 75, 90, 105, 120]);
     }
 
     #[test]

@@ -70,6 +70,10 @@ pub enum Write {
 pub enum ScanKind {
     /// Every item (operator listing).
     All,
+    /// Every item, read as cheaply as the store can (DynamoDB: an eventually consistent Scan,
+    /// half the read units): the operator views of `leasehold serve`, which refresh a snapshot
+    /// of the table at most every few seconds and tolerate an answer a moment old.
+    Snapshot,
     /// Items of one keep-alive shard whose keep-alive deadline is after `after_ms`
     /// (DynamoDB: a Query on the sparse `keepalive` index).
     Keepalive { shard: u32, after_ms: u64 },

@@ -627,7 +627,7 @@ impl Store for SqliteStore {
             let max = limit.max(1) as i64;
             let rows: Vec<(String, String)> = match kind {
                 ScanKind::State { state, free_at_ms, .. } => return scan_state(c, &state, free_at_ms, &start, limit),
-                ScanKind::All => {
+                ScanKind::All | ScanKind::Snapshot => {
                     let mut st = c
                         .prepare_cached("SELECT key, record FROM leases WHERE key > ?1 ORDER BY key LIMIT ?2")
                         .map_err(store_err)?;

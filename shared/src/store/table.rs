@@ -1,19 +1,22 @@
 //! The lease table's definition, written once: its attribute and index names (the item schema
 //! every part of the DynamoDB store names), what `leasehold table create` creates, what
-//! `leasehold table check` (and every CLI or `serve` start on `--table`) compares an existing
-//! table with, and what a test keeps equal to template.yaml's `LeaseTable`.
+//! `leasehold table check` (and the check of a CLI command or `serve` on `--table`)
+//! compares an existing table with, and what a test keeps equal to template.yaml's `LeaseTable`.
 //!
 //! The comparison ([`compare`]) is a pure function of the definition and the table's
-//! `DescribeTable` / `DescribeTimeToLive` answers, so it is tested without a server; [`create`]
-//! and [`check`] are the two requests around it.
+//! `DescribeTable` / `DescribeTimeToLive` answers, so it is tested without a server; each
+//! problem names the [`Part`] of the table it is about, so that a command fails only on the
+//! parts it uses ([`Findings::for_parts`]). [`create`] and [`inspect`] are the requests around
+//! it.
 
 use std::time::Duration;
 
 use aws_sdk_dynamodb::error::ProvideErrorMetadata;
 use aws_sdk_dynamodb::types::{
-    AttributeDefinition, BillingMode, GlobalSecondaryIndex, IndexStatus, KeySchemaElement, KeyType, Projection,
-    ProjectionType, ScalarAttributeType, StreamSpecification, StreamViewType, TableDescription, TableStatus,
-    TimeToLiveDescription, TimeToLiveSpecification, TimeToLiveStatus,
+    AttributeDefinition, BillingMode, GlobalSecondaryIndex, IndexStatus, KeySchemaElement, KeyType,
+    PointInTimeRecoverySpecification, PointInTimeRecoveryStatus, Projection, ProjectionType, ScalarAttributeType,
+    StreamSpecification, StreamViewType, TableDescription, TableStatus, TimeToLiveDescription, TimeToLiveSpecification,
+    TimeToLiveStatus,
 };
 use aws_sdk_dynamodb::Client;
 
@@ -163,6 +166,12 @@ pub struct TableSpec {
     /// The stream the history function reads: "NEW_AND_OLD_IMAGES" (DESIGN.md, "Lease history");
     /// empty: none ([`create_as`] of a table for DynamoDB Local).
     pub stream: &'static str,
+    /// Deletion protection (the table holds every key's last fence: deleting it lets fences
+    /// restart from the clock and drops every lease held).
+    pub deletion_protection: bool,
+    /// Point-in-time recovery (continuous backups), as template.yaml enables it (the CLI's
+    /// `table create` turns it on after [`create_as`]: [`enable_point_in_time_recovery`]).
+    pub point_in_time_recovery: bool,
 }
 
 /// The lease table.
@@ -200,7 +209,51 @@ pub const LEASE_TABLE: TableSpec = TableSpec {
     ttl: attr::TTL,
     billing: "PAY_PER_REQUEST",
     stream: "NEW_AND_OLD_IMAGES",
+    deletion_protection: true,
+    point_in_time_recovery: true,
 };
+
+/// The part of the table a problem is about, and so which operations fail with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Part {
+    /// The table itself and its key: every operation.
+    Key,
+    /// One of the indexes ([`LEASE_TABLE`]'s `indexes`, by name).
+    Index(&'static str),
+    /// TTL on the `ttl` attribute: nothing fails without it, but nothing is ever deleted.
+    Ttl,
+}
+
+impl Part {
+    /// "key", "ttl" or "index:NAME" (the CLI's cache of a check writes it).
+    pub fn as_text(self) -> String {
+        match self {
+            Part::Key => "key".into(),
+            Part::Ttl => "ttl".into(),
+            Part::Index(n) => format!("index:{n}"),
+        }
+    }
+
+    /// [`Part::as_text`] read back; an index [`LEASE_TABLE`] does not have is `None`.
+    pub fn parse(s: &str) -> Option<Part> {
+        match s {
+            "key" => Some(Part::Key),
+            "ttl" => Some(Part::Ttl),
+            _ => {
+                let name = s.strip_prefix("index:")?;
+                LEASE_TABLE.indexes.iter().find(|i| i.name == name).map(|i| Part::Index(i.name))
+            }
+        }
+    }
+}
+
+/// One difference that makes operations fail: the part it is about and the message naming
+/// what fails.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    pub part: Part,
+    pub message: String,
+}
 
 impl TableSpec {
     /// Every attribute a key schema names, with its type: the table's `AttributeDefinitions`.
@@ -252,7 +305,7 @@ fn sdk_err<E: ProvideErrorMetadata + std::error::Error + 'static>(what: &str, ta
 
 /// Creates `table` as [`LEASE_TABLE`] says (on-demand, key schema, the indexes, the stream),
 /// waits until it and its indexes are active (at most `wait`), and enables TTL. Idempotent: an
-/// existing table is left as it is (check it with [`check`]). Returns whether it created it.
+/// existing table is left as it is (check it with [`inspect`]). Returns whether it created it.
 pub async fn create(client: &Client, table: &str, wait: Duration) -> Result<bool> {
     create_as(client, table, &LEASE_TABLE, wait).await
 }
@@ -265,6 +318,7 @@ pub async fn create_as(client: &Client, table: &str, spec: &TableSpec, wait: Dur
         .create_table()
         .table_name(table)
         .billing_mode(BillingMode::from(spec.billing))
+        .deletion_protection_enabled(spec.deletion_protection)
         .key_schema(built(ks(spec.key, KeyType::Hash))?);
     if !spec.stream.is_empty() {
         req = req.stream_specification(built(
@@ -317,8 +371,29 @@ pub async fn create_as(client: &Client, table: &str, spec: &TableSpec, wait: Dur
     Ok(created)
 }
 
-/// What [`check`] found wrong with a table: one line per difference, in the order an operator
-/// would fix them.
+/// Turns point-in-time recovery on (`UpdateContinuousBackups`), as `spec.point_in_time_recovery`
+/// asks of a table [`create_as`] made. A failure is the caller's warning: the table works
+/// without it (DynamoDB Local, for one, has no backups).
+pub async fn enable_point_in_time_recovery(client: &Client, table: &str) -> std::result::Result<(), String> {
+    let pitr = PointInTimeRecoverySpecification::builder()
+        .point_in_time_recovery_enabled(true)
+        .build()
+        .map_err(|e| e.to_string())?;
+    let res = client.update_continuous_backups().table_name(table).point_in_time_recovery_specification(pitr);
+    res.send().await.map(|_| ()).map_err(|e| sdk_err("enable point-in-time recovery on", table, &e).to_string())
+}
+
+/// Whether point-in-time recovery is on (`DescribeContinuousBackups`; `table check` only: the
+/// checks of commands leave it alone). `None`: it could not be read (no permission, or a server
+/// without backups, such as DynamoDB Local).
+pub async fn point_in_time_recovery(client: &Client, table: &str) -> Option<bool> {
+    let d = client.describe_continuous_backups().table_name(table).send().await.ok()?;
+    let pitr = d.continuous_backups_description()?.point_in_time_recovery_description()?;
+    Some(pitr.point_in_time_recovery_status() == Some(&PointInTimeRecoveryStatus::Enabled))
+}
+
+/// What a check found wrong with a table ([`Findings::problems`], or no such table): one line per
+/// difference, in the order an operator would fix them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mismatch(pub Vec<String>);
 
@@ -334,12 +409,32 @@ impl Mismatch {
     }
 }
 
-/// What [`compare`] found: problems (the code fails on them) and warnings (it works, something
-/// is lost).
+/// What [`compare`] found: problems (the operations using their part fail), warnings (it works,
+/// something is lost) and notes (it works; worth knowing when checking the table by hand:
+/// an index projecting more than needed, deletion protection off).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Findings {
-    pub problems: Vec<String>,
+    pub problems: Vec<Problem>,
     pub warnings: Vec<String>,
+    pub notes: Vec<String>,
+}
+
+impl Findings {
+    /// The problems' messages.
+    pub fn problem_messages(&self) -> Vec<String> {
+        self.problems.iter().map(|p| p.message.clone()).collect()
+    }
+
+    /// What a command that uses `parts` of the table makes of these findings: the messages it
+    /// fails with (problems of those parts), and the warning it prints (a TTL problem: nothing
+    /// fails without TTL, the table only grows). Problems of parts the command does not use,
+    /// and [`Findings::warnings`] (the stream, which only the history on AWS reads), are none of
+    /// its business.
+    pub fn for_parts(&self, parts: &[Part]) -> (Vec<String>, Vec<String>) {
+        let fatal = self.problems.iter().filter(|p| parts.contains(&p.part)).map(|p| p.message.clone()).collect();
+        let warnings = self.problems.iter().filter(|p| p.part == Part::Ttl).map(|p| p.message.clone()).collect();
+        (fatal, warnings)
+    }
 }
 
 /// Compares a table (its `DescribeTable` and `DescribeTimeToLive` answers) with `spec`. Only
@@ -353,16 +448,23 @@ pub fn compare(spec: &TableSpec, t: &TableDescription, ttl: Option<&TimeToLiveDe
         .iter()
         .map(|d| (d.attribute_name().to_string(), d.attribute_type().as_str().to_string()))
         .collect();
-    let mut problems = key_problems(spec, t, &types);
-    let mut warnings = Vec::new();
+    let mut f = Findings { problems: key_problems(spec, t, &types), ..Default::default() };
     for i in spec.indexes {
-        let f = index_findings(i, t, &types);
-        problems.extend(f.problems);
-        warnings.extend(f.warnings);
+        let one = index_findings(i, t, &types);
+        f.problems.extend(one.problems);
+        f.warnings.extend(one.warnings);
+        f.notes.extend(one.notes);
     }
-    problems.extend(ttl_problem(spec, ttl));
-    warnings.extend(stream_warning(spec, t));
-    Findings { problems, warnings }
+    f.problems.extend(ttl_problem(spec, ttl).map(|message| Problem { part: Part::Ttl, message }));
+    f.warnings.extend(stream_warning(spec, t));
+    if spec.deletion_protection && t.deletion_protection_enabled() != Some(true) {
+        f.notes.push(
+            "deletion protection is off: deleting the table drops every lease held and lets fences restart \
+             from the clock (`aws dynamodb update-table --deletion-protection-enabled`)"
+                .into(),
+        );
+    }
+    f
 }
 
 /// A key schema as (attribute, "HASH" | "RANGE") pairs.
@@ -371,26 +473,30 @@ fn keys(ks: &[KeySchemaElement]) -> Vec<(String, String)> {
 }
 
 /// The table's own key: `spec.key`, a string, partition key only.
-fn key_problems(spec: &TableSpec, t: &TableDescription, types: &[(String, String)]) -> Vec<String> {
+fn key_problems(spec: &TableSpec, t: &TableDescription, types: &[(String, String)]) -> Vec<Problem> {
     let want_key = vec![(spec.key.to_string(), "HASH".to_string())];
     let have_key = keys(t.key_schema());
     if have_key != want_key || type_in(types, spec.key) != Some("S") {
-        return vec![format!(
-            "key schema is {} but must be `{}` (string, partition key only): no operation works",
-            describe_keys(&have_key, types),
-            spec.key
-        )];
+        return vec![Problem {
+            part: Part::Key,
+            message: format!(
+                "key schema is {} but must be `{}` (string, partition key only): no operation works",
+                describe_keys(&have_key, types),
+                spec.key
+            ),
+        }];
     }
     vec![]
 }
 
 /// One index: present, with the keys (and their types) and the projection the code queries.
 /// An index that projects more than the code needs (`ALL` where `INCLUDE` is enough, or an
-/// `INCLUDE` of more attributes) works and is a warning: its reads cost more.
+/// `INCLUDE` of more attributes) works and is a note: its reads cost more.
 fn index_findings(i: &IndexSpec, t: &TableDescription, types: &[(String, String)]) -> Findings {
+    let problem = |message: String| Problem { part: Part::Index(i.name), message };
     let Some(g) = t.global_secondary_indexes().iter().find(|g| g.index_name() == Some(i.name)) else {
         return Findings {
-            problems: vec![format!(
+            problems: vec![problem(format!(
                 "index `{}` is missing (partition {} {}{}, projection {}): {}",
                 i.name,
                 i.hash.0,
@@ -398,8 +504,8 @@ fn index_findings(i: &IndexSpec, t: &TableDescription, types: &[(String, String)
                 sort_text(i),
                 projection_text(i.projection, i.non_key),
                 i.used_by
-            )],
-            warnings: vec![],
+            ))],
+            ..Default::default()
         };
     };
     let mut out = Findings::default();
@@ -409,7 +515,7 @@ fn index_findings(i: &IndexSpec, t: &TableDescription, types: &[(String, String)
     let type_of = |n: &str| type_in(types, n);
     let types_ok = type_of(i.hash.0) == Some(i.hash.1) && i.range.is_none_or(|r| type_of(r.0) == Some(r.1));
     if have != want || !types_ok {
-        out.problems.push(format!(
+        out.problems.push(problem(format!(
             "index `{}` has keys {} but needs partition {} {}{}: {}",
             i.name,
             describe_keys(&have, types),
@@ -417,7 +523,7 @@ fn index_findings(i: &IndexSpec, t: &TableDescription, types: &[(String, String)
             i.hash.1,
             sort_text(i),
             i.used_by
-        ));
+        )));
     }
     let projection = g.projection().and_then(|p| p.projection_type()).map(|p| p.as_str()).unwrap_or("none");
     let included: Vec<&str> =
@@ -426,28 +532,31 @@ fn index_findings(i: &IndexSpec, t: &TableDescription, types: &[(String, String)
     let want_text = projection_text(i.projection, i.non_key);
     match (i.projection, projection) {
         (w, h) if w == h && w != "INCLUDE" => {}
-        ("INCLUDE", "ALL") => out.warnings.push(format!(
+        ("INCLUDE", "ALL") => out.notes.push(format!(
             "index `{}` projects ALL where {want_text} is enough: it works, but its Queries read whole items \
-             (about four times the read units; DESIGN.md, \"How one state scales\")",
+             (about four times the read units; DESIGN.md, \"How one state scales\"; template.yaml's \
+             StateIndexProjection)",
             i.name
         )),
         ("INCLUDE", "INCLUDE") => {
             let missing: Vec<&str> = i.non_key.iter().copied().filter(|a| !included.contains(a)).collect();
             if !missing.is_empty() {
-                out.problems.push(format!(
+                out.problems.push(problem(format!(
                     "index `{}` projects {have_text} but needs {want_text} (missing {}): {}",
                     i.name,
                     missing.join(", "),
                     i.used_by
-                ));
+                )));
             } else if included.len() > i.non_key.len() {
-                out.warnings.push(format!(
+                out.notes.push(format!(
                     "index `{}` projects {have_text} where {want_text} is enough: it works, its reads cost more",
                     i.name
                 ));
             }
         }
-        _ => out.problems.push(format!("index `{}` projects {have_text} but needs {want_text}: {}", i.name, i.used_by)),
+        _ => out
+            .problems
+            .push(problem(format!("index `{}` projects {have_text} but needs {want_text}: {}", i.name, i.used_by))),
     }
     out
 }
@@ -510,36 +619,58 @@ fn describe_keys(ks: &[(String, String)], types: &[(String, String)]) -> String 
         .join(", ")
 }
 
-/// Reads `table`'s definition and compares it with [`LEASE_TABLE`]: `Ok(Ok(warnings))` when it
-/// is what the code needs, `Ok(Err(mismatch))` when not, `Err` when it cannot be read (no such
-/// table is a mismatch; no permission to describe it is `Ok(Ok(..))` with a warning: the check
-/// is a help, not a gate on roles that may only read and write items).
-pub async fn check(client: &Client, table: &str) -> Result<std::result::Result<Vec<String>, Mismatch>> {
+/// What [`inspect`] learned of a table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Inspection {
+    /// Described, and compared with [`LEASE_TABLE`].
+    Compared(Findings),
+    /// There is no such table: the message says how to make one.
+    Missing(String),
+    /// Not checked, and why (a warning, not a failure: the check is a help, not a gate): no
+    /// permission to describe the table (a role may only read and write items), or the control
+    /// plane throttled the describe calls past the client's retries (its quota is per account,
+    /// shared with every other tool describing tables).
+    Unchecked(String),
+}
+
+/// The error codes of a throttled control-plane call.
+fn throttled(code: Option<&str>) -> bool {
+    matches!(
+        code,
+        Some("ThrottlingException" | "LimitExceededException" | "RequestLimitExceeded" | "ThrottledException")
+    )
+}
+
+/// Describes `table` (`DescribeTable`, `DescribeTimeToLive`: two control-plane calls) and
+/// compares it with [`LEASE_TABLE`]. `Err` only when DynamoDB cannot be reached or answers an
+/// error other than those [`Inspection`] names.
+pub async fn inspect(client: &Client, table: &str) -> Result<Inspection> {
+    let unchecked = |what: &str, code: Option<&str>| {
+        let why = if throttled(code) { "the control plane throttled the request" } else { "no permission" };
+        Inspection::Unchecked(format!("{what} {table}: {why}; its definition is not checked"))
+    };
     let d = match client.describe_table().table_name(table).send().await {
         Ok(d) => d,
         Err(e) if e.code() == Some("ResourceNotFoundException") => {
-            return Ok(Err(Mismatch(vec![format!(
+            return Ok(Inspection::Missing(format!(
                 "table {table} does not exist: create it with `leasehold table create --table {table}` \
                  (or deploy template.yaml)"
-            )])))
+            )))
         }
-        Err(e) if e.code() == Some("AccessDeniedException") => {
-            return Ok(Ok(vec![format!("no permission to describe table {table}: its definition is not checked")]));
+        Err(e) if e.code() == Some("AccessDeniedException") || throttled(e.code()) => {
+            return Ok(unchecked("could not describe table", e.code()));
         }
         Err(e) => return Err(sdk_err("describe", table, &e)),
     };
     let ttl = match client.describe_time_to_live().table_name(table).send().await {
         Ok(t) => t.time_to_live_description().cloned(),
-        Err(e) if e.code() == Some("AccessDeniedException") => {
-            return Ok(Ok(vec![format!(
-                "no permission to describe the TTL of {table}: its definition is not checked"
-            )]));
+        Err(e) if e.code() == Some("AccessDeniedException") || throttled(e.code()) => {
+            return Ok(unchecked("could not describe the TTL of", e.code()));
         }
         Err(e) => return Err(sdk_err("describe TTL of", table, &e)),
     };
-    let f =
-        compare(&LEASE_TABLE, &d.table().cloned().unwrap_or_else(|| TableDescription::builder().build()), ttl.as_ref());
-    Ok(if f.problems.is_empty() { Ok(f.warnings) } else { Err(Mismatch(f.problems)) })
+    let t = d.table().cloned().unwrap_or_else(|| TableDescription::builder().build());
+    Ok(Inspection::Compared(compare(&LEASE_TABLE, &t, ttl.as_ref())))
 }
 
 #[cfg(test)]
@@ -550,7 +681,8 @@ mod tests {
     fn good() -> (TableDescription, TimeToLiveDescription) {
         let spec = &LEASE_TABLE;
         let ks = |n: &str, t: KeyType| KeySchemaElement::builder().attribute_name(n).key_type(t).build().unwrap();
-        let mut t = TableDescription::builder().key_schema(ks(spec.key, KeyType::Hash));
+        let mut t =
+            TableDescription::builder().key_schema(ks(spec.key, KeyType::Hash)).deletion_protection_enabled(true);
         for (n, ty) in spec.attributes() {
             t = t.attribute_definitions(
                 AttributeDefinition::builder().attribute_name(n).attribute_type(scalar(ty)).build().unwrap(),
@@ -588,9 +720,11 @@ mod tests {
     fn a_missing_index_names_what_fails() {
         let (mut t, ttl) = good();
         t.global_secondary_indexes.as_mut().unwrap().retain(|g| g.index_name() != Some(STATE_INDEX));
-        let p = compare(&LEASE_TABLE, &t, Some(&ttl)).problems;
+        let f = compare(&LEASE_TABLE, &t, Some(&ttl));
+        let p = f.problem_messages();
         assert_eq!(p.len(), 1, "{p:?}");
         assert!(p[0].starts_with("index `state` is missing") && p[0].contains("next"), "{p:?}");
+        assert_eq!(f.problems[0].part, Part::Index(STATE_INDEX));
     }
 
     #[test]
@@ -600,12 +734,40 @@ mod tests {
             Some(Projection::builder().projection_type(ProjectionType::KeysOnly).build());
         t.stream_specification = None;
         let f = compare(&LEASE_TABLE, &t, None);
-        let p = &f.problems;
+        let p = &f.problem_messages();
         assert_eq!(p.len(), 2, "{p:?}");
         assert!(p[0].contains("`keepalive` projects KEYS_ONLY"), "{p:?}");
         assert!(p[1].contains("TTL is not enabled on `ttl`"), "{p:?}");
         assert_eq!(f.warnings.len(), 1);
         assert!(f.warnings[0].contains("stream is off"), "{f:?}");
+    }
+
+    /// A table as earlier versions made it (no `queue` index, TTL off here): a command that
+    /// uses only the key or the `state` index runs; one that uses the `queue` index fails; the
+    /// TTL problem is a warning to every command; deletion protection off is a note.
+    #[test]
+    fn a_command_fails_only_on_the_parts_it_uses() {
+        let (mut t, _) = good();
+        t.global_secondary_indexes.as_mut().unwrap().retain(|g| g.index_name() != Some(QUEUE_INDEX));
+        t.deletion_protection_enabled = Some(false);
+        let f = compare(&LEASE_TABLE, &t, None);
+        let parts: Vec<Part> = f.problems.iter().map(|p| p.part).collect();
+        assert_eq!(parts, vec![Part::Index(QUEUE_INDEX), Part::Ttl], "{f:?}");
+        let (fatal, warnings) = f.for_parts(&[Part::Key, Part::Index(STATE_INDEX)]);
+        assert!(fatal.is_empty(), "{fatal:?}");
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(warnings[0].contains("TTL is not enabled"), "{warnings:?}");
+        let (fatal, _) = f.for_parts(&[Part::Key, Part::Index(QUEUE_INDEX)]);
+        assert_eq!(fatal.len(), 1, "{fatal:?}");
+        assert!(fatal[0].starts_with("index `queue` is missing"), "{fatal:?}");
+        assert_eq!(f.notes.len(), 1, "{f:?}");
+        assert!(f.notes[0].contains("deletion protection is off"), "{f:?}");
+        for p in
+            [Part::Key, Part::Ttl, Part::Index(KEEPALIVE_INDEX), Part::Index(STATE_INDEX), Part::Index(QUEUE_INDEX)]
+        {
+            assert_eq!(Part::parse(&p.as_text()), Some(p));
+        }
+        assert_eq!(Part::parse("index:nope"), None);
     }
 
     fn with_state_projection(p: Projection) -> TableDescription {
@@ -647,12 +809,12 @@ mod tests {
     fn a_state_index_projecting_more_warns_and_less_fails() {
         let all = with_state_projection(Projection::builder().projection_type(ProjectionType::All).build());
         let f = compare(&LEASE_TABLE, &all, Some(&good().1));
-        assert!(f.problems.is_empty(), "{f:?}");
-        assert_eq!(f.warnings.len(), 1, "{f:?}");
-        assert!(f.warnings[0].contains("`state` projects ALL") && f.warnings[0].contains("INCLUDE ("), "{f:?}");
+        assert!(f.problems.is_empty() && f.warnings.is_empty(), "{f:?}");
+        assert_eq!(f.notes.len(), 1, "{f:?}");
+        assert!(f.notes[0].contains("`state` projects ALL") && f.notes[0].contains("INCLUDE ("), "{f:?}");
 
         let keys_only = with_state_projection(Projection::builder().projection_type(ProjectionType::KeysOnly).build());
-        let p = compare(&LEASE_TABLE, &keys_only, Some(&good().1)).problems;
+        let p = compare(&LEASE_TABLE, &keys_only, Some(&good().1)).problem_messages();
         assert_eq!(p.len(), 1, "{p:?}");
         assert!(p[0].contains("`state` projects KEYS_ONLY but needs INCLUDE"), "{p:?}");
 
@@ -663,7 +825,7 @@ mod tests {
                 .non_key_attributes(attr::HOLDER)
                 .build(),
         );
-        let p = compare(&LEASE_TABLE, &short, Some(&good().1)).problems;
+        let p = compare(&LEASE_TABLE, &short, Some(&good().1)).problem_messages();
         assert_eq!(p.len(), 1, "{p:?}");
         assert!(p[0].contains("missing lease_id") && p[0].contains("attempts"), "{p:?}");
 
@@ -672,6 +834,6 @@ mod tests {
             more = more.non_key_attributes(*a);
         }
         let f = compare(&LEASE_TABLE, &with_state_projection(more.build()), Some(&good().1));
-        assert!(f.problems.is_empty() && f.warnings.len() == 1, "{f:?}");
+        assert!(f.problems.is_empty() && f.warnings.is_empty() && f.notes.len() == 1, "{f:?}");
     }
 }

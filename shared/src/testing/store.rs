@@ -558,12 +558,12 @@ impl State {
             });
             return Page { items, next };
         }
-        let source = if matches!(kind, ScanKind::All) { &self.items } else { &self.index };
+        let source = if matches!(kind, ScanKind::All | ScanKind::Snapshot) { &self.items } else { &self.index };
         let items: Vec<Record> = source
             .range::<str, _>((std::ops::Bound::Excluded(start), std::ops::Bound::Unbounded))
             .map(|(_, r)| r)
             .filter(|r| match kind {
-                ScanKind::All => true,
+                ScanKind::All | ScanKind::Snapshot => true,
                 ScanKind::Keepalive { shard, after_ms } => {
                     r.queue.waiter.is_none()
                         && r.keepalive.as_ref().is_some_and(|k| k.until_ms > *after_ms)

@@ -255,6 +255,8 @@ fn clean(mut c: Command) -> Command {
         }
     }
     c.env("LEASEHOLD_HOLDER", "tester");
+    // The table check's answers are kept per test process, not in the user's cache.
+    c.env("LEASEHOLD_CACHE_DIR", std::env::temp_dir().join(format!("leasehold-cli-cache-{}", std::process::id())));
     c.stdin(Stdio::null());
     c
 }

@@ -55,8 +55,10 @@ pub struct DynamoStore {
 }
 
 /// The lease table as [`DynamoStore::create_table`] makes it on DynamoDB Local for tests and
-/// benchmarks: [`LEASE_TABLE`] without the stream (nothing reads it there).
-const LOCAL_TABLE: TableSpec = TableSpec { stream: "", ..LEASE_TABLE };
+/// benchmarks: [`LEASE_TABLE`] without the stream (nothing reads it there), deletion protection
+/// and point-in-time recovery (throwaway tables).
+const LOCAL_TABLE: TableSpec =
+    TableSpec { stream: "", deletion_protection: false, point_in_time_recovery: false, ..LEASE_TABLE };
 
 /// [`LOCAL_TABLE`] without its indexes (DynamoDB Local's TTL sweeper skips tables that have a
 /// global secondary index).

@@ -35,7 +35,8 @@ impl DynamoStore {
         let start = start.map(decode_token).transpose()?;
         let limit = limit.max(1) as i32;
         match kind {
-            ScanKind::All => self.scan_all(start, limit).await?.page(),
+            ScanKind::All => self.scan_all(start, limit, true).await?.page(),
+            ScanKind::Snapshot => self.scan_all(start, limit, false).await?.page(),
             ScanKind::Keepalive { shard, after_ms } => {
                 self.keepalive_query(*shard, *after_ms, start, limit).await?.page()
             }
@@ -52,13 +53,13 @@ impl DynamoStore {
         }
     }
 
-    /// Every item, strongly consistent (operator listing).
-    async fn scan_all(&self, start: Option<Item>, limit: i32) -> Result<Raw> {
+    /// Every item, strongly consistent (operator listing) or not (a snapshot).
+    async fn scan_all(&self, start: Option<Item>, limit: i32, consistent: bool) -> Result<Raw> {
         let out = self
             .client
             .scan()
             .table_name(&self.table)
-            .consistent_read(true)
+            .consistent_read(consistent)
             .limit(limit)
             .set_exclusive_start_key(start)
             .send()
