@@ -99,6 +99,12 @@ struct Inner {
     epoch: Option<Instant>,
     /// The agreed bounds, until the next sample (or the first to age out).
     cached: Option<Cached>,
+    /// The highest agreed `lo` so far, and when the oldest sample it could rest on ages out: a
+    /// certain lower bound stays certain while its evidence is recent, so `lo` never moves
+    /// down when a sample it rested on is evicted (the sample cap) or, with fewer samples than
+    /// the agreement, a new one is lower. Every clock reading of the client's coordinators
+    /// then only moves forward, and none is written below an earlier one.
+    floor: Option<(i64, Instant)>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -222,6 +228,7 @@ impl ClockSamples {
             }
         }
         q.cached = None;
+        q.floor = None;
     }
 
     /// The allowance for a late stamp that applies to these samples (µs).
@@ -265,6 +272,14 @@ impl ClockSamples {
         // With fewer answers than the agreement (the store could not give more), all of them:
         // the k-th largest `lo` and the k-th smallest `hi`.
         let lo = *los[..n].select_nth_unstable_by(self.agreement.min(n) - 1, |a, b| b.cmp(a)).1;
+        let oldest_fresh = q.samples[q.samples.len() - n].received;
+        let lo = match q.floor {
+            Some((f, until)) if now < until && f >= lo => f,
+            _ => {
+                q.floor = Some((lo, oldest_fresh + MAX_AGE));
+                lo
+            }
+        };
         let stale = |s: &Sample| self.interval(epoch, s, lag_us).1 < lo;
         let kept = if his[..n].iter().any(|&h| h < lo) {
             q.samples.retain(|s| !(fresh(s) && stale(s)));
