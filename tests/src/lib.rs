@@ -540,6 +540,10 @@ impl Store for Counting {
         self.scans.fetch_add(1, Ordering::SeqCst);
         self.inner.scan(k, s, l).await
     }
+    // A wrapper of the store is the store: its clock evidence is the store's.
+    fn clock(&self) -> Option<&leasehold::ClockSamples> {
+        self.inner.clock()
+    }
 }
 
 /// What a [`Faulty`] store does to the next writes.
@@ -629,6 +633,10 @@ impl Store for Faulty {
     async fn scan(&self, k: &ScanKind, s: Option<&str>, l: u32) -> Result<Page> {
         self.inner.scan(k, s, l).await
     }
+    // A wrapper of the store is the store: its clock evidence is the store's.
+    fn clock(&self) -> Option<&leasehold::ClockSamples> {
+        self.inner.clock()
+    }
 }
 
 /// Holds back the next heartbeat (an `Extend` write) until [`Gated::open`] is called, then
@@ -697,6 +705,10 @@ impl Store for Gated {
     }
     async fn scan(&self, k: &ScanKind, s: Option<&str>, l: u32) -> Result<Page> {
         self.inner.scan(k, s, l).await
+    }
+    // A wrapper of the store is the store: its clock evidence is the store's.
+    fn clock(&self) -> Option<&leasehold::ClockSamples> {
+        self.inner.clock()
     }
 }
 
