@@ -104,12 +104,16 @@ impl Coordinator {
     /// it less than a quarter of its duration of safe time (a new process's first answers,
     /// read back to back, leave a safe margin of about 1.25 s on DynamoDB), reads `key` a
     /// little apart, each answer adding evidence at another sub-second phase, until the margin
-    /// is at most three quarters of the duration or `deadline` nears. Otherwise the grant
-    /// would come back with little or no safe time, to be released and taken again. A read
-    /// still unanswered as the deadline nears is given up (it changes nothing), so that the
-    /// write is sent by the deadline.
+    /// is at most three quarters of the duration, or for a second at most, or until `deadline`
+    /// nears. Otherwise the grant would come back with little or no safe time, to be released
+    /// and taken again. A read still unanswered as the deadline nears is given up (it changes
+    /// nothing), so that the write is sent by the deadline.
     pub(crate) async fn settle_margin(&self, key: &str, duration_ms: u64, deadline: Instant) {
         const APART: Duration = Duration::from_millis(90);
+        // Answers over one second cover every sub-second phase: reads after that add nothing a
+        // read before did not (a lease too short for any margin the store's evidence can give,
+        // say 100 ms on DynamoDB, would otherwise read until its deadline).
+        let deadline = deadline.min(self.monotonic() + Duration::from_secs(1) + 2 * APART);
         while self.store.clock().is_some()
             && self.safe_margin_now().as_millis() as u64 * 4 > duration_ms * 3
             && self.monotonic() + 2 * APART < deadline
