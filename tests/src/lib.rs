@@ -540,10 +540,6 @@ impl Store for Counting {
         self.scans.fetch_add(1, Ordering::SeqCst);
         self.inner.scan(k, s, l).await
     }
-    // A wrapper of the store is the store: its clock evidence is the store's.
-    fn clock(&self) -> Option<&leasehold::ClockSamples> {
-        self.inner.clock()
-    }
 }
 
 /// What a [`Faulty`] store does to the next writes.
