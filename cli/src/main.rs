@@ -10,7 +10,7 @@
 //! | 2    | usage error: bad flag, bad duration, invalid request (`InvalidRequest`) |
 //! | 75   | the lease is held by someone else (`LeaseHeld`) |
 //! | 76   | `run` only: the lease was lost while the command ran; the command was stopped |
-//! | 77   | the store or the API could not be reached (`StoreUnavailable`, `Throttled`) |
+//! | 77   | the store or the API could not be reached, or the store refused the request (`StoreUnavailable`, `Throttled`, `OutcomeUnknown`, `ClockSkew`, `StoreRefused`) |
 //!
 //! `run` otherwise exits with its command's status (128 + N when the command was killed by
 //! signal N; 126 when it cannot be executed, 127 when it is not found).

@@ -62,7 +62,7 @@ pub fn code_of(name: Option<ErrorName>) -> i32 {
         Some(LeaseHeld) => exit::HELD,
         Some(NotHolder | NotFound) | None => exit::FAILED,
         Some(InvalidRequest | MethodNotAllowed | UnknownRoute) => exit::USAGE,
-        Some(StoreUnavailable | Throttled | OutcomeUnknown | ClockSkew) => exit::STORE,
+        Some(StoreUnavailable | Throttled | OutcomeUnknown | ClockSkew | StoreRefused) => exit::STORE,
     }
 }
 

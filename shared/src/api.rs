@@ -400,7 +400,8 @@ impl HttpResponse {
 }
 
 /// HTTP status of each error: 400 invalid, 404 unknown lease, 409 held or wrong lease_id,
-/// 410 lease lost (expired, released, swept), 503 store unavailable or throttled.
+/// 410 lease lost (expired, released, swept), 500 refused by the store (sending it again gets
+/// the same answer), 503 store unavailable or throttled.
 pub(crate) fn http_status(e: &Error) -> u16 {
     match e {
         Error::InvalidRequest(_) => 400,
@@ -413,6 +414,7 @@ pub(crate) fn http_status(e: &Error) -> u16 {
                 409
             }
         }
+        Error::StoreRefused(_) => 500,
         Error::StoreUnavailable(_) | Error::Throttled(_) | Error::OutcomeUnknown { .. } | Error::ClockSkew(_) => 503,
     }
 }

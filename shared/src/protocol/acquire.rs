@@ -164,7 +164,7 @@ impl Coordinator {
         // never land, so `LeaseHeld` stays what it is.)
         let batch = want.is_some();
         res.map_err(|e| {
-            let open = matches!(e, Error::StoreUnavailable(_) | Error::Throttled(_))
+            let open = matches!(e, Error::StoreUnavailable(_) | Error::Throttled(_) | Error::StoreRefused(_))
                 || (matches!(e, Error::LeaseHeld { .. }) && !batch);
             let e = if landed && open {
                 Error::outcome_unknown(

@@ -98,7 +98,10 @@ impl Coordinator {
         let mut t = Take { key, holder, duration_ms, opts, slots, lease_id, seen, how, landed, ticket, lapse };
         let res = self.takes(&mut t, wait_deadline, deadline).await;
         res.map_err(|e| {
-            let open = matches!(e, Error::StoreUnavailable(_) | Error::Throttled(_) | Error::LeaseHeld { .. });
+            let open = matches!(
+                e,
+                Error::StoreUnavailable(_) | Error::Throttled(_) | Error::StoreRefused(_) | Error::LeaseHeld { .. }
+            );
             let e = if t.landed && open {
                 Error::outcome_unknown(key, format!("{e}; an earlier attempt of this acquire may still land"))
             } else {
@@ -120,7 +123,7 @@ impl Coordinator {
             };
             match sort_take(w, &t.lease_id, fence, now, t.slots) {
                 SlotAnswer::Granted(r) => {
-                    let lease = self.slot_granted(t, r, sent, now).await;
+                    let lease = self.slot_granted(t, r, sent, now);
                     if lease.safe_until.is_some_and(|s| s > self.monotonic()) {
                         return Ok(lease);
                     }
@@ -139,6 +142,10 @@ impl Coordinator {
                     t.new_lease_id();
                 }
                 SlotAnswer::Make(seen) => (t.seen, t.how) = (seen.or(t.seen), How::Make),
+                SlotAnswer::Early(r) => {
+                    (t.seen, t.how) = (Some(r.fence_floor()), How::Make);
+                    self.slot_early(t, &r, now, deadline).await?;
+                }
                 SlotAnswer::Above(f) => (t.seen, t.how) = (Some(f), How::Blind),
                 SlotAnswer::Clean(r) => (t.seen, t.how) = (Some(r.fence), How::Clean(Box::new(r))),
                 SlotAnswer::Held(r) => {
@@ -210,17 +217,38 @@ impl Coordinator {
         }
     }
 
-    /// The slot is ours. A grant that saw many ended entries tidies them (best effort).
-    async fn slot_granted(&self, t: &Take<'_>, r: Record, sent: Instant, now: u64) -> Lease {
+    /// The slot is ours. A grant that saw many ended entries tidies them (best effort), in a
+    /// task of its own: the lease is answered at once, so a caller that leaves now (its
+    /// deadline) has it in hand, not stranded behind the tidy's request.
+    fn slot_granted(&self, t: &Take<'_>, r: Record, sent: Instant, now: u64) -> Lease {
         self.note_semaphore(t.key);
         if r.slot_holders.len() > r.slots.unwrap_or(1) as usize + TIDY_ABOVE {
             let (gone, live) = ended(&r, now);
             let ttl = self.ttl_after(now + self.max_duration_ms());
             let cond = Condition::SlotsAsRead { rev: r.slots_rev.unwrap_or(0) };
-            let _ = self.store.update(t.key, &cond, &Mutation::TidySlots { ended: gone, taken: live, ttl }).await;
+            let (c, key) = (self.clone(), t.key.to_string());
+            let tidy = async move {
+                let _ = c.store.update(&key, &cond, &Mutation::TidySlots { ended: gone, taken: live, ttl }).await;
+            };
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(tidy);
+            }
         }
         let h = r.slot(&t.lease_id).expect("a granted take has its entry");
         h.lease(t.key, r.slots, sent, now, self.skew_ms())
+    }
+
+    /// A free plain lease `r` freed by a clock ahead of ours (its `freed_at_ms` after this
+    /// take's clock `now`): sleep until this clock has passed it (once: no put is sent before),
+    /// or answer `LeaseHeld` when that is past the deadline.
+    async fn slot_early(&self, t: &Take<'_>, r: &Record, now: u64, deadline: Instant) -> Result<()> {
+        let at = r.freed_at_ms.unwrap_or(now);
+        let until = self.monotonic() + Duration::from_millis(at.saturating_sub(now) + 1);
+        if until >= deadline {
+            return Err(Error::LeaseHeld { key: t.key.to_string(), holder: r.holder.clone(), expires_at_ms: Some(at) });
+        }
+        tokio::time::sleep_until(until.into()).await;
+        Ok(())
     }
 
     /// Full, or a live plain lease: sleep until the next slot frees (or `poll_max`), or answer

@@ -1,0 +1,235 @@
+//! Semaphores under the faults and limits of production (DESIGN.md, "Semaphores"): requests the
+//! store refuses for good, acquires dropped half-way, and the first take on a key left behind
+//! by a queue. Each case runs on both stores unless it is about DynamoDB itself.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use leasehold::store::{Condition, DynamoStore, Mutation, Store};
+use leasehold::{AcquireOptions, Coordinator, Error, LeaseId, Record, SlotHolder};
+use leasehold_tests::{both_backends, dynamo_local, test_config, Backend, Counting, Fault, Faulty};
+
+both_backends!(
+    takes_cut_at_any_point_strand_no_slot,
+    a_grant_is_answered_without_waiting_for_its_tidy,
+    the_first_take_on_a_key_left_by_a_queue_is_fenced_above_its_tail,
+    the_first_take_on_a_key_freed_by_a_clock_ahead_waits_for_it_once,
+);
+
+fn secs(s: u64) -> Option<Duration> {
+    Some(Duration::from_secs(s))
+}
+
+fn slots(n: u32) -> AcquireOptions {
+    AcquireOptions { slots: Some(n), ..Default::default() }
+}
+
+/// A semaphore item of `holders` live holders, each with `meta` bytes of metadata.
+fn semaphore_of(key: &str, holders: usize, meta: usize, now: u64) -> Record {
+    let metadata = serde_json::json!({ "note": "x".repeat(meta) }).as_object().cloned();
+    let slot_holders: Vec<SlotHolder> = (0..holders)
+        .map(|i| SlotHolder {
+            lease_id: LeaseId::generate(),
+            fence: 1 + i as u64,
+            holder: format!("h{i}"),
+            acquired_at_ms: now,
+            renewed_at_ms: now,
+            expires_at_ms: now + 60_000,
+            duration_ms: 60_000,
+            released_at_ms: None,
+            metadata: metadata.clone(),
+        })
+        .collect();
+    let mut r = leasehold::store::NewLease::new("h0", LeaseId::from_string("-"), now, None, holders as u64).record(key);
+    (r.expires_at_ms, r.duration_ms, r.renewed_at_ms) = (None, None, None);
+    (r.slots, r.slots_taken, r.slots_rev) = (Some(1000), Some(holders as u32), Some(1));
+    r.slot_holders = slot_holders;
+    r
+}
+
+/// DynamoDB refuses a request it will never accept (an item past 400 KB, an expression past
+/// 4 KB: `ValidationException`; a missing table: `ResourceNotFoundException`). The store answers
+/// `StoreRefused`, which may not have landed and is not retried: the coordinator sends it once
+/// and answers `StoreRefused`, never `OutcomeUnknown` (before, it was `StoreUnavailable`, retried
+/// until the deadline and answered `OutcomeUnknown` for ever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_dynamodb_refuses_for_good_is_store_refused_and_sent_once() {
+    let local = tokio::task::spawn_blocking(dynamo_local).await.unwrap();
+    let store: Arc<dyn Store> = Arc::new(local.store().await);
+    let now = 1_700_000_000_000;
+    // An item past 400 KB: 120 holders with 4 KB of metadata each.
+    let big = semaphore_of("refused/big", 120, 4000, now);
+    let r = store.update("refused/big", &Condition::NotLease, &Mutation::PutSemaphore(Box::new(big))).await;
+    let e = r.expect_err("an item past 400 KB is refused");
+    assert!(matches!(e, Error::StoreRefused(ref m) if m.contains("ValidationException")), "{e:?}");
+    assert!(!e.is_transient() && !e.may_have_landed(), "{e:?}");
+    assert!(store.get("refused/big").await.unwrap().is_none(), "nothing was written");
+    // An update expression past 4 KB: a tidy naming 300 entries.
+    let small = semaphore_of("refused/expr", 2, 0, now);
+    store.update("refused/expr", &Condition::NotLease, &Mutation::PutSemaphore(Box::new(small))).await.unwrap();
+    let ended: Vec<LeaseId> = (0..300).map(|_| LeaseId::generate()).collect();
+    let tidy = Mutation::TidySlots { ended, taken: 2, ttl: now / 1000 };
+    let e = store.update("refused/expr", &Condition::SlotsAsRead { rev: 1 }, &tidy).await.unwrap_err();
+    assert!(matches!(e, Error::StoreRefused(ref m) if m.contains("ValidationException")), "{e:?}");
+
+    // Through a coordinator, on a table that does not exist: one request, `StoreRefused`.
+    let missing = Counting::new(Arc::new(DynamoStore::new(local.client().await, "no-such-table")));
+    let c = Coordinator::new(missing.clone(), test_config());
+    let r = c.acquire("refused/k", "h", secs(30), AcquireOptions::default()).await;
+    assert!(matches!(r, Err(Error::StoreRefused(ref m)) if m.contains("ResourceNotFoundException")), "{r:?}");
+    assert_eq!(missing.updates.load(Ordering::SeqCst), 1, "a refused write is not sent again");
+    let r = c.acquire("refused/k", "h", secs(30), slots(3)).await;
+    assert!(matches!(r, Err(Error::StoreRefused(_))), "{r:?}");
+    assert_eq!(missing.updates.load(Ordering::SeqCst), 2, "a refused take is not sent again");
+    let r = c.get("refused/k").await;
+    assert!(matches!(r, Err(Error::StoreRefused(_))), "{r:?}");
+    assert_eq!(missing.gets.load(Ordering::SeqCst), 1, "a refused read is not sent again");
+}
+
+async fn until(limit: Duration, what: &str, mut f: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !f().await {
+        assert!(Instant::now() < deadline, "{what}: not within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// No holder of `k` is live, soon: nothing was stranded.
+async fn no_holder_soon(c: &Coordinator, k: &str, what: &str) {
+    until(Duration::from_secs(10), what, async || match c.get(k).await {
+        Ok(s) => !s.held && s.slots_taken.unwrap_or(0) == 0,
+        Err(Error::NotFound { .. }) => true,
+        Err(e) => panic!("{e}"),
+    })
+    .await;
+}
+
+/// A take dropped while its write is in flight (a caller's timeout, a disconnected HTTP
+/// client) hands its request to a task that reads the answer and gives back the slot it
+/// granted: the first take (which makes the semaphore with a `PutItem`), a take on a semaphore
+/// with free slots, and a waiting take. Before, the task looked for the lease_id on the item
+/// (always `-` on a semaphore), found nothing, and the slot stayed taken for its whole
+/// duration.
+async fn takes_cut_at_any_point_strand_no_slot(b: Backend) {
+    let c = b.coordinator(test_config());
+    let long = secs(60);
+    // A new key (refused take, then the put), and a semaphore with a free slot (one take):
+    // cut within their requests.
+    for (i, cut_us) in (0..4000).step_by(200).enumerate() {
+        for other in [false, true] {
+            let k = format!("cut{i}-{other}");
+            let held = match other {
+                true => Some(c.acquire(&k, "other", long, slots(2)).await.unwrap()),
+                false => None,
+            };
+            let got = tokio::time::timeout(Duration::from_micros(cut_us), c.acquire(&k, "cut", long, slots(2))).await;
+            if let Ok(lease) = got {
+                c.release(&k, &lease.unwrap().lease_id).await.unwrap();
+            }
+            if let Some(h) = held {
+                c.release(&k, &h.lease_id).await.unwrap();
+            }
+            no_holder_soon(&c, &k, &format!("a take cut after {cut_us} µs (other holder: {other})")).await;
+        }
+    }
+    // A full semaphore, a slot released 40 ms into the wait: waiters cut before, around and
+    // after it.
+    for cut_ms in [1u64, 15, 38, 40, 41, 42, 44, 47, 50, 60, 80, 120] {
+        let k = format!("full{cut_ms}");
+        let a = c.acquire(&k, "a", long, slots(2)).await.unwrap();
+        let b2 = c.acquire(&k, "b", long, slots(2)).await.unwrap();
+        let (c2, k2) = (c.clone(), k.clone());
+        let release = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(40)).await;
+            c2.release(&k2, &a.lease_id).await.unwrap();
+        });
+        let opts = AcquireOptions { wait: secs(20), ..slots(2) };
+        let got = tokio::time::timeout(Duration::from_millis(cut_ms), c.acquire(&k, "w", long, opts)).await;
+        release.await.unwrap();
+        if let Ok(lease) = got {
+            c.release(&k, &lease.unwrap().lease_id).await.unwrap();
+        }
+        c.release(&k, &b2.lease_id).await.unwrap();
+        no_holder_soon(&c, &k, &format!("a waiting take cut after {cut_ms} ms")).await;
+    }
+}
+
+/// A grant that saw many ended entries tidies them in a write of its own, best effort: the
+/// lease is answered without waiting for it. Before, the tidy was awaited, so a caller whose
+/// deadline came during it lost the slot it had been granted (nobody released it).
+async fn a_grant_is_answered_without_waiting_for_its_tidy(b: Backend) {
+    // The tidy (the only write under `sem_rev` here: nobody expires) lands at once but answers
+    // 3 s later.
+    let faulty = Faulty::on(b.store(), |c| matches!(c, Condition::SlotsAsRead { .. }));
+    let c = Coordinator::new(faulty.clone(), test_config());
+    let k = "tidy";
+    // 18 released entries stay in the map; the 19th grant sees more than N + 16 and tidies.
+    for i in 0..18 {
+        let l = c.acquire(k, &format!("h{i}"), secs(60), slots(2)).await.unwrap();
+        c.release(k, &l.lease_id).await.unwrap();
+    }
+    faulty.inject(&[Fault::SlowAnswer(Duration::from_secs(3))]);
+    let got = tokio::time::timeout(Duration::from_secs(1), c.acquire(k, "last", secs(60), slots(2))).await;
+    let lease = got.expect("the grant is answered while its tidy is still on its way").unwrap();
+    assert_eq!(c.get(k).await.unwrap().slots_taken, Some(1));
+    c.release(k, &lease.lease_id).await.unwrap();
+    // The tidy lands (or is refused by the release that followed it): either way the map keeps
+    // its bound and nothing is held.
+    until(Duration::from_secs(10), "the tidy was sent", async || faulty.injected.load(Ordering::SeqCst) == 1).await;
+    no_holder_soon(&c, k, "after the release").await;
+}
+
+/// A plain lease key left free by a queue: released, then a waiter enqueued and passed over
+/// (`Skip`), the queue's numbers starting at `start` (µs) and the pass stamped `ahead_ms` after
+/// this clock (a writer's clock ahead; 1 s before it when negative). The queue's tail, and the
+/// stamp.
+async fn left_by_a_queue(c: &Coordinator, k: &str, start: u64, ahead_ms: i64) -> (u64, u64) {
+    let l = c.acquire(k, "plain", secs(30), AcquireOptions::default()).await.unwrap();
+    c.release(k, &l.lease_id).await.unwrap();
+    let store = c.store();
+    let enqueue = Mutation::Enqueue { now_ms: c.now_ms(), start, lease_id: LeaseId::generate(), shard: 1000 };
+    let w = store.update(k, &Condition::Exists, &enqueue).await.unwrap();
+    let tail = match w {
+        leasehold::store::Write::Applied(r) => r.queue_tail.unwrap(),
+        other => panic!("{other:?}"),
+    };
+    let freed_at_ms = c.now_ms().saturating_add_signed(ahead_ms);
+    store.update(k, &Condition::Exists, &Mutation::Skip { seq: tail, now_ms: freed_at_ms }).await.unwrap();
+    (tail, freed_at_ms)
+}
+
+/// The first take on a plain key whose last queue's tail is above its fence (a queue's numbers
+/// start at the enqueuer's clock in µs, which may run ahead) must write a fence above that tail,
+/// as every grant that replaces the whole item does (`Free`'s `queue_tail < :fence`). Before,
+/// the take chose its fence above the item's fence only, its put was refused, and it sent the
+/// put again and again until its deadline.
+async fn the_first_take_on_a_key_left_by_a_queue_is_fenced_above_its_tail(b: Backend) {
+    let counting = Counting::new(b.store());
+    let c = Coordinator::new(counting.clone(), test_config());
+    let k = "sem/tail";
+    let (tail, _) = left_by_a_queue(&c, k, c.now_us() + 20_000_000, -1000).await;
+    let before = counting.total();
+    let l = c.acquire(k, "s", secs(30), slots(3)).await.expect("the key is free");
+    assert!(l.fence > tail, "the fence {} is above the last queue's tail {tail}", l.fence);
+    // The refused take, then the put.
+    assert_eq!(counting.total() - before, 2);
+}
+
+/// The first take on a plain key freed by a queue write stamped by a clock ahead of this one
+/// (`freed_at_ms` after this take's clock, which `Free` refuses) waits once until this clock
+/// has passed the stamp, as a lease's acquire does. Before, it sent the put again at once,
+/// hundreds of times, until its clock caught up.
+async fn the_first_take_on_a_key_freed_by_a_clock_ahead_waits_for_it_once(b: Backend) {
+    let counting = Counting::new(b.store());
+    let c = Coordinator::new(counting.clone(), test_config());
+    let k = "sem/ahead";
+    let (_, ahead) = left_by_a_queue(&c, k, c.now_us() - 10_000_000, 2000).await;
+    let before = counting.total();
+    let opts = AcquireOptions { wait: secs(5), ..slots(3) };
+    let l = c.acquire(k, "s", secs(30), opts).await.expect("the key is free once this clock passes the stamp");
+    assert!(l.acquired_at_ms > ahead, "granted at {} before the stamp {ahead}", l.acquired_at_ms);
+    // The refused take, the refused put that shows the stamp, one pause, the put.
+    let sent = counting.total() - before;
+    assert!(sent <= 4, "{sent} requests");
+}
