@@ -123,7 +123,7 @@ impl Coordinator {
             };
             match sort_take(w, &t.lease_id, fence, now, t.slots) {
                 SlotAnswer::Granted(r) => {
-                    let lease = self.slot_granted(t, r, sent, now);
+                    let lease = self.slot_granted(t, r, sent, now).await;
                     if lease.safe_until.is_some_and(|s| s > self.monotonic()) {
                         return Ok(lease);
                     }
@@ -217,22 +217,19 @@ impl Coordinator {
         }
     }
 
-    /// The slot is ours. A grant that saw many ended entries tidies them (best effort), in a
-    /// task of its own: the lease is answered at once, so a caller that leaves now (its
-    /// deadline) has it in hand, not stranded behind the tidy's request.
-    fn slot_granted(&self, t: &Take<'_>, r: Record, sent: Instant, now: u64) -> Lease {
+    /// The slot is ours. A grant that saw many ended entries tidies them (best effort) before
+    /// it answers, so that the next grant finds the map tidied; a caller that leaves meanwhile
+    /// (its deadline) never had the slot, which is given back ([`Unanswered`]).
+    async fn slot_granted(&self, t: &Take<'_>, r: Record, sent: Instant, now: u64) -> Lease {
         self.note_semaphore(t.key);
         if r.slot_holders.len() > r.slots.unwrap_or(1) as usize + TIDY_ABOVE {
             let (gone, live) = ended(&r, now);
             let ttl = self.ttl_after(now + self.max_duration_ms());
             let cond = Condition::SlotsAsRead { rev: r.slots_rev.unwrap_or(0) };
-            let (c, key) = (self.clone(), t.key.to_string());
-            let tidy = async move {
-                let _ = c.store.update(&key, &cond, &Mutation::TidySlots { ended: gone, taken: live, ttl }).await;
-            };
-            if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                rt.spawn(tidy);
-            }
+            let unanswered =
+                Unanswered { coord: self.clone(), key: t.key.to_string(), lease_id: Some(t.lease_id.clone()) };
+            let _ = self.store.update(t.key, &cond, &Mutation::TidySlots { ended: gone, taken: live, ttl }).await;
+            unanswered.answered();
         }
         let h = r.slot(&t.lease_id).expect("a granted take has its entry");
         h.lease(t.key, r.slots, sent, now, self.skew_ms())
@@ -457,6 +454,29 @@ impl Coordinator {
                 _ => {}
             }
         }
+    }
+}
+
+/// A slot granted to a take that has not answered yet: dropped before [`Unanswered::answered`]
+/// (its caller left), the slot is given back in a task of its own (DESIGN.md, "Cancellation").
+struct Unanswered {
+    coord: Coordinator,
+    key: String,
+    lease_id: Option<LeaseId>,
+}
+
+impl Unanswered {
+    fn answered(mut self) {
+        self.lease_id = None;
+    }
+}
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        let Some(id) = self.lease_id.take() else { return };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        let (coord, key) = (self.coord.clone(), std::mem::take(&mut self.key));
+        rt.spawn(async move { coord.release_departed_now(&key, &id).await });
     }
 }
 
