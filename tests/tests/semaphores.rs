@@ -6,7 +6,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use leasehold::store::{Condition, DynamoStore, Mutation, Store};
+use async_trait::async_trait;
+use leasehold::store::{Condition, DynamoStore, Mutation, Page, ScanKind, Store, Write};
 use leasehold::{AcquireOptions, Coordinator, Error, LeaseId, Record, SlotHolder};
 use leasehold_tests::{both_backends, dynamo_local, test_config, Backend, Counting, Fault, Faulty};
 
@@ -15,6 +16,7 @@ both_backends!(
     a_take_dropped_during_its_tidy_gives_its_slot_back,
     the_first_take_on_a_key_left_by_a_queue_is_fenced_above_its_tail,
     the_first_take_on_a_key_freed_by_a_clock_ahead_waits_for_it_once,
+    a_plain_force_release_never_lands_on_a_semaphore_made_meanwhile,
 );
 
 fn secs(s: u64) -> Option<Duration> {
@@ -231,4 +233,90 @@ async fn the_first_take_on_a_key_freed_by_a_clock_ahead_waits_for_it_once(b: Bac
     // The refused take, the refused put that shows the stamp, one pause, the put.
     let sent = counting.total() - before;
     assert!(sent <= 4, "{sent} requests");
+}
+
+/// Holds a plain force-release's write (`ForceRelease`) until [`HeldForceRelease::open`]: the
+/// operator read the item, and its write is on its way while others act.
+struct HeldForceRelease {
+    inner: Arc<dyn Store>,
+    gate: tokio::sync::Semaphore,
+    waiting: std::sync::atomic::AtomicBool,
+}
+
+impl HeldForceRelease {
+    fn open(&self) {
+        self.gate.add_permits(1000);
+    }
+}
+
+#[async_trait]
+impl Store for HeldForceRelease {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    async fn get(&self, key: &str) -> leasehold::Result<Option<Record>> {
+        self.inner.get(key).await
+    }
+    async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
+        if matches!(m, Mutation::ForceRelease { .. }) {
+            self.waiting.store(true, Ordering::SeqCst);
+            let _ = self.gate.acquire().await;
+        }
+        self.inner.update(key, c, m).await
+    }
+    async fn delete(&self, key: &str, c: &Condition) -> leasehold::Result<Write> {
+        self.inner.delete(key, c).await
+    }
+    async fn scan(&self, k: &ScanKind, s: Option<&str>, l: u32) -> leasehold::Result<Page> {
+        self.inner.scan(k, s, l).await
+    }
+}
+
+/// An operator force-releases a plain lease key: it reads the item (a plain lease, released),
+/// then writes. In between, the key becomes a semaphore of 3 slots, all taken. The plain
+/// force-release must not land on the semaphore: it would set the item's expiry to 0, and the
+/// next plain acquire's `PutItem` would replace the whole map while its 3 holders still
+/// believe (4 believers on 3 slots). It is refused (the fence read moved on), and the
+/// operator's force-release, seeing a semaphore, evicts its holders; a plain acquire then waits.
+async fn a_plain_force_release_never_lands_on_a_semaphore_made_meanwhile(b: Backend) {
+    let held = Arc::new(HeldForceRelease {
+        inner: b.store(),
+        gate: tokio::sync::Semaphore::new(0),
+        waiting: std::sync::atomic::AtomicBool::new(false),
+    });
+    let operator = Coordinator::new(held.clone(), test_config());
+    let users = b.coordinator(test_config());
+    let k = "race/force";
+    let plain = users.acquire(k, "plain", secs(30), AcquireOptions::default()).await.unwrap();
+    users.release(k, &plain.lease_id).await.unwrap();
+    let op = operator.clone();
+    let force = tokio::spawn(async move { op.force_release(k).await });
+    until(Duration::from_secs(10), "the force-release's write is on its way", async || {
+        held.waiting.load(Ordering::SeqCst)
+    })
+    .await;
+    let holders: Vec<_> = three_holders(&users, k).await;
+    assert_eq!(users.get(k).await.unwrap().slots_taken, Some(3));
+    held.open();
+    let state = force.await.unwrap().expect("the force-release ends");
+    // Whatever it evicted, no plain lease may replace the semaphore's item while it is one.
+    let r = users.acquire(k, "intruder", secs(30), AcquireOptions::default()).await;
+    assert!(matches!(r, Err(Error::LeaseHeld { .. })), "a plain acquire took the semaphore's key: {r:?}");
+    let item = b.store().get(k).await.unwrap().unwrap();
+    assert_eq!(item.slots, Some(3), "the semaphore's item is still one: {item:?}");
+    // The operator's force-release reached the semaphore: its holders are evicted and fenced off.
+    assert!(state.slots.is_some() && !state.held, "{state:?}");
+    for h in &holders {
+        assert!(state.fence > h.fence);
+        assert!(users.heartbeat(k, &h.lease_id, None).await.is_err(), "an evicted holder renewed");
+    }
+}
+
+/// Three takes of a 3-slot semaphore on `k`.
+async fn three_holders(c: &Coordinator, k: &str) -> Vec<leasehold::Lease> {
+    let mut out = Vec::new();
+    for h in ["s1", "s2", "s3"] {
+        out.push(c.acquire(k, h, secs(30), slots(3)).await.unwrap());
+    }
+    out
 }

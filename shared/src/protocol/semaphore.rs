@@ -412,47 +412,42 @@ impl Coordinator {
         }
     }
 
-    /// Operator release of a semaphore's holders: the one whose fence is `fence`, or every
-    /// unreleased one; the fence moves past all issued. `None`: `key` is no semaphore.
-    pub(crate) async fn force_release_slots(&self, key: &str, fence: Option<u64>) -> Result<Option<LeaseState>> {
-        let deadline = self.monotonic() + self.config.retry_budget;
+    /// Operator release of the semaphore `r` (the item as read): the holder whose fence is
+    /// `fence`, or every unreleased one; the fence moves past all issued. `None`: the item
+    /// changed since it was read (read it again).
+    pub(crate) async fn evict_slots(
+        &self,
+        key: &str,
+        r: &Record,
+        fence: Option<u64>,
+        deadline: Instant,
+    ) -> Result<Option<LeaseState>> {
         let max = self.max_duration_ms();
-        loop {
-            let Some(r) = self.read(deadline, || self.store.get(key)).await? else {
-                return Err(Error::NotFound { key: key.to_string() });
-            };
-            if r.slots.is_none() {
-                return Ok(None);
+        let hit = |h: &&SlotHolder| h.released_at_ms.is_none() && fence.is_none_or(|f| h.fence == f);
+        let evicted: Vec<LeaseId> = r.slot_holders.iter().filter(hit).map(|h| h.lease_id.clone()).collect();
+        if evicted.is_empty() && fence.is_some() {
+            return Err(Error::NotFound { key: format!("{key} (no unreleased holder with fence {fence:?})") });
+        }
+        let taken = r.slot_holders.iter().filter(|h| h.released_at_ms.is_none()).count() - evicted.len();
+        // As a force-release: not refused for this clock.
+        let (w, _, now) = self
+            .write_unchecked(key, deadline, |now| {
+                let m = Mutation::EvictSlots {
+                    evicted: evicted.clone(),
+                    now_ms: now,
+                    taken: taken as u32,
+                    ttl: self.ttl_after(now + max),
+                };
+                Ok((Condition::SlotsAsRead { rev: r.slots_rev.unwrap_or(0) }, m))
+            })
+            .await
+            .map_err(|f| f.into_error(key))?;
+        match w {
+            Write::Applied(r) => {
+                self.wakeups.wake(key);
+                Ok(Some(r.state(now)))
             }
-            let hit = |h: &&SlotHolder| h.released_at_ms.is_none() && fence.is_none_or(|f| h.fence == f);
-            let evicted: Vec<LeaseId> = r.slot_holders.iter().filter(hit).map(|h| h.lease_id.clone()).collect();
-            if evicted.is_empty() && fence.is_some() {
-                return Err(Error::NotFound { key: format!("{key} (no unreleased holder with fence {fence:?})") });
-            }
-            let taken = r.slot_holders.iter().filter(|h| h.released_at_ms.is_none()).count() - evicted.len();
-            // As a force-release: not refused for this clock.
-            let (w, _, now) = self
-                .write_unchecked(key, deadline, |now| {
-                    let m = Mutation::EvictSlots {
-                        evicted: evicted.clone(),
-                        now_ms: now,
-                        taken: taken as u32,
-                        ttl: self.ttl_after(now + max),
-                    };
-                    Ok((Condition::SlotsAsRead { rev: r.slots_rev.unwrap_or(0) }, m))
-                })
-                .await
-                .map_err(|f| f.into_error(key))?;
-            match w {
-                Write::Applied(r) => {
-                    self.wakeups.wake(key);
-                    return Ok(Some(r.state(now)));
-                }
-                _ if self.monotonic() >= deadline => {
-                    return Err(Error::StoreUnavailable(format!("{key:?} kept changing until the deadline")))
-                }
-                _ => {}
-            }
+            _ => Ok(None),
         }
     }
 }
