@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use aws_sdk_dynamodb::types::AttributeValue;
-use leasehold::store::DynamoStore;
+use leasehold::store::{DynamoStore, LeaseCondition, LeaseMutation};
 use leasehold::{AcquireOptions, Coordinator};
 use leasehold_tests::sdk_config_for;
 
@@ -233,10 +233,14 @@ impl Shaped {
         use leasehold::store::{Condition, Mutation, NewLease};
         let id = leasehold::LeaseId::from_string("x");
         let lease = NewLease::new("w", id.clone(), 1, Some(1), 1);
-        let (acquire_condition, _) =
-            expressions(&Condition::Free { now_ms: 1, fence: 1, lease_id: id.clone() }, &Mutation::Acquire(lease));
-        let (release_condition, release_update) =
-            expressions(&Condition::Unreleased { lease_id: id }, &Mutation::Release { now_ms: 1, ttl: 1 });
+        let (acquire_condition, _) = expressions(
+            &Condition::Lease(LeaseCondition::Free { now_ms: 1, fence: 1, lease_id: id.clone() }),
+            &Mutation::Lease(LeaseMutation::Acquire(lease)),
+        );
+        let (release_condition, release_update) = expressions(
+            &Condition::Lease(LeaseCondition::Unreleased { lease_id: id }),
+            &Mutation::Lease(LeaseMutation::Release { now_ms: 1, ttl: 1 }),
+        );
         Shaped { part, acquire_condition, release_condition, release_update }
     }
 

@@ -195,11 +195,11 @@ impl Metrics {
         }
         let _ = writeln!(o, "# HELP leasehold_queue_length Waiters queued on a key (keys with waiters only).\n# TYPE leasehold_queue_length gauge");
         let mut states: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
-        for r in items.iter().filter(|r| r.waiter.is_none()) {
+        for r in items.iter().filter(|r| r.queue.waiter.is_none()) {
             if r.queue_len() > 0 {
                 let _ = writeln!(o, "leasehold_queue_length{{key=\"{}\"}} {}", escape(&r.key), r.queue_len());
             }
-            if let Some(s) = &r.state {
+            if let Some(s) = &r.work.state {
                 let e = states.entry(s.as_str()).or_default();
                 e.0 += 1;
                 if r.is_held(now_ms) {
@@ -228,10 +228,11 @@ impl Metrics {
 /// The semaphores among `items` (DESIGN.md, "Semaphores"): each one's N and live holders, and
 /// each live holder's time left, labelled with its holder and fence (never a lease_id).
 fn semaphores(o: &mut String, items: &[Record], now_ms: u64) {
-    let sems: Vec<&Record> = items.iter().filter(|r| r.slots.is_some()).collect();
+    let sems: Vec<&Record> = items.iter().filter(|r| r.semaphore.slots.is_some()).collect();
     let _ = writeln!(o, "# HELP leasehold_semaphore_slots A semaphore's N.\n# TYPE leasehold_semaphore_slots gauge");
     for r in &sems {
-        let _ = writeln!(o, "leasehold_semaphore_slots{{key=\"{}\"}} {}", escape(&r.key), r.slots.unwrap_or(0));
+        let _ =
+            writeln!(o, "leasehold_semaphore_slots{{key=\"{}\"}} {}", escape(&r.key), r.semaphore.slots.unwrap_or(0));
     }
     let _ = writeln!(o, "# HELP leasehold_semaphore_slots_taken A semaphore's live holders.\n# TYPE leasehold_semaphore_slots_taken gauge");
     for r in &sems {

@@ -362,9 +362,9 @@ async fn summary_route(coord: &Coordinator, ops: &Ops, req: &HttpRequest) -> Htt
             let now = coord.now_ms();
             let mut states: std::collections::BTreeMap<&str, (u64, u64)> = Default::default();
             let mut queued = 0;
-            for r in items.iter().filter(|r| r.waiter.is_none()) {
+            for r in items.iter().filter(|r| r.queue.waiter.is_none()) {
                 queued += r.queue_len();
-                if let Some(s) = &r.state {
+                if let Some(s) = &r.work.state {
                     let e = states.entry(s.as_str()).or_default();
                     e.0 += 1;
                     e.1 += u64::from(r.is_held(now));

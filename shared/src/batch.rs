@@ -12,7 +12,7 @@ use crate::backoff::{jitter, uniform};
 use crate::error::{Error, Result};
 use crate::model::{Lease, LeaseState, Record};
 use crate::protocol::{AcquireOptions, Coordinator};
-use crate::store::{Condition, Mutation, ScanKind, Visit, Write};
+use crate::store::{Condition, Mutation, ScanKind, Visit, WorkCondition, WorkMutation, Write};
 use crate::validate::{check_state, MAX_BATCH};
 
 /// When each state last saw a collision, in this process: takers of a contended state spread
@@ -99,14 +99,18 @@ impl Coordinator {
         let (w, _, now) = self
             .write(key, deadline, |now| {
                 Ok((
-                    Condition::Enterable { now_ms: now, state: state.to_string(), shard: shard.clone() },
-                    Mutation::Enter {
+                    Condition::Work(WorkCondition::Enterable {
+                        now_ms: now,
+                        state: state.to_string(),
+                        shard: shard.clone(),
+                    }),
+                    Mutation::Work(WorkMutation::Enter {
                         now_ms: now,
                         holder: holder.to_string(),
                         state: state.to_string(),
                         shard: shard.clone(),
                         ttl: self.state_ttl(state, now),
-                    },
+                    }),
                 ))
             })
             .await
@@ -257,8 +261,9 @@ impl Coordinator {
                 break;
             }
             let shard = format!("{state}#{}", (first + i) % shards);
-            // Contention is remembered per store handle and state.
-            let memo = format!("{:p}/{state}", std::sync::Arc::as_ptr(self.store()));
+            // Contention is remembered per coordinator and state (by its id, not an address: a
+            // process's allocations decide nothing it does, and a simulated seed replays).
+            let memo = format!("{}/{state}", self.id());
             let spread = contended(&memo, self.monotonic());
             let page = if spread { (want * SPREAD).min(MAX_CANDIDATES) } else { 2 * want };
             let now = self.now_ms();
@@ -278,7 +283,7 @@ impl Coordinator {
                 }
             };
             let mut candidates: Vec<Record> =
-                items.into_iter().filter(|r| !r.is_held(now) && r.state.as_deref() == Some(state)).collect();
+                items.into_iter().filter(|r| !r.is_held(now) && r.work.state.as_deref() == Some(state)).collect();
             if spread {
                 spread_pick(&mut candidates, want);
             } else if want > 1 && candidates.len() > 1 {
@@ -324,8 +329,8 @@ impl Coordinator {
         let visit = Visit {
             state: state.to_string(),
             shard: shard.to_string(),
-            since_ms: r.state_since_ms.unwrap_or(0),
-            attempts: r.attempts.unwrap_or(0),
+            since_ms: r.work.state_since_ms.unwrap_or(0),
+            attempts: r.work.attempts.unwrap_or(0),
         };
         match self.acquire_visit(&r.key, holder, Some(duration), opts.clone(), Some(visit)).await {
             Ok(l) => Ok(Some(l)),

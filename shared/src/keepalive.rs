@@ -9,7 +9,10 @@ use async_trait::async_trait;
 use serde::Serialize;
 
 use crate::protocol::Coordinator;
-use crate::store::{Condition, Mutation, ScanKind, Write, KEEPALIVE_SHARDS};
+use crate::store::{
+    Condition, KeepaliveCondition, KeepaliveMutation, LeaseCondition, LeaseMutation, Mutation, ScanKind, Write,
+    KEEPALIVE_SHARDS,
+};
 use crate::Record;
 
 /// What the execution a keep-alive lease is bound to is doing.
@@ -224,17 +227,22 @@ impl Coordinator {
         let (cond, m, ok) = if state == ExecutionState::Ended {
             let ttl = self.ttl_after(now + self.max_duration_ms());
             (
-                Condition::Unreleased { lease_id: rec.lease_id.clone() },
-                Mutation::Release { now_ms: now, ttl },
+                Condition::Lease(LeaseCondition::Unreleased { lease_id: rec.lease_id.clone() }),
+                Mutation::Lease(LeaseMutation::Release { now_ms: now, ttl }),
                 Outcome::Released,
             )
         } else {
             // A key in a work state keeps no TTL (and the condition checks the index's copy).
-            let stateless = rec.state.is_none();
+            let stateless = rec.work.state.is_none();
             let ttl = stateless.then(|| self.ttl_after(now + rec.duration_ms.unwrap_or(0)));
             (
-                Condition::Renew { lease_id: rec.lease_id.clone(), now_ms: now, expires_at_ms: None, ttl: stateless },
-                Mutation::Extend { now_ms: now, duration_ms: None, ttl },
+                Condition::Lease(LeaseCondition::Renew {
+                    lease_id: rec.lease_id.clone(),
+                    now_ms: now,
+                    expires_at_ms: None,
+                    ttl: stateless,
+                }),
+                Mutation::Lease(LeaseMutation::Extend { now_ms: now, duration_ms: None, ttl }),
                 Outcome::Renewed,
             )
         };
@@ -259,8 +267,11 @@ impl Coordinator {
     /// grant on the key has a higher fence, and a renewal the index has not seen yet moved the
     /// expiry, so a lease that is still live keeps its keep-alive.
     async fn clear_keepalive(&self, rec: &Record) -> bool {
-        let cond = Condition::FenceAndExpiry { fence: rec.fence, expires_at_ms: rec.expires_at_ms };
-        match self.store().update(&rec.key, &cond, &Mutation::ClearKeepalive).await {
+        let cond = Condition::Keepalive(KeepaliveCondition::FenceAndExpiry {
+            fence: rec.fence,
+            expires_at_ms: rec.expires_at_ms,
+        });
+        match self.store().update(&rec.key, &cond, &Mutation::Keepalive(KeepaliveMutation::ClearKeepalive)).await {
             Ok(Write::Applied(_)) => true,
             Ok(Write::Rejected(_)) => false,
             Err(e) => {

@@ -36,7 +36,10 @@ pub use error::{Error, ErrorName, NotHolderReason, Result, CLOCK_SKEW_RETRY_AFTE
 pub use fenced::{FenceGuard, FencedError};
 pub use holder::{HeldLease, HoldState, Lost};
 pub use keepalive::{ExecutionState, Executions, SweepReport};
-pub use model::{Keepalive, Lease, LeaseId, LeaseState, Record, Released, SlotHolder, SlotState};
+pub use model::{
+    Keepalive, Lease, LeaseId, LeaseState, QueueFields, Record, Released, SemaphoreFields, SlotHolder, SlotState,
+    WorkFields,
+};
 pub use protocol::{AcquireOptions, Config, Coordinator};
 
 #[cfg(feature = "lambda")]

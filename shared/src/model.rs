@@ -7,8 +7,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 /// The holder's secret. Serialised as a plain string; never printed by `Debug`/`Display`, so
-/// a lease_id cannot reach a log line through formatting.
-#[derive(Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+/// a lease_id cannot reach a log line through formatting. The default is the empty lease_id,
+/// which no caller can send and the coordinator never generates (a record that carries only
+/// its key).
+#[derive(Clone, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct LeaseId(String);
 
@@ -55,7 +57,13 @@ pub struct Keepalive {
 }
 
 /// One item of the lease table, exactly as both stores keep it. See DESIGN.md for the schema.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+///
+/// The fields every item has come first (a plain lease's); the fields of each other kind of
+/// lease are grouped by kind ([`QueueFields`], [`WorkFields`], [`SemaphoreFields`]), each empty
+/// by default. The groups are flattened on the wire: the JSON the embedded store keeps (and
+/// the attribute names of the DynamoDB item, `store::dynamo::item`) are those of one flat
+/// record, field for field in this order.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Record {
     pub key: String,
     /// Last fencing token issued for this key (kept after release).
@@ -85,6 +93,21 @@ pub struct Record {
     /// (DESIGN.md, "Contention"). `None` until the key has been contended.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub poll_ms: Option<u64>,
+    /// Waiters: the waiter queue and in-process hand-overs.
+    #[serde(flatten)]
+    pub queue: QueueFields,
+    /// Work states.
+    #[serde(flatten)]
+    pub work: WorkFields,
+    /// Semaphores.
+    #[serde(flatten)]
+    pub semaphore: SemaphoreFields,
+}
+
+/// A [`Record`]'s fields of waiting for a key: the waiter queue's (DESIGN.md, "The waiter
+/// queue"), and the marks of in-process hand-overs ("In-process waiters").
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct QueueFields {
     /// Set by an in-process hand-over (DESIGN.md, "In-process waiters"): the id of the
     /// coordinator whose line this lease came from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -128,8 +151,13 @@ pub struct Record {
     /// Waiter items only (at `queue::waiter_key(key, seq)`): the queued acquire.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waiter: Option<Waiter>,
-    /// The work state the key is in (DESIGN.md, "Work items and batch leases"); `None`: a plain
-    /// lease key, in no state.
+}
+
+/// A [`Record`]'s fields of work states (DESIGN.md, "Work items and batch leases"); all `None`
+/// on a plain lease key, in no state.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct WorkFields {
+    /// The work state the key is in.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub state: Option<String>,
     /// When the key entered its state (coordinator clock, ms).
@@ -138,7 +166,13 @@ pub struct Record {
     /// How many leases the key has been granted since it entered its state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attempts: Option<u32>,
-    /// A semaphore's N (DESIGN.md, "Semaphores"): present only on a semaphore's item.
+}
+
+/// A [`Record`]'s fields of a semaphore (DESIGN.md, "Semaphores"): present only on a
+/// semaphore's item.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SemaphoreFields {
+    /// The semaphore's N.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slots: Option<u32>,
     /// The semaphore's holders not released (live, or expired and not yet cleaned).
@@ -209,55 +243,22 @@ pub struct SlotState {
 impl Record {
     /// The semaphore's holder of `lease_id`, if its entry is in the map.
     pub fn slot(&self, lease_id: &LeaseId) -> Option<&SlotHolder> {
-        self.slot_holders.iter().find(|h| &h.lease_id == lease_id)
+        self.semaphore.slot_holders.iter().find(|h| &h.lease_id == lease_id)
     }
 
     /// The semaphore's live holders at `now_ms`.
     pub fn live_slots(&self, now_ms: u64) -> impl Iterator<Item = &SlotHolder> {
-        self.slot_holders.iter().filter(move |h| h.is_live(now_ms))
+        self.semaphore.slot_holders.iter().filter(move |h| h.is_live(now_ms))
     }
 
     /// A record that carries only its key (an entry of a keys-only index).
     pub(crate) fn key_only(key: String) -> Record {
-        Record {
-            key,
-            fence: 0,
-            holder: String::new(),
-            lease_id: LeaseId::from_string(""),
-            acquired_at_ms: 0,
-            expires_at_ms: None,
-            duration_ms: None,
-            min_hold_until_ms: 0,
-            released_at_ms: None,
-            metadata: None,
-            keepalive: None,
-            ttl: None,
-            renewed_at_ms: None,
-            poll_ms: None,
-            handed_in: None,
-            awaited_by: None,
-            queue_head: None,
-            queue_tail: None,
-            queue_tail_at_ms: None,
-            freed_at_ms: None,
-            pending_token: None,
-            queue_tail_lease_id: None,
-            released_lease_id: None,
-            released_fence: None,
-            waiter: None,
-            state: None,
-            state_since_ms: None,
-            attempts: None,
-            slots: None,
-            slots_taken: None,
-            slots_rev: None,
-            slot_holders: Vec::new(),
-        }
+        Record { key, ..Record::default() }
     }
 
     /// Waiters queued on this lease item (0 without a queue).
     pub fn queue_len(&self) -> u64 {
-        match (self.queue_head, self.queue_tail) {
+        match (self.queue.queue_head, self.queue.queue_tail) {
             (Some(h), Some(t)) => t.saturating_sub(h),
             _ => 0,
         }
@@ -266,14 +267,14 @@ impl Record {
     /// When the key was last made free by a write (its release, or a queue write that let plain
     /// acquires take it): a fail-closed acquire sent before then is refused (`FreeAfter`).
     pub fn freed_at(&self) -> Option<u64> {
-        self.released_at_ms.max(self.freed_at_ms)
+        self.released_at_ms.max(self.queue.freed_at_ms)
     }
 
     /// What a grant that replaces the whole item must write a fence above: the last fence, and
     /// the last queue's tail when its queue is empty (a new queue starts above the fence, so
     /// its numbers stay above every earlier queue's: DESIGN.md, "The waiter queue", Layout).
     pub fn fence_floor(&self) -> u64 {
-        match self.queue_tail {
+        match self.queue.queue_tail {
             Some(t) if self.queue_len() == 0 => self.fence.max(t),
             _ => self.fence,
         }
@@ -295,7 +296,7 @@ impl Record {
 
     /// The public view (no lease_id).
     pub fn state(&self, now_ms: u64) -> LeaseState {
-        if self.slots.is_some() {
+        if self.semaphore.slots.is_some() {
             return self.semaphore_state(now_ms);
         }
         LeaseState {
@@ -311,9 +312,9 @@ impl Record {
             metadata: self.metadata.clone(),
             keepalive: self.keepalive.clone(),
             queue_length: self.queue_len(),
-            state: self.state.clone(),
-            state_since_ms: self.state_since_ms,
-            attempts: self.attempts,
+            state: self.work.state.clone(),
+            state_since_ms: self.work.state_since_ms,
+            attempts: self.work.attempts,
             slots: None,
             slots_taken: None,
             holders: Vec::new(),
@@ -325,7 +326,7 @@ impl Record {
     /// live, the last holder granted).
     fn semaphore_state(&self, now_ms: u64) -> LeaseState {
         let next = self.live_slots(now_ms).min_by_key(|h| h.expires_at_ms);
-        let last = self.slot_holders.iter().max_by_key(|h| h.fence);
+        let last = self.semaphore.slot_holders.iter().max_by_key(|h| h.fence);
         let holder = next.or(last).map_or_else(|| self.holder.clone(), |h| h.holder.clone());
         let live: Vec<SlotState> = self
             .live_slots(now_ms)
@@ -352,7 +353,7 @@ impl Record {
             state: None,
             state_since_ms: None,
             attempts: None,
-            slots: self.slots,
+            slots: self.semaphore.slots,
             slots_taken: Some(live.len() as u32),
             holders: live,
         }
@@ -378,8 +379,8 @@ impl Record {
             keepalive: self.keepalive.clone(),
             safe_until,
             safe_for_ms: None,
-            state: self.state.clone(),
-            attempts: self.attempts,
+            state: self.work.state.clone(),
+            attempts: self.work.attempts,
             slots: None,
         }
     }
@@ -533,5 +534,104 @@ mod lease_id_tests {
         }
         // Leading zero bytes keep their digits: over 1000 ids, some start with '0'.
         assert!(ids.iter().any(|id| id.starts_with('0')));
+    }
+}
+
+#[cfg(test)]
+mod record_tests {
+    use super::*;
+
+    /// A record with every field set: every group, a waiter and a semaphore holder.
+    fn full() -> Record {
+        let mut md = Map::new();
+        md.insert("a".into(), Value::from(1));
+        let waiter = Waiter {
+            seq: 4,
+            holder: "w".into(),
+            lease_id: LeaseId::from_string("id4"),
+            duration_ms: 30,
+            metadata: Some(md.clone()),
+            keepalive: None,
+            task_token: "tt".into(),
+            enqueued_at_ms: 9,
+            timeout_at_ms: Some(50),
+        };
+        let holder = SlotHolder {
+            lease_id: LeaseId::from_string("id5"),
+            fence: 7,
+            holder: "s".into(),
+            acquired_at_ms: 1,
+            renewed_at_ms: 2,
+            expires_at_ms: 3,
+            duration_ms: 4,
+            released_at_ms: Some(2),
+            metadata: Some(md.clone()),
+        };
+        Record {
+            key: "k".into(),
+            fence: 7,
+            holder: "h".into(),
+            lease_id: LeaseId::from_string("id1"),
+            acquired_at_ms: 10,
+            expires_at_ms: Some(20),
+            duration_ms: Some(10),
+            min_hold_until_ms: 12,
+            released_at_ms: Some(15),
+            metadata: Some(md),
+            keepalive: Some(Keepalive { until_ms: 99, execution_arn: Some("arn".into()) }),
+            ttl: Some(1000),
+            renewed_at_ms: Some(11),
+            poll_ms: Some(5),
+            queue: QueueFields {
+                handed_in: Some("c1".into()),
+                awaited_by: Some("c2".into()),
+                queue_head: Some(3),
+                queue_tail: Some(4),
+                queue_tail_at_ms: Some(13),
+                freed_at_ms: Some(14),
+                pending_token: Some("tok".into()),
+                queue_tail_lease_id: Some(LeaseId::from_string("id2")),
+                released_lease_id: Some(LeaseId::from_string("id3")),
+                released_fence: Some(6),
+                waiter: Some(waiter),
+            },
+            work: WorkFields { state: Some("S".into()), state_since_ms: Some(8), attempts: Some(2) },
+            semaphore: SemaphoreFields {
+                slots: Some(3),
+                slots_taken: Some(1),
+                slots_rev: Some(5),
+                slot_holders: vec![holder],
+            },
+        }
+    }
+
+    /// The JSON the embedded store keeps is one flat record, its fields in one order whatever
+    /// group of [`Record`] holds them: the bytes every version writes, and reads back the same.
+    #[test]
+    fn the_stored_json_is_one_flat_record() {
+        let full_json = concat!(
+            r#"{"key":"k","fence":7,"holder":"h","lease_id":"id1","acquired_at_ms":10,"expires_at_ms":20,"#,
+            r#""duration_ms":10,"min_hold_until_ms":12,"released_at_ms":15,"metadata":{"a":1},"#,
+            r#""keepalive":{"until_ms":99,"execution_arn":"arn"},"ttl":1000,"renewed_at_ms":11,"poll_ms":5,"#,
+            r#""handed_in":"c1","awaited_by":"c2","queue_head":3,"queue_tail":4,"queue_tail_at_ms":13,"#,
+            r#""freed_at_ms":14,"pending_token":"tok","queue_tail_lease_id":"id2","released_lease_id":"id3","#,
+            r#""released_fence":6,"waiter":{"seq":4,"holder":"w","lease_id":"id4","duration_ms":30,"#,
+            r#""metadata":{"a":1},"task_token":"tt","enqueued_at_ms":9,"timeout_at_ms":50},"state":"S","#,
+            r#""state_since_ms":8,"attempts":2,"slots":3,"slots_taken":1,"slots_rev":5,"slot_holders":"#,
+            r#"[{"lease_id":"id5","fence":7,"holder":"s","acquired_at_ms":1,"renewed_at_ms":2,"#,
+            r#""expires_at_ms":3,"duration_ms":4,"released_at_ms":2,"metadata":{"a":1}}]}"#
+        );
+        let key_only_json = concat!(
+            r#"{"key":"k","fence":0,"holder":"","lease_id":"","acquired_at_ms":0,"expires_at_ms":null,"#,
+            r#""duration_ms":null,"min_hold_until_ms":0,"released_at_ms":null,"metadata":null,"keepalive":null,"#,
+            r#""ttl":null}"#
+        );
+        for (record, json) in [(full(), full_json), (Record::key_only("k".into()), key_only_json)] {
+            assert_eq!(serde_json::to_string(&record).unwrap(), json);
+            assert_eq!(serde_json::from_str::<Record>(json).unwrap(), record);
+        }
+        // A plain lease's fields alone, as every earlier version wrote them: no group's field.
+        let plain: Record = serde_json::from_str(key_only_json).unwrap();
+        assert_eq!((plain.queue, plain.work, plain.semaphore), Default::default());
     }
 }

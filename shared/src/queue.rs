@@ -16,7 +16,7 @@ use async_trait::async_trait;
 use crate::error::{Error, NotHolderReason as Reason, Result};
 use crate::model::{Lease, LeaseId, Record, Released};
 use crate::protocol::{AcquireOptions, Coordinator, ReleaseHook};
-use crate::store::{Condition, Mutation, NewLease, ScanKind, Write};
+use crate::store::{Condition, Mutation, NewLease, QueueCondition, QueueMutation, ScanKind, Write};
 
 /// The waiter key layout and the queue index partitions are the store's (`store/mod.rs`).
 pub use crate::store::{queue_shard, split_waiter_key, waiter_key, QUEUE_SHARDS, QUEUE_SHARD_BASE, SEPARATOR};
@@ -66,8 +66,8 @@ pub use crate::model::Waiter;
 
 /// What a queued acquire sent again with its lease_id finds of its earlier try.
 enum Own {
-    /// Its waiter item (in the queue whose head is the number).
-    Slot(u64, Waiter),
+    /// Its waiter item.
+    Slot(Waiter),
     /// Its slot's grant, live, still marked undelivered (the item as read).
     Granted(Record),
     /// Its slot's grant, live, no longer marked (the item as read).
@@ -193,25 +193,29 @@ impl Coordinator {
         self.deliver().ok_or_else(|| Error::invalid("a queued acquire needs Step Functions delivery"))
     }
 
-    /// Writes the waiter item of `waiter` (slot `waiter.seq` of `key`'s queue, joined at `now`).
-    async fn put_waiter(&self, key: &str, waiter: Waiter, now: u64, deadline: Instant) -> Result<()> {
-        // Kept as long as the waiter may wait (its own timeout, else a year) and then hold.
+    /// Writes the waiter item of `waiter` (slot `waiter.seq` of `key`'s queue).
+    async fn put_waiter(&self, key: &str, waiter: Waiter, deadline: Instant) -> Result<()> {
         let max_wait = self.config().limits.max_wait.as_millis() as u64;
-        let waits_until = waiter.timeout_at_ms.unwrap_or(now.saturating_add(LONGEST_WAIT_MS)).max(now + max_wait);
         let wk = waiter_key(key, waiter.seq);
         let mut item = Record::key_only(wk.clone());
         item.holder = waiter.holder.clone();
         item.lease_id = waiter.lease_id.clone();
         item.acquired_at_ms = waiter.enqueued_at_ms;
         item.expires_at_ms = Some(0);
-        item.ttl = Some(self.ttl_after(waits_until.saturating_add(self.max_duration_ms())));
-        item.waiter = Some(waiter);
+        let timeout_at_ms = waiter.timeout_at_ms;
+        item.queue.waiter = Some(waiter);
         // Stamped with this try's clock: a retried invocation writes the item again with its
         // own token, and a write of an earlier try held in the network must not put the dead
-        // token back (`WaiterNewer`; refused, it changes nothing).
+        // token back (`WaiterNewer`; refused, it changes nothing). Kept as long as the waiter
+        // may wait (its own timeout, else a year) and then hold, from the same clock.
         self.write(&wk, deadline, |now| {
+            let waits_until = timeout_at_ms.unwrap_or(now.saturating_add(LONGEST_WAIT_MS)).max(now + max_wait);
+            item.ttl = Some(self.ttl_after(waits_until.saturating_add(self.max_duration_ms())));
             item.renewed_at_ms = Some(now);
-            Ok((Condition::WaiterNewer { now_ms: now }, Mutation::PutWaiter(Box::new(item.clone()))))
+            Ok((
+                Condition::Queue(QueueCondition::WaiterNewer { now_ms: now }),
+                Mutation::Queue(QueueMutation::PutWaiter(Box::new(item.clone()))),
+            ))
         })
         .await
         .map_err(|f| f.into_error(key))?;
@@ -244,7 +248,7 @@ impl Coordinator {
         for _ in 0..8 {
             // Free and without waiters: the plain acquire (one request).
             match self.acquire(key, holder, Some(duration), opts.clone()).await {
-                Ok(lease) => return self.deliver_free_grant(key, lease, task_token, &deliver).await,
+                Ok(lease) => return self.deliver_free_grant(key, lease, task_token, &deliver, true).await,
                 Err(Error::LeaseHeld { .. }) => {}
                 Err(e) => return Err(e),
             }
@@ -263,28 +267,29 @@ impl Coordinator {
             let start = self.now_us().max(floor + 1);
             let (w, _, now) = self
                 .write(key, deadline, |now| {
-                    Ok((
-                        Condition::Queueable { now_ms: now, lease_id: lease_id.clone(), start },
-                        Mutation::Enqueue { now_ms: now, start, lease_id: lease_id.clone(), shard },
-                    ))
+                    let join = QueueCondition::Queueable { now_ms: now, lease_id: lease_id.clone(), start };
+                    let enqueue = QueueMutation::Enqueue { now_ms: now, start, lease_id: lease_id.clone(), shard };
+                    Ok((join.into(), enqueue.into()))
                 })
                 .await
                 .map_err(|f| f.into_error(key))?;
             let (r, enqueued_at) = match w {
                 Write::Applied(r) => (r, now),
-                Write::Rejected(Some(r)) if r.queue_tail_lease_id.as_ref() == Some(&lease_id) && r.queue_len() > 0 => {
-                    let at = r.queue_tail_at_ms.unwrap_or(now);
+                Write::Rejected(Some(r))
+                    if r.queue.queue_tail_lease_id.as_ref() == Some(&lease_id) && r.queue_len() > 0 =>
+                {
+                    let at = r.queue.queue_tail_at_ms.unwrap_or(now);
                     (r, at)
                 }
                 // A new queue, and its start not above the item's fence: go again above it.
-                Write::Rejected(Some(r)) if r.queue_head.is_none() && r.fence >= start => {
+                Write::Rejected(Some(r)) if r.queue.queue_head.is_none() && r.fence >= start => {
                     floor = r.fence;
                     continue;
                 }
                 // Freed in between: take it.
                 Write::Rejected(_) => continue,
             };
-            let seq = r.queue_tail.expect("an enqueue sets the tail");
+            let seq = r.queue.queue_tail.expect("an enqueue sets the tail");
             let waiter = Waiter {
                 seq,
                 holder: holder.to_string(),
@@ -296,7 +301,7 @@ impl Coordinator {
                 enqueued_at_ms: enqueued_at,
                 timeout_at_ms,
             };
-            return self.place_waiter(key, waiter, r.queue_head.unwrap_or(seq - 1), now, deadline).await;
+            return self.place_waiter(key, waiter, r.queue.queue_head.unwrap_or(seq - 1), deadline).await;
         }
         Err(Error::StoreUnavailable(format!("{key:?} kept changing hands while joining its queue")))
     }
@@ -324,16 +329,9 @@ impl Coordinator {
     /// Writes the waiter item of a slot taken (or kept) in `key`'s queue, whose head is `head`,
     /// and answers `Queued`. The key may have been freed between the enqueue and this write,
     /// with nobody to serve this waiter: it is served now (one read when the key is still held).
-    async fn place_waiter(
-        &self,
-        key: &str,
-        waiter: Waiter,
-        head: u64,
-        now: u64,
-        deadline: Instant,
-    ) -> Result<Enqueued> {
+    async fn place_waiter(&self, key: &str, waiter: Waiter, head: u64, deadline: Instant) -> Result<Enqueued> {
         let (seq, lease_id) = (waiter.seq, waiter.lease_id.clone());
-        self.put_waiter(key, waiter, now, deadline).await?;
+        self.put_waiter(key, waiter, deadline).await?;
         if let Err(e) = self.serve_queue(key).await {
             tracing::warn!(key, error = e.name(), "serving the queue after an enqueue failed");
         }
@@ -342,9 +340,9 @@ impl Coordinator {
 
     /// A queued acquire sent again with its lease_id (a retried invocation, with a new task
     /// token): what became of its earlier try. Its waiter item found in the queue: the slot is
-    /// kept, the item written again with this try's token. Its slot granted already, the grant
-    /// still marked undelivered to the earlier try's token: taken over ([`Self::take_over`]).
-    /// `None`: neither, the acquire goes on (enqueues).
+    /// kept, the item written again with this try's token ([`Self::after_rewrite`]). Its slot
+    /// granted already, the grant still marked undelivered to the earlier try's token: taken
+    /// over ([`Self::take_over`]). `None`: neither, the acquire goes on (enqueues).
     async fn resume(
         &self,
         key: &str,
@@ -355,21 +353,65 @@ impl Coordinator {
     ) -> Result<Option<Enqueued>> {
         match self.own_waiter(key, lease_id).await? {
             None => Ok(None),
-            Some(Own::Slot(head, w)) => {
+            Some(Own::Slot(w)) => {
                 let deadline = self.monotonic() + self.config().retry_budget;
+                let seq = w.seq;
                 let waiter = Waiter { task_token: task_token.to_string(), timeout_at_ms, ..w };
-                self.place_waiter(key, waiter, head, self.now_ms(), deadline).await.map(Some)
+                self.put_waiter(key, waiter, deadline).await?;
+                self.after_rewrite(key, lease_id, seq, task_token, deliver).await.map(Some)
             }
             Some(Own::Granted(r)) => self.take_over(key, &r, task_token, deliver).await.map(Some),
             // Its mark went meanwhile (a delivery to the dead token answered `Gone`): as a
             // plain acquire that finds its own live lease.
             Some(Own::Free(r)) => {
                 let lease = r.lease(self.monotonic(), self.now_ms(), self.skew_ms());
-                self.deliver_free_grant(key, lease, task_token, deliver).await.map(Some)
+                self.deliver_free_grant(key, lease, task_token, deliver, true).await.map(Some)
             }
             // Revoked meanwhile (its delivery to the dead token answered `Gone`), or expired.
             Some(Own::Ended(reason)) => Err(Error::NotHolder { key: key.to_string(), reason }),
         }
+    }
+
+    /// A retried invocation wrote its slot `seq`'s waiter item again with its own `token`; the
+    /// slot may have been granted meanwhile from the item as it was, to the earlier try's token
+    /// (dead: its delivery answers `Gone`, and the grant would be revoked, this token left
+    /// waiting). So the lease item is read again. The slot not granted yet: its grant is written
+    /// after this read, and whoever delivers it reads the waiter item again before taking a
+    /// `Gone` as final ([`Self::rewritten`]): this token is served. Granted: as when the look
+    /// finds the grant: still marked, taken over ([`Self::take_over`]); no longer marked,
+    /// delivered to this token but never released on `Gone` (this token may have it already:
+    /// a deliverer that read the rewritten item); ended, or the key moved on past the slot,
+    /// `NotHolder` (released) at once, as a retry that comes after the revoke is answered: the
+    /// grant was revoked before the mark could move (or this token had it, and its task has
+    /// moved on). The rewritten item of a slot served is deleted.
+    async fn after_rewrite(
+        &self,
+        key: &str,
+        lease_id: &LeaseId,
+        seq: u64,
+        token: &str,
+        deliver: &Arc<dyn Deliver>,
+    ) -> Result<Enqueued> {
+        let deadline = self.monotonic() + self.config().retry_budget;
+        let r = self.read(deadline, || self.store().get(key)).await?;
+        if let Some(head) = r.as_ref().and_then(|r| r.queue.queue_head).filter(|h| *h < seq) {
+            if let Err(e) = self.serve_queue(key).await {
+                tracing::warn!(key, error = e.name(), "serving the queue after an enqueue failed");
+            }
+            return Ok(Enqueued::Queued { seq, position: seq - head, lease_id: lease_id.clone() });
+        }
+        let own = r.filter(|r| &r.lease_id == lease_id);
+        let done = match own.map(|r| (crate::protocol::ended_reason(&r, lease_id, self.now_ms()), r)) {
+            Some((None, r)) if r.queue.pending_token.is_some() => self.take_over(key, &r, token, deliver).await,
+            Some((None, r)) => {
+                let lease = r.lease(self.monotonic(), self.now_ms(), self.skew_ms());
+                self.deliver_free_grant(key, lease, token, deliver, false).await
+            }
+            Some((Some(reason), _)) => Err(Error::NotHolder { key: key.to_string(), reason }),
+            None => Err(Error::NotHolder { key: key.to_string(), reason: Reason::Released }),
+        };
+        let _ = self.store().delete(&waiter_key(key, seq), &Condition::Queue(QueueCondition::NotLease)).await;
+        done
     }
 
     /// The queue's grant `r` of this acquire's lease_id, marked undelivered to an earlier try's
@@ -383,20 +425,21 @@ impl Coordinator {
     /// as a plain acquire of an ended lease_id. The same token (an invocation sent again as it
     /// was): left to the queue's delivery.
     async fn take_over(&self, key: &str, r: &Record, token: &str, deliver: &Arc<dyn Deliver>) -> Result<Enqueued> {
-        let old = r.pending_token.clone().unwrap_or_default();
+        let old = r.queue.pending_token.clone().unwrap_or_default();
         let lease = r.lease(self.monotonic(), self.now_ms(), self.skew_ms()).with_safe_for(self.monotonic());
         if old == token {
             return Ok(Enqueued::Granted(lease));
         }
         let deadline = self.monotonic() + self.config().retry_budget;
-        let cond = Condition::Undelivered { fence: r.fence, token: old };
-        let mark = Mutation::MarkUndelivered { token: token.to_string(), shard: queue_shard(key) };
+        let cond = Condition::Queue(QueueCondition::Undelivered { fence: r.fence, token: old });
+        let mark =
+            Mutation::Queue(QueueMutation::MarkUndelivered { token: token.to_string(), shard: queue_shard(key) });
         let (w, _, _) =
             self.write(key, deadline, |_| Ok((cond.clone(), mark.clone()))).await.map_err(|f| f.into_error(key))?;
         match w {
             Write::Applied(_) => {}
             // An earlier try of this write landed (its answer lost).
-            Write::Rejected(Some(g)) if g.fence == r.fence && g.pending_token.as_deref() == Some(token) => {}
+            Write::Rejected(Some(g)) if g.fence == r.fence && g.queue.pending_token.as_deref() == Some(token) => {}
             Write::Rejected(_) => return Err(Error::NotHolder { key: key.to_string(), reason: Reason::Released }),
         }
         let mut served = Served::default();
@@ -415,18 +458,20 @@ impl Coordinator {
         if &r.lease_id == lease_id {
             // Its slot was granted (the plain acquire before saw it marked undelivered).
             return Ok(Some(match crate::protocol::ended_reason(&r, lease_id, self.now_ms()) {
-                None if r.pending_token.is_some() => Own::Granted(r),
+                None if r.queue.pending_token.is_some() => Own::Granted(r),
                 None => Own::Free(r),
                 Some(reason) => Own::Ended(reason),
             }));
         }
-        let (Some(head), Some(tail)) = (r.queue_head, r.queue_tail) else { return Ok(None) };
+        let (Some(head), Some(tail)) = (r.queue.queue_head, r.queue.queue_tail) else { return Ok(None) };
         let since = self.now_ms().saturating_sub(RETRY_WINDOW_MS);
         for seq in (head + 1..=tail).rev().take(RETRY_SCAN_SLOTS as usize) {
             let wk = waiter_key(key, seq);
-            let Some(w) = self.read(deadline, || self.store().get(&wk)).await?.and_then(|w| w.waiter) else { continue };
+            let Some(w) = self.read(deadline, || self.store().get(&wk)).await?.and_then(|w| w.queue.waiter) else {
+                continue;
+            };
             if &w.lease_id == lease_id && w.seq == seq {
-                return Ok(Some(Own::Slot(head, w)));
+                return Ok(Some(Own::Slot(w)));
             }
             if w.enqueued_at_ms < since {
                 break;
@@ -436,18 +481,22 @@ impl Coordinator {
     }
 
     /// A queued acquire took the free key: delivers the lease. Only a first attempt answered
-    /// `Gone` proves the task never had it: then the lease is released. Any other failure may
-    /// follow a delivery that landed (its answer lost), so the grant is kept, marked
-    /// undelivered, and the sweep delivers it again.
+    /// `Gone` proves the task never had it (`gone_proves`: nobody else could have delivered it
+    /// to this token): then the lease is released. Any other failure may follow a delivery that
+    /// landed (its answer lost), so the grant is kept, marked undelivered, and the sweep
+    /// delivers it again.
     async fn deliver_free_grant(
         &self,
         key: &str,
         lease: Lease,
         token: &str,
         deliver: &Arc<dyn Deliver>,
+        gone_proves: bool,
     ) -> Result<Enqueued> {
         match self.deliver_with_retries(deliver, token, &lease).await {
             Ok(()) => Ok(Enqueued::Granted(lease)),
+            // The lease may be this token's already: it ends with its duration.
+            Err(DeliveryError::Gone(_)) if !gone_proves => Ok(Enqueued::Granted(lease)),
             Err(DeliveryError::Gone(why)) => {
                 // Nobody will use it: free the key (and serve any waiter behind).
                 let _ = self.release(key, &lease.lease_id).await;
@@ -456,7 +505,10 @@ impl Coordinator {
             Err(DeliveryError::Transient(why)) => {
                 tracing::warn!(key, why, "delivery of a queued acquire's grant failed; the sweep delivers it");
                 let deadline = self.monotonic() + self.config().retry_budget;
-                let mark = Mutation::MarkUndelivered { token: token.to_string(), shard: queue_shard(key) };
+                let mark = Mutation::Queue(QueueMutation::MarkUndelivered {
+                    token: token.to_string(),
+                    shard: queue_shard(key),
+                });
                 if let Err(f) = self.write(key, deadline, |_| Ok((Condition::FenceIs(lease.fence), mark.clone()))).await
                 {
                     let e = f.into_error(key);
@@ -490,14 +542,14 @@ impl Coordinator {
             let now = self.checked_now(key).await?;
             let sent = self.monotonic();
             if r.is_held(now) {
-                if let Some(token) = r.pending_token.clone() {
+                if let Some(token) = r.queue.pending_token.clone() {
                     if now.saturating_sub(r.acquired_at_ms) >= DELIVERY_GRACE_MS {
                         self.redeliver(key, &r, &token, &deliver, &mut served).await?;
                     }
                 }
                 return Ok(served);
             }
-            if let Some(token) = r.pending_token.clone() {
+            if let Some(token) = r.queue.pending_token.clone() {
                 // A grant still marked undelivered whose lease has ended: released by its
                 // holder (so it was delivered), or expired before any delivery was known to land.
                 if !self.end_undelivered(key, &r, &token, &deliver, &mut served).await? {
@@ -508,17 +560,17 @@ impl Coordinator {
             if r.queue_len() == 0 {
                 return Ok(served);
             }
-            let head = r.queue_head.expect("a queue has a head");
+            let head = r.queue.queue_head.expect("a queue has a head");
             let seq = head + 1;
             let wk = waiter_key(key, seq);
-            let waiter = self.store().get(&wk).await?.and_then(|w| w.waiter).filter(|w| w.seq == seq);
+            let waiter = self.store().get(&wk).await?.and_then(|w| w.queue.waiter).filter(|w| w.seq == seq);
             let waiter = match waiter {
                 Some(w) if w.timeout_at_ms.is_none_or(|t| t > now) => w,
                 Some(_) => {
                     // Its task timed out: pass over it.
                     if self.skip(key, &r, now, seq).await? {
                         served.skipped += 1;
-                        let _ = self.store().delete(&wk, &Condition::NotLease).await;
+                        let _ = self.store().delete(&wk, &Condition::Queue(QueueCondition::NotLease)).await;
                     }
                     continue;
                 }
@@ -537,8 +589,8 @@ impl Coordinator {
             // Grant: the waiter's lease, a fence above every earlier one, the head moved on.
             let mut lease = self.waiter_lease(key, &r, &waiter, now)?;
             lease.released = r.released_at_ms.map(|_| (r.lease_id.clone(), r.fence));
-            let cond = Condition::HandOver { fence: r.fence, now_ms: now, head };
-            let grant = Mutation::Grant { lease, seq, token: waiter.task_token.clone() };
+            let cond = Condition::Queue(QueueCondition::HandOver { fence: r.fence, now_ms: now, head });
+            let grant = Mutation::Queue(QueueMutation::Grant { lease, seq, token: waiter.task_token.clone() });
             let granted = match self.store().update(key, &cond, &grant).await? {
                 Write::Applied(g) => g,
                 Write::Rejected(_) => continue,
@@ -553,20 +605,23 @@ impl Coordinator {
     /// When slot `seq` (missing its waiter item) was taken, at the latest: the enqueue time of
     /// the first waiter item after it (its slot was taken later), else when the tail last moved.
     async fn slot_taken_by(&self, key: &str, r: &Record, seq: u64) -> Result<u64> {
-        let tail = r.queue_tail.unwrap_or(seq);
+        let tail = r.queue.queue_tail.unwrap_or(seq);
         for next in seq + 1..=tail.min(seq + 4) {
-            if let Some(w) = self.store().get(&waiter_key(key, next)).await?.and_then(|w| w.waiter) {
+            if let Some(w) = self.store().get(&waiter_key(key, next)).await?.and_then(|w| w.queue.waiter) {
                 return Ok(w.enqueued_at_ms);
             }
         }
-        Ok(r.queue_tail_at_ms.unwrap_or(0))
+        Ok(r.queue.queue_tail_at_ms.unwrap_or(0))
     }
 
     /// A free key whose last grant is still marked undelivered: a released grant was delivered
     /// (its holder had the lease_id), so only the mark goes; an expired one may never have
     /// reached its waiter, which would then wait until its own timeout: it is told
-    /// (`SendTaskFailure`, `LeaseExpired`) and the mark goes. `false`: the failure could not be
-    /// sent (transient), the mark stays and the queue waits for the next sweep.
+    /// (`SendTaskFailure`, `LeaseExpired`), at the token of the slot's waiter item too when a
+    /// retried invocation wrote it again ([`Self::rewritten`]), and the mark goes, stamped with
+    /// this clock checked right before it is read (after the failure, which may take seconds).
+    /// `false`: the failure could not be sent (transient), the mark stays and the queue waits
+    /// for the next sweep.
     async fn end_undelivered(
         &self,
         key: &str,
@@ -580,24 +635,33 @@ impl Coordinator {
                 "the lease granted on {key:?} (fence {}) expired before its delivery was confirmed; acquire again",
                 r.fence
             );
-            match deliver.failure(token, "LeaseExpired", &cause).await {
-                Ok(()) | Err(DeliveryError::Gone(_)) => served.skipped += 1,
-                Err(DeliveryError::Transient(why)) => {
-                    tracing::warn!(key, why, "could not tell the waiter of an expired grant; the sweep tries again");
-                    served.undelivered += 1;
-                    return Ok(false);
+            let newer = self.rewritten(key, r, token).await?;
+            for to in std::iter::once(token).chain(newer.as_deref()) {
+                match deliver.failure(to, "LeaseExpired", &cause).await {
+                    Ok(()) | Err(DeliveryError::Gone(_)) => {}
+                    Err(DeliveryError::Transient(why)) => {
+                        tracing::warn!(
+                            key,
+                            why,
+                            "could not tell the waiter of an expired grant; the sweep tries again"
+                        );
+                        served.undelivered += 1;
+                        return Ok(false);
+                    }
                 }
             }
+            served.skipped += 1;
         }
+        let freed = Mutation::Queue(QueueMutation::Delivered { now_ms: self.checked_now(key).await? });
         self.store()
             .update(
                 key,
-                &Condition::Undelivered { fence: r.fence, token: token.to_string() },
-                &Mutation::Delivered { now_ms: self.now_ms() },
+                &Condition::Queue(QueueCondition::Undelivered { fence: r.fence, token: token.to_string() }),
+                &freed,
             )
             .await?;
-        if let Some(seq) = r.queue_head {
-            let _ = self.store().delete(&waiter_key(key, seq), &Condition::NotLease).await;
+        if let Some(seq) = r.queue.queue_head {
+            let _ = self.store().delete(&waiter_key(key, seq), &Condition::Queue(QueueCondition::NotLease)).await;
         }
         Ok(true)
     }
@@ -610,7 +674,7 @@ impl Coordinator {
             metadata: waiter.metadata.clone(),
             keepalive: waiter.keepalive.clone(),
             // A key in a work state is kept until it is taken: no TTL (as for a batch grant).
-            ttl: r.state.is_none().then(|| self.ttl_after(now + waiter.duration_ms)),
+            ttl: r.work.state.is_none().then(|| self.ttl_after(now + waiter.duration_ms)),
             ..NewLease::new(&waiter.holder, waiter.lease_id.clone(), now, Some(waiter.duration_ms), fence)
         })
     }
@@ -636,22 +700,35 @@ impl Coordinator {
         match self.deliver_with_retries(deliver, &token, &lease).await {
             Ok(()) => {
                 served.delivered += 1;
-                let delivered = Mutation::Delivered { now_ms: self.checked_now(key).await? };
-                let _ = self.store().update(key, &Condition::UndeliveredLive { fence, token }, &delivered).await?;
-                let _ = self.store().delete(&wk, &Condition::NotLease).await;
+                let delivered = Mutation::Queue(QueueMutation::Delivered { now_ms: self.checked_now(key).await? });
+                let _ = self
+                    .store()
+                    .update(key, &Condition::Queue(QueueCondition::UndeliveredLive { fence, token }), &delivered)
+                    .await?;
+                let _ = self.store().delete(&wk, &Condition::Queue(QueueCondition::NotLease)).await;
                 Ok(false)
             }
             Err(DeliveryError::Gone(why)) => {
+                // A retried invocation of the waiter's task wrote the slot's waiter item again
+                // with its own token after it was read for this grant: the grant goes to that
+                // token (the mark moves to it, so the revoke below cannot land), never revoked.
+                if let Some(newer) = self.rewritten(key, granted, &token).await? {
+                    tracing::info!(key, seq, why, "the waiter's task was retried; its grant goes to the new token");
+                    if self.move_mark(key, fence, &token, &newer).await? {
+                        self.redeliver(key, granted, &newer, deliver, served).await?;
+                    }
+                    return Ok(false);
+                }
                 // Never delivered (the first answer said so): nobody holds it. Free the key and
                 // serve the next waiter; unless a retried invocation of the waiter's task moved
                 // the mark to its own token (this one died with its attempt): then the grant is
                 // that invocation's to deliver, and the revoke is refused.
                 tracing::info!(key, seq, why, "queued waiter is gone; its grant is revoked");
                 // A key in a work state is kept until it is taken: no TTL.
-                let ttl = granted.state.is_none().then(|| self.ttl_after(now + self.max_duration_ms()));
-                let m = Mutation::Revoke { now_ms: self.checked_now(key).await?, ttl };
-                self.store().update(key, &Condition::Undelivered { fence, token }, &m).await?;
-                let _ = self.store().delete(&wk, &Condition::NotLease).await;
+                let ttl = granted.work.state.is_none().then(|| self.ttl_after(now + self.max_duration_ms()));
+                let m = Mutation::Queue(QueueMutation::Revoke { now_ms: self.checked_now(key).await?, ttl });
+                self.store().update(key, &Condition::Queue(QueueCondition::Undelivered { fence, token }), &m).await?;
+                let _ = self.store().delete(&wk, &Condition::Queue(QueueCondition::NotLease)).await;
                 served.skipped += 1;
                 Ok(true)
             }
@@ -674,14 +751,15 @@ impl Coordinator {
         lease_id: &LeaseId,
         r: &Record,
     ) -> Result<Option<Released>> {
-        let (Some(deliver), Some(head)) = (self.deliver(), r.queue_head) else { return Ok(None) };
+        let (Some(deliver), Some(head)) = (self.deliver(), r.queue.queue_head) else { return Ok(None) };
         self.check_clock(key).await?;
         let now = self.now_ms();
         if r.min_hold_until_ms > now {
             return Ok(None);
         }
         let seq = head + 1;
-        let waiter = self.store().get(&waiter_key(key, seq)).await?.and_then(|w| w.waiter).filter(|w| w.seq == seq);
+        let waiter =
+            self.store().get(&waiter_key(key, seq)).await?.and_then(|w| w.queue.waiter).filter(|w| w.seq == seq);
         let Some(waiter) = waiter.filter(|w| w.timeout_at_ms.is_none_or(|t| t > now)) else { return Ok(None) };
         // Through the retrying write: the grant keeps the releasing lease's id, so a retry whose
         // earlier try landed recognises it (as does a retried release), and a write that may
@@ -695,8 +773,13 @@ impl Coordinator {
                 let mut lease = self.waiter_lease(key, r, &waiter, now)?;
                 lease.released = Some(released_id.clone());
                 Ok((
-                    Condition::ReleaseHandOver { lease_id: lease_id.clone(), fence: r.fence, now_ms: now, head },
-                    Mutation::Grant { lease, seq, token: waiter.task_token.clone() },
+                    Condition::Queue(QueueCondition::ReleaseHandOver {
+                        lease_id: lease_id.clone(),
+                        fence: r.fence,
+                        now_ms: now,
+                        head,
+                    }),
+                    Mutation::Queue(QueueMutation::Grant { lease, seq, token: waiter.task_token.clone() }),
                 ))
             })
             .await
@@ -709,15 +792,15 @@ impl Coordinator {
             // first, and that release revokes a grant its first delivery finds gone. The grant
             // stays marked; the sweep delivers it after the grace, and never revokes.
             Write::Rejected(Some(g))
-                if g.released_lease_id.as_ref() == Some(lease_id)
+                if g.queue.released_lease_id.as_ref() == Some(lease_id)
                     && g.lease_id == waiter.lease_id
-                    && g.queue_head == Some(seq) =>
+                    && g.queue.queue_head == Some(seq) =>
             {
-                return Ok(Some(Released::at(key, r.fence, g.acquired_at_ms, tries == 1, r.state.clone())));
+                return Ok(Some(Released::at(key, r.fence, g.acquired_at_ms, tries == 1, r.work.state.clone())));
             }
             Write::Rejected(_) => return Ok(None),
         };
-        let released = Released::at(key, r.fence, now, false, r.state.clone());
+        let released = Released::at(key, r.fence, now, false, r.work.state.clone());
         let mut served = Served::default();
         if self.deliver_grant(&deliver, key, &granted, sent, now, &waiter, &mut served).await? {
             if let Err(e) = self.serve_queue(key).await {
@@ -759,7 +842,9 @@ impl Coordinator {
 
     /// A grant left undelivered: deliver it again. Whatever the answer, the mark goes (an
     /// answer of `Gone` may follow an earlier delivery that landed, so the lease is not
-    /// revoked: it ends with its duration), unless the delivery failed transiently.
+    /// revoked: it ends with its duration), unless the delivery failed transiently. A `Gone`
+    /// whose slot's waiter item carries another token now (a retried invocation's,
+    /// [`Self::rewritten`]) moves the mark to that token and delivers there.
     async fn redeliver(
         &self,
         key: &str,
@@ -770,29 +855,68 @@ impl Coordinator {
     ) -> Result<()> {
         let now = self.now_ms();
         let lease = r.lease(self.monotonic(), now, self.skew_ms()).with_safe_for(self.monotonic());
-        match deliver.success(token, &lease).await {
-            Ok(()) => served.delivered += 1,
-            Err(DeliveryError::Gone(why)) => {
-                tracing::info!(key, why, "undelivered grant's waiter is gone; the grant ends with its duration");
+        let mut token = token.to_string();
+        // Bounded: a task is tried a few times, each try with one token.
+        for _ in 0..4 {
+            match deliver.success(&token, &lease).await {
+                Ok(()) => served.delivered += 1,
+                Err(DeliveryError::Gone(why)) => {
+                    if let Some(newer) = self.rewritten(key, r, &token).await? {
+                        if !self.move_mark(key, r.fence, &token, &newer).await? {
+                            // Moved by the retried invocation itself: its delivery.
+                            return Ok(());
+                        }
+                        token = newer;
+                        continue;
+                    }
+                    tracing::info!(key, why, "undelivered grant's waiter is gone; the grant ends with its duration");
+                }
+                Err(DeliveryError::Transient(why)) => {
+                    tracing::warn!(key, why, "redelivery failed; the next sweep tries again");
+                    served.undelivered += 1;
+                    return Ok(());
+                }
             }
-            Err(DeliveryError::Transient(why)) => {
-                tracing::warn!(key, why, "redelivery failed; the next sweep tries again");
-                served.undelivered += 1;
-                return Ok(());
-            }
+            break;
         }
-        let cond = Condition::UndeliveredLive { fence: r.fence, token: token.to_string() };
-        self.store().update(key, &cond, &Mutation::Delivered { now_ms: self.checked_now(key).await? }).await?;
-        if let Some(seq) = r.queue_head {
-            let _ = self.store().delete(&waiter_key(key, seq), &Condition::NotLease).await;
+        let cond = Condition::Queue(QueueCondition::UndeliveredLive { fence: r.fence, token: token.clone() });
+        self.store()
+            .update(key, &cond, &Mutation::Queue(QueueMutation::Delivered { now_ms: self.checked_now(key).await? }))
+            .await?;
+        if let Some(seq) = r.queue.queue_head {
+            let _ = self.store().delete(&waiter_key(key, seq), &Condition::Queue(QueueCondition::NotLease)).await;
         }
         Ok(())
     }
 
+    /// The task token the waiter item of grant `r`'s slot carries now, when it is another than
+    /// `token`, the one the grant was delivered to: a retried invocation of the waiter's task
+    /// (Step Functions gives each try a token of its own, the failed try's is dead) wrote the
+    /// item again after it was read for the grant. One read, made only when a delivery to
+    /// `token` answered `Gone` or its grant expired undelivered.
+    async fn rewritten(&self, key: &str, r: &Record, token: &str) -> Result<Option<String>> {
+        let Some(seq) = r.queue.queue_head else { return Ok(None) };
+        let deadline = self.monotonic() + self.config().retry_budget;
+        let wk = waiter_key(key, seq);
+        let w = self.read(deadline, || self.store().get(&wk)).await?.and_then(|w| w.queue.waiter);
+        Ok(w.filter(|w| w.seq == seq && w.lease_id == r.lease_id && w.task_token != token).map(|w| w.task_token))
+    }
+
+    /// Moves the undelivered mark of the grant with `fence` from `old` to `new`; false when it
+    /// no longer names `old` (revoked, delivered, or moved by the retried invocation itself).
+    async fn move_mark(&self, key: &str, fence: u64, old: &str, new: &str) -> Result<bool> {
+        let deadline = self.monotonic() + self.config().retry_budget;
+        let cond = Condition::Queue(QueueCondition::Undelivered { fence, token: old.to_string() });
+        let mark = Mutation::Queue(QueueMutation::MarkUndelivered { token: new.to_string(), shard: queue_shard(key) });
+        let (w, _, _) =
+            self.write(key, deadline, |_| Ok((cond.clone(), mark.clone()))).await.map_err(|f| f.into_error(key))?;
+        Ok(matches!(w, Write::Applied(_)))
+    }
+
     /// Passes over waiter `seq` (the head moves on) if the key is still free with the same head.
     async fn skip(&self, key: &str, r: &Record, now: u64, seq: u64) -> Result<bool> {
-        let cond = Condition::HandOver { fence: r.fence, now_ms: now, head: seq - 1 };
-        let m = Mutation::Skip { seq, now_ms: self.checked_now(key).await? };
+        let cond = Condition::Queue(QueueCondition::HandOver { fence: r.fence, now_ms: now, head: seq - 1 });
+        let m = Mutation::Queue(QueueMutation::Skip { seq, now_ms: self.checked_now(key).await? });
         Ok(matches!(self.store().update(key, &cond, &m).await?, Write::Applied(_)))
     }
 
@@ -862,8 +986,11 @@ impl Coordinator {
             }
         }
         match self.store().get(key).await {
-            Ok(Some(r)) if r.queue_len() == 0 && r.pending_token.is_none() => {
-                if let Ok(Write::Applied(_)) = self.store().update(key, &Condition::QueueIdle, &Mutation::Unindex).await
+            Ok(Some(r)) if r.queue_len() == 0 && r.queue.pending_token.is_none() => {
+                if let Ok(Write::Applied(_)) = self
+                    .store()
+                    .update(key, &Condition::Queue(QueueCondition::QueueIdle), &Mutation::Queue(QueueMutation::Unindex))
+                    .await
                 {
                     report.unindexed += 1;
                 }
@@ -881,9 +1008,9 @@ impl Coordinator {
     pub async fn queue_position(&self, key: &str, lease_id: &LeaseId, limit: u64) -> Result<Option<u64>> {
         self.config().limits.key(key)?;
         let Some(r) = self.store().get(key).await? else { return Ok(None) };
-        let (Some(head), Some(tail)) = (r.queue_head, r.queue_tail) else { return Ok(None) };
+        let (Some(head), Some(tail)) = (r.queue.queue_head, r.queue.queue_tail) else { return Ok(None) };
         for seq in head + 1..=tail.min(head + limit) {
-            if let Some(w) = self.store().get(&waiter_key(key, seq)).await?.and_then(|w| w.waiter) {
+            if let Some(w) = self.store().get(&waiter_key(key, seq)).await?.and_then(|w| w.queue.waiter) {
                 if &w.lease_id == lease_id {
                     return Ok(Some(seq - head));
                 }

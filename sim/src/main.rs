@@ -4,102 +4,137 @@
 
 use std::collections::BTreeMap;
 
-use leasehold_sim::{run, Settings};
+use leasehold_sim::{run, Outcome, Settings};
+
+/// The command line.
+struct Args {
+    seeds: u64,
+    one: Option<u64>,
+    ops: u64,
+    coords: usize,
+    rate: f64,
+    trace: bool,
+    /// Show the known findings too.
+    verbose: bool,
+    /// Stop at the first seed with a violation (how many seeds it takes to find a bug).
+    first: bool,
+}
+
+/// What the seeds run so far add up to.
+#[derive(Default)]
+struct Totals {
+    operations: u64,
+    violations: u64,
+    faults: BTreeMap<&'static str, u64>,
+    findings: BTreeMap<&'static str, u64>,
+    last_hash: u64,
+}
 
 fn main() {
-    let mut args = std::env::args().skip(1);
-    let mut verbose = false;
-    // Stop at the first seed with a violation (how many seeds it takes to find a bug).
-    let mut first = false;
-    let (mut seeds, mut one, mut ops, mut coords, mut rate, mut trace) =
-        (200u64, None, 5000u64, 3usize, 0.02f64, false);
-    while let Some(a) = args.next() {
-        let mut val = || args.next().unwrap_or_else(|| usage(&format!("{a} needs a value")));
-        match a.as_str() {
-            "--seeds" => seeds = val().parse().unwrap_or_else(|_| usage("--seeds N")),
-            "--seed" => one = Some(val().parse().unwrap_or_else(|_| usage("--seed S"))),
-            "--ops" => ops = val().parse().unwrap_or_else(|_| usage("--ops N")),
-            "--coordinators" => coords = val().parse().unwrap_or_else(|_| usage("--coordinators N")),
-            "--fault-rate" => rate = val().parse().unwrap_or_else(|_| usage("--fault-rate P")),
-            "--trace-hash" => trace = true,
-            "--findings" => verbose = true,
-            "--first" => first = true,
-            "-h" | "--help" => usage(""),
-            other => usage(&format!("unknown argument {other}")),
-        }
-    }
-    let list: Vec<u64> = match one {
+    let a = parse_args();
+    let list: Vec<u64> = match a.one {
         Some(s) => vec![s],
-        None => (1..=seeds).collect(),
+        None => (1..=a.seeds).collect(),
     };
     let started = std::time::Instant::now();
-    let (mut operations, mut violations, mut faults) = (0u64, 0u64, BTreeMap::<&str, u64>::new());
-    let mut findings = BTreeMap::<&str, u64>::new();
-    let mut last_hash = 0;
+    let mut t = Totals::default();
     let mut ran = None;
     for (i, seed) in list.iter().enumerate() {
-        let s = Settings { ops, coordinators: coords, fault_rate: rate, ..Settings::new(*seed) };
+        let s = Settings { ops: a.ops, coordinators: a.coords, fault_rate: a.rate, ..Settings::new(*seed) };
         let out = run(&s);
-        operations += out.operations;
-        for (k, v) in &out.faults {
-            *faults.entry(k).or_default() += v;
-        }
-        last_hash = out.trace_hash;
-        for (k, v) in &out.findings {
-            *findings.entry(k).or_default() += v;
-        }
-        for v in &out.violations {
-            if v.known {
-                if verbose {
-                    println!("known finding, seed {seed}: {} on {:?}: {}", v.kind, v.key, v.message);
-                    for line in &v.history {
-                        println!("    {line}");
-                    }
-                }
-                continue;
-            }
-            violations += 1;
-            println!("VIOLATION seed {seed}: {} on {:?}: {}", v.kind, v.key, v.message);
-            for line in &v.history {
-                println!("    {line}");
-            }
-            println!(
-                "    replay: cargo run --release -p leasehold-sim -- --seed {seed} --ops {ops} --coordinators {coords} --fault-rate {rate}"
-            );
-        }
-        if first && violations > 0 {
+        add(&a, &mut t, *seed, &out);
+        if a.first && t.violations > 0 {
             ran = Some(i + 1);
             break;
         }
     }
     let seconds = started.elapsed().as_secs_f64();
-    let ran = ran.unwrap_or(list.len());
-    println!("seeds {ran}  operations {operations}  violations {violations}  seconds {seconds:.1}");
+    report(&t, ran.unwrap_or(list.len()), seconds);
+    if a.trace && a.one.is_some() {
+        println!("{:016x}", t.last_hash);
+    }
+    if t.violations > 0 {
+        std::process::exit(1);
+    }
+}
+
+fn parse_args() -> Args {
+    let mut args = std::env::args().skip(1);
+    let mut a =
+        Args { seeds: 200, one: None, ops: 5000, coords: 3, rate: 0.02, trace: false, verbose: false, first: false };
+    while let Some(arg) = args.next() {
+        let mut val = || args.next().unwrap_or_else(|| usage(&format!("{arg} needs a value")));
+        match arg.as_str() {
+            "--seeds" => a.seeds = val().parse().unwrap_or_else(|_| usage("--seeds N")),
+            "--seed" => a.one = Some(val().parse().unwrap_or_else(|_| usage("--seed S"))),
+            "--ops" => a.ops = val().parse().unwrap_or_else(|_| usage("--ops N")),
+            "--coordinators" => a.coords = val().parse().unwrap_or_else(|_| usage("--coordinators N")),
+            "--fault-rate" => a.rate = val().parse().unwrap_or_else(|_| usage("--fault-rate P")),
+            "--trace-hash" => a.trace = true,
+            "--findings" => a.verbose = true,
+            "--first" => a.first = true,
+            "-h" | "--help" => usage(""),
+            other => usage(&format!("unknown argument {other}")),
+        }
+    }
+    a
+}
+
+/// Adds one seed's outcome to the totals, printing its violations (and known findings when
+/// asked) with their histories.
+fn add(a: &Args, t: &mut Totals, seed: u64, out: &Outcome) {
+    t.operations += out.operations;
+    for (k, v) in &out.faults {
+        *t.faults.entry(k).or_default() += v;
+    }
+    t.last_hash = out.trace_hash;
+    for (k, v) in &out.findings {
+        *t.findings.entry(k).or_default() += v;
+    }
+    for v in &out.violations {
+        if v.known {
+            if a.verbose {
+                println!("known finding, seed {seed}: {} on {:?}: {}", v.kind, v.key, v.message);
+                for line in &v.history {
+                    println!("    {line}");
+                }
+            }
+            continue;
+        }
+        t.violations += 1;
+        println!("VIOLATION seed {seed}: {} on {:?}: {}", v.kind, v.key, v.message);
+        for line in &v.history {
+            println!("    {line}");
+        }
+        println!(
+            "    replay: cargo run --release -p leasehold-sim -- --seed {seed} --ops {} --coordinators {} --fault-rate {}",
+            a.ops, a.coords, a.rate
+        );
+    }
+}
+
+/// The summary: counts, the faults injected, the known findings, and the same as JSON.
+fn report(t: &Totals, ran: usize, seconds: f64) {
+    println!("seeds {ran}  operations {}  violations {}  seconds {seconds:.1}", t.operations, t.violations);
     println!("faults injected:");
-    for (k, v) in &faults {
+    for (k, v) in &t.faults {
         println!("  {k:<26} {v}");
     }
-    if !findings.is_empty() {
+    if !t.findings.is_empty() {
         println!("known findings (DESIGN.md, \"Simulation\"; --findings shows them):");
-        for (k, v) in &findings {
+        for (k, v) in &t.findings {
             println!("  {k:<26} {v}");
         }
     }
     let summary = serde_json::json!({
         "seeds": ran,
-        "operations": operations,
-        "violations": violations,
-        "faults": faults,
-        "findings": findings,
+        "operations": t.operations,
+        "violations": t.violations,
+        "faults": t.faults,
+        "findings": t.findings,
         "seconds": (seconds * 10.0).round() / 10.0,
     });
     println!("{summary}");
-    if trace && one.is_some() {
-        println!("{last_hash:016x}");
-    }
-    if violations > 0 {
-        std::process::exit(1);
-    }
 }
 
 fn usage(msg: &str) -> ! {

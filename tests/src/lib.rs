@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use leasehold::store::{Condition, DynamoStore, Mutation, Page, ScanKind, SqliteStore, Store, Write};
+use leasehold::store::{Condition, DynamoStore, LeaseMutation, Mutation, Page, ScanKind, SqliteStore, Store, Write};
 use leasehold::{Config, Coordinator, Error, Record, Result};
 
 pub mod apigw;
@@ -599,7 +599,7 @@ impl Store for Gated {
         self.inner.get(key).await
     }
     async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> Result<Write> {
-        if !matches!(m, Mutation::Extend { .. }) || !self.armed.swap(false, Ordering::SeqCst) {
+        if !matches!(m, Mutation::Lease(LeaseMutation::Extend { .. })) || !self.armed.swap(false, Ordering::SeqCst) {
             return self.inner.update(key, c, m).await;
         }
         let (inner, gate, landed) = (self.inner.clone(), self.gate.clone(), self.landed.clone());

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use leasehold::api::{self, Operation};
-use leasehold::store::{Condition, Mutation, NewLease, Store, Write};
+use leasehold::store::{Condition, LeaseCondition, LeaseMutation, Mutation, NewLease, Store, Write};
 use leasehold::{AcquireOptions, Config, Coordinator, Error, LeaseId, NotHolderReason};
 use leasehold_tests::{both_backends, test_config, Backend, Counting, Fault, Faulty};
 use serde_json::json;
@@ -204,10 +204,14 @@ async fn an_implausibly_far_fence_is_never_copied(b: Backend) {
 /// Writes an expired lease item with `fence` directly (what another coordinator left).
 async fn put(store: &Arc<dyn Store>, key: &str, fence: u64, now: u64) {
     let n = NewLease::new("gone", LeaseId::generate(), now - 5000, Some(1000), fence);
-    let w = store.update(key, &Condition::Exists, &Mutation::Acquire(n.clone())).await.unwrap();
+    let w = store.update(key, &Condition::Exists, &Mutation::Lease(LeaseMutation::Acquire(n.clone()))).await.unwrap();
     if let Write::Rejected(_) = w {
-        let free = Condition::Free { now_ms: now, fence: u64::MAX, lease_id: LeaseId::generate() };
-        assert!(matches!(store.update(key, &free, &Mutation::Acquire(n)).await.unwrap(), Write::Applied(_)));
+        let free =
+            Condition::Lease(LeaseCondition::Free { now_ms: now, fence: u64::MAX, lease_id: LeaseId::generate() });
+        assert!(matches!(
+            store.update(key, &free, &Mutation::Lease(LeaseMutation::Acquire(n))).await.unwrap(),
+            Write::Applied(_)
+        ));
     }
 }
 

@@ -258,6 +258,72 @@ async fn a_queue_served_after_a_clock_step_during_its_read_grants_nothing() {
     honest.release(k, &held.lease_id).await.unwrap();
 }
 
+/// Step Functions whose every `SendTaskSuccess` is throttled, and during whose
+/// first `SendTaskFailure` the clock given is stepped 60 s back (an NTP step while the call is
+/// under way); it records the tokens told.
+struct ThrottledThenStepped {
+    clock: Arc<Stepped>,
+    step: std::sync::atomic::AtomicBool,
+    failed: Mutex<Vec<String>>,
+}
+
+#[async_trait::async_trait]
+impl leasehold::queue::Deliver for ThrottledThenStepped {
+    async fn success(&self, _: &str, _: &leasehold::Lease) -> Result<(), leasehold::queue::DeliveryError> {
+        Err(leasehold::queue::DeliveryError::Transient("ThrottlingException".into()))
+    }
+    async fn failure(&self, token: &str, _: &str, _: &str) -> Result<(), leasehold::queue::DeliveryError> {
+        if self.step.swap(false, Ordering::SeqCst) {
+            self.clock.0.fetch_sub(60_000_000, Ordering::SeqCst);
+        }
+        self.failed.lock().unwrap().push(token.to_string());
+        Ok(())
+    }
+}
+
+/// `end_undelivered`'s stamp (`sim/tests/queue_findings.rs` on the simulated store). A queue
+/// grant whose every delivery failed expired; serving the key tells its waiter
+/// (`SendTaskFailure`, `LeaseExpired`) and removes the undelivered mark, stamping `freed_at_ms`
+/// (from then on plain and fail-closed acquires sent later may take the key). The clock was
+/// stepped 60 s back during the `SendTaskFailure`, and the stamp was written with it unchecked:
+/// 60 s before the key was freed. The clock is now checked right before it is read for that
+/// write: refused, the mark stays until a clock that passes the check removes it. (DynamoDB
+/// only: the embedded store has no remote clock to check a coordinator's against.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_grant_s_mark_is_not_stamped_with_a_clock_stepped_during_its_failure() {
+    let b = Backend::dynamo().await;
+    let clock = Arc::new(Stepped::default());
+    let sfn = Arc::new(ThrottledThenStepped { clock: clock.clone(), step: true.into(), failed: Mutex::default() });
+    let c = Coordinator::new(b.store(), Config { clock: clock.clone(), ..test_config() }).with_deliver(sfn.clone());
+    let k = "jump-expired-grant";
+    let held = c.acquire(k, "holder", secs(30), AcquireOptions::default()).await.unwrap();
+    let d = Duration::from_millis(500);
+    let q = c.acquire_or_enqueue(k, "waiter", d, AcquireOptions::default(), "token-w", None).await.unwrap();
+    assert!(matches!(q, leasehold::queue::Enqueued::Queued { .. }), "{q:?}");
+    // The hand-over's grant is never delivered: it stays marked, and expires.
+    c.release(k, &held.lease_id).await.unwrap();
+    let item = b.store().get(k).await.unwrap().unwrap();
+    assert_eq!(item.queue.pending_token.as_deref(), Some("token-w"), "{item:?}");
+    tokio::time::sleep(d + Duration::from_millis(200)).await;
+    let before = leasehold::Clock::wall_ms(&leasehold::SystemClock) as u64;
+    let r = c.serve_queue(k).await;
+    assert_eq!(*sfn.failed.lock().unwrap(), ["token-w"], "the waiter was told");
+    let item = b.store().get(k).await.unwrap().unwrap();
+    assert!(
+        item.queue.freed_at_ms.is_none_or(|f| f >= before),
+        "the key's freeing was stamped {} ms before it happened ({r:?})",
+        before.saturating_sub(item.queue.freed_at_ms.unwrap_or(before))
+    );
+    assert!(matches!(r, Err(Error::ClockSkew(_))), "{r:?}");
+    assert!(item.queue.pending_token.is_some(), "the mark stays for a clock that passes the check: {item:?}");
+    // NTP steps the clock back: the mark goes, stamped with a true clock.
+    clock.0.fetch_add(60_000_000, Ordering::SeqCst);
+    let before = leasehold::Clock::wall_ms(&leasehold::SystemClock) as u64;
+    c.serve_queue(k).await.unwrap();
+    let item = b.store().get(k).await.unwrap().unwrap();
+    assert!(item.queue.pending_token.is_none() && item.queue.freed_at_ms.is_some_and(|f| f >= before), "{item:?}");
+}
+
 /// A server whose clock is refused says when to try again: `Retry-After` (and
 /// `retry_after_ms` in the body), so that clients retrying 503s do not hot-loop on it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

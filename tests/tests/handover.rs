@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use leasehold::store::{Condition, Mutation, Page, ScanKind, Store, Write};
+use leasehold::store::{Condition, Mutation, Page, QueueCondition, QueueMutation, ScanKind, Store, Write};
 use leasehold::Record;
 use leasehold::{AcquireOptions, Coordinator, Error, LeaseId, NotHolderReason};
 use leasehold_tests::{both_backends, test_config, Backend, Fault, Faulty};
@@ -64,7 +64,7 @@ async fn free_soon(c: &Coordinator, k: &str, what: &str) {
 async fn a_waiter_dropped_while_its_grant_is_written_leaves_the_key_free(b: Backend) {
     // The hand-over's write lands at once but answers 1.5 s later; the waiter's own polls pass
     // untouched.
-    let faulty = Faulty::on(b.store(), |c| matches!(c, Condition::HandTo { .. }));
+    let faulty = Faulty::on(b.store(), |c| matches!(c, Condition::Queue(QueueCondition::HandTo { .. })));
     let c = quiet(faulty.clone());
     // The head withdraws its offer while it polls (an attempt of its own); a release in that
     // window hands nothing over and tests nothing here. Such a round is run again on a new key.
@@ -218,7 +218,7 @@ impl Store for LateHandTo {
         self.inner.get(key).await
     }
     async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
-        if matches!(c, Condition::HandTo { .. }) && self.armed.swap(false, Ordering::SeqCst) {
+        if matches!(c, Condition::Queue(QueueCondition::HandTo { .. })) && self.armed.swap(false, Ordering::SeqCst) {
             *self.held.lock().unwrap() = Some((key.to_string(), c.clone(), m.clone()));
             return Err(Error::StoreUnavailable("injected: the hand-over is stuck in the network".into()));
         }
@@ -297,7 +297,7 @@ async fn a_waiter_elsewhere_is_not_passed_over_by_the_line_s_own_waiters(b: Back
     x.release(k, &h.lease_id).await.unwrap();
     let l1 = x1.await.unwrap().expect("x1 is handed the key");
     let handed = b.store().get(k).await.unwrap().expect("the item");
-    assert_eq!(handed.handed_in.as_deref(), Some(x.id()), "x1's lease came from x's line");
+    assert_eq!(handed.queue.handed_in.as_deref(), Some(x.id()), "x1's lease came from x's line");
     let x2 = tokio::spawn({
         let x = x.clone();
         async move { x.acquire(k, "x2", LONG, waiting(Duration::from_secs(30))).await }
@@ -307,13 +307,13 @@ async fn a_waiter_elsewhere_is_not_passed_over_by_the_line_s_own_waiters(b: Back
         async move { w.acquire(k, "w", LONG, waiting(Duration::from_secs(30))).await }
     });
     until(Duration::from_secs(10), "w's waiter marks x1's lease", async || {
-        b.store().get(k).await.unwrap().is_some_and(|r| r.awaited_by.as_deref() == Some(w.id()))
+        b.store().get(k).await.unwrap().is_some_and(|r| r.queue.awaited_by.as_deref() == Some(w.id()))
     })
     .await;
     // x2, head of x's line, polls several times while x1 holds the key.
     tokio::time::sleep(Duration::from_millis(800)).await;
     let r = b.store().get(k).await.unwrap().expect("the item");
-    assert_eq!((r.handed_in.as_deref(), r.awaited_by.as_deref()), (Some(x.id()), Some(w.id())), "{r:?}");
+    assert_eq!((r.queue.handed_in.as_deref(), r.queue.awaited_by.as_deref()), (Some(x.id()), Some(w.id())), "{r:?}");
     x.release(k, &l1.lease_id).await.unwrap();
     let got = wl.await.unwrap().expect("w's waiter gets the key x's line left free");
     assert!(got.fence > l1.fence);
@@ -338,8 +338,8 @@ impl Store for MarkBeforeHandTo {
         self.inner.get(key).await
     }
     async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
-        if let Condition::HandTo { fence, .. } = c {
-            let mark = Mutation::WaitsIn { coordinator: "elsewhere".into() };
+        if let Condition::Queue(QueueCondition::HandTo { fence, .. }) = c {
+            let mark = Mutation::Queue(QueueMutation::WaitsIn { coordinator: "elsewhere".into() });
             assert!(matches!(self.inner.update(key, &Condition::FenceIs(*fence), &mark).await?, Write::Applied(_)));
         }
         self.inner.update(key, c, m).await

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use leasehold::store::{Condition, Write};
+use leasehold::store::{Condition, LeaseMutation, Write};
 use leasehold::{AcquireOptions, Coordinator, Error, Keepalive, LeaseId, Lost, NotHolderReason};
 use leasehold_tests::{both_backends, test_config, Backend, Counting, Fault, Faulty, Gated, GuardedResource, Holds};
 use serde_json::json;
@@ -879,27 +879,7 @@ fn lease_id_never_formats() {
         released_at_ms: None,
         metadata: None,
         keepalive: None,
-        ttl: None,
-        poll_ms: None,
-        handed_in: None,
-        awaited_by: None,
-        renewed_at_ms: None,
-        queue_head: None,
-        queue_tail: None,
-        queue_tail_at_ms: None,
-        freed_at_ms: None,
-        pending_token: None,
-        queue_tail_lease_id: None,
-        released_lease_id: None,
-        released_fence: None,
-        waiter: None,
-        state: None,
-        state_since_ms: None,
-        attempts: None,
-        slots: None,
-        slots_taken: None,
-        slots_rev: None,
-        slot_holders: Vec::new(),
+        ..leasehold::Record::default()
     };
     assert!(!format!("{r:?}").contains(&secret));
     assert!(!format!("{:?}", r.lease(Instant::now(), 0, 0)).contains(&secret));
@@ -947,7 +927,7 @@ both_backends!(
     batch_concurrent_takers_process_each_item_once,
 );
 
-/// Counts the acquiring writes (`Mutation::Acquire`) a coordinator sends, and how many land.
+/// Counts the acquiring writes (`LeaseMutation::Acquire`) a coordinator sends, and how many land.
 struct AcquireWrites {
     inner: Arc<dyn leasehold::store::Store>,
     sent: std::sync::atomic::AtomicU64,
@@ -970,7 +950,7 @@ impl leasehold::store::Store for AcquireWrites {
         m: &leasehold::store::Mutation,
     ) -> leasehold::Result<leasehold::store::Write> {
         let w = self.inner.update(key, c, m).await;
-        if matches!(m, leasehold::store::Mutation::Acquire(_)) {
+        if matches!(m, leasehold::store::Mutation::Lease(LeaseMutation::Acquire(_))) {
             self.sent.fetch_add(1, Ordering::SeqCst);
             if matches!(w, Ok(Write::Applied(_))) {
                 self.applied.fetch_add(1, Ordering::SeqCst);
@@ -1156,7 +1136,7 @@ async fn batch_plain_acquire_keeps_state(b: Backend) {
     assert_eq!(c.store().get("k").await.unwrap().unwrap().ttl, None);
     c.release("k", &l.lease_id).await.unwrap();
     let rec = c.store().get("k").await.unwrap().unwrap();
-    assert_eq!((rec.ttl, rec.state.as_deref(), rec.attempts), (None, Some("PENDING"), Some(1)));
+    assert_eq!((rec.ttl, rec.work.state.as_deref(), rec.work.attempts), (None, Some("PENDING"), Some(1)));
     // Put a free key into another state: moved, attempts start again.
     let s = c.put("k", "OTHER", "p").await.unwrap();
     assert_eq!((s.state.as_deref(), s.attempts), (Some("OTHER"), Some(0)));
@@ -1704,12 +1684,12 @@ async fn semaphore_map_stays_bounded(b: Backend) {
     for i in 0..40 {
         let l = c.acquire("sem/bound", &format!("h{i}"), secs(30), slots(2)).await.unwrap();
         c.release("sem/bound", &l.lease_id).await.unwrap();
-        most = most.max(b.store().get("sem/bound").await.unwrap().unwrap().slot_holders.len());
+        most = most.max(b.store().get("sem/bound").await.unwrap().unwrap().semaphore.slot_holders.len());
     }
     assert!(most <= 2 + 16 + 1, "{most} entries");
     assert!(most > 2, "released entries are kept a while: {most}");
     let r = b.store().get("sem/bound").await.unwrap().unwrap();
-    assert_eq!(r.slots_taken, Some(0));
+    assert_eq!(r.semaphore.slots_taken, Some(0));
 }
 
 // The work-state index's INCLUDE projection and terminal states' TTL (DESIGN.md, "How one

@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use leasehold::queue::{Deliver, DeliveryError, Enqueued, DELIVERY_GRACE_MS};
-use leasehold::store::{Condition, Mutation, Page, ScanKind, Store, Write};
+use leasehold::store::{
+    Condition, Mutation, Page, QueueCondition, QueueMutation, ScanKind, Store, WorkMutation, Write,
+};
 use leasehold::{AcquireOptions, Coordinator, Lease, LeaseId, Record};
 use leasehold_tests::{both_backends, test_config, Backend, Counting};
 
@@ -454,7 +456,7 @@ async fn work_items_keep_their_state_through_the_queue(b: Backend) {
     let granted = rec.last();
     assert!(granted.fence > first.fence);
     let item = b.store().get(&k).await.unwrap().expect("item");
-    assert_eq!(item.state.as_deref(), Some("PENDING"), "the hand-over keeps the state: {item:?}");
+    assert_eq!(item.work.state.as_deref(), Some("PENDING"), "the hand-over keeps the state: {item:?}");
     assert_eq!(item.ttl, None, "a key in a state keeps no TTL: {item:?}");
     assert_eq!(item.lease_id, granted.lease_id);
     let released = c.release_to(&k, &granted.lease_id, Some("DONE")).await.unwrap();
@@ -542,12 +544,12 @@ async fn free_key_grant_whose_delivery_answer_is_lost_is_kept(b: Backend) {
     assert!(matches!(other, Err(leasehold::Error::LeaseHeld { .. })), "one holder at a time: {other:?}");
     let item = b.store().get(&k).await.unwrap().unwrap();
     assert_eq!(item.lease_id, lease.lease_id);
-    assert_eq!(item.pending_token.as_deref(), Some("t0"), "marked for the sweep");
+    assert_eq!(item.queue.pending_token.as_deref(), Some("t0"), "marked for the sweep");
     tokio::time::sleep(Duration::from_millis(DELIVERY_GRACE_MS + 100)).await;
     let report = c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
     assert!(report.keys >= 1, "{report:?}");
     let item = b.store().get(&k).await.unwrap().unwrap();
-    assert!(item.pending_token.is_none() && item.lease_id == lease.lease_id, "{item:?}");
+    assert!(item.queue.pending_token.is_none() && item.lease_id == lease.lease_id, "{item:?}");
     assert!(c.heartbeat(&k, &lease.lease_id, None).await.is_ok(), "still the task's lease");
     // A first attempt answered Gone: never delivered, the key is freed.
     let k2 = key("gone-at-once");
@@ -569,7 +571,8 @@ impl TtlDeleting {
         loop {
             let page = self.inner.scan(&ScanKind::All, start.as_deref(), 100).await.unwrap();
             for r in page.items.iter().filter(|r| r.ttl.is_some_and(|t| t < at_s)) {
-                let cond = if r.fence == 0 { Condition::NotLease } else { Condition::FenceIs(r.fence) };
+                let cond =
+                    if r.fence == 0 { Condition::Queue(QueueCondition::NotLease) } else { Condition::FenceIs(r.fence) };
                 if let Write::Applied(_) = self.inner.delete(&r.key, &cond).await.unwrap() {
                     n += 1;
                 }
@@ -693,11 +696,11 @@ impl Store for Faults {
 }
 
 fn is_enqueue(m: &Mutation) -> bool {
-    matches!(m, Mutation::Enqueue { .. })
+    matches!(m, Mutation::Queue(QueueMutation::Enqueue { .. }))
 }
 
 fn puts_waiter(m: &Mutation, token: &str) -> bool {
-    matches!(m, Mutation::PutWaiter(r) if r.waiter.as_ref().is_some_and(|w| w.task_token == token))
+    matches!(m, Mutation::Queue(QueueMutation::PutWaiter(r)) if r.queue.waiter.as_ref().is_some_and(|w| w.task_token == token))
 }
 
 /// An enqueue whose answer is lost is retried with the same lease_id and finds its own slot
@@ -808,7 +811,7 @@ async fn an_ambiguous_hand_over_is_recognised_by_its_retry(b: Backend) {
     let Enqueued::Granted(held) = enqueue(&c, &k, "t0", Duration::from_secs(30)).await else { panic!() };
     enqueue(&c, &k, "t1", Duration::from_secs(30)).await;
     enqueue(&c, &k, "t2", Duration::from_secs(30)).await;
-    faults.once(|_, m| matches!(m, Mutation::Grant { .. }).then_some(Act::LoseAnswer));
+    faults.once(|_, m| matches!(m, Mutation::Queue(QueueMutation::Grant { .. })).then_some(Act::LoseAnswer));
     let released = c.release(&k, &held.lease_id).await.expect("the retry finds the grant");
     assert!(!released.already_released);
     assert_eq!(released.fence, held.fence);
@@ -885,8 +888,8 @@ async fn revoke_keeps_a_work_state_without_ttl(b: Backend) {
     rec.gone.lock().unwrap().insert("gone".into());
     c.release(&k, &held.lease_id).await.unwrap();
     let item = b.store().get(&k).await.unwrap().unwrap();
-    assert!(item.released_at_ms.is_some() && item.pending_token.is_none(), "revoked: {item:?}");
-    assert_eq!(item.state.as_deref(), Some("PENDING"));
+    assert!(item.released_at_ms.is_some() && item.queue.pending_token.is_none(), "revoked: {item:?}");
+    assert_eq!(item.work.state.as_deref(), Some("PENDING"));
     assert_eq!(item.ttl, None, "no TTL on a key in a state: {item:?}");
 }
 
@@ -899,7 +902,9 @@ async fn heartbeat_answers_without_waiting_for_the_ttl_removal(b: Backend) {
     let k = key("hb-state");
     c.put(&k, "PENDING", "producer").await.unwrap();
     let lease = c.acquire(&k, "h", Some(Duration::from_secs(30)), AcquireOptions::default()).await.unwrap();
-    faults.once(|_, m| matches!(m, Mutation::ClearTtl).then_some(Act::Delay(Duration::from_secs(20))));
+    faults.once(|_, m| {
+        matches!(m, Mutation::Work(WorkMutation::ClearTtl)).then_some(Act::Delay(Duration::from_secs(20)))
+    });
     // A renewal lands only with a later clock reading than the grant's: one in the grant's own
     // millisecond (a fast embedded store) leaves the expiry as it was.
     tokio::time::sleep(Duration::from_millis(20)).await;

@@ -40,7 +40,7 @@ fn entries(t: &Target, key: &str) -> usize {
         let local = leasehold_tests::dynamo_local();
         let store = leasehold::store::DynamoStore::new(local.client().await, table);
         let r = leasehold::store::Store::get(&store, &key).await.unwrap().expect("the item");
-        r.slot_holders.len()
+        r.semaphore.slot_holders.len()
     })
 }
 

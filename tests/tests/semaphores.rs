@@ -7,7 +7,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use leasehold::store::{Condition, DynamoStore, Mutation, Page, ScanKind, Store, Write};
+use leasehold::store::{
+    Condition, DynamoStore, LeaseMutation, Mutation, Page, QueueCondition, QueueMutation, ScanKind, SemaphoreCondition,
+    SemaphoreMutation, Store, Write,
+};
 use leasehold::{AcquireOptions, Coordinator, Error, LeaseId, Record, SlotHolder};
 use leasehold_tests::{both_backends, dynamo_local, test_config, Backend, Counting, Fault, Faulty};
 
@@ -45,8 +48,8 @@ fn semaphore_of(key: &str, holders: usize, meta: usize, now: u64) -> Record {
         .collect();
     let mut r = leasehold::store::NewLease::new("h0", LeaseId::from_string("-"), now, None, holders as u64).record(key);
     (r.expires_at_ms, r.duration_ms, r.renewed_at_ms) = (None, None, None);
-    (r.slots, r.slots_taken, r.slots_rev) = (Some(1000), Some(holders as u32), Some(1));
-    r.slot_holders = slot_holders;
+    (r.semaphore.slots, r.semaphore.slots_taken, r.semaphore.slots_rev) = (Some(1000), Some(holders as u32), Some(1));
+    r.semaphore.slot_holders = slot_holders;
     r
 }
 
@@ -62,17 +65,33 @@ async fn a_request_dynamodb_refuses_for_good_is_store_refused_and_sent_once() {
     let now = 1_700_000_000_000;
     // An item past 400 KB: 120 holders with 4 KB of metadata each.
     let big = semaphore_of("refused/big", 120, 4000, now);
-    let r = store.update("refused/big", &Condition::NotLease, &Mutation::PutSemaphore(Box::new(big))).await;
+    let r = store
+        .update(
+            "refused/big",
+            &Condition::Queue(QueueCondition::NotLease),
+            &Mutation::Semaphore(SemaphoreMutation::PutSemaphore(Box::new(big))),
+        )
+        .await;
     let e = r.expect_err("an item past 400 KB is refused");
     assert!(matches!(e, Error::StoreRefused(ref m) if m.contains("ValidationException")), "{e:?}");
     assert!(!e.is_transient() && !e.may_have_landed(), "{e:?}");
     assert!(store.get("refused/big").await.unwrap().is_none(), "nothing was written");
     // An update expression past 4 KB: a tidy naming 300 entries.
     let small = semaphore_of("refused/expr", 2, 0, now);
-    store.update("refused/expr", &Condition::NotLease, &Mutation::PutSemaphore(Box::new(small))).await.unwrap();
+    store
+        .update(
+            "refused/expr",
+            &Condition::Queue(QueueCondition::NotLease),
+            &Mutation::Semaphore(SemaphoreMutation::PutSemaphore(Box::new(small))),
+        )
+        .await
+        .unwrap();
     let ended: Vec<LeaseId> = (0..300).map(|_| LeaseId::generate()).collect();
-    let tidy = Mutation::TidySlots { ended, taken: 2, ttl: now / 1000 };
-    let e = store.update("refused/expr", &Condition::SlotsAsRead { rev: 1 }, &tidy).await.unwrap_err();
+    let tidy = Mutation::Semaphore(SemaphoreMutation::TidySlots { ended, taken: 2, ttl: now / 1000 });
+    let e = store
+        .update("refused/expr", &Condition::Semaphore(SemaphoreCondition::SlotsAsRead { rev: 1 }), &tidy)
+        .await
+        .unwrap_err();
     assert!(matches!(e, Error::StoreRefused(ref m) if m.contains("ValidationException")), "{e:?}");
 
     // Through a coordinator, on a table that does not exist: one request, `StoreRefused`.
@@ -163,7 +182,7 @@ async fn takes_cut_at_any_point_strand_no_slot(b: Backend) {
 async fn a_take_dropped_during_its_tidy_gives_its_slot_back(b: Backend) {
     // The tidy (the only write under `sem_rev` here: nobody expires) lands at once but answers
     // 3 s later.
-    let faulty = Faulty::on(b.store(), |c| matches!(c, Condition::SlotsAsRead { .. }));
+    let faulty = Faulty::on(b.store(), |c| matches!(c, Condition::Semaphore(SemaphoreCondition::SlotsAsRead { .. })));
     let c = Coordinator::new(faulty.clone(), test_config());
     let k = "tidy";
     // 18 released entries stay in the map; the 19th grant sees more than N + 16 and tidies.
@@ -178,7 +197,7 @@ async fn a_take_dropped_during_its_tidy_gives_its_slot_back(b: Backend) {
     no_holder_soon(&c, k, "the slot of a take dropped during its tidy").await;
     // The tidy landed: the map is back within its bound.
     let r = c.store().get(k).await.unwrap().unwrap();
-    assert!(r.slot_holders.len() <= 2 + 16 + 1, "{} entries", r.slot_holders.len());
+    assert!(r.semaphore.slot_holders.len() <= 2 + 16 + 1, "{} entries", r.semaphore.slot_holders.len());
 }
 
 /// A plain lease key left free by a queue: released, then a waiter enqueued and passed over
@@ -189,14 +208,22 @@ async fn left_by_a_queue(c: &Coordinator, k: &str, start: u64, ahead_ms: i64) ->
     let l = c.acquire(k, "plain", secs(30), AcquireOptions::default()).await.unwrap();
     c.release(k, &l.lease_id).await.unwrap();
     let store = c.store();
-    let enqueue = Mutation::Enqueue { now_ms: c.now_ms(), start, lease_id: LeaseId::generate(), shard: 1000 };
+    let enqueue = Mutation::Queue(QueueMutation::Enqueue {
+        now_ms: c.now_ms(),
+        start,
+        lease_id: LeaseId::generate(),
+        shard: 1000,
+    });
     let w = store.update(k, &Condition::Exists, &enqueue).await.unwrap();
     let tail = match w {
-        leasehold::store::Write::Applied(r) => r.queue_tail.unwrap(),
+        leasehold::store::Write::Applied(r) => r.queue.queue_tail.unwrap(),
         other => panic!("{other:?}"),
     };
     let freed_at_ms = c.now_ms().saturating_add_signed(ahead_ms);
-    store.update(k, &Condition::Exists, &Mutation::Skip { seq: tail, now_ms: freed_at_ms }).await.unwrap();
+    store
+        .update(k, &Condition::Exists, &Mutation::Queue(QueueMutation::Skip { seq: tail, now_ms: freed_at_ms }))
+        .await
+        .unwrap();
     (tail, freed_at_ms)
 }
 
@@ -258,7 +285,7 @@ impl Store for HeldForceRelease {
         self.inner.get(key).await
     }
     async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
-        if matches!(m, Mutation::ForceRelease { .. }) {
+        if matches!(m, Mutation::Lease(LeaseMutation::ForceRelease { .. })) {
             self.waiting.store(true, Ordering::SeqCst);
             let _ = self.gate.acquire().await;
         }
@@ -303,7 +330,7 @@ async fn a_plain_force_release_never_lands_on_a_semaphore_made_meanwhile(b: Back
     let r = users.acquire(k, "intruder", secs(30), AcquireOptions::default()).await;
     assert!(matches!(r, Err(Error::LeaseHeld { .. })), "a plain acquire took the semaphore's key: {r:?}");
     let item = b.store().get(k).await.unwrap().unwrap();
-    assert_eq!(item.slots, Some(3), "the semaphore's item is still one: {item:?}");
+    assert_eq!(item.semaphore.slots, Some(3), "the semaphore's item is still one: {item:?}");
     // The operator's force-release reached the semaphore: its holders are evicted and fenced off.
     assert!(state.slots.is_some() && !state.held, "{state:?}");
     for h in &holders {

@@ -244,3 +244,52 @@ fn every_source_file_says_what_it_is_for() {
     }
     assert!(missing.is_empty(), "files without a module comment saying what they are for: {missing:?}");
 }
+
+/// The store's vocabulary holds together by its types: no `unreachable!` under
+/// shared/src/store (test modules included). A value one part of the store cannot handle is
+/// one its types do not let it be given (each kind's enum is matched whole, by that kind).
+#[test]
+fn the_store_has_no_unreachable_arm() {
+    let store = src().join("store");
+    let mut found = Vec::new();
+    let mut read = 0;
+    let mut stack = vec![store.clone()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let p = entry.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|e| e == "rs") {
+                read += 1;
+                let text = std::fs::read_to_string(&p).unwrap();
+                for (n, line) in text.lines().enumerate() {
+                    if line.contains(concat!("unreachable", "!")) {
+                        found.push(format!("{}:{}", p.display(), n + 1));
+                    }
+                }
+            }
+        }
+    }
+    assert!(read > 10, "the store's files were read: {read}");
+    assert!(found.is_empty(), "unreachable! in shared/src/store:\n{}", found.join("\n"));
+}
+
+/// `Condition` and `Mutation` have one variant per kind of lease (and, for conditions, the few
+/// every kind uses): at most 10 each, the kinds' own variants in their own enums
+/// (shared/src/store/kinds/).
+#[test]
+fn the_store_vocabulary_is_nested_by_kind() {
+    for (file, name) in [("condition.rs", "Condition"), ("mutation.rs", "Mutation")] {
+        let text = std::fs::read_to_string(src().join("store").join(file)).unwrap();
+        let start = text.find(&format!("pub enum {name} {{")).unwrap_or_else(|| panic!("{file} defines {name}"));
+        let body = &text[start..];
+        let body = &body[..body.find("\n}").unwrap()];
+        let variants = body
+            .lines()
+            .skip(1)
+            .filter(|l| l.starts_with("    ") && !l.starts_with("     ") && !l.trim_start().starts_with("//"))
+            .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_uppercase()))
+            .count();
+        assert!((5..=10).contains(&variants), "{name} has {variants} top-level variants");
+    }
+}

@@ -302,13 +302,20 @@ impl Coordinator {
                     fence = self.next_fence(key, seen)?;
                     let cond = match visit {
                         // Fail-closed: never on a key released after this attempt's clock.
-                        None if template.duration_ms.is_none() => {
-                            Condition::FreeAfter { now_ms: now, fence, lease_id: lease_id.clone() }
+                        None if template.duration_ms.is_none() => Condition::Lease(LeaseCondition::FreeAfter {
+                            now_ms: now,
+                            fence,
+                            lease_id: lease_id.clone(),
+                        }),
+                        None => {
+                            Condition::Lease(LeaseCondition::Free { now_ms: now, fence, lease_id: lease_id.clone() })
                         }
-                        None => Condition::Free { now_ms: now, fence, lease_id: lease_id.clone() },
-                        Some(v) => {
-                            Condition::FreeIn { now_ms: now, fence, lease_id: lease_id.clone(), visit: v.clone() }
-                        }
+                        Some(v) => Condition::Work(WorkCondition::FreeIn {
+                            now_ms: now,
+                            fence,
+                            lease_id: lease_id.clone(),
+                            visit: v.clone(),
+                        }),
                     };
                     let lease = NewLease {
                         now_ms: now,
@@ -322,7 +329,7 @@ impl Coordinator {
                         visit: visit.as_ref().map(|v| Visit { attempts: v.attempts.saturating_add(1), ..v.clone() }),
                         ..template.clone()
                     };
-                    Ok((cond, Mutation::Acquire(lease)))
+                    Ok((cond, Mutation::Lease(LeaseMutation::Acquire(lease))))
                 },
                 a.landed,
                 a.lapse.as_mut(),
@@ -424,7 +431,7 @@ impl Coordinator {
         // A free key kept for its queued waiters has no expiry to wake up for: the paced poll
         // alone (not a tight loop on an expiry already past).
         let now = self.now_ms();
-        let queued = (r.queue_len() > 0 || r.pending_token.is_some()) && !r.is_held(now);
+        let queued = (r.queue_len() > 0 || r.queue.pending_token.is_some()) && !r.is_held(now);
         let until_expiry =
             r.expires_at_ms.filter(|_| !queued).map(|e| Duration::from_millis(e.saturating_sub(now) + 1));
         let pause = a.wait.held(r.fence, r.poll_ms, until_expiry, a.wait_deadline);

@@ -66,14 +66,14 @@ pub(crate) fn sort_acquire(
         // (`pending_token`; a plain grant never carries one): that lease is the queue's to
         // deliver to its waiter's task token, and it may revoke it (DESIGN.md, "The waiter
         // queue": a retried invocation and its queue grant). Held, to an acquire.
-        Write::Rejected(Some(r)) if r.is_live_for(lease_id, now) && r.pending_token.is_none() => {
+        Write::Rejected(Some(r)) if r.is_live_for(lease_id, now) && r.queue.pending_token.is_none() => {
             AcquireAnswer::Granted(r)
         }
         Write::Rejected(Some(r)) => match ended_reason(&r, lease_id, now) {
             Some(reason) if reason != Reason::WrongLeaseId => AcquireAnswer::Ended(reason),
             // Freed by a queue write after this attempt's clock (`freed_at_ms`, every acquire), or
             // released after it (a fail-closed one).
-            _ if !r.is_held(now) && if after { r.freed_at() } else { r.freed_at_ms }.is_some_and(|t| t > now) => {
+            _ if !r.is_held(now) && if after { r.freed_at() } else { r.queue.freed_at_ms }.is_some_and(|t| t > now) => {
                 AcquireAnswer::Early(r)
             }
             _ if !r.is_held(now) && r.fence_floor() >= fence => AcquireAnswer::Above(r),
@@ -135,7 +135,7 @@ pub(crate) fn sort_release(w: Write, lease_id: &LeaseId, waiter: Option<&LeaseId
             ReleaseAnswer::Queued(r)
         }
         Write::Rejected(Some(r)) if &r.lease_id == lease_id && r.released_at_ms.is_some() => ReleaseAnswer::Already(r),
-        Write::Rejected(Some(r)) if r.released_lease_id.as_ref() == Some(lease_id) => ReleaseAnswer::HandedOn(r),
+        Write::Rejected(Some(r)) if r.queue.released_lease_id.as_ref() == Some(lease_id) => ReleaseAnswer::HandedOn(r),
         Write::Rejected(r) => ReleaseAnswer::NotHolder(r),
     }
 }
@@ -169,12 +169,12 @@ pub(crate) fn sort_take(w: Write, lease_id: &LeaseId, fence: u64, now: u64, slot
         Write::Rejected(None) => return SlotAnswer::Make(None),
         Write::Rejected(Some(r)) => r,
     };
-    if r.slots.is_none() {
+    if r.semaphore.slots.is_none() {
         if &r.lease_id == lease_id {
             return SlotAnswer::Ended(ended_reason(&r, lease_id, now).unwrap_or(Reason::WrongLeaseId));
         }
-        let free = !r.is_held(now) && r.queue_len() == 0 && r.state.is_none() && r.pending_token.is_none();
-        return match r.freed_at_ms {
+        let free = !r.is_held(now) && r.queue_len() == 0 && r.work.state.is_none() && r.queue.pending_token.is_none();
+        return match r.queue.freed_at_ms {
             _ if !free => SlotAnswer::Held(r),
             Some(t) if t > now => SlotAnswer::Early(r),
             _ => SlotAnswer::Make(Some(r.fence_floor())),
@@ -190,7 +190,7 @@ pub(crate) fn sort_take(w: Write, lease_id: &LeaseId, fence: u64, now: u64, slot
     if r.fence >= fence {
         return SlotAnswer::Above(r.fence);
     }
-    if r.slots_taken.unwrap_or(0) < slots {
+    if r.semaphore.slots_taken.unwrap_or(0) < slots {
         // Not full (any more): the refusal was an entry or fence that moved; go again.
         return SlotAnswer::Above(r.fence);
     }

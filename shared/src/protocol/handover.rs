@@ -67,7 +67,9 @@ impl Coordinator {
     /// waiter marked it yet? (One mark makes that line leave the key free; a second would only
     /// cost a write.)
     pub(crate) fn turn_elsewhere(&self, r: &Record) -> bool {
-        r.handed_in.as_deref().is_some_and(|c| c != &*self.id) && r.awaited_by.is_none() && r.is_held(self.now_ms())
+        r.queue.handed_in.as_deref().is_some_and(|c| c != &*self.id)
+            && r.queue.awaited_by.is_none()
+            && r.is_held(self.now_ms())
     }
 
     /// Does a waiter of another coordinator wait for the key of item `r`? Its mark
@@ -75,7 +77,7 @@ impl Coordinator {
     /// coordinator than the one releasing the lease.
     fn awaited_elsewhere(&self, r: &Record) -> bool {
         let other = |c: &Option<String>| c.as_deref().is_some_and(|c| c != &*self.id);
-        other(&r.awaited_by) || other(&r.handed_in)
+        other(&r.queue.awaited_by) || other(&r.queue.handed_in)
     }
 
     /// Marks the lease of fence `fence` on `key`: a waiter of this coordinator waits while the
@@ -83,7 +85,7 @@ impl Coordinator {
     /// before the mark landed and the refusal shows the next lease of another coordinator's line
     /// (a hold shorter than a request), that lease is marked instead, a few times at most.
     pub(crate) async fn waits_in(&self, key: &str, mut fence: u64) {
-        let m = Mutation::WaitsIn { coordinator: self.id.to_string() };
+        let m = Mutation::Queue(QueueMutation::WaitsIn { coordinator: self.id.to_string() });
         for _ in 0..MARK_TRIES {
             match self.store.update(key, &Condition::FenceIs(fence), &m).await {
                 Ok(Write::Rejected(Some(r))) if r.fence != fence && self.turn_elsewhere(&r) => fence = r.fence,
@@ -134,15 +136,15 @@ impl Coordinator {
         // A retried release of the releasing lease answers `already_released` (not
         // `wrong_lease_id`): the grant keeps its id and fence.
         lease.released = Some((lease_id.clone(), r.fence));
-        let cond = Condition::HandTo {
+        let cond = Condition::Queue(QueueCondition::HandTo {
             lease_id: lease_id.clone(),
             fence: r.fence,
             now_ms: now,
             coordinator: self.id.to_string(),
-        };
+        });
         let released = Released::at(key, r.fence, now, false, None);
         let waiter = lease.lease_id.clone();
-        match self.store.update(key, &cond, &Mutation::Acquire(lease)).await {
+        match self.store.update(key, &cond, &Mutation::Lease(LeaseMutation::Acquire(lease))).await {
             Ok(Write::Applied(g)) => {
                 self.settle_grant(key, claim, g, sent, now).await;
                 ToWaiter::Done(released)

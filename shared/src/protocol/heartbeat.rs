@@ -33,7 +33,7 @@ impl Coordinator {
         if let Some(d) = duration_ms.filter(|_| self.known_semaphore(key)) {
             match self.renew_slot(key, lease_id, d, deadline).await? {
                 Ok(lease) => return Ok(lease),
-                Err((Some(r), now)) if r.slots.is_some() => {
+                Err((Some(r), now)) if r.semaphore.slots.is_some() => {
                     return Err(self.slot_or_plain_not_holder(key, lease_id, Some(&r), now))
                 }
                 Err(_) => {}
@@ -49,14 +49,14 @@ impl Coordinator {
         loop {
             let (w, sent, now) = self
                 .write(key, deadline, |now| {
-                    let cond = Condition::Renew {
+                    let cond = Condition::Lease(LeaseCondition::Renew {
                         lease_id: lease_id.clone(),
                         now_ms: now,
                         expires_at_ms: duration_ms.map(|d| now + d),
                         ttl: !in_state,
-                    };
+                    });
                     let ttl = (!in_state || terminal).then(|| self.ttl_after(now + duration_ms.unwrap_or(max)));
-                    Ok((cond, Mutation::Extend { now_ms: now, duration_ms, ttl }))
+                    Ok((cond, Mutation::Lease(LeaseMutation::Extend { now_ms: now, duration_ms, ttl })))
                 })
                 .await
                 .map_err(|f| f.into_error(key))?;
@@ -69,9 +69,9 @@ impl Coordinator {
                 // whose keys keep a lease's TTL (DESIGN.md, "Terminal states"), with it but
                 // without the clause (the state cannot change while this lease is live: only
                 // its holder's release moves it, and that ends the lease).
-                Write::Rejected(Some(r)) if !in_state && r.state.is_some() && r.is_live_for(lease_id, now) => {
+                Write::Rejected(Some(r)) if !in_state && r.work.state.is_some() && r.is_live_for(lease_id, now) => {
                     in_state = true;
-                    terminal = r.state.as_deref().is_some_and(|s| self.is_terminal(s));
+                    terminal = r.work.state.as_deref().is_some_and(|s| self.is_terminal(s));
                     continue;
                 }
                 // Still ours, but not extended: a fail-closed lease (nothing to extend), a later
@@ -81,7 +81,7 @@ impl Coordinator {
                     Ok(r.lease(sent, now, self.skew_ms()))
                 }
                 // A semaphore's item: the holder's own renewal (DESIGN.md, "Semaphores").
-                Write::Rejected(Some(r)) if r.slots.is_some() => {
+                Write::Rejected(Some(r)) if r.semaphore.slots.is_some() => {
                     self.heartbeat_slot(key, lease_id, duration, deadline, &r).await
                 }
                 Write::Rejected(r) => Err(self.not_holder(key, lease_id, r.as_ref(), now)),

@@ -26,7 +26,10 @@ use crate::error::NotHolderReason as Reason;
 use crate::error::{Error, Result};
 use crate::model::{Keepalive, Lease, LeaseId, LeaseState, Record, Released};
 use crate::protocol::pacing::{Pacer, Waiting};
-use crate::store::{Condition, Mutation, NewLease, ScanKind, Store, Visit, Write};
+use crate::store::{
+    Condition, LeaseCondition, LeaseMutation, Mutation, NewLease, QueueCondition, QueueMutation, ScanKind,
+    SemaphoreCondition, SemaphoreMutation, Store, Visit, WorkCondition, WorkMutation, Write,
+};
 use crate::validate::Limits;
 pub(crate) use decide::ended_reason;
 use decide::*;

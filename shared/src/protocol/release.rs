@@ -69,11 +69,11 @@ impl Coordinator {
                 // Released by a hand-over that granted the key on in the same write (or right
                 // after): the grant keeps the released lease's id and fence.
                 ReleaseAnswer::HandedOn(r) => {
-                    let fence = r.released_fence.unwrap_or(r.fence);
-                    return Ok(Released::at(key, fence, r.acquired_at_ms, true, r.state.clone()));
+                    let fence = r.queue.released_fence.unwrap_or(r.fence);
+                    return Ok(Released::at(key, fence, r.acquired_at_ms, true, r.work.state.clone()));
                 }
                 // A semaphore's item: the holder's own release (DESIGN.md, "Semaphores").
-                ReleaseAnswer::NotHolder(Some(r)) if r.slots.is_some() && state.is_none() => {
+                ReleaseAnswer::NotHolder(Some(r)) if r.semaphore.slots.is_some() && state.is_none() => {
                     return self.release_slot(key, lease_id).await
                 }
                 ReleaseAnswer::NotHolder(r) => return Err(self.not_holder(key, lease_id, r.as_ref(), now)),
@@ -96,16 +96,22 @@ impl Coordinator {
             let ttl = self.ttl_after(now + max);
             let lease_id = lease_id.clone();
             Ok(match state {
-                None if hand_over => (Condition::Unqueued { lease_id }, Mutation::Release { now_ms: now, ttl }),
-                None => (Condition::Unreleased { lease_id }, Mutation::Release { now_ms: now, ttl }),
+                None if hand_over => (
+                    Condition::Queue(QueueCondition::Unqueued { lease_id }),
+                    Mutation::Lease(LeaseMutation::Release { now_ms: now, ttl }),
+                ),
+                None => (
+                    Condition::Lease(LeaseCondition::Unreleased { lease_id }),
+                    Mutation::Lease(LeaseMutation::Release { now_ms: now, ttl }),
+                ),
                 Some(s) => (
-                    Condition::Live { lease_id, now_ms: now },
-                    Mutation::ReleaseTo {
+                    Condition::Lease(LeaseCondition::Live { lease_id, now_ms: now }),
+                    Mutation::Work(WorkMutation::ReleaseTo {
                         now_ms: now,
                         state: s.to_string(),
                         shard: self.state_shard(key, s),
                         ttl: self.state_ttl(s, now),
-                    },
+                    }),
                 ),
             })
         };
@@ -132,7 +138,7 @@ impl Coordinator {
             let Some(r) = self.read(deadline, || self.store.get(key)).await? else {
                 return Err(Error::NotFound { key: key.to_string() });
             };
-            let done = match r.slots {
+            let done = match r.semaphore.slots {
                 Some(_) => self.evict_slots(key, &r, None, deadline).await?,
                 None => self.force_release_lease(key, &r, deadline).await?,
             };
@@ -151,7 +157,7 @@ impl Coordinator {
         let max = self.max_duration_ms();
         let (w, _, now) = self
             .write_unchecked(key, deadline, |now| {
-                let m = Mutation::ForceRelease { now_ms: now, ttl: self.ttl_after(now + max) };
+                let m = Mutation::Lease(LeaseMutation::ForceRelease { now_ms: now, ttl: self.ttl_after(now + max) });
                 Ok((Condition::FenceIs(r.fence), m))
             })
             .await
@@ -178,7 +184,7 @@ impl Coordinator {
             let Some(r) = self.read(deadline, || self.store.get(key)).await? else {
                 return Err(Error::NotFound { key: key.to_string() });
             };
-            if r.slots.is_none() {
+            if r.semaphore.slots.is_none() {
                 return Err(Error::invalid(format!("{key:?} is no semaphore: force-release it without a fence")));
             }
             if let Some(s) = self.evict_slots(key, &r, Some(fence), deadline).await? {
@@ -207,6 +213,6 @@ fn released(key: &str, r: &Record, now: u64, already_released: bool) -> Released
         released_at_ms: r.released_at_ms.unwrap_or(now),
         free_at_ms: r.expires_at_ms.unwrap_or(now).max(now),
         already_released,
-        state: r.state.clone(),
+        state: r.work.state.clone(),
     }
 }

@@ -171,8 +171,8 @@ impl Coordinator {
         let max = self.max_duration_ms();
         let w = self
             .write(key, deadline, |now| {
-                let cond = Condition::Unreleased { lease_id: lease_id.clone() };
-                Ok((cond, Mutation::Release { now_ms: now, ttl: self.ttl_after(now + max) }))
+                let cond = Condition::Lease(LeaseCondition::Unreleased { lease_id: lease_id.clone() });
+                Ok((cond, Mutation::Lease(LeaseMutation::Release { now_ms: now, ttl: self.ttl_after(now + max) })))
             })
             .await;
         match w {
@@ -183,7 +183,7 @@ impl Coordinator {
                 self.after_free(key, &r).await;
             }
             // The item is a semaphore: the grant was a slot.
-            Ok((Write::Rejected(Some(r)), _, _)) if r.slots.is_some() => {
+            Ok((Write::Rejected(Some(r)), _, _)) if r.semaphore.slots.is_some() => {
                 self.release_departed_slot(key, lease_id).await
             }
             Ok(_) => {}

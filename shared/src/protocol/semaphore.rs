@@ -4,7 +4,7 @@
 //! plain write that the semaphore's item refused.
 
 use super::*;
-use crate::model::SlotHolder;
+use crate::model::{SemaphoreFields, SlotHolder};
 use crate::protocol::line::Ticket;
 use crate::protocol::retry::Lapse;
 
@@ -67,7 +67,7 @@ impl Take<'_> {
 
 /// The ended entries of a semaphore at `now`, and the holders counted once they are gone.
 fn ended(r: &Record, now: u64) -> (Vec<LeaseId>, u32) {
-    let gone = r.slot_holders.iter().filter(|h| !h.is_live(now)).map(|h| h.lease_id.clone()).collect();
+    let gone = r.semaphore.slot_holders.iter().filter(|h| !h.is_live(now)).map(|h| h.lease_id.clone()).collect();
     (gone, r.live_slots(now).count() as u32)
 }
 
@@ -190,18 +190,27 @@ impl Coordinator {
                     let slot = Box::new(t.entry(fence, now));
                     Ok(match &t.how {
                         How::Blind => (
-                            Condition::SlotFree { fence, lease_id: t.lease_id.clone(), slots: t.slots },
-                            Mutation::TakeSlot { slot, slots: t.slots, ttl, clean: None },
+                            Condition::Semaphore(SemaphoreCondition::SlotFree {
+                                fence,
+                                lease_id: t.lease_id.clone(),
+                                slots: t.slots,
+                            }),
+                            Mutation::Semaphore(SemaphoreMutation::TakeSlot { slot, slots: t.slots, ttl, clean: None }),
                         ),
                         How::Make => (
-                            Condition::Free { now_ms: now, fence, lease_id: t.lease_id.clone() },
-                            Mutation::PutSemaphore(Box::new(new_semaphore(t, *slot, ttl))),
+                            Condition::Lease(LeaseCondition::Free { now_ms: now, fence, lease_id: t.lease_id.clone() }),
+                            Mutation::Semaphore(SemaphoreMutation::PutSemaphore(Box::new(new_semaphore(
+                                t, *slot, ttl,
+                            )))),
                         ),
                         How::Clean(r) => {
                             let (gone, live) = ended(r, now);
-                            let rev = r.slots_rev.unwrap_or(0);
+                            let rev = r.semaphore.slots_rev.unwrap_or(0);
                             let clean = Some((gone, live + 1));
-                            (Condition::SlotsAsRead { rev }, Mutation::TakeSlot { slot, slots: t.slots, ttl, clean })
+                            (
+                                Condition::Semaphore(SemaphoreCondition::SlotsAsRead { rev }),
+                                Mutation::Semaphore(SemaphoreMutation::TakeSlot { slot, slots: t.slots, ttl, clean }),
+                            )
                         }
                     })
                 },
@@ -222,24 +231,32 @@ impl Coordinator {
     /// (its deadline) never had the slot, which is given back ([`Unanswered`]).
     async fn slot_granted(&self, t: &Take<'_>, r: Record, sent: Instant, now: u64) -> Lease {
         self.note_semaphore(t.key);
-        if r.slot_holders.len() > r.slots.unwrap_or(1) as usize + TIDY_ABOVE {
+        if r.semaphore.slot_holders.len() > r.semaphore.slots.unwrap_or(1) as usize + TIDY_ABOVE {
             let (gone, live) = ended(&r, now);
             let ttl = self.ttl_after(now + self.max_duration_ms());
-            let cond = Condition::SlotsAsRead { rev: r.slots_rev.unwrap_or(0) };
+            let cond =
+                Condition::Semaphore(SemaphoreCondition::SlotsAsRead { rev: r.semaphore.slots_rev.unwrap_or(0) });
             let unanswered =
                 Unanswered { coord: self.clone(), key: t.key.to_string(), lease_id: Some(t.lease_id.clone()) };
-            let _ = self.store.update(t.key, &cond, &Mutation::TidySlots { ended: gone, taken: live, ttl }).await;
+            let _ = self
+                .store
+                .update(
+                    t.key,
+                    &cond,
+                    &Mutation::Semaphore(SemaphoreMutation::TidySlots { ended: gone, taken: live, ttl }),
+                )
+                .await;
             unanswered.answered();
         }
         let h = r.slot(&t.lease_id).expect("a granted take has its entry");
-        h.lease(t.key, r.slots, sent, now, self.skew_ms())
+        h.lease(t.key, r.semaphore.slots, sent, now, self.skew_ms())
     }
 
     /// A free plain lease `r` freed by a clock ahead of ours (its `freed_at_ms` after this
     /// take's clock `now`): sleep until this clock has passed it (once: no put is sent before),
     /// or answer `LeaseHeld` when that is past the deadline.
     async fn slot_early(&self, t: &Take<'_>, r: &Record, now: u64, deadline: Instant) -> Result<()> {
-        let at = r.freed_at_ms.unwrap_or(now);
+        let at = r.queue.freed_at_ms.unwrap_or(now);
         let until = self.monotonic() + Duration::from_millis(at.saturating_sub(now) + 1);
         if until >= deadline {
             return Err(Error::LeaseHeld { key: t.key.to_string(), holder: r.holder.clone(), expires_at_ms: Some(at) });
@@ -321,9 +338,21 @@ impl Coordinator {
         let max = self.max_duration_ms();
         let (w, sent, now) = self
             .write(key, deadline, |now| {
-                let cond = Condition::SlotRenew { lease_id: lease_id.clone(), now_ms: now, expires_at_ms: now + d };
+                let cond = Condition::Semaphore(SemaphoreCondition::SlotRenew {
+                    lease_id: lease_id.clone(),
+                    now_ms: now,
+                    expires_at_ms: now + d,
+                });
                 let ttl = self.ttl_after(now + max);
-                Ok((cond, Mutation::RenewSlot { lease_id: lease_id.clone(), now_ms: now, duration_ms: d, ttl }))
+                Ok((
+                    cond,
+                    Mutation::Semaphore(SemaphoreMutation::RenewSlot {
+                        lease_id: lease_id.clone(),
+                        now_ms: now,
+                        duration_ms: d,
+                        ttl,
+                    }),
+                ))
             })
             .await
             .map_err(|f| f.into_error(key))?;
@@ -335,7 +364,7 @@ impl Coordinator {
             Write::Rejected(r) => return Ok(Err((r, now))),
         };
         let h = r.slot(lease_id).expect("a live holder has its entry");
-        Ok(Ok(h.lease(key, r.slots, sent, now, self.skew_ms())))
+        Ok(Ok(h.lease(key, r.semaphore.slots, sent, now, self.skew_ms())))
     }
 
     /// Releases the semaphore holder `lease_id` of `key`. Idempotent: a released holder whose
@@ -362,7 +391,7 @@ impl Coordinator {
         }
         match self.free_slot(key, lease_id).await? {
             Ok(released) => Ok(Some(released)),
-            Err((Some(r), now)) if r.slots.is_some() => {
+            Err((Some(r), now)) if r.semaphore.slots.is_some() => {
                 Err(self.slot_or_plain_not_holder(key, lease_id, Some(&r), now))
             }
             Err(_) => Ok(None),
@@ -382,8 +411,15 @@ impl Coordinator {
         let (w, _, now) = self
             .write_unchecked(key, deadline, |now| {
                 let ttl = self.ttl_after(now + max);
-                let cond = Condition::SlotUnreleased { lease_id: lease_id.clone() };
-                Ok((cond, Mutation::ReleaseSlot { lease_id: lease_id.clone(), now_ms: now, ttl }))
+                let cond = Condition::Semaphore(SemaphoreCondition::SlotUnreleased { lease_id: lease_id.clone() });
+                Ok((
+                    cond,
+                    Mutation::Semaphore(SemaphoreMutation::ReleaseSlot {
+                        lease_id: lease_id.clone(),
+                        now_ms: now,
+                        ttl,
+                    }),
+                ))
             })
             .await
             .map_err(|f| f.into_error(key))?;
@@ -407,7 +443,7 @@ impl Coordinator {
         now: u64,
     ) -> Error {
         match r {
-            Some(r) if r.slots.is_some() => slot_not_holder(key, lease_id, r, now),
+            Some(r) if r.semaphore.slots.is_some() => slot_not_holder(key, lease_id, r, now),
             r => self.not_holder(key, lease_id, r, now),
         }
     }
@@ -424,21 +460,24 @@ impl Coordinator {
     ) -> Result<Option<LeaseState>> {
         let max = self.max_duration_ms();
         let hit = |h: &&SlotHolder| h.released_at_ms.is_none() && fence.is_none_or(|f| h.fence == f);
-        let evicted: Vec<LeaseId> = r.slot_holders.iter().filter(hit).map(|h| h.lease_id.clone()).collect();
+        let evicted: Vec<LeaseId> = r.semaphore.slot_holders.iter().filter(hit).map(|h| h.lease_id.clone()).collect();
         if evicted.is_empty() && fence.is_some() {
             return Err(Error::NotFound { key: format!("{key} (no unreleased holder with fence {fence:?})") });
         }
-        let taken = r.slot_holders.iter().filter(|h| h.released_at_ms.is_none()).count() - evicted.len();
+        let taken = r.semaphore.slot_holders.iter().filter(|h| h.released_at_ms.is_none()).count() - evicted.len();
         // As a force-release: not refused for this clock.
         let (w, _, now) = self
             .write_unchecked(key, deadline, |now| {
-                let m = Mutation::EvictSlots {
+                let m = Mutation::Semaphore(SemaphoreMutation::EvictSlots {
                     evicted: evicted.clone(),
                     now_ms: now,
                     taken: taken as u32,
                     ttl: self.ttl_after(now + max),
-                };
-                Ok((Condition::SlotsAsRead { rev: r.slots_rev.unwrap_or(0) }, m))
+                });
+                Ok((
+                    Condition::Semaphore(SemaphoreCondition::SlotsAsRead { rev: r.semaphore.slots_rev.unwrap_or(0) }),
+                    m,
+                ))
             })
             .await
             .map_err(|f| f.into_error(key))?;
@@ -495,10 +534,12 @@ fn new_semaphore(t: &Take<'_>, slot: SlotHolder, ttl: u64) -> Record {
         acquired_at_ms: slot.acquired_at_ms,
         min_hold_until_ms: slot.acquired_at_ms,
         ttl: Some(ttl),
-        slots: Some(t.slots),
-        slots_taken: Some(1),
-        slots_rev: Some(1),
-        slot_holders: vec![slot],
+        semaphore: SemaphoreFields {
+            slots: Some(t.slots),
+            slots_taken: Some(1),
+            slots_rev: Some(1),
+            slot_holders: vec![slot],
+        },
         ..Record::key_only(t.key.to_string())
     }
 }

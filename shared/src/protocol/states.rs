@@ -3,16 +3,16 @@
 //! index are a feature above the core (`batch.rs`).
 
 use super::*;
-use crate::store::keepalive_shard;
+use crate::store::{keepalive_shard, WorkMutation};
 
 /// Is `r` in the work-state visit `visit` (`None`: in no state)?
 pub(crate) fn in_visit(r: &Record, visit: Option<&Visit>) -> bool {
     match visit {
-        None => r.state.is_none(),
+        None => r.work.state.is_none(),
         Some(v) => {
-            r.state.as_deref() == Some(v.state.as_str())
-                && r.state_since_ms == Some(v.since_ms)
-                && r.attempts.unwrap_or(0) == v.attempts
+            r.work.state.as_deref() == Some(v.state.as_str())
+                && r.work.state_since_ms == Some(v.since_ms)
+                && r.work.attempts.unwrap_or(0) == v.attempts
         }
     }
 }
@@ -21,7 +21,7 @@ impl Coordinator {
     /// Must the TTL of `r` be removed: a key in a work state other than a terminal one, with a
     /// TTL?
     pub(crate) fn keeps_no_ttl(&self, r: &Record) -> bool {
-        r.ttl.is_some() && r.state.as_deref().is_some_and(|s| !self.is_terminal(s))
+        r.ttl.is_some() && r.work.state.as_deref().is_some_and(|s| !self.is_terminal(s))
     }
 
     /// The index partition of `key` in `state`: `STATE#n`, n = FNV-1a(key) mod `state_shards`.
@@ -32,11 +32,11 @@ impl Coordinator {
     /// The visit `r` is in, for an acquire that found it free: `NotFound` when a batch lease
     /// (`want`) finds the key in another state than the one it was taken from.
     pub(crate) fn revisit(&self, key: &str, r: &Record, want: Option<&Visit>) -> Result<Option<Visit>> {
-        let visit = r.state.as_ref().map(|s| Visit {
+        let visit = r.work.state.as_ref().map(|s| Visit {
             state: s.clone(),
             shard: self.state_shard(key, s),
-            since_ms: r.state_since_ms.unwrap_or(0),
-            attempts: r.attempts.unwrap_or(0),
+            since_ms: r.work.state_since_ms.unwrap_or(0),
+            attempts: r.work.attempts.unwrap_or(0),
         });
         match want {
             Some(w) if visit.as_ref().map(|v| v.state.as_str()) != Some(w.state.as_str()) => {
@@ -56,7 +56,10 @@ impl Coordinator {
             return;
         }
         let deadline = self.monotonic() + self.config().retry_budget;
-        if let Err(f) = self.write(key, deadline, |_| Ok((Condition::FenceIs(r.fence), Mutation::ClearTtl))).await {
+        if let Err(f) = self
+            .write(key, deadline, |_| Ok((Condition::FenceIs(r.fence), Mutation::Work(WorkMutation::ClearTtl))))
+            .await
+        {
             let e = f.into_error(key);
             tracing::warn!(key, error = e.name(), "could not remove the TTL of a key in a work state");
         }

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::NO_LEASE;
+use super::keys::NO_LEASE;
 use crate::model::{Record, SlotHolder};
 
 /// What happened to a key.
@@ -149,7 +149,7 @@ fn prefix(r: &Record) -> String {
 }
 
 fn is_lease(r: &Record) -> bool {
-    r.waiter.is_none() && r.fence > 0
+    r.queue.waiter.is_none() && r.fence > 0
 }
 
 fn interface_of(r: &Record, kind: EventKind) -> String {
@@ -184,7 +184,7 @@ fn slot_event(r: &Record, h: &SlotHolder, kind: EventKind, at_ms: u64) -> Event 
         holder: h.holder.clone(),
         fence: h.fence,
         lease_id_prefix: h.lease_id.expose().chars().take(LEASE_ID_PREFIX_CHARS).collect(),
-        slots: r.slots,
+        slots: r.semaphore.slots,
         ..event(r, kind, at_ms)
     }
 }
@@ -196,9 +196,9 @@ fn slot_event(r: &Record, h: &SlotHolder, kind: EventKind, at_ms: u64) -> Event 
 /// operator evicted it: its expiry set to 0), and a live entry whose expiry moved is `renewed`.
 /// Entries cleaned away give none of their own.
 fn slot_events(old: Option<&Record>, new: &Record) -> Vec<Event> {
-    let before: &[SlotHolder] = old.filter(|o| o.slots.is_some()).map_or(&[], |o| &o.slot_holders);
+    let before: &[SlotHolder] = old.filter(|o| o.semaphore.slots.is_some()).map_or(&[], |o| &o.semaphore.slot_holders);
     let mut out = Vec::new();
-    for h in &new.slot_holders {
+    for h in &new.semaphore.slot_holders {
         let Some(o) = before.iter().find(|o| o.lease_id == h.lease_id) else {
             let at = h.acquired_at_ms;
             let expired = |e: Option<u64>| e.is_some_and(|e| e <= at);
@@ -210,7 +210,9 @@ fn slot_events(old: Option<&Record>, new: &Record) -> Vec<Event> {
                 .min_by_key(|o| o.expires_at_ms)
                 .map(|o| (o.holder.clone(), o.fence));
             let plain = old
-                .filter(|o| o.slots.is_none() && is_lease(o) && o.released_at_ms.is_none() && expired(o.expires_at_ms))
+                .filter(|o| {
+                    o.semaphore.slots.is_none() && is_lease(o) && o.released_at_ms.is_none() && expired(o.expires_at_ms)
+                })
                 .map(|o| (o.holder.clone(), o.fence));
             let mut e = slot_event(new, h, EventKind::Granted, at);
             if let Some((holder, fence)) = cleaned.or(plain) {
@@ -240,22 +242,22 @@ fn slot_events(old: Option<&Record>, new: &Record) -> Vec<Event> {
 /// waiter) gives two events: the release, then the grant.
 pub fn events(old: Option<&Record>, new: Option<&Record>) -> Vec<Event> {
     let Some(new) = new else { return vec![] };
-    if new.waiter.is_some() || old.is_some_and(|o| o.waiter.is_some()) {
+    if new.queue.waiter.is_some() || old.is_some_and(|o| o.queue.waiter.is_some()) {
         return vec![];
     }
     // A semaphore's events are its holders'; its item's own attributes are no lease.
-    if new.slots.is_some() {
+    if new.semaphore.slots.is_some() {
         return slot_events(old, new);
     }
-    if old.is_some_and(|o| o.slots.is_some()) {
+    if old.is_some_and(|o| o.semaphore.slots.is_some()) {
         return vec![];
     }
-    let old = old.filter(|o| is_lease(o) || o.state.is_some());
+    let old = old.filter(|o| is_lease(o) || o.work.state.is_some());
     let mut out = Vec::new();
     let new_lease = is_lease(new) && old.is_none_or(|o| o.lease_id != new.lease_id);
     if new_lease {
         let at = new.acquired_at_ms;
-        let handed = new.pending_token.is_some() && old.is_none_or(|o| o.pending_token.is_none());
+        let handed = new.queue.pending_token.is_some() && old.is_none_or(|o| o.queue.pending_token.is_none());
         let mut kind = if handed { EventKind::HandedOver } else { EventKind::Granted };
         if let Some(o) = old.filter(|o| is_lease(o) && o.released_at_ms.is_none()) {
             if o.expires_at_ms.is_none_or(|e| e > at) {
@@ -267,7 +269,7 @@ pub fn events(old: Option<&Record>, new: Option<&Record>) -> Vec<Event> {
             }
         }
         let mut e = event(new, kind, at);
-        e.state = new.state.clone();
+        e.state = new.work.state.clone();
         if kind == EventKind::TakenOver {
             let o = old.expect("taken over from a lease");
             e.previous_holder = Some(o.holder.clone());
@@ -278,9 +280,9 @@ pub fn events(old: Option<&Record>, new: Option<&Record>) -> Vec<Event> {
     }
     let Some(o) = old else {
         // A key put into a state without a lease (a new item of fence 0).
-        if new.state.is_some() {
-            let mut e = event(new, EventKind::Put, new.state_since_ms.unwrap_or(new.acquired_at_ms));
-            e.state = new.state.clone();
+        if new.work.state.is_some() {
+            let mut e = event(new, EventKind::Put, new.work.state_since_ms.unwrap_or(new.acquired_at_ms));
+            e.state = new.work.state.clone();
             out.push(e);
         }
         return out;
@@ -290,17 +292,19 @@ pub fn events(old: Option<&Record>, new: Option<&Record>) -> Vec<Event> {
     if is_lease(o) && new.fence > o.fence {
         let at = new.released_at_ms.unwrap_or(new.acquired_at_ms);
         out.push(event(o, EventKind::ForceReleased, at));
-    } else if released_now && o.pending_token.is_some() && new.pending_token.is_none() {
+    } else if released_now && o.queue.pending_token.is_some() && new.queue.pending_token.is_none() {
         out.push(event(new, EventKind::Revoked, new.released_at_ms.unwrap_or(0)));
     } else if released_now {
         let mut e = event(new, EventKind::Released, new.released_at_ms.unwrap_or(0));
-        if new.state != o.state || new.state_since_ms != o.state_since_ms {
-            e.state = new.state.clone();
+        if new.work.state != o.work.state || new.work.state_since_ms != o.work.state_since_ms {
+            e.state = new.work.state.clone();
         }
         out.push(e);
-    } else if new.state.is_some() && (new.state != o.state || new.state_since_ms != o.state_since_ms) {
-        let mut e = event(new, EventKind::Put, new.state_since_ms.unwrap_or(0));
-        e.state = new.state.clone();
+    } else if new.work.state.is_some()
+        && (new.work.state != o.work.state || new.work.state_since_ms != o.work.state_since_ms)
+    {
+        let mut e = event(new, EventKind::Put, new.work.state_since_ms.unwrap_or(0));
+        e.state = new.work.state.clone();
         out.push(e);
     } else if is_lease(new) && new.released_at_ms.is_none() && new.expires_at_ms != o.expires_at_ms {
         out.push(event(new, EventKind::Renewed, new.renewed_at_ms.unwrap_or(0)));
@@ -311,8 +315,10 @@ pub fn events(old: Option<&Record>, new: Option<&Record>) -> Vec<Event> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Keepalive, LeaseId, SlotHolder};
-    use crate::store::{Mutation, NewLease, Visit};
+    use crate::model::{Keepalive, LeaseId, SemaphoreFields, SlotHolder};
+    use crate::store::{
+        KeepaliveMutation, LeaseMutation, Mutation, NewLease, QueueMutation, SemaphoreMutation, Visit, WorkMutation,
+    };
 
     fn lease(holder: &str, id: &str, now: u64, fence: u64) -> NewLease {
         NewLease::new(holder, LeaseId::from_string(id), now, Some(1000), fence)
@@ -331,20 +337,28 @@ mod tests {
     #[test]
     fn a_lease_s_life() {
         use EventKind::*;
-        let (r, ev) = apply(&Mutation::Acquire(lease("a", "aaaaaaaaaaaaaaaaaaaaaaaa", 100, 10)), None);
+        let (r, ev) =
+            apply(&Mutation::Lease(LeaseMutation::Acquire(lease("a", "aaaaaaaaaaaaaaaaaaaaaaaa", 100, 10))), None);
         assert_eq!(kinds(&ev), vec![(Granted, "a", 10, 100)]);
         assert_eq!(ev[0].lease_id_prefix, "aaaaaa");
         // A renewal that moves the deadline; one that does not (same instant) gives nothing.
-        let (r, ev) = apply(&Mutation::Extend { now_ms: 200, duration_ms: None, ttl: None }, Some(&r));
+        let (r, ev) =
+            apply(&Mutation::Lease(LeaseMutation::Extend { now_ms: 200, duration_ms: None, ttl: None }), Some(&r));
         assert_eq!(kinds(&ev), vec![(Renewed, "a", 10, 200)]);
         assert!(events(Some(&r), Some(&r)).is_empty());
         // Expired unreleased, then taken by b: taken over from a.
-        let (r, ev) = apply(&Mutation::Acquire(lease("b", "bbbbbbbbbbbbbbbbbbbbbbbb", 5000, 11)), Some(&r));
+        let (r, ev) =
+            apply(&Mutation::Lease(LeaseMutation::Acquire(lease("b", "bbbbbbbbbbbbbbbbbbbbbbbb", 5000, 11))), Some(&r));
         assert_eq!(kinds(&ev), vec![(TakenOver, "b", 11, 5000)]);
         assert_eq!((ev[0].previous_holder.as_deref(), ev[0].previous_fence), (Some("a"), Some(10)));
         // Released into a state.
         let (r, ev) = apply(
-            &Mutation::ReleaseTo { now_ms: 5100, state: "DONE".into(), shard: "DONE#0".into(), ttl: None },
+            &Mutation::Work(WorkMutation::ReleaseTo {
+                now_ms: 5100,
+                state: "DONE".into(),
+                shard: "DONE#0".into(),
+                ttl: None,
+            }),
             Some(&r),
         );
         assert_eq!(kinds(&ev), vec![(Released, "b", 11, 5100)]);
@@ -352,48 +366,71 @@ mod tests {
         // A plain release of a lease that was already released: nothing.
         assert!(events(Some(&r), Some(&r)).is_empty());
         // Granted again after a release: a grant, not a take-over.
-        let (r, ev) = apply(&Mutation::Acquire(lease("c", "cccccccccccccccccccccccc", 6000, 12)), Some(&r));
+        let (r, ev) =
+            apply(&Mutation::Lease(LeaseMutation::Acquire(lease("c", "cccccccccccccccccccccccc", 6000, 12))), Some(&r));
         assert_eq!(kinds(&ev), vec![(Granted, "c", 12, 6000)]);
         // Force-released: the evicted lease's holder and fence.
-        let (r, ev) = apply(&Mutation::ForceRelease { now_ms: 6100, ttl: 1 }, Some(&r));
+        let (r, ev) = apply(&Mutation::Lease(LeaseMutation::ForceRelease { now_ms: 6100, ttl: 1 }), Some(&r));
         assert_eq!(kinds(&ev), vec![(ForceReleased, "c", 12, 6100)]);
         assert_eq!(r.fence, 13);
         // Queue counters and delivery marks are no events.
         let (r, ev) = apply(
-            &Mutation::Enqueue { now_ms: 6200, start: 1, lease_id: LeaseId::from_string("w"), shard: 1000 },
+            &Mutation::Queue(QueueMutation::Enqueue {
+                now_ms: 6200,
+                start: 1,
+                lease_id: LeaseId::from_string("w"),
+                shard: 1000,
+            }),
             Some(&r),
         );
         assert!(ev.is_empty());
-        let (_, ev) = apply(&Mutation::ClearKeepalive, Some(&r));
+        let (_, ev) = apply(&Mutation::Keepalive(KeepaliveMutation::ClearKeepalive), Some(&r));
         assert!(ev.is_empty());
     }
 
     #[test]
     fn hand_overs_and_a_release_that_hands_on() {
         use EventKind::*;
-        let (r, _) = apply(&Mutation::Acquire(lease("a", "aaaaaaaaaaaaaaaaaaaaaaaa", 100, 10)), None);
+        let (r, _) =
+            apply(&Mutation::Lease(LeaseMutation::Acquire(lease("a", "aaaaaaaaaaaaaaaaaaaaaaaa", 100, 10))), None);
         let (r, _) = apply(
-            &Mutation::Enqueue { now_ms: 150, start: 1, lease_id: LeaseId::from_string("w"), shard: 1000 },
+            &Mutation::Queue(QueueMutation::Enqueue {
+                now_ms: 150,
+                start: 1,
+                lease_id: LeaseId::from_string("w"),
+                shard: 1000,
+            }),
             Some(&r),
         );
         // The release grants the head waiter in its own write: released, then handed over.
-        let grant =
-            Mutation::Grant { lease: lease("w", "wwwwwwwwwwwwwwwwwwwwwwww", 300, 11), seq: 2, token: "t".into() };
+        let grant = Mutation::Queue(QueueMutation::Grant {
+            lease: lease("w", "wwwwwwwwwwwwwwwwwwwwwwww", 300, 11),
+            seq: 2,
+            token: "t".into(),
+        });
         let (r, ev) = apply(&grant, Some(&r));
         assert_eq!(kinds(&ev), vec![(Released, "a", 10, 300), (HandedOver, "w", 11, 300)]);
         assert_eq!((ev[0].interface.as_str(), ev[1].interface.as_str()), ("unknown", "queue"));
-        let (r, ev) = apply(&Mutation::Delivered { now_ms: 1 }, Some(&r));
+        let (r, ev) = apply(&Mutation::Queue(QueueMutation::Delivered { now_ms: 1 }), Some(&r));
         assert!(ev.is_empty());
         // A grant of a free key to the head waiter after an expiry is a hand-over.
         let (r2, _) = apply(
-            &Mutation::Enqueue { now_ms: 400, start: 1, lease_id: LeaseId::from_string("w"), shard: 1000 },
+            &Mutation::Queue(QueueMutation::Enqueue {
+                now_ms: 400,
+                start: 1,
+                lease_id: LeaseId::from_string("w"),
+                shard: 1000,
+            }),
             Some(&r),
         );
-        let grant =
-            Mutation::Grant { lease: lease("x", "xxxxxxxxxxxxxxxxxxxxxxxx", 9000, 12), seq: 3, token: "u".into() };
+        let grant = Mutation::Queue(QueueMutation::Grant {
+            lease: lease("x", "xxxxxxxxxxxxxxxxxxxxxxxx", 9000, 12),
+            seq: 3,
+            token: "u".into(),
+        });
         let (r3, ev) = apply(&grant, Some(&r2));
         assert_eq!(kinds(&ev), vec![(HandedOver, "x", 12, 9000)]);
-        let (_, ev) = apply(&Mutation::Revoke { now_ms: 9100, ttl: Some(1) }, Some(&r3));
+        let (_, ev) = apply(&Mutation::Queue(QueueMutation::Revoke { now_ms: 9100, ttl: Some(1) }), Some(&r3));
         assert_eq!(kinds(&ev), vec![(Revoked, "x", 12, 9100)]);
     }
 
@@ -412,7 +449,7 @@ mod tests {
     }
 
     fn take(h: SlotHolder, clean: Option<(Vec<LeaseId>, u32)>) -> Mutation {
-        Mutation::TakeSlot { slot: Box::new(h), slots: 2, ttl: 1, clean }
+        Mutation::Semaphore(SemaphoreMutation::TakeSlot { slot: Box::new(h), slots: 2, ttl: 1, clean })
     }
 
     /// Each holder of a semaphore has its own events, with its holder, fence and lease_id's
@@ -422,19 +459,22 @@ mod tests {
         use EventKind::*;
         let id = |s: &str| LeaseId::from_string(s.repeat(24));
         // A plain lease expired unreleased: the take that makes the semaphore takes it over.
-        let (plain, _) = apply(&Mutation::Acquire(lease("p", "pppppppppppppppppppppppp", 100, 10)), None);
+        let (plain, _) =
+            apply(&Mutation::Lease(LeaseMutation::Acquire(lease("p", "pppppppppppppppppppppppp", 100, 10))), None);
         let first = holder("a", &"a".repeat(24), 5000, 16, 1000);
         let mut sem = Record {
-            slots: Some(2),
-            slots_taken: Some(1),
-            slots_rev: Some(1),
-            slot_holders: vec![first],
+            semaphore: SemaphoreFields {
+                slots: Some(2),
+                slots_taken: Some(1),
+                slots_rev: Some(1),
+                slot_holders: vec![first],
+            },
             fence: 16,
             lease_id: LeaseId::from_string(NO_LEASE),
             ..Record::key_only("k".into())
         };
         sem.holder = "a".into();
-        let (r, ev) = apply(&Mutation::PutSemaphore(Box::new(sem)), Some(&plain));
+        let (r, ev) = apply(&Mutation::Semaphore(SemaphoreMutation::PutSemaphore(Box::new(sem))), Some(&plain));
         assert_eq!(kinds(&ev), vec![(TakenOver, "a", 16, 5000)]);
         assert_eq!(
             (ev[0].previous_holder.as_deref(), ev[0].previous_fence, ev[0].slots),
@@ -443,10 +483,18 @@ mod tests {
         assert_eq!(ev[0].lease_id_prefix, "aaaaaa");
         let (r, ev) = apply(&take(holder("b", &"b".repeat(24), 5100, 17, 1000), None), Some(&r));
         assert_eq!(kinds(&ev), vec![(Granted, "b", 17, 5100)]);
-        let renew = Mutation::RenewSlot { lease_id: id("b"), now_ms: 5200, duration_ms: 1000, ttl: 1 };
+        let renew = Mutation::Semaphore(SemaphoreMutation::RenewSlot {
+            lease_id: id("b"),
+            now_ms: 5200,
+            duration_ms: 1000,
+            ttl: 1,
+        });
         let (r, ev) = apply(&renew, Some(&r));
         assert_eq!(kinds(&ev), vec![(Renewed, "b", 17, 5200)]);
-        let (r, ev) = apply(&Mutation::ReleaseSlot { lease_id: id("b"), now_ms: 5300, ttl: 1 }, Some(&r));
+        let (r, ev) = apply(
+            &Mutation::Semaphore(SemaphoreMutation::ReleaseSlot { lease_id: id("b"), now_ms: 5300, ttl: 1 }),
+            Some(&r),
+        );
         assert_eq!(kinds(&ev), vec![(Released, "b", 17, 5300)]);
         // A released again: nothing changes, nothing recorded.
         assert!(events(Some(&r), Some(&r)).is_empty());
@@ -458,31 +506,39 @@ mod tests {
         let (r, ev) = apply(&take(holder("d", &"d".repeat(24), 7100, 19, 1000), None), Some(&r));
         assert_eq!(kinds(&ev), vec![(Granted, "d", 19, 7100)]);
         // An operator evicts both: one event each, with the evicted holder's fence.
-        let evict = Mutation::EvictSlots { evicted: vec![id("c"), id("d")], now_ms: 7200, taken: 0, ttl: 1 };
+        let evict = Mutation::Semaphore(SemaphoreMutation::EvictSlots {
+            evicted: vec![id("c"), id("d")],
+            now_ms: 7200,
+            taken: 0,
+            ttl: 1,
+        });
         let (r, ev) = apply(&evict, Some(&r));
         assert_eq!(kinds(&ev), vec![(ForceReleased, "c", 18, 7200), (ForceReleased, "d", 19, 7200)]);
         // A tidy removes ended entries: nothing recorded.
-        let (_, ev) = apply(&Mutation::TidySlots { ended: vec![id("c"), id("d")], taken: 0, ttl: 1 }, Some(&r));
+        let (_, ev) = apply(
+            &Mutation::Semaphore(SemaphoreMutation::TidySlots { ended: vec![id("c"), id("d")], taken: 0, ttl: 1 }),
+            Some(&r),
+        );
         assert!(ev.is_empty());
     }
 
     #[test]
     fn work_items_and_interfaces() {
         use EventKind::*;
-        let put = Mutation::Enter {
+        let put = Mutation::Work(WorkMutation::Enter {
             now_ms: 50,
             holder: "p".into(),
             state: "PENDING".into(),
             shard: "PENDING#0".into(),
             ttl: None,
-        };
+        });
         let (r, ev) = apply(&put, None);
         assert_eq!(kinds(&ev), vec![(Put, "p", 0, 50)]);
         assert_eq!((ev[0].state.as_deref(), ev[0].lease_id_prefix.as_str()), (Some("PENDING"), ""));
         let mut l = lease("w", "wwwwwwwwwwwwwwwwwwwwwwww", 100, 20);
         l.visit = Some(Visit { state: "PENDING".into(), shard: "PENDING#0".into(), since_ms: 50, attempts: 1 });
         l.keepalive = Some(Keepalive { until_ms: 999, execution_arn: Some("arn:x".into()) });
-        let (_, ev) = apply(&Mutation::Acquire(l), Some(&r));
+        let (_, ev) = apply(&Mutation::Lease(LeaseMutation::Acquire(l)), Some(&r));
         assert_eq!(kinds(&ev), vec![(Granted, "w", 20, 100)]);
         assert_eq!((ev[0].state.as_deref(), ev[0].interface.as_str()), (Some("PENDING"), "step_functions"));
         // Deletions give nothing.

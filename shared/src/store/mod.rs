@@ -2,25 +2,31 @@
 //!
 //! The protocol (see `protocol.rs`) decides *what* to write and *under which condition*; a
 //! store only evaluates a [`Condition`] against the current item and applies a [`Mutation`]
-//! atomically, in one request. Both are plain data so that each backend translates them once:
-//! DynamoDB into a `ConditionExpression`/`UpdateExpression`, the embedded store into the
-//! reference evaluation ([`Condition::holds`], [`Mutation::apply`]) inside one SQLite write
-//! transaction. The shared protocol test suite runs against both.
+//! atomically, in one request. Both are plain data, nested by kind of lease (`kinds/`), so that
+//! each backend translates them once: DynamoDB into a `ConditionExpression`/`UpdateExpression`,
+//! the embedded store into the reference evaluation ([`reference`](mod@reference): [`Condition::holds`],
+//! [`Mutation::apply`]) inside one SQLite write transaction. The shared protocol test suite
+//! runs against both.
 //!
 //! The store layer imports the model, errors, the clock and backoff's jitter, never the
 //! protocol, a feature or an adapter:
-//! - this file: the [`Store`] trait, its answers, and the key layout every store shares
-//!   (keep-alive shards, waiter keys, queue shards);
-//! - `condition.rs`, `mutation.rs`: the writes as data, with their reference semantics;
-//! - [`dynamo`]: the DynamoDB store (its expressions rendered apart from its requests), and
-//!   [`table`]: the lease table's definition;
+//! - this file: the [`Store`] trait and its answers; `keys.rs`: the key layout every store
+//!   shares (keep-alive shards, waiter keys, queue shards);
+//! - `condition.rs`, `mutation.rs`: the writes as data, one variant per kind of lease;
+//! - `kinds/`: each kind's conditions and mutations, their reference semantics and their
+//!   DynamoDB rendering, side by side;
+//! - [`reference`](mod@reference): the reference evaluation of a write (read, check, apply, write), which the
+//!   embedded store and the test store share;
+//! - [`dynamo`]: the DynamoDB store (its expressions put together apart from its requests), and
+//!   [`table`]: the lease table's definition (attribute and index names included);
 //! - [`sqlite`]: the embedded store, and [`sqlite_history`]: its history table;
 //! - [`events`]: the lease history's events, derived from an item before and after a write (the
 //!   embedded store records them in the write's transaction; `history` re-exports them).
 //!
 //! A new store implements [`Store`]: it evaluates each [`Condition`] and applies each
-//! [`Mutation`] atomically, as `holds` and `apply` define them, and the protocol suite
-//! (`both_backends!`) runs against it.
+//! [`Mutation`] atomically, as `holds` and `apply` define them (a store that evaluates writes
+//! itself runs [`reference::update`] and [`reference::delete`] over its own table), and the
+//! protocol suite (`both_backends!`) runs against it.
 
 use async_trait::async_trait;
 
@@ -31,14 +37,23 @@ use crate::model::Record;
 mod condition;
 pub mod dynamo;
 pub mod events;
+mod keys;
+mod kinds;
 mod mutation;
+pub mod reference;
 pub mod sqlite;
 pub mod sqlite_history;
 pub mod table;
 
 pub use condition::Condition;
 pub use dynamo::DynamoStore;
-pub use mutation::{Mutation, NewLease, Visit};
+pub use keys::{
+    keepalive_shard, queue_shard, split_waiter_key, waiter_key, KEEPALIVE_SHARDS, NO_LEASE, QUEUE_SHARDS,
+    QUEUE_SHARD_BASE, SEPARATOR,
+};
+/// Each kind of lease's conditions and mutations (`LeaseCondition`, `QueueMutation`, ...).
+pub use kinds::*;
+pub use mutation::Mutation;
 pub use sqlite::SqliteStore;
 
 /// The result of a conditional write.
@@ -120,50 +135,4 @@ pub async fn count_pages<S: Store + ?Sized>(store: &S, kind: &ScanKind) -> Resul
             None => return Ok(n),
         }
     }
-}
-
-/// The lease_id of an item put into a state and never leased: no lease_id a caller can send
-/// (those are 22..=128 characters) or the coordinator generates.
-pub const NO_LEASE: &str = "-";
-
-/// Number of keep-alive shards (partitions of the sparse keep-alive index).
-pub const KEEPALIVE_SHARDS: u32 = 8;
-
-/// Keep-alive shard of a key: spreads the sparse index over several partitions.
-pub fn keepalive_shard(key: &str, shards: u32) -> u32 {
-    // FNV-1a: stable across processes and releases (unlike std's RandomState).
-    let mut h: u32 = 0x811c9dc5;
-    for b in key.as_bytes() {
-        h ^= *b as u32;
-        h = h.wrapping_mul(0x01000193);
-    }
-    h % shards.max(1)
-}
-
-/// Separates a lease key from its waiter suffix. Validated keys contain no control character,
-/// so no waiter key is ever a lease key, nor a prefix of one.
-pub const SEPARATOR: char = '\u{1f}';
-
-/// First shard number of the queue index's partitions (`q_shard`: 1000..1008; numbered apart
-/// from the keep-alive shards 0..8, which waiter items of earlier versions shared).
-pub const QUEUE_SHARD_BASE: u32 = 1000;
-
-/// Number of queue shards.
-pub const QUEUE_SHARDS: u32 = 8;
-
-/// The key of waiter `seq` of `key` (DESIGN.md, "The waiter queue").
-pub fn waiter_key(key: &str, seq: u64) -> String {
-    format!("{key}{SEPARATOR}q{seq}")
-}
-
-/// The lease key and sequence number of a waiter key.
-pub fn split_waiter_key(k: &str) -> Option<(&str, u64)> {
-    let (key, rest) = k.split_once(SEPARATOR)?;
-    Some((key, rest.strip_prefix('q')?.parse().ok()?))
-}
-
-/// The queue index partition of a key (of the lease key, for a waiter key).
-pub fn queue_shard(k: &str) -> u32 {
-    let key = split_waiter_key(k).map_or(k, |(key, _)| key);
-    QUEUE_SHARD_BASE + keepalive_shard(key, QUEUE_SHARDS)
 }

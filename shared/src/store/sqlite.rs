@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 
-use super::{keepalive_shard, Condition, Mutation, Page, ScanKind, Store, Write, KEEPALIVE_SHARDS};
+use super::{keepalive_shard, reference, Condition, Mutation, Page, ScanKind, Store, Write, KEEPALIVE_SHARDS};
 use crate::clock::{Clock, SystemClock};
 use crate::error::{Error, Result};
 use crate::model::Record;
@@ -140,18 +140,15 @@ impl SqliteStore {
     /// fence is below the current time in µs, so that a later acquire, which takes its fence
     /// from the current time in µs, always issues a higher one. Returns how many it deleted.
     pub async fn purge_expired(&self, now_ms: u64) -> Result<usize> {
-        match self.submit(Op::Purge { now_ms }).await? {
-            Done::Purged(n) => Ok(n),
-            Done::Write(_) => unreachable!("a purge answers how many it deleted"),
-        }
+        self.submit(|reply| Job::Purge { now_ms, reply }).await
     }
 
     /// Queues one write for the writer thread and waits for its answer, which comes after the
     /// commit that holds it.
-    async fn submit(&self, op: Op) -> Result<Done> {
+    async fn submit<T>(&self, job: impl FnOnce(Reply<T>) -> Job) -> Result<T> {
         let (reply, answer) = tokio::sync::oneshot::channel();
         let gone = || Error::StoreUnavailable("embedded store: its writer stopped".into());
-        self.writes.send(Job { op, reply }).map_err(|_| gone())?;
+        self.writes.send(job(Reply::new(reply))).map_err(|_| gone())?;
         answer.await.map_err(|_| gone())?
     }
 
@@ -304,7 +301,8 @@ fn migrate(conn: &Connection) -> rusqlite::Result<()> {
 
 /// The queue index entry of a record: lease items with queued waiters or an undelivered grant.
 fn queue_index(r: &Record) -> Option<i64> {
-    (r.waiter.is_none() && (r.queue_len() > 0 || r.pending_token.is_some())).then(|| super::queue_shard(&r.key) as i64)
+    (r.queue.waiter.is_none() && (r.queue_len() > 0 || r.queue.pending_token.is_some()))
+        .then(|| super::queue_shard(&r.key) as i64)
 }
 
 fn read(c: &Connection, key: &str) -> Result<Option<Record>> {
@@ -318,12 +316,12 @@ fn read_json(c: &Connection, key: &str) -> rusqlite::Result<Option<String>> {
 
 fn write(c: &Connection, r: &Record) -> rusqlite::Result<()> {
     let json = serde_json::to_string(r).expect("record serialises");
-    let (shard, until) = match (&r.keepalive, &r.waiter) {
+    let (shard, until) = match (&r.keepalive, &r.queue.waiter) {
         (Some(k), None) => (Some(keepalive_shard(&r.key, KEEPALIVE_SHARDS) as i64), Some(k.until_ms as i64)),
         _ => (None, None),
     };
     let q_shard = queue_index(r);
-    let due = r.state.as_ref().and(r.expires_at_ms).map(|e| e.min(i64::MAX as u64) as i64);
+    let due = r.work.state.as_ref().and(r.expires_at_ms).map(|e| e.min(i64::MAX as u64) as i64);
     // Statements are prepared once per connection (the write path is the hot path).
     c.prepare_cached(
         "INSERT INTO leases (key, record, fence, ka_shard, ka_until_ms, ttl, state, due_ms, q_shard)
@@ -333,39 +331,154 @@ fn write(c: &Connection, r: &Record) -> rusqlite::Result<()> {
            state = excluded.state, due_ms = excluded.due_ms, q_shard = excluded.q_shard",
     )
     .and_then(|mut st| {
-        st.execute(params![r.key, json, r.fence as i64, shard, until, r.ttl.map(|t| t as i64), r.state, due, q_shard])
+        st.execute(params![
+            r.key,
+            json,
+            r.fence as i64,
+            shard,
+            until,
+            r.ttl.map(|t| t as i64),
+            r.work.state,
+            due,
+            q_shard
+        ])
     })?;
     Ok(())
 }
 
-/// One write for the writer thread, and where its answer goes.
-struct Job {
-    op: Op,
-    reply: tokio::sync::oneshot::Sender<Result<Done>>,
-}
-
+/// One write for the writer thread, and where its answer goes: a write's answer is a
+/// [`Write`], a purge's how many items it deleted.
 // Moved once, through the writer's queue: boxing the large variant would only add an allocation.
 #[allow(clippy::large_enum_variant)]
-enum Op {
+enum Job {
     Update {
         key: String,
         condition: Condition,
         mutation: Mutation,
+        reply: Reply<Write>,
     },
     Delete {
         key: String,
         condition: Condition,
+        reply: Reply<Write>,
     },
     /// [`SqliteStore::purge_expired`].
     Purge {
         now_ms: u64,
+        reply: Reply<usize>,
     },
 }
 
-#[allow(clippy::large_enum_variant)]
-enum Done {
-    Write(Write),
-    Purged(usize),
+/// Where a job's answer goes, and the answer its group's transaction gave it (none before);
+/// sent once that transaction committed, or failed.
+struct Reply<T> {
+    to: tokio::sync::oneshot::Sender<Result<T>>,
+    answer: Option<Result<T>>,
+}
+
+impl<T> Reply<T> {
+    fn new(to: tokio::sync::oneshot::Sender<Result<T>>) -> Reply<T> {
+        Reply { to, answer: None }
+    }
+
+    /// Keeps the answer of an evaluation; a failed statement abandons the transaction.
+    fn keep(&mut self, evaluated: rusqlite::Result<Result<T>>) -> rusqlite::Result<()> {
+        self.answer = Some(evaluated?);
+        Ok(())
+    }
+
+    /// Sends the answer (a write its group never answered was not committed). A caller that
+    /// stopped waiting (a dropped future) gets nothing; its write stands.
+    fn send(self) {
+        let not_committed = || Err(Error::StoreUnavailable("embedded store: the write was not committed".into()));
+        let _ = self.to.send(self.answer.unwrap_or_else(not_committed));
+    }
+}
+
+impl Job {
+    /// Evaluates this job inside the open transaction `tx`, keeping its answer for after the
+    /// commit. The error is a failed statement (the transaction is abandoned); a write's own
+    /// error (an undecodable item, or a panic in its evaluation before it wrote anything) is
+    /// its answer.
+    fn run(&mut self, tx: &Connection) -> rusqlite::Result<()> {
+        match self {
+            Job::Update { key, condition, mutation, reply } => {
+                reply.keep(guarded(|| evaluated(reference::update(&mut Txn(tx), key, condition, mutation))))
+            }
+            Job::Delete { key, condition, reply } => {
+                reply.keep(guarded(|| evaluated(reference::delete(&mut Txn(tx), key, condition))))
+            }
+            Job::Purge { now_ms, reply } => reply.keep(guarded(|| {
+                let n = tx
+                    .prepare_cached("DELETE FROM leases WHERE ttl IS NOT NULL AND ttl < ?1 AND fence < ?2")?
+                    .execute(params![(*now_ms / 1000) as i64, now_ms.saturating_mul(1000) as i64])?;
+                Ok(Ok(n))
+            })),
+        }
+    }
+
+    /// This job failed with its group's transaction.
+    fn fail(&mut self, e: Error) {
+        match self {
+            Job::Update { reply, .. } | Job::Delete { reply, .. } => reply.answer = Some(Err(e)),
+            Job::Purge { reply, .. } => reply.answer = Some(Err(e)),
+        }
+    }
+
+    fn send(self) {
+        match self {
+            Job::Update { reply, .. } | Job::Delete { reply, .. } => reply.send(),
+            Job::Purge { reply, .. } => reply.send(),
+        }
+    }
+}
+
+/// A panic in a write's own evaluation (before it wrote anything) is that write's error.
+fn guarded<T>(f: impl FnOnce() -> rusqlite::Result<Result<T>>) -> rusqlite::Result<Result<T>> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+        .unwrap_or_else(|_| Ok(Err(Error::StoreUnavailable("embedded store: the write panicked".into()))))
+}
+
+/// The embedded store's table, as the reference evaluation reads and writes it: the open write
+/// transaction. Everything a write changes is written here, in that transaction.
+struct Txn<'a>(&'a Connection);
+
+/// Why an evaluation stopped: a failed statement (the transaction is abandoned), or this
+/// write's own item that cannot be decoded (nothing written).
+enum Stop {
+    Statement(rusqlite::Error),
+    Item(Error),
+}
+
+/// The outcome of an evaluation: the outer error abandons the transaction, the inner one is the
+/// write's alone.
+fn evaluated(r: std::result::Result<Write, Stop>) -> rusqlite::Result<Result<Write>> {
+    match r {
+        Ok(w) => Ok(Ok(w)),
+        Err(Stop::Item(e)) => Ok(Err(e)),
+        Err(Stop::Statement(e)) => Err(e),
+    }
+}
+
+impl reference::Table for Txn<'_> {
+    type Error = Stop;
+
+    fn read(&mut self, key: &str) -> std::result::Result<Option<Record>, Stop> {
+        read_json(self.0, key).map_err(Stop::Statement)?.as_deref().map(decode).transpose().map_err(Stop::Item)
+    }
+
+    fn put(&mut self, _key: &str, old: Option<Record>, new: &Record, _: &Mutation) -> std::result::Result<(), Stop> {
+        write(self.0, new).map_err(Stop::Statement)?;
+        // The lease history, in the same transaction as the change (a failure abandons the
+        // transaction, as a failed statement does).
+        super::sqlite_history::record(self.0, old.as_ref(), Some(new))
+            .map_err(|e| Stop::Statement(rusqlite::Error::ToSqlConversionFailure(Box::new(e))))
+    }
+
+    fn remove(&mut self, key: &str, _: &Record) -> std::result::Result<(), Stop> {
+        let mut st = self.0.prepare_cached("DELETE FROM leases WHERE key = ?1").map_err(Stop::Statement)?;
+        st.execute([key]).map(|_| ()).map_err(Stop::Statement)
+    }
 }
 
 /// The most writes one transaction takes (the rest go into the next).
@@ -384,11 +497,10 @@ fn writer(conn: &Mutex<Connection>, queue: &mpsc::Receiver<Job>, groups: &std::s
             }
         }
         let conn = conn.lock().unwrap_or_else(|p| p.into_inner());
-        let answers = commit_group(&conn, &group);
+        commit_group(&conn, &mut group);
         groups.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        for (job, answer) in group.into_iter().zip(answers) {
-            // A caller that stopped waiting (a dropped future) gets nothing; its write stands.
-            let _ = job.reply.send(answer);
+        for job in group {
+            job.send();
         }
     }
 }
@@ -405,91 +517,38 @@ enum GroupFailure {
 /// One transaction for `group`, in order, each answered as its own write would have been. If
 /// the transaction fails after its start (a statement or the commit), nothing of it stays and
 /// each write is tried again alone, so one write's failure is not the others'.
-fn commit_group(conn: &Connection, group: &[Job]) -> Vec<Result<Done>> {
+fn commit_group(conn: &Connection, group: &mut [Job]) {
     match run_group(conn, group) {
-        Ok(answers) => answers,
-        Err(GroupFailure::Later(_)) if group.len() > 1 => group
-            .iter()
-            .map(|job| match run_group(conn, std::slice::from_ref(job)) {
-                Ok(mut one) => one.pop().expect("one answer"),
-                Err(GroupFailure::Begin(e) | GroupFailure::Later(e)) => Err(store_err(e)),
-            })
-            .collect(),
+        Ok(()) => {}
+        Err(GroupFailure::Later(_)) if group.len() > 1 => {
+            for job in group.iter_mut() {
+                if let Err(GroupFailure::Begin(e) | GroupFailure::Later(e)) = run_group(conn, std::slice::from_mut(job))
+                {
+                    job.fail(store_err(e));
+                }
+            }
+        }
         Err(GroupFailure::Begin(e) | GroupFailure::Later(e)) => {
             let msg = store_err(e).to_string();
-            group.iter().map(|_| Err(Error::StoreUnavailable(msg.clone()))).collect()
-        }
-    }
-}
-
-fn run_group(conn: &Connection, group: &[Job]) -> std::result::Result<Vec<Result<Done>>, GroupFailure> {
-    let tx = rusqlite::Transaction::new_unchecked(conn, TransactionBehavior::Immediate).map_err(GroupFailure::Begin)?;
-    let mut answers = Vec::with_capacity(group.len());
-    for job in group {
-        // A panic in a write's own evaluation (before it wrote anything) is that write's error.
-        let one = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| apply(&tx, &job.op)))
-            .unwrap_or_else(|_| Ok(Err(Error::StoreUnavailable("embedded store: the write panicked".into()))));
-        answers.push(one.map_err(GroupFailure::Later)?);
-    }
-    tx.commit().map_err(GroupFailure::Later)?;
-    Ok(answers)
-}
-
-/// Applies one write inside the open transaction `tx`: reads the item, evaluates the
-/// condition and, if it holds, writes. The outer error is a failed statement (the transaction
-/// is abandoned); the inner one is this write's alone (an undecodable item), with nothing
-/// written. Everything a write changes is written here, in the caller's transaction.
-fn apply(tx: &Connection, op: &Op) -> rusqlite::Result<Result<Done>> {
-    let current = |key: &str| -> rusqlite::Result<Result<Option<Record>>> {
-        Ok(read_json(tx, key)?.as_deref().map(decode).transpose())
-    };
-    match op {
-        Op::Update { key, condition, mutation } => {
-            let old = match current(key)? {
-                Ok(old) => old,
-                Err(e) => return Ok(Err(e)),
-            };
-            if !condition.holds(old.as_ref()) {
-                return Ok(Ok(Done::Write(Write::Rejected(old))));
+            for job in group.iter_mut() {
+                job.fail(Error::StoreUnavailable(msg.clone()));
             }
-            let new = mutation.apply(key, old.as_ref());
-            write(tx, &new)?;
-            // The lease history, in the same transaction as the change (a failure abandons
-            // the transaction, as a failed statement does).
-            super::sqlite_history::record(tx, old.as_ref(), Some(&new))
-                .map_err(|e| rusqlite::Error::ToSqlConversionFailure(Box::new(e)))?;
-            Ok(Ok(Done::Write(Write::Applied(new))))
-        }
-        Op::Delete { key, condition } => {
-            let old = match current(key)? {
-                Ok(old) => old,
-                Err(e) => return Ok(Err(e)),
-            };
-            // No item: nothing to delete, whatever the condition (a waiter item two servers
-            // of one queue both delete).
-            let Some(item) = old.clone().filter(|_| condition.holds(old.as_ref())) else {
-                return Ok(Ok(Done::Write(Write::Rejected(old))));
-            };
-            tx.prepare_cached("DELETE FROM leases WHERE key = ?1")?.execute([key])?;
-            Ok(Ok(Done::Write(Write::Applied(item))))
-        }
-        Op::Purge { now_ms } => {
-            let n = tx
-                .prepare_cached("DELETE FROM leases WHERE ttl IS NOT NULL AND ttl < ?1 AND fence < ?2")?
-                .execute(params![(now_ms / 1000) as i64, now_ms.saturating_mul(1000) as i64])?;
-            Ok(Ok(Done::Purged(n)))
         }
     }
+}
+
+fn run_group(conn: &Connection, group: &mut [Job]) -> std::result::Result<(), GroupFailure> {
+    let tx = rusqlite::Transaction::new_unchecked(conn, TransactionBehavior::Immediate).map_err(GroupFailure::Begin)?;
+    for job in group.iter_mut() {
+        job.run(&tx).map_err(GroupFailure::Later)?;
+    }
+    tx.commit().map_err(GroupFailure::Later)
 }
 
 #[async_trait]
 impl Store for SqliteStore {
     async fn delete(&self, key: &str, condition: &Condition) -> Result<Write> {
-        let op = Op::Delete { key: key.to_string(), condition: condition.clone() };
-        match self.submit(op).await? {
-            Done::Write(w) => Ok(w),
-            Done::Purged(_) => unreachable!("a delete answers a write"),
-        }
+        self.submit(|reply| Job::Delete { key: key.to_string(), condition: condition.clone(), reply }).await
     }
 
     fn name(&self) -> &'static str {
@@ -502,11 +561,13 @@ impl Store for SqliteStore {
     }
 
     async fn update(&self, key: &str, condition: &Condition, mutation: &Mutation) -> Result<Write> {
-        let op = Op::Update { key: key.to_string(), condition: condition.clone(), mutation: mutation.clone() };
-        match self.submit(op).await? {
-            Done::Write(w) => Ok(w),
-            Done::Purged(_) => unreachable!("an update answers a write"),
-        }
+        let job = |reply| Job::Update {
+            key: key.to_string(),
+            condition: condition.clone(),
+            mutation: mutation.clone(),
+            reply,
+        };
+        self.submit(job).await
     }
 
     async fn count(&self, kind: &ScanKind) -> Result<u64> {
@@ -526,17 +587,15 @@ impl Store for SqliteStore {
 
     async fn scan(&self, kind: &ScanKind, start: Option<&str>, limit: u32) -> Result<Page> {
         let (kind, start) = (kind.clone(), start.unwrap_or("").to_string());
-        if let ScanKind::State { state, free_at_ms, .. } = kind {
-            return self.blocking(move |c| scan_state(c, &state, free_at_ms, &start, limit)).await;
-        }
         self.blocking(move |c| {
-            let limit = limit.max(1) as i64;
+            let max = limit.max(1) as i64;
             let rows: Vec<(String, String)> = match kind {
+                ScanKind::State { state, free_at_ms, .. } => return scan_state(c, &state, free_at_ms, &start, limit),
                 ScanKind::All => {
                     let mut st = c
                         .prepare_cached("SELECT key, record FROM leases WHERE key > ?1 ORDER BY key LIMIT ?2")
                         .map_err(store_err)?;
-                    let it = st.query_map(params![start, limit], |r| Ok((r.get(0)?, r.get(1)?))).map_err(store_err)?;
+                    let it = st.query_map(params![start, max], |r| Ok((r.get(0)?, r.get(1)?))).map_err(store_err)?;
                     it.collect::<rusqlite::Result<_>>().map_err(store_err)?
                 }
                 ScanKind::Keepalive { shard, after_ms } => {
@@ -547,7 +606,7 @@ impl Store for SqliteStore {
                         )
                         .map_err(store_err)?;
                     let it = st
-                        .query_map(params![shard as i64, after_ms as i64, start, limit], |r| Ok((r.get(0)?, r.get(1)?)))
+                        .query_map(params![shard as i64, after_ms as i64, start, max], |r| Ok((r.get(0)?, r.get(1)?)))
                         .map_err(store_err)?;
                     it.collect::<rusqlite::Result<_>>().map_err(store_err)?
                 }
@@ -558,13 +617,12 @@ impl Store for SqliteStore {
                         )
                         .map_err(store_err)?;
                     let it = st
-                        .query_map(params![shard as i64, start, limit], |r| Ok((r.get(0)?, r.get(1)?)))
+                        .query_map(params![shard as i64, start, max], |r| Ok((r.get(0)?, r.get(1)?)))
                         .map_err(store_err)?;
                     it.collect::<rusqlite::Result<_>>().map_err(store_err)?
                 }
-                ScanKind::State { .. } => unreachable!("scanned by scan_state"),
             };
-            let next = if rows.len() as i64 == limit { rows.last().map(|(k, _)| k.clone()) } else { None };
+            let next = if rows.len() as i64 == max { rows.last().map(|(k, _)| k.clone()) } else { None };
             let items = rows.iter().map(|(_, j)| decode(j)).collect::<Result<Vec<_>>>()?;
             Ok(Page { items, next })
         })
@@ -600,6 +658,7 @@ fn scan_state(c: &Connection, state: &str, free_at_ms: Option<u64>, start: &str,
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::{WorkCondition, WorkMutation};
 
     /// A file made before the work-state columns existed opens, keeps its leases, and gets
     /// the columns and their index.
@@ -624,9 +683,15 @@ mod tests {
         }
         let store = SqliteStore::open(&path).unwrap();
         let r = store.get("old").await.unwrap().unwrap();
-        assert_eq!((r.fence, r.state), (7, None));
-        let m = Mutation::Enter { now_ms: 10, holder: "p".into(), state: "S".into(), shard: "S#0".into(), ttl: None };
-        let c = Condition::Enterable { now_ms: 10, state: "S".into(), shard: "S#0".into() };
+        assert_eq!((r.fence, r.work.state), (7, None));
+        let m = Mutation::Work(WorkMutation::Enter {
+            now_ms: 10,
+            holder: "p".into(),
+            state: "S".into(),
+            shard: "S#0".into(),
+            ttl: None,
+        });
+        let c = Condition::Work(WorkCondition::Enterable { now_ms: 10, state: "S".into(), shard: "S#0".into() });
         assert!(matches!(store.update("old", &c, &m).await.unwrap(), Write::Applied(_)));
         let kind = ScanKind::State { state: "S".into(), shard: "S#0".into(), free_at_ms: Some(10) };
         assert_eq!(store.scan(&kind, None, 10).await.unwrap().items.len(), 1);
@@ -642,7 +707,7 @@ mod tests {
         assert_eq!(history, 1);
         // Opening again (the columns exist now) changes nothing.
         let again = SqliteStore::open(&path).unwrap();
-        assert_eq!(again.get("old").await.unwrap().unwrap().state.as_deref(), Some("S"));
+        assert_eq!(again.get("old").await.unwrap().unwrap().work.state.as_deref(), Some("S"));
         let _ = std::fs::remove_dir_all(&dir);
     }
 
@@ -662,8 +727,14 @@ mod tests {
             )
             .unwrap();
         let store = SqliteStore::open(&path).unwrap();
-        let m = Mutation::Enter { now_ms: 10, holder: "p".into(), state: "S".into(), shard: "S#0".into(), ttl: None };
-        let c = Condition::Enterable { now_ms: 10, state: "S".into(), shard: "S#0".into() };
+        let m = Mutation::Work(WorkMutation::Enter {
+            now_ms: 10,
+            holder: "p".into(),
+            state: "S".into(),
+            shard: "S#0".into(),
+            ttl: None,
+        });
+        let c = Condition::Work(WorkCondition::Enterable { now_ms: 10, state: "S".into(), shard: "S#0".into() });
         assert!(matches!(store.update("k", &c, &m).await.unwrap(), Write::Applied(_)));
         let kind = ScanKind::State { state: "S".into(), shard: "S#0".into(), free_at_ms: Some(10) };
         assert_eq!(store.count(&kind).await.unwrap(), 1);
@@ -679,51 +750,52 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("leasehold-group-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let store = SqliteStore::open(dir.join("leases.db")).unwrap();
-        let enter = |state: &str| Mutation::Enter {
-            now_ms: 10,
-            holder: "p".into(),
-            state: state.into(),
-            shard: "s".into(),
-            ttl: None,
-        };
-        let enterable = |state: &str| Condition::Enterable { now_ms: 10, state: state.into(), shard: "s".into() };
-        let send = |op: Op| {
+        fn update(key: &str, state: &str, reply: Reply<Write>) -> Job {
+            let mutation = WorkMutation::Enter {
+                now_ms: 10,
+                holder: "p".into(),
+                state: state.into(),
+                shard: "s".into(),
+                ttl: None,
+            };
+            let condition = WorkCondition::Enterable { now_ms: 10, state: state.into(), shard: "s".into() };
+            Job::Update { key: key.into(), condition: condition.into(), mutation: mutation.into(), reply }
+        }
+        let send = |job: fn(Reply<Write>) -> Job| {
             let (reply, answer) = tokio::sync::oneshot::channel();
-            store.writes.send(Job { op, reply }).unwrap();
+            store.writes.send(job(Reply::new(reply))).unwrap();
             answer
         };
         // The writer takes the first write and waits for its connection (held here); the
         // next five queue behind it.
         let held = store.write_conn.lock().unwrap();
-        let first = send(Op::Update { key: "a".into(), condition: enterable("S"), mutation: enter("S") });
+        let first = send(|reply| update("a", "S", reply));
         std::thread::sleep(Duration::from_millis(200));
-        let ops = [
-            Op::Update { key: "k".into(), condition: enterable("S"), mutation: enter("S") },
-            Op::Update { key: "k".into(), condition: enterable("S"), mutation: enter("S") },
-            Op::Delete { key: "none".into(), condition: Condition::Exists },
-            Op::Update { key: "j".into(), condition: enterable("S"), mutation: enter("S") },
-            Op::Update { key: "k".into(), condition: enterable("T"), mutation: enter("T") },
+        let jobs: [fn(Reply<Write>) -> Job; 5] = [
+            |reply| update("k", "S", reply),
+            |reply| update("k", "S", reply),
+            |reply| Job::Delete { key: "none".into(), condition: Condition::Exists, reply },
+            |reply| update("j", "S", reply),
+            |reply| update("k", "T", reply),
         ];
-        let answers: Vec<_> = ops.into_iter().map(send).collect();
+        let answers: Vec<_> = jobs.into_iter().map(send).collect();
         drop(held);
-        let write = |r: Result<Done>| match r.unwrap() {
-            Done::Write(w) => w,
-            Done::Purged(_) => panic!("a write"),
-        };
-        assert!(matches!(write(first.await.unwrap()), Write::Applied(_)));
+        assert!(matches!(first.await.unwrap().unwrap(), Write::Applied(_)));
         let mut got = Vec::new();
         for a in answers {
-            got.push(write(a.await.unwrap()));
+            got.push(a.await.unwrap().unwrap());
         }
         let state = |w: &Write| match w {
-            Write::Applied(r) => format!("applied {}", r.state.as_deref().unwrap_or("-")),
-            Write::Rejected(r) => format!("rejected {}", r.as_ref().and_then(|r| r.state.as_deref()).unwrap_or("none")),
+            Write::Applied(r) => format!("applied {}", r.work.state.as_deref().unwrap_or("-")),
+            Write::Rejected(r) => {
+                format!("rejected {}", r.as_ref().and_then(|r| r.work.state.as_deref()).unwrap_or("none"))
+            }
         };
         let got: Vec<String> = got.iter().map(state).collect();
         assert_eq!(got, ["applied S", "rejected S", "rejected none", "applied S", "applied T"]);
         assert_eq!(store.groups.load(std::sync::atomic::Ordering::Relaxed), 2, "one transaction for the five");
-        assert_eq!(store.get("k").await.unwrap().unwrap().state.as_deref(), Some("T"));
-        assert_eq!(store.get("j").await.unwrap().unwrap().state.as_deref(), Some("S"));
+        assert_eq!(store.get("k").await.unwrap().unwrap().work.state.as_deref(), Some("T"));
+        assert_eq!(store.get("j").await.unwrap().unwrap().work.state.as_deref(), Some("S"));
         drop(store);
         let _ = std::fs::remove_dir_all(&dir);
     }

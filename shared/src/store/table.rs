@@ -1,4 +1,5 @@
-//! The lease table's definition, written once: what `leasehold table create` creates, what
+//! The lease table's definition, written once: its attribute and index names (the item schema
+//! every part of the DynamoDB store names), what `leasehold table create` creates, what
 //! `leasehold table check` (and every CLI or `serve` start on `--table`) compares an existing
 //! table with, and what a test keeps equal to template.yaml's `LeaseTable`.
 //!
@@ -16,9 +17,121 @@ use aws_sdk_dynamodb::types::{
 };
 use aws_sdk_dynamodb::Client;
 
-use super::dynamo::{attr, KEEPALIVE_INDEX, QUEUE_INDEX, STATE_INDEX, STATE_INDEX_ATTRIBUTES};
 use crate::clock::{Clock, SystemClock};
 use crate::error::{Error, Result};
+
+/// Attribute names of the lease table (see DESIGN.md, "Item schema").
+pub mod attr {
+    pub const KEY: &str = "key";
+    pub(crate) const FENCE: &str = "fence";
+    pub(crate) const HOLDER: &str = "holder";
+    pub(crate) const LEASE_ID: &str = "lease_id";
+    pub(crate) const ACQUIRED_AT: &str = "acquired_at_ms";
+    pub const EXPIRES_AT: &str = "expires_at_ms";
+    pub(crate) const DURATION: &str = "duration_ms";
+    pub(crate) const MIN_HOLD_UNTIL: &str = "min_hold_until_ms";
+    pub(crate) const RELEASED_AT: &str = "released_at_ms";
+    pub(crate) const METADATA: &str = "metadata";
+    pub const KA_SHARD: &str = "ka_shard";
+    pub const KA_UNTIL: &str = "ka_until_ms";
+    pub(crate) const KA_EXECUTION_ARN: &str = "ka_execution_arn";
+    pub const TTL: &str = "ttl";
+    pub(crate) const POLL: &str = "poll_ms";
+    pub(crate) const HANDED_IN: &str = "handed_in";
+    pub(crate) const AWAITED_BY: &str = "awaited_by";
+    pub(crate) const RENEWED_AT: &str = "renewed_at_ms";
+    pub(crate) const QUEUE_HEAD: &str = "queue_head";
+    pub(crate) const QUEUE_TAIL: &str = "queue_tail";
+    pub(crate) const QUEUE_TAIL_AT: &str = "queue_tail_at_ms";
+    pub(crate) const FREED_AT: &str = "freed_at_ms";
+    pub(crate) const PENDING_TOKEN: &str = "pending_token";
+    pub(crate) const WAITER: &str = "waiter";
+    pub(crate) const QUEUE_TAIL_LEASE_ID: &str = "queue_tail_lease_id";
+    pub(crate) const RELEASED_LEASE_ID: &str = "released_lease_id";
+    pub(crate) const RELEASED_FENCE: &str = "released_fence";
+    /// Present only on lease items with queued waiters or an undelivered grant: the sparse
+    /// `queue` index (one entry per such key).
+    pub const Q_SHARD: &str = "q_shard";
+    /// `STATE#n`: the work state and the index partition (present only on keys in a state).
+    pub const STATE_SHARD: &str = "state_shard";
+    pub(crate) const STATE_SINCE: &str = "state_since_ms";
+    pub(crate) const ATTEMPTS: &str = "attempts";
+    /// A semaphore (DESIGN.md, "Semaphores"): N, holders counted, revision, the holders' map.
+    pub(crate) const SEM_SLOTS: &str = "sem_slots";
+    pub(crate) const SEM_TAKEN: &str = "sem_taken";
+    pub(crate) const SEM_REV: &str = "sem_rev";
+    pub(crate) const SEM_HOLDERS: &str = "sem_holders";
+
+    /// Every attribute above.
+    pub const ALL: &[&str] = &[
+        KEY,
+        FENCE,
+        HOLDER,
+        LEASE_ID,
+        ACQUIRED_AT,
+        EXPIRES_AT,
+        DURATION,
+        MIN_HOLD_UNTIL,
+        RELEASED_AT,
+        METADATA,
+        KA_SHARD,
+        KA_UNTIL,
+        KA_EXECUTION_ARN,
+        TTL,
+        POLL,
+        HANDED_IN,
+        AWAITED_BY,
+        RENEWED_AT,
+        QUEUE_HEAD,
+        QUEUE_TAIL,
+        QUEUE_TAIL_AT,
+        FREED_AT,
+        PENDING_TOKEN,
+        WAITER,
+        QUEUE_TAIL_LEASE_ID,
+        RELEASED_LEASE_ID,
+        RELEASED_FENCE,
+        Q_SHARD,
+        STATE_SHARD,
+        STATE_SINCE,
+        ATTEMPTS,
+        SEM_SLOTS,
+        SEM_TAKEN,
+        SEM_REV,
+        SEM_HOLDERS,
+    ];
+
+    /// The attributes that are DynamoDB reserved words, so an expression must name them through
+    /// an `ExpressionAttributeNames` alias. The others are written as they are: every alias is
+    /// work for the server on every request (DESIGN.md has the figure), and a test checks this
+    /// list against DynamoDB Local.
+    pub const RESERVED: &[&str] = &[KEY, TTL];
+}
+
+/// Name of the sparse keep-alive index (partition `ka_shard`, sort `ka_until_ms`).
+pub const KEEPALIVE_INDEX: &str = "keepalive";
+
+/// Name of the sparse work-state index (partition `state_shard`, sort `expires_at_ms`).
+pub const STATE_INDEX: &str = "state";
+
+/// What the work-state index projects besides its keys and the table's (`key`, `state_shard`,
+/// `expires_at_ms`): what a batch's candidate is judged and taken by, nothing more (an
+/// `INCLUDE` projection; DESIGN.md, "How one state scales"). `count` reads nothing but the
+/// keys; `list --state` reads the items themselves.
+pub const STATE_INDEX_ATTRIBUTES: &[&str] = &[
+    attr::FENCE,
+    attr::HOLDER,
+    attr::LEASE_ID,
+    attr::ACQUIRED_AT,
+    attr::MIN_HOLD_UNTIL,
+    attr::RELEASED_AT,
+    attr::STATE_SINCE,
+    attr::ATTEMPTS,
+];
+
+/// Name of the sparse queue index (partition `q_shard`, keys only): one entry per key with
+/// queued waiters or an undelivered grant.
+pub const QUEUE_INDEX: &str = "queue";
 
 /// A global secondary index the code queries.
 #[derive(Debug, Clone, PartialEq, Eq)]

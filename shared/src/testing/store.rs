@@ -10,7 +10,7 @@ use super::{splitmix64, SimClock};
 use crate::clock::{Clock, ClockSamples, Sample};
 use crate::error::{Error, Result};
 use crate::model::Record;
-use crate::store::{keepalive_shard, Condition, Mutation, Page, ScanKind, Store, Write, KEEPALIVE_SHARDS};
+use crate::store::{keepalive_shard, reference, Condition, Mutation, Page, ScanKind, Store, Write, KEEPALIVE_SHARDS};
 
 /// The faults a [`SimStore`] injects, each a probability per request (0.0 to 1.0) or a range.
 #[derive(Debug, Clone, PartialEq)]
@@ -104,8 +104,8 @@ pub struct Applied {
 }
 
 /// An in-memory, linearizable [`Store`] with DynamoDB's semantics: each conditional write is
-/// evaluated atomically with [`Condition::holds`] and applied with [`Mutation::apply`] (the same
-/// reference semantics as the embedded store); a refused write returns the item as it was
+/// evaluated atomically by the reference evaluation (`store::reference`: [`Condition::holds`],
+/// [`Mutation::apply`]), the embedded store's own; a refused write returns the item as it was
 /// (`ALL_OLD`); scans of the keep-alive, work-state and queue indexes read a copy that lags the
 /// table, like a global secondary index; items past their TTL are deleted late. Faults
 /// ([`Faults`]) are drawn from a generator seeded at construction.
@@ -374,30 +374,49 @@ impl SimStore {
         let done = match *op {
             Op::Get(key) => Done::Item(s.items.get(key).cloned()),
             Op::Update(key, cond, m) => {
-                let old = s.items.get(key).cloned();
-                if cond.holds(old.as_ref()) {
-                    let new = m.apply(key, old.as_ref());
-                    s.items.insert(key.to_string(), new.clone());
-                    s.changed(now, key, Some(m.clone()), old, Some(new.clone()));
-                    Done::Write(Write::Applied(new))
-                } else {
-                    Done::Write(Write::Rejected(old))
-                }
+                let applied = reference::update(&mut Table { state: &mut s, now }, key, cond, m);
+                Done::Write(applied.unwrap_or_else(|never| match never {}))
             }
             Op::Delete(key, cond) => {
-                let old = s.items.get(key).cloned();
-                if let Some(o) = old.clone().filter(|_| cond.holds(old.as_ref())) {
-                    s.items.remove(key);
-                    s.changed(now, key, None, old, None);
-                    Done::Write(Write::Applied(o))
-                } else {
-                    // (No item: nothing to delete, whatever the condition.)
-                    Done::Write(Write::Rejected(old))
-                }
+                let deleted = reference::delete(&mut Table { state: &mut s, now }, key, cond);
+                Done::Write(deleted.unwrap_or_else(|never| match never {}))
             }
             Op::Scan(kind, start, limit) => Done::Page(s.scan(now, kind, start, limit)),
         };
         (done, now_ms)
+    }
+}
+
+/// The table as the reference evaluation reads and writes it (under the state's lock): every
+/// change logged for the checkers, and sent on its way to the lagging index.
+struct Table<'a> {
+    state: &'a mut State,
+    now: Instant,
+}
+
+impl reference::Table for Table<'_> {
+    type Error = std::convert::Infallible;
+
+    fn read(&mut self, key: &str) -> std::result::Result<Option<Record>, Self::Error> {
+        Ok(self.state.items.get(key).cloned())
+    }
+
+    fn put(
+        &mut self,
+        key: &str,
+        old: Option<Record>,
+        new: &Record,
+        m: &Mutation,
+    ) -> std::result::Result<(), Self::Error> {
+        self.state.items.insert(key.to_string(), new.clone());
+        self.state.changed(self.now, key, Some(m.clone()), old, Some(new.clone()));
+        Ok(())
+    }
+
+    fn remove(&mut self, key: &str, old: &Record) -> std::result::Result<(), Self::Error> {
+        self.state.items.remove(key);
+        self.state.changed(self.now, key, None, Some(old.clone()), None);
+        Ok(())
     }
 }
 
@@ -521,7 +540,7 @@ impl State {
             let mut rows: Vec<(u64, &Record)> = self
                 .index
                 .values()
-                .filter(|r| r.state.as_deref() == Some(state.as_str()))
+                .filter(|r| r.work.state.as_deref() == Some(state.as_str()))
                 .filter_map(|r| r.expires_at_ms.map(|e| (e, r)))
                 .filter(|(e, _)| free_at_ms.is_none_or(|f| *e <= f))
                 .collect();
@@ -546,13 +565,13 @@ impl State {
             .filter(|r| match kind {
                 ScanKind::All => true,
                 ScanKind::Keepalive { shard, after_ms } => {
-                    r.waiter.is_none()
+                    r.queue.waiter.is_none()
                         && r.keepalive.as_ref().is_some_and(|k| k.until_ms > *after_ms)
                         && keepalive_shard(&r.key, KEEPALIVE_SHARDS) == *shard
                 }
                 ScanKind::Queue { shard } => {
-                    r.waiter.is_none()
-                        && (r.queue_len() > 0 || r.pending_token.is_some())
+                    r.queue.waiter.is_none()
+                        && (r.queue_len() > 0 || r.queue.pending_token.is_some())
                         && crate::queue::queue_shard(&r.key) == *shard
                 }
                 ScanKind::State { .. } => unreachable!("scanned above"),

@@ -7,9 +7,11 @@
 //! the fence it issued.
 //!
 //! This module holds the requests; what they carry is built apart, without the SDK client:
-//! - `render`: conditions and mutations as expressions, each beside its reason (checked
-//!   against DESIGN.md word for word);
-//! - `item`: records as items and back (the item schema);
+//! - `render`: a write's expressions (or whole item), put together from its kind of lease's
+//!   rendering (`store/kinds/`, each condition beside its reason, checked against DESIGN.md
+//!   word for word), with the protocol's steps numbered;
+//! - `expr`: the expression builder the kinds render with;
+//! - `item`: items decoded into records, and the attribute values of the item schema;
 //! - `scan`: the Scan and the index Queries behind [`Store::scan`] and [`Store::count`];
 //! - `date`: the HTTP client wrapper that samples the `Date` of DynamoDB's answers for the clock
 //!   check;
@@ -31,129 +33,19 @@ use crate::error::{Error, Result};
 use crate::model::Record;
 
 mod date;
+pub(in crate::store) mod expr;
 mod https;
-mod item;
+pub(in crate::store) mod item;
 mod render;
 mod scan;
 
+/// The lease table's attribute and index names, defined with the table (`store::table`).
+pub use super::table::{attr, KEEPALIVE_INDEX, QUEUE_INDEX, STATE_INDEX, STATE_INDEX_ATTRIBUTES};
 pub(crate) use item::record_from_item;
 pub use render::expressions;
 
-use item::{key_map, lease_item, semaphore_item, waiter_item, Item};
-use render::Expr;
-
-/// Attribute names of the lease table (see DESIGN.md, "Item schema").
-pub mod attr {
-    pub const KEY: &str = "key";
-    pub(crate) const FENCE: &str = "fence";
-    pub(crate) const HOLDER: &str = "holder";
-    pub(crate) const LEASE_ID: &str = "lease_id";
-    pub(crate) const ACQUIRED_AT: &str = "acquired_at_ms";
-    pub const EXPIRES_AT: &str = "expires_at_ms";
-    pub(crate) const DURATION: &str = "duration_ms";
-    pub(crate) const MIN_HOLD_UNTIL: &str = "min_hold_until_ms";
-    pub(crate) const RELEASED_AT: &str = "released_at_ms";
-    pub(crate) const METADATA: &str = "metadata";
-    pub const KA_SHARD: &str = "ka_shard";
-    pub const KA_UNTIL: &str = "ka_until_ms";
-    pub(crate) const KA_EXECUTION_ARN: &str = "ka_execution_arn";
-    pub const TTL: &str = "ttl";
-    pub(crate) const POLL: &str = "poll_ms";
-    pub(crate) const HANDED_IN: &str = "handed_in";
-    pub(crate) const AWAITED_BY: &str = "awaited_by";
-    pub(crate) const RENEWED_AT: &str = "renewed_at_ms";
-    pub(crate) const QUEUE_HEAD: &str = "queue_head";
-    pub(crate) const QUEUE_TAIL: &str = "queue_tail";
-    pub(crate) const QUEUE_TAIL_AT: &str = "queue_tail_at_ms";
-    pub(crate) const FREED_AT: &str = "freed_at_ms";
-    pub(crate) const PENDING_TOKEN: &str = "pending_token";
-    pub(crate) const WAITER: &str = "waiter";
-    pub(crate) const QUEUE_TAIL_LEASE_ID: &str = "queue_tail_lease_id";
-    pub(crate) const RELEASED_LEASE_ID: &str = "released_lease_id";
-    pub(crate) const RELEASED_FENCE: &str = "released_fence";
-    /// Present only on lease items with queued waiters or an undelivered grant: the sparse
-    /// `queue` index (one entry per such key).
-    pub const Q_SHARD: &str = "q_shard";
-    /// `STATE#n`: the work state and the index partition (present only on keys in a state).
-    pub const STATE_SHARD: &str = "state_shard";
-    pub(crate) const STATE_SINCE: &str = "state_since_ms";
-    pub(crate) const ATTEMPTS: &str = "attempts";
-    /// A semaphore (DESIGN.md, "Semaphores"): N, holders counted, revision, the holders' map.
-    pub(crate) const SEM_SLOTS: &str = "sem_slots";
-    pub(crate) const SEM_TAKEN: &str = "sem_taken";
-    pub(crate) const SEM_REV: &str = "sem_rev";
-    pub(crate) const SEM_HOLDERS: &str = "sem_holders";
-
-    /// Every attribute above.
-    pub const ALL: &[&str] = &[
-        KEY,
-        FENCE,
-        HOLDER,
-        LEASE_ID,
-        ACQUIRED_AT,
-        EXPIRES_AT,
-        DURATION,
-        MIN_HOLD_UNTIL,
-        RELEASED_AT,
-        METADATA,
-        KA_SHARD,
-        KA_UNTIL,
-        KA_EXECUTION_ARN,
-        TTL,
-        POLL,
-        HANDED_IN,
-        AWAITED_BY,
-        RENEWED_AT,
-        QUEUE_HEAD,
-        QUEUE_TAIL,
-        QUEUE_TAIL_AT,
-        FREED_AT,
-        PENDING_TOKEN,
-        WAITER,
-        QUEUE_TAIL_LEASE_ID,
-        RELEASED_LEASE_ID,
-        RELEASED_FENCE,
-        Q_SHARD,
-        STATE_SHARD,
-        STATE_SINCE,
-        ATTEMPTS,
-        SEM_SLOTS,
-        SEM_TAKEN,
-        SEM_REV,
-        SEM_HOLDERS,
-    ];
-
-    /// The attributes that are DynamoDB reserved words, so an expression must name them through
-    /// an `ExpressionAttributeNames` alias. The others are written as they are: every alias is
-    /// work for the server on every request (DESIGN.md has the figure), and a test checks this
-    /// list against DynamoDB Local.
-    pub const RESERVED: &[&str] = &[KEY, TTL];
-}
-
-/// Name of the sparse keep-alive index (partition `ka_shard`, sort `ka_until_ms`).
-pub const KEEPALIVE_INDEX: &str = "keepalive";
-
-/// Name of the sparse work-state index (partition `state_shard`, sort `expires_at_ms`).
-pub const STATE_INDEX: &str = "state";
-
-/// What the work-state index projects besides its keys and the table's (`key`, `state_shard`,
-/// `expires_at_ms`): what a batch's candidate is judged and taken by, nothing more (an
-/// `INCLUDE` projection; DESIGN.md, "How one state scales"). `count` reads nothing but the
-/// keys; `list --state` reads the items themselves.
-pub const STATE_INDEX_ATTRIBUTES: &[&str] = &[
-    attr::FENCE,
-    attr::HOLDER,
-    attr::LEASE_ID,
-    attr::ACQUIRED_AT,
-    attr::MIN_HOLD_UNTIL,
-    attr::RELEASED_AT,
-    attr::STATE_SINCE,
-    attr::ATTEMPTS,
-];
-
-/// Name of the sparse queue index (partition `q_shard`, keys only): one entry per key with
-/// queued waiters or an undelivered grant.
-pub const QUEUE_INDEX: &str = "queue";
+use expr::{Expr, Request};
+use item::{key_map, Item};
 
 #[derive(Clone, Debug)]
 pub struct DynamoStore {
@@ -336,9 +228,7 @@ impl DynamoStore {
     /// An acquire: one conditional PutItem of the whole lease. Nothing of the previous lease
     /// survives by mistake, and DynamoDB Local spends less time on it than on the equivalent
     /// SET/REMOVE update expression (DESIGN.md has the figures).
-    async fn put_item(&self, condition: &Condition, item: Item, written: Record) -> Result<Write> {
-        let mut x = Expr::default();
-        let cond = x.condition(condition);
+    async fn put_item(&self, mut x: Expr, cond: String, item: Item, written: Record) -> Result<Write> {
         let res = self
             .client
             .put_item()
@@ -362,11 +252,9 @@ impl DynamoStore {
         }
     }
 
-    /// Any other write: one conditional UpdateItem, answering the item as written.
-    async fn update_item(&self, key: &str, condition: &Condition, mutation: &Mutation) -> Result<Write> {
-        let mut x = Expr::default();
-        let cond = x.condition(condition);
-        x.mutation(key, mutation);
+    /// Any other write: one conditional UpdateItem (its expressions rendered into `x`),
+    /// answering the item as written.
+    async fn update_item(&self, key: &str, mut x: Expr, cond: String) -> Result<Write> {
         let res = self
             .client
             .update_item()
@@ -401,7 +289,7 @@ impl DynamoStore {
 impl Store for DynamoStore {
     async fn delete(&self, key: &str, condition: &Condition) -> Result<Write> {
         let mut x = Expr::default();
-        let cond = x.condition(condition);
+        let cond = render::condition(&mut x, condition);
         let res = self
             .client
             .delete_item()
@@ -451,15 +339,15 @@ impl Store for DynamoStore {
     }
 
     async fn update(&self, key: &str, condition: &Condition, mutation: &Mutation) -> Result<Write> {
+        let mut x = Expr::default();
+        let cond = render::condition(&mut x, condition);
         // One call site of each request: every `.await` of an SDK request holds its future
         // (about 6 KB) inline in this one's frame.
-        let (item, written) = match mutation {
-            Mutation::Acquire(n) => (lease_item(key, n), n.record(key)),
-            Mutation::PutWaiter(r) => (waiter_item(r)?, (**r).clone()),
-            Mutation::PutSemaphore(r) => (semaphore_item(r), (**r).clone()),
-            _ => return self.update_item(key, condition, mutation).await,
+        let (item, written) = match render::mutation(&mut x, key, mutation)? {
+            Request::Put(item, written) => (item, written),
+            Request::Update => return self.update_item(key, x, cond).await,
         };
-        self.put_item(condition, item, written).await
+        self.put_item(x, cond, item, written).await
     }
 
     async fn scan(&self, kind: &ScanKind, start: Option<&str>, limit: u32) -> Result<Page> {

@@ -8,9 +8,10 @@ use aws_sdk_dynamodb::operation::query::builders::QueryFluentBuilder;
 use aws_sdk_dynamodb::types::{AttributeValue, Select};
 
 use super::item::{get_s, key_map, need, num, record_from_item, str_, Item};
-use super::{attr, map_err, DynamoStore, KEEPALIVE_INDEX, QUEUE_INDEX, STATE_INDEX, STATE_INDEX_ATTRIBUTES};
+use super::{map_err, DynamoStore};
 use crate::error::{Error, Result};
 use crate::model::Record;
+use crate::store::table::{attr, KEEPALIVE_INDEX, QUEUE_INDEX, STATE_INDEX, STATE_INDEX_ATTRIBUTES};
 use crate::store::{Page, ScanKind};
 
 /// One page of items as DynamoDB returned it, and where the next starts.

@@ -1,0 +1,295 @@
+//! Semaphores (DESIGN.md, "Semaphores"): N holders on one item, each an entry of its
+//! `sem_holders` map. The conditions and the mutations of a semaphore's writes, their reference
+//! semantics, and their DynamoDB rendering (the whole item, and the map's entries), side by side.
+
+use aws_sdk_dynamodb::types::AttributeValue;
+
+use super::lease::updated;
+use crate::model::{LeaseId, Record, SlotHolder};
+use crate::store::dynamo::expr::{guard, slot_guard, Expr, Guard, Request};
+use crate::store::dynamo::item::{num, str_, Item};
+use crate::store::table::attr;
+
+/// The conditions of a semaphore's writes. Semantics are defined by
+/// [`SemaphoreCondition::holds`]; the DynamoDB text of each is in DESIGN.md, and a test renders
+/// each and compares.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SemaphoreCondition {
+    /// A semaphore has a free slot for `lease_id` at `fence`: the item is a semaphore, fewer
+    /// than `slots` holders are counted, its last fence is below `fence`, and `lease_id` has no
+    /// entry (single-use). DynamoDB: `attribute_exists(sem_slots) AND sem_taken < :slots AND
+    /// fence < :fence AND attribute_not_exists(sem_holders.#lease_id)`
+    SlotFree { fence: u64, lease_id: LeaseId, slots: u32 },
+    /// The semaphore is as read: no write since (every one bumps `sem_rev`). DynamoDB:
+    /// `sem_rev = :expected_rev`
+    SlotsAsRead { rev: u64 },
+    /// The semaphore's holder `lease_id` is live and this renewal newer than its last, and its
+    /// expiry does not move backwards. DynamoDB: `sem_holders.#lease_id.expires_at_ms > :now AND
+    /// attribute_not_exists(sem_holders.#lease_id.released_at_ms) AND
+    /// sem_holders.#lease_id.renewed_at_ms < :now AND sem_holders.#lease_id.expires_at_ms <=
+    /// :expires_at`
+    SlotRenew { lease_id: LeaseId, now_ms: u64, expires_at_ms: u64 },
+    /// The semaphore's holder `lease_id` has an entry and is not released. DynamoDB:
+    /// `attribute_exists(sem_holders.#lease_id) AND
+    /// attribute_not_exists(sem_holders.#lease_id.released_at_ms)`
+    SlotUnreleased { lease_id: LeaseId },
+}
+
+/// The writes of a semaphore. Semantics are defined by [`SemaphoreMutation::apply`]; every
+/// write but the first holder's bumps `sem_rev`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SemaphoreMutation {
+    /// Write a whole semaphore item (DynamoDB: a PutItem): the first holder makes the semaphore.
+    PutSemaphore(Box<Record>),
+    /// Take a slot: the holder's entry, `fence` = its fence, `sem_slots` = `slots`, `sem_rev`
+    /// plus one, the TTL; `sem_taken` plus one, or, cleaning (`clean`: the ended entries and the
+    /// count left with this holder), the ended entries removed and `sem_taken` set.
+    TakeSlot { slot: Box<SlotHolder>, slots: u32, ttl: u64, clean: Option<(Vec<LeaseId>, u32)> },
+    /// Renew holder `lease_id`: expiry `now + duration`, renewed now.
+    RenewSlot { lease_id: LeaseId, now_ms: u64, duration_ms: u64, ttl: u64 },
+    /// Release holder `lease_id`: released and expired now, `sem_taken` - 1.
+    ReleaseSlot { lease_id: LeaseId, now_ms: u64, ttl: u64 },
+    /// Force-release holders `evicted`: released now, expired at 0, `sem_taken` = `taken`,
+    /// fence + 1.
+    EvictSlots { evicted: Vec<LeaseId>, now_ms: u64, taken: u32, ttl: u64 },
+    /// Remove the ended entries `ended`, `sem_taken` = `taken`.
+    TidySlots { ended: Vec<LeaseId>, taken: u32, ttl: u64 },
+}
+
+impl SemaphoreCondition {
+    /// Reference semantics: does the condition hold for the current item (`None`: no item)?
+    pub fn holds(&self, item: Option<&Record>) -> bool {
+        let Some(r) = item else { return false };
+        let s = &r.semaphore;
+        match self {
+            SemaphoreCondition::SlotFree { fence, lease_id, slots } => {
+                s.slots.is_some()
+                    && s.slots_taken.unwrap_or(0) < *slots
+                    && r.fence < *fence
+                    && r.slot(lease_id).is_none()
+            }
+            SemaphoreCondition::SlotsAsRead { rev } => s.slots_rev == Some(*rev),
+            SemaphoreCondition::SlotRenew { lease_id, now_ms, expires_at_ms } => r
+                .slot(lease_id)
+                .is_some_and(|h| h.is_live(*now_ms) && h.renewed_at_ms < *now_ms && h.expires_at_ms <= *expires_at_ms),
+            SemaphoreCondition::SlotUnreleased { lease_id } => {
+                r.slot(lease_id).is_some_and(|h| h.released_at_ms.is_none())
+            }
+        }
+    }
+
+    /// The DynamoDB `ConditionExpression` (numbered as in `dynamo/render.rs`'s protocol).
+    pub(in crate::store) fn guard(&self) -> Guard {
+        match self {
+            // Step 9b, take: a semaphore with fewer than N holders counted, a lower last fence, and
+            // no entry of this lease_id (single-use; a retry finds its entry in the refused
+            // answer).
+            SemaphoreCondition::SlotFree { fence, lease_id, slots } => slot_guard(
+                "attribute_exists(sem_slots) AND sem_taken < :slots AND fence < :fence \
+                 AND attribute_not_exists(sem_holders.#lease_id)",
+                lease_id,
+                [("slots", num(*slots as u64)), ("fence", num(*fence))],
+            ),
+            // Steps 9c, 9d, 9g, the item as read: cleaning, tidying and evicting count what they read.
+            SemaphoreCondition::SlotsAsRead { rev } => guard("sem_rev = :expected_rev", [("expected_rev", num(*rev))]),
+            // Step 9e, heartbeat: this holder live, this renewal newer, the expiry never backwards.
+            SemaphoreCondition::SlotRenew { lease_id, now_ms, expires_at_ms } => slot_guard(
+                "sem_holders.#lease_id.expires_at_ms > :now AND attribute_not_exists(sem_holders.#lease_id.released_at_ms) \
+                 AND sem_holders.#lease_id.renewed_at_ms < :now AND sem_holders.#lease_id.expires_at_ms <= :expires_at",
+                lease_id,
+                [("now", num(*now_ms)), ("expires_at", num(*expires_at_ms))],
+            ),
+            // Step 9f, release: this holder's entry, not released yet (a retried release finds it
+            // released).
+            SemaphoreCondition::SlotUnreleased { lease_id } => slot_guard(
+                "attribute_exists(sem_holders.#lease_id) AND attribute_not_exists(sem_holders.#lease_id.released_at_ms)",
+                lease_id,
+                [],
+            ),
+        }
+    }
+}
+
+impl SemaphoreMutation {
+    /// Reference semantics: the item after the write. `old` is the item the condition held for.
+    pub fn apply(&self, old: Option<&Record>) -> Record {
+        match self {
+            SemaphoreMutation::PutSemaphore(r) => (**r).clone(),
+            SemaphoreMutation::TakeSlot { slot: h, slots, ttl, clean } => revised(old, |r| {
+                let s = &mut r.semaphore;
+                if let Some((ended, taken)) = clean {
+                    s.slot_holders.retain(|e| !ended.contains(&e.lease_id));
+                    s.slots_taken = Some(*taken);
+                } else {
+                    s.slots_taken = Some(s.slots_taken.unwrap_or(0) + 1);
+                }
+                s.slot_holders.push((**h).clone());
+                s.slots = Some(*slots);
+                r.fence = h.fence;
+                r.ttl = Some(*ttl);
+            }),
+            SemaphoreMutation::RenewSlot { lease_id, now_ms, duration_ms, ttl } => revised(old, |r| {
+                let h = entry(r, lease_id);
+                h.expires_at_ms = now_ms + duration_ms;
+                h.duration_ms = *duration_ms;
+                h.renewed_at_ms = *now_ms;
+                r.ttl = Some(*ttl);
+            }),
+            SemaphoreMutation::ReleaseSlot { lease_id, now_ms, ttl } => revised(old, |r| {
+                let h = entry(r, lease_id);
+                h.released_at_ms = Some(*now_ms);
+                h.expires_at_ms = *now_ms;
+                r.semaphore.slots_taken = Some(r.semaphore.slots_taken.unwrap_or(0).saturating_sub(1));
+                r.ttl = Some(*ttl);
+            }),
+            SemaphoreMutation::EvictSlots { evicted, now_ms, taken, ttl } => revised(old, |r| {
+                for h in r.semaphore.slot_holders.iter_mut().filter(|h| evicted.contains(&h.lease_id)) {
+                    h.released_at_ms = Some(*now_ms);
+                    h.expires_at_ms = 0;
+                }
+                r.semaphore.slots_taken = Some(*taken);
+                r.fence = r.fence.saturating_add(1);
+                r.ttl = Some(*ttl);
+            }),
+            SemaphoreMutation::TidySlots { ended, taken, ttl } => revised(old, |r| {
+                r.semaphore.slot_holders.retain(|e| !ended.contains(&e.lease_id));
+                r.semaphore.slots_taken = Some(*taken);
+                r.ttl = Some(*ttl);
+            }),
+        }
+    }
+
+    /// The DynamoDB write: the whole item of a new semaphore, or the `UpdateExpression` of the
+    /// others rendered into `x`. Each update bumps `sem_rev` and sets the TTL.
+    pub(in crate::store) fn render(&self, x: &mut Expr) -> Request {
+        match self {
+            // Step 9a, the first holder makes the semaphore.
+            SemaphoreMutation::PutSemaphore(r) => return Request::Put(semaphore_item(r), (**r).clone()),
+            // Steps 9b, 9c, take (cleaning the ended entries first when the semaphore was full).
+            SemaphoreMutation::TakeSlot { slot, slots, ttl, clean } => {
+                let p = x.holder_path("lease_id", &slot.lease_id);
+                let v = x.v("slot_holder", slot_holder_value(slot));
+                x.set_path(p, v);
+                x.set_value(attr::FENCE, num(slot.fence));
+                x.set_value(attr::SEM_SLOTS, num(*slots as u64));
+                match clean {
+                    None => x.bump(attr::SEM_TAKEN, false),
+                    Some((ended, taken)) => {
+                        remove_holders(x, "ended", ended);
+                        x.set_value(attr::SEM_TAKEN, num(*taken as u64));
+                    }
+                }
+                x.bump(attr::SEM_REV, false);
+                x.set_value(attr::TTL, num(*ttl));
+            }
+            // Step 9e, heartbeat.
+            SemaphoreMutation::RenewSlot { lease_id, now_ms, duration_ms, ttl } => {
+                let p = x.holder_path("lease_id", lease_id);
+                let e = x.v("expires_at", num(now_ms + duration_ms));
+                x.set_path(format!("{p}.{}", attr::EXPIRES_AT), e);
+                let d = x.v("duration_ms", num(*duration_ms));
+                x.set_path(format!("{p}.{}", attr::DURATION), d);
+                let now = x.v("now", num(*now_ms));
+                x.set_path(format!("{p}.{}", attr::RENEWED_AT), now);
+                x.bump(attr::SEM_REV, false);
+                x.set_value(attr::TTL, num(*ttl));
+            }
+            // Step 9f, release.
+            SemaphoreMutation::ReleaseSlot { lease_id, now_ms, ttl } => {
+                let p = x.holder_path("lease_id", lease_id);
+                let now = x.v("now", num(*now_ms));
+                x.set_path(format!("{p}.{}", attr::RELEASED_AT), now.clone());
+                x.set_path(format!("{p}.{}", attr::EXPIRES_AT), now);
+                x.bump(attr::SEM_TAKEN, true);
+                x.bump(attr::SEM_REV, false);
+                x.set_value(attr::TTL, num(*ttl));
+            }
+            SemaphoreMutation::EvictSlots { evicted, now_ms, taken, ttl } => evict(x, evicted, *now_ms, *taken, *ttl),
+            // Step 9d, tidy: the ended entries removed.
+            SemaphoreMutation::TidySlots { ended, taken, ttl } => {
+                x.set_value(attr::SEM_TAKEN, num(*taken as u64));
+                x.bump(attr::SEM_REV, false);
+                x.set_value(attr::TTL, num(*ttl));
+                remove_holders(x, "ended", ended);
+            }
+        }
+        Request::Update
+    }
+}
+
+/// An update of the existing semaphore `old` by `f`, its revision bumped.
+fn revised(old: Option<&Record>, f: impl FnOnce(&mut Record)) -> Record {
+    updated(old, |r| {
+        r.semaphore.slots_rev = Some(r.semaphore.slots_rev.unwrap_or(0) + 1);
+        f(r)
+    })
+}
+
+/// The entry of holder `lease_id` (its condition found it).
+fn entry<'a>(r: &'a mut Record, lease_id: &LeaseId) -> &'a mut SlotHolder {
+    r.semaphore.slot_holders.iter_mut().find(|h| &h.lease_id == lease_id).expect("the condition found the entry")
+}
+
+/// Step 9g, force-release: the holders `evicted` released now and expired at 0, the fence bumped.
+fn evict(x: &mut Expr, evicted: &[LeaseId], now_ms: u64, taken: u32, ttl: u64) {
+    let (now, zero) = (x.v("now", num(now_ms)), x.v("zero", num(0)));
+    for (i, id) in evicted.iter().enumerate() {
+        let p = x.holder_path(&format!("evicted{i}"), id);
+        x.set_path(format!("{p}.{}", attr::RELEASED_AT), now.clone());
+        x.set_path(format!("{p}.{}", attr::EXPIRES_AT), zero.clone());
+    }
+    x.set_value(attr::SEM_TAKEN, num(taken as u64));
+    x.bump(attr::FENCE, false);
+    x.bump(attr::SEM_REV, false);
+    x.set_value(attr::TTL, num(ttl));
+}
+
+/// `REMOVE sem_holders.#ended0, ...`.
+fn remove_holders(x: &mut Expr, alias: &str, ids: &[LeaseId]) {
+    for (i, id) in ids.iter().enumerate() {
+        let p = x.holder_path(&format!("{alias}{i}"), id);
+        x.remove_path(p);
+    }
+}
+
+/// One holder's entry in a semaphore's map.
+fn slot_holder_value(h: &SlotHolder) -> AttributeValue {
+    let mut m = Item::with_capacity(8);
+    m.insert(attr::FENCE.to_string(), num(h.fence));
+    m.insert(attr::HOLDER.to_string(), str_(&h.holder));
+    m.insert(attr::ACQUIRED_AT.to_string(), num(h.acquired_at_ms));
+    m.insert(attr::RENEWED_AT.to_string(), num(h.renewed_at_ms));
+    m.insert(attr::EXPIRES_AT.to_string(), num(h.expires_at_ms));
+    m.insert(attr::DURATION.to_string(), num(h.duration_ms));
+    if let Some(r) = h.released_at_ms {
+        m.insert(attr::RELEASED_AT.to_string(), num(r));
+    }
+    if let Some(md) = &h.metadata {
+        m.insert(attr::METADATA.to_string(), AttributeValue::S(serde_json::Value::Object(md.clone()).to_string()));
+    }
+    AttributeValue::M(m)
+}
+
+/// The whole item of a new semaphore.
+fn semaphore_item(r: &Record) -> Item {
+    let s = &r.semaphore;
+    let holders = s.slot_holders.iter().map(|h| (h.lease_id.expose().to_string(), slot_holder_value(h))).collect();
+    let mut item = Item::with_capacity(10);
+    let mut put = |a: &str, v: AttributeValue| {
+        item.insert(a.to_string(), v);
+    };
+    put(attr::KEY, str_(&r.key));
+    put(attr::FENCE, num(r.fence));
+    put(attr::HOLDER, str_(&r.holder));
+    put(attr::LEASE_ID, str_(r.lease_id.expose()));
+    put(attr::ACQUIRED_AT, num(r.acquired_at_ms));
+    put(attr::MIN_HOLD_UNTIL, num(r.min_hold_until_ms));
+    if let Some(t) = r.ttl {
+        put(attr::TTL, num(t));
+    }
+    put(attr::SEM_SLOTS, num(s.slots.unwrap_or(1) as u64));
+    put(attr::SEM_TAKEN, num(s.slots_taken.unwrap_or(0) as u64));
+    put(attr::SEM_REV, num(s.slots_rev.unwrap_or(0)));
+    put(attr::SEM_HOLDERS, AttributeValue::M(holders));
+    item
+}

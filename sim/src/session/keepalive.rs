@@ -1,0 +1,50 @@
+//! Keep-alive leases bound to an execution, and the execution that ends with or without a
+//! release.
+
+use std::time::Duration;
+
+use leasehold::{AcquireOptions, Keepalive, LeaseId};
+
+use super::acquire;
+use crate::node::Node;
+use crate::world::{draw, ended, key, lock, now, op, split, write_resource, Shared, KEYS};
+
+/// A keep-alive lease bound to an execution: renewed by the sweep while the execution runs.
+pub(crate) async fn keepalive(node: &Node, world: &Shared, name: &str) {
+    let (k, dur, until, arn) = draw(world, |w| {
+        let arn = format!("exec-{:016x}", split(&mut w.rng));
+        (key(w.below(KEYS as u64)), w.between(800, 2000), w.between(2000, 8000), arn)
+    });
+    if !op(world) {
+        return;
+    }
+    lock(world).executions.insert(arn.clone(), true);
+    let ka = Keepalive { until_ms: node.coord.now_ms() + until, execution_arn: Some(arn.clone()) };
+    let opts = AcquireOptions { keepalive: Some(ka), ..Default::default() };
+    let lease = match acquire(node, world, &k, name, Some(Duration::from_millis(dur)), opts).await {
+        Ok(l) => l,
+        Err(e) => {
+            lock(world).executions.insert(arn, false);
+            if let Some((_, id)) = e.unknown_leases().into_iter().next() {
+                let _ = node.coord.release(&k, &LeaseId::from_string(id)).await;
+            }
+            return;
+        }
+    };
+    // The holder works within what it was told, writing with its fence.
+    let work = draw(world, |w| w.between(0, dur));
+    tokio::time::sleep(Duration::from_millis(work)).await;
+    let safe = lease.safe_until.is_none_or(|s| now() < s);
+    if safe {
+        write_resource(world, &k, &lease, true);
+    }
+    ended(world, name, &k, &lease.lease_id);
+    // The execution ends: it releases itself, or leaves the release to the sweep.
+    let end = draw(world, |w| w.below(3));
+    let extra = draw(world, |w| w.between(0, until));
+    tokio::time::sleep(Duration::from_millis(extra)).await;
+    lock(world).executions.insert(arn, false);
+    if end == 0 && op(world) {
+        let _ = node.coord.release(&k, &lease.lease_id).await;
+    }
+}
