@@ -197,7 +197,7 @@ pub struct AcquireArgs {
     /// Your own lease_id (22..128 of [A-Za-z0-9_-]), so a retried acquire gets the same lease
     #[arg(long = "lease-id", value_name = "ID")]
     pub lease_id: Option<String>,
-    /// A semaphore of N slots: at most N holders of KEY at once (1..=1000; 1 is a plain lease)
+    /// A semaphore of N slots: at most N holders of KEY at once (1..=640; 1 is a plain lease)
     #[arg(long, value_name = "N")]
     pub slots: Option<u32>,
 }

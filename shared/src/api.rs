@@ -50,7 +50,7 @@ pub struct AcquireRequest {
     /// queued after it is passed over without a delivery attempt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub task_timeout_ms: Option<u64>,
-    /// A semaphore of this many slots (DESIGN.md, "Semaphores"): 1..=1000; 1 or absent is a
+    /// A semaphore of this many slots (DESIGN.md, "Semaphores"): 1..=640; 1 or absent is a
     /// plain lease.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slots: Option<u32>,

@@ -20,6 +20,10 @@ both_backends!(
     the_first_take_on_a_key_left_by_a_queue_is_fenced_above_its_tail,
     the_first_take_on_a_key_freed_by_a_clock_ahead_waits_for_it_once,
     a_plain_force_release_never_lands_on_a_semaphore_made_meanwhile,
+    force_release_of_many_holders_is_chunked_and_whole,
+    a_tidy_of_many_ended_entries_is_chunked_and_keeps_the_bound,
+    a_take_cleaning_many_expired_holders_is_one_write,
+    slots_and_metadata_past_what_an_item_holds_are_refused_at_acquire,
 );
 
 fn secs(s: u64) -> Option<Duration> {
@@ -346,4 +350,99 @@ async fn three_holders(c: &Coordinator, k: &str) -> Vec<leasehold::Lease> {
         out.push(c.acquire(k, h, secs(30), slots(3)).await.unwrap());
     }
     out
+}
+
+/// 70 holders of an 80-slot semaphore force-released at once: three writes of at most 32
+/// holders (DynamoDB's expression limits), each whole on its own; every holder is evicted and
+/// fenced off, and the semaphore is taken again.
+async fn force_release_of_many_holders_is_chunked_and_whole(b: Backend) {
+    let counting = Counting::new(b.store());
+    let c = Coordinator::new(counting.clone(), test_config());
+    let k = "chunked/evict";
+    let mut held = Vec::new();
+    for i in 0..70 {
+        held.push(c.acquire(k, &format!("h{i}"), secs(120), slots(80)).await.unwrap());
+    }
+    let before = counting.updates.load(Ordering::SeqCst);
+    let state = c.force_release(k).await.unwrap();
+    assert_eq!(counting.updates.load(Ordering::SeqCst) - before, 3, "70 holders in writes of 32");
+    assert!(!state.held && state.slots_taken == Some(0), "{state:?}");
+    for l in &held {
+        assert!(matches!(c.heartbeat(k, &l.lease_id, None).await, Err(Error::NotHolder { .. })));
+        assert!(state.fence > l.fence);
+    }
+    let again = c.acquire(k, "again", secs(120), slots(80)).await.unwrap();
+    assert!(again.fence > state.fence);
+}
+
+/// A 250-slot semaphore used one holder at a time: past 266 entries a grant tidies them all,
+/// in writes of at most 100 entries; the map never passes its bound.
+async fn a_tidy_of_many_ended_entries_is_chunked_and_keeps_the_bound(b: Backend) {
+    let counting = Counting::new(b.store());
+    let c = Coordinator::new(counting.clone(), test_config());
+    let k = "chunked/tidy";
+    let mut most = 0;
+    for i in 0..300 {
+        let before = counting.updates.load(Ordering::SeqCst);
+        let l = c.acquire(k, &format!("h{i}"), secs(60), slots(250)).await.unwrap();
+        let writes = counting.updates.load(Ordering::SeqCst) - before;
+        let n = c.store().get(k).await.unwrap().unwrap().semaphore.slot_holders.len();
+        most = most.max(n);
+        if i == 266 {
+            // The take, then 266 ended entries removed 100 at a time.
+            assert_eq!((writes, n), (4, 1), "the tidying grant");
+        }
+        c.release(k, &l.lease_id).await.unwrap();
+    }
+    assert!(most <= 250 + 16 + 1, "{most} entries");
+}
+
+/// A take on a 150-slot semaphore full of expired holders: one refused take, then one write
+/// that removes 100 of them (the rest stay counted) and takes; the semaphore is still N.
+async fn a_take_cleaning_many_expired_holders_is_one_write(b: Backend) {
+    let counting = Counting::new(b.store());
+    let c = Coordinator::new(counting.clone(), test_config());
+    let k = "chunked/clean";
+    let mut held = Vec::new();
+    for i in 0..150 {
+        held.push(c.acquire(k, &format!("h{i}"), secs(5), slots(150)).await.unwrap());
+    }
+    let last = held.iter().map(|l| l.expires_at_ms.unwrap()).max().unwrap();
+    while c.now_ms() <= last + c.config().skew_margin.as_millis() as u64 + 50 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let before = counting.updates.load(Ordering::SeqCst);
+    let l = c.acquire(k, "after", secs(60), slots(150)).await.unwrap();
+    assert_eq!(counting.updates.load(Ordering::SeqCst) - before, 2, "refused, then cleaned and taken");
+    let r = c.store().get(k).await.unwrap().unwrap();
+    assert_eq!((r.semaphore.slot_holders.len(), r.semaphore.slots_taken), (51, Some(51)));
+    assert!(l.fence > held.iter().map(|h| h.fence).max().unwrap());
+    // 149 more fit: the 50 expired ones left are cleaned by the take that finds it full.
+    for i in 0..149 {
+        c.acquire(k, &format!("g{i}"), secs(60), slots(150)).await.unwrap();
+    }
+    let state = c.get(k).await.unwrap();
+    assert_eq!(state.slots_taken, Some(150), "{state:?}");
+}
+
+/// `slots` past the most a 400 KB item holds, or more metadata than a holder's share of it,
+/// is `InvalidRequest` naming the bound, before anything is sent.
+async fn slots_and_metadata_past_what_an_item_holds_are_refused_at_acquire(b: Backend) {
+    use leasehold::validate::{max_slot_metadata_bytes, MAX_SLOTS};
+    let counting = Counting::new(b.store());
+    let c = Coordinator::new(counting.clone(), test_config());
+    let e = c.acquire("bound/n", "h", secs(60), slots(MAX_SLOTS + 1)).await.unwrap_err();
+    assert!(matches!(e, Error::InvalidRequest(ref m) if m.contains("slots") && m.contains("640")), "{e:?}");
+    let meta = |n: usize| serde_json::json!({ "m": "x".repeat(n - 8) }).as_object().cloned();
+    let max = max_slot_metadata_bytes(100);
+    let over = AcquireOptions { metadata: meta(max + 1), ..slots(100) };
+    let e = c.acquire("bound/meta", "h", secs(60), over).await.unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidRequest(ref m) if m.contains("metadata") && m.contains(&max.to_string())),
+        "{e:?}"
+    );
+    assert_eq!(counting.total(), 0, "nothing was sent");
+    let fits = AcquireOptions { metadata: meta(max), ..slots(100) };
+    c.acquire("bound/meta", "h", secs(60), fits).await.unwrap();
+    c.acquire(&format!("bound/{MAX_SLOTS}"), "h", secs(60), slots(MAX_SLOTS)).await.unwrap();
 }

@@ -7,6 +7,7 @@ use super::*;
 use crate::model::{SemaphoreFields, SlotHolder};
 use crate::protocol::line::Ticket;
 use crate::protocol::retry::Lapse;
+use crate::store::{CLEAN_CHUNK, EVICT_CHUNK};
 
 /// A grant that saw more entries than N + this tidies the ended ones away.
 const TIDY_ABOVE: usize = 16;
@@ -65,10 +66,18 @@ impl Take<'_> {
     }
 }
 
-/// The ended entries of a semaphore at `now`, and the holders counted once they are gone.
+/// At most [`CLEAN_CHUNK`] ended entries of a semaphore at `now` (those still counted, expired
+/// unreleased, first: each frees a slot), and the holders counted once they are gone: the live
+/// ones and the counted ended ones left for a later write. One write names no more entries
+/// than this, so that its expression stays within DynamoDB's limits (4 KB, 300 operators);
+/// a map with more ended entries is cleaned by several writes, each under the item as read.
 fn ended(r: &Record, now: u64) -> (Vec<LeaseId>, u32) {
-    let gone = r.semaphore.slot_holders.iter().filter(|h| !h.is_live(now)).map(|h| h.lease_id.clone()).collect();
-    (gone, r.live_slots(now).count() as u32)
+    let holders = &r.semaphore.slot_holders;
+    let counted = holders.iter().filter(|h| !h.is_live(now) && h.released_at_ms.is_none());
+    let released = holders.iter().filter(|h| !h.is_live(now) && h.released_at_ms.is_some());
+    let gone: Vec<LeaseId> = counted.clone().chain(released).take(CLEAN_CHUNK).map(|h| h.lease_id.clone()).collect();
+    let left = counted.count().saturating_sub(gone.len());
+    (gone, (r.live_slots(now).count() + left) as u32)
 }
 
 impl Coordinator {
@@ -232,20 +241,25 @@ impl Coordinator {
     async fn slot_granted(&self, t: &Take<'_>, r: Record, sent: Instant, now: u64) -> Lease {
         self.note_semaphore(t.key);
         if r.semaphore.slot_holders.len() > r.semaphore.slots.unwrap_or(1) as usize + TIDY_ABOVE {
-            let (gone, live) = ended(&r, now);
             let ttl = self.ttl_after(now + self.max_duration_ms());
-            let cond =
-                Condition::Semaphore(SemaphoreCondition::SlotsAsRead { rev: r.semaphore.slots_rev.unwrap_or(0) });
             let unanswered =
                 Unanswered { coord: self.clone(), key: t.key.to_string(), lease_id: Some(t.lease_id.clone()) };
-            let _ = self
-                .store
-                .update(
-                    t.key,
-                    &cond,
-                    &Mutation::Semaphore(SemaphoreMutation::TidySlots { ended: gone, taken: live, ttl }),
-                )
-                .await;
+            // In chunks of at most `CLEAN_CHUNK` entries, each write under the item the last
+            // one left; the first refused (the item changed) ends the tidy.
+            let mut cur = r.clone();
+            loop {
+                let (gone, taken) = ended(&cur, now);
+                if gone.is_empty() {
+                    break;
+                }
+                let rev = cur.semaphore.slots_rev.unwrap_or(0);
+                let cond = Condition::Semaphore(SemaphoreCondition::SlotsAsRead { rev });
+                let m = Mutation::Semaphore(SemaphoreMutation::TidySlots { ended: gone, taken, ttl });
+                match self.store.update(t.key, &cond, &m).await {
+                    Ok(Write::Applied(next)) => cur = next,
+                    _ => break,
+                }
+            }
             unanswered.answered();
         }
         let h = r.slot(&t.lease_id).expect("a granted take has its entry");
@@ -464,30 +478,42 @@ impl Coordinator {
         if evicted.is_empty() && fence.is_some() {
             return Err(Error::NotFound { key: format!("{key} (no unreleased holder with fence {fence:?})") });
         }
-        let taken = r.semaphore.slot_holders.iter().filter(|h| h.released_at_ms.is_none()).count() - evicted.len();
-        // As a force-release: not refused for this clock.
-        let (w, _, now) = self
-            .write_unchecked(key, deadline, |now| {
-                let m = Mutation::Semaphore(SemaphoreMutation::EvictSlots {
-                    evicted: evicted.clone(),
-                    now_ms: now,
-                    taken: taken as u32,
-                    ttl: self.ttl_after(now + max),
-                });
-                Ok((
-                    Condition::Semaphore(SemaphoreCondition::SlotsAsRead { rev: r.semaphore.slots_rev.unwrap_or(0) }),
-                    m,
-                ))
-            })
-            .await
-            .map_err(|f| f.into_error(key))?;
-        match w {
-            Write::Applied(r) => {
-                self.wakeups.wake(key);
-                Ok(Some(r.state(now)))
+        // In chunks of at most `EVICT_CHUNK` holders (DynamoDB's expression limits), each
+        // write under the item the last one left, so each is whole on its own: its holders
+        // released and fenced off, `sem_taken` what it leaves. A refused chunk (the item
+        // changed) ends it: read again, the holders still unreleased are evicted then.
+        // Nobody to evict (every holder released): one write still moves the fence.
+        let chunks: Vec<&[LeaseId]> =
+            if evicted.is_empty() { vec![&[]] } else { evicted.chunks(EVICT_CHUNK).collect() };
+        let mut cur = r.clone();
+        let mut answer = None;
+        for chunk in chunks {
+            let unreleased = cur.semaphore.slot_holders.iter().filter(|h| h.released_at_ms.is_none()).count();
+            let taken = unreleased.saturating_sub(chunk.len());
+            let rev = cur.semaphore.slots_rev.unwrap_or(0);
+            // As a force-release: not refused for this clock.
+            let (w, _, now) = self
+                .write_unchecked(key, deadline, |now| {
+                    let m = Mutation::Semaphore(SemaphoreMutation::EvictSlots {
+                        evicted: chunk.to_vec(),
+                        now_ms: now,
+                        taken: taken as u32,
+                        ttl: self.ttl_after(now + max),
+                    });
+                    Ok((Condition::Semaphore(SemaphoreCondition::SlotsAsRead { rev }), m))
+                })
+                .await
+                .map_err(|f| f.into_error(key))?;
+            match w {
+                Write::Applied(next) => {
+                    self.wakeups.wake(key);
+                    answer = Some(next.state(now));
+                    cur = next;
+                }
+                _ => return Ok(None),
             }
-            _ => Ok(None),
         }
+        Ok(answer)
     }
 }
 
