@@ -115,19 +115,75 @@ pub fn success(g: &Global, cmd: &Cmd, mut v: Value) {
             t
         }
         Cmd::Get(_) => state(&v),
-        Cmd::ForceRelease(_) => format!(
-            "force-released {:?}: the lease of {} ended; fence is now {}",
-            s(&v, "key"),
-            s(&v, "holder"),
-            n(&v, "fence").unwrap_or(0)
-        ),
+        Cmd::ForceRelease(a) => match n(&v, "slots") {
+            Some(slots) => format!(
+                "force-released {:?}: {} evicted; {} of {slots} slots taken now; fence is now {}",
+                s(&v, "key"),
+                a.fence.map_or_else(|| "every holder".to_string(), |f| format!("the holder with fence {f}")),
+                n(&v, "slots_taken").unwrap_or(0),
+                n(&v, "fence").unwrap_or(0)
+            ),
+            None => format!(
+                "force-released {:?}: the lease of {} ended; fence is now {}",
+                s(&v, "key"),
+                s(&v, "holder"),
+                n(&v, "fence").unwrap_or(0)
+            ),
+        },
         Cmd::List(_) => list(&v),
         Cmd::Serve(_) | Cmd::Run(_) | Cmd::Put(_) | Cmd::Next(_) | Cmd::Count(_) | Cmd::Table(_) | Cmd::History(_) => String::new(),
     };
     print(&text);
 }
 
+/// Time left until `expires_at_ms`: `12.3s`, `expired`, or `never`.
+fn left(expires_at_ms: Option<u64>, now: u64) -> String {
+    match expires_at_ms {
+        Some(e) if e > now => human(Duration::from_millis(e - now)),
+        Some(_) => "expired".into(),
+        None => "never".into(),
+    }
+}
+
+/// A semaphore's live holders, one line each: holder, fence, time left.
+fn slot_holders(v: &Value, indent: &str) -> Vec<String> {
+    let now = now_ms();
+    let holders = v.get("holders").and_then(Value::as_array).cloned().unwrap_or_default();
+    holders
+        .iter()
+        .map(|h| {
+            format!(
+                "{indent}{}  fence {}  {} left",
+                s(h, "holder"),
+                n(h, "fence").unwrap_or(0),
+                left(n(h, "expires_at_ms"), now)
+            )
+        })
+        .collect()
+}
+
+/// A semaphore's `get`: slots taken of N, then each live holder.
+fn semaphore_state(v: &Value, slots: u64) -> String {
+    let taken = n(v, "slots_taken").unwrap_or(0);
+    let mut t = format!(
+        "{:?} is a semaphore: {taken} of {slots} slots taken (last fence {})",
+        s(v, "key"),
+        n(v, "fence").unwrap_or(0)
+    );
+    for line in slot_holders(v, "  holder    ") {
+        t.push('\n');
+        t.push_str(&line);
+    }
+    if taken > 0 {
+        t.push_str(&format!("\n  next free {}", when(n(v, "expires_at_ms"))));
+    }
+    t
+}
+
 fn state(v: &Value) -> String {
+    if let Some(slots) = n(v, "slots") {
+        return semaphore_state(v, slots);
+    }
     let held = v.get("held").and_then(Value::as_bool).unwrap_or(false);
     let mut t = if held {
         format!(
@@ -189,9 +245,12 @@ pub fn watch_frame(g: &Global, key: &str, every: Duration, result: Result<Value,
 }
 
 /// The STATE column: `held`, `fail-closed` (held until released) or `free` (it expired since
-/// it was listed).
+/// it was listed); a semaphore's `held`, or `full` when every slot is taken.
 fn list_state(v: &Value) -> &'static str {
     let held = v.get("held").and_then(Value::as_bool).unwrap_or(false);
+    if let Some(slots) = n(v, "slots").filter(|_| held) {
+        return if n(v, "slots_taken").unwrap_or(0) >= slots { "full" } else { "held" };
+    }
     match n(v, "expires_at_ms") {
         _ if !held => "free",
         None => "fail-closed",
@@ -206,22 +265,38 @@ fn list(v: &Value) -> String {
         return "no keys are held".to_string();
     }
     let now = now_ms();
-    let rows: Vec<[String; 5]> = items
-        .iter()
-        .map(|i| {
-            [
+    let mut rows: Vec<[String; 5]> = Vec::new();
+    for i in &items {
+        let Some(slots) = n(i, "slots") else {
+            rows.push([
                 s(i, "key").to_string(),
                 s(i, "holder").to_string(),
                 n(i, "fence").unwrap_or(0).to_string(),
-                match n(i, "expires_at_ms") {
-                    Some(e) if e > now => human(Duration::from_millis(e - now)),
-                    Some(_) => "expired".into(),
-                    None => "never".into(),
-                },
+                left(n(i, "expires_at_ms"), now),
                 list_state(i).to_string(),
-            ]
-        })
-        .collect();
+            ]);
+            continue;
+        };
+        // A semaphore: one row with its slots taken of N and when the next one frees, then one
+        // row per live holder.
+        let taken = n(i, "slots_taken").unwrap_or(0);
+        rows.push([
+            s(i, "key").to_string(),
+            format!("{taken} of {slots} slots"),
+            n(i, "fence").unwrap_or(0).to_string(),
+            left(n(i, "expires_at_ms"), now),
+            list_state(i).to_string(),
+        ]);
+        for h in i.get("holders").and_then(Value::as_array).into_iter().flatten() {
+            rows.push([
+                String::new(),
+                format!("- {}", s(h, "holder")),
+                n(h, "fence").unwrap_or(0).to_string(),
+                left(n(h, "expires_at_ms"), now),
+                String::new(),
+            ]);
+        }
+    }
     let head = ["KEY", "HOLDER", "FENCE", "EXPIRES IN", "STATE"];
     let mut width = head.map(|h| h.chars().count());
     for r in &rows {

@@ -63,7 +63,7 @@ pub fn code_of(name: Option<ErrorName>) -> i32 {
         Some(LeaseHeld) => exit::HELD,
         Some(NotHolder | NotFound) | None => exit::FAILED,
         Some(InvalidRequest | MethodNotAllowed | UnknownRoute) => exit::USAGE,
-        Some(StoreUnavailable | Throttled | OutcomeUnknown | ClockSkew) => exit::STORE,
+        Some(StoreUnavailable | Throttled | OutcomeUnknown | ClockSkew | StoreRefused) => exit::STORE,
     }
 }
 
@@ -202,12 +202,12 @@ impl Target {
             (Target::Local(c), Some(f)) => {
                 Ok(serde_json::to_value(c.force_release_slot(key, f).await?).expect("serialises"))
             }
-            (Target::Http(_), Some(_)) => Err(not_over_http("force-release --fence")),
             (Target::Local(c), None) => Ok(serde_json::to_value(c.force_release(key).await?).expect("serialises")),
-            (Target::Http(e), None) => {
+            (Target::Http(e), fence) => {
                 leasehold::validate::key_travels(key)?;
                 let path = format!("/leases/force-release/{}", client::encode_key(key));
-                http(e, "POST", &path, Some(json!({})), Some("force-release")).await
+                let body = fence.map_or_else(|| json!({}), |f| json!({ "fence": f }));
+                http(e, "POST", &path, Some(body), Some("force-release")).await
             }
         }
     }
