@@ -293,3 +293,30 @@ fn the_store_vocabulary_is_nested_by_kind() {
         assert!((5..=10).contains(&variants), "{name} has {variants} top-level variants");
     }
 }
+
+/// The workspace's version is the newest release CHANGELOG.md names (a section above it may
+/// only be "Unreleased"), and the HTTP API's description says the same version: a tag, the
+/// crates and the document a user reads agree.
+#[test]
+fn the_version_is_the_changelogs_newest_release() {
+    let root = repo_root();
+    let cargo = std::fs::read_to_string(root.join("Cargo.toml")).unwrap();
+    let version = cargo
+        .split("[workspace.package]")
+        .nth(1)
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("version = ")))
+        .map(|v| v.trim_matches('"').to_string())
+        .expect("Cargo.toml's [workspace.package] version");
+    let changelog = std::fs::read_to_string(root.join("CHANGELOG.md")).unwrap();
+    let newest = changelog
+        .lines()
+        .filter_map(|l| l.strip_prefix("## "))
+        .find(|h| !h.starts_with("Unreleased"))
+        .and_then(|h| h.split_whitespace().next())
+        .expect("CHANGELOG.md names a release");
+    assert_eq!(version, newest, "Cargo.toml's version and CHANGELOG.md's newest release");
+    assert!(changelog.contains(&format!("(tag v{version},")), "CHANGELOG.md names the tag of {version}");
+    let api: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(root.join("shared/openapi.json")).unwrap()).unwrap();
+    assert_eq!(api["info"]["version"], version.as_str(), "shared/openapi.json's info.version");
+}
