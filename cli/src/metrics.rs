@@ -13,6 +13,8 @@ use async_trait::async_trait;
 use leasehold::store::{Condition, Mutation, Page, ScanKind, Store, Write};
 use leasehold::{ClockSamples, Record};
 
+use crate::snapshot::SCRAPE_ITEMS;
+
 /// A histogram with fixed upper bounds (seconds).
 pub struct Histogram {
     bounds: &'static [f64],
@@ -58,9 +60,6 @@ impl Histogram {
 const WAIT_BOUNDS: &[f64] = &[0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
 const STORE_BOUNDS: &[f64] = &[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5];
 const STORE_OPS: [&str; 4] = ["get", "update", "delete", "scan"];
-
-/// Most items one scan of the operator views' snapshot reads.
-pub const SCRAPE_ITEMS: usize = 10_000;
 
 /// Keys with a `leasehold_queue_length` series: the longest queues (a series per key with
 /// waiters would grow with the number of keys).

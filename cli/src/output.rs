@@ -1,13 +1,68 @@
-//! What commands print: the API's JSON with `--json`, short text otherwise.
+//! What commands print: the API's JSON with `--json`, short text otherwise; and a failed
+//! command's answer ([`Failure`]) with its exit code.
 
 use std::io::Write;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use serde_json::Value;
+use leasehold::{Error, ErrorName};
+use serde_json::{json, Value};
 
 use crate::duration::{human, rfc3339};
-use crate::target::Failure;
-use crate::{Cmd, Global};
+use crate::{exit, Cmd, Global};
+
+/// A failed command: the error JSON printed by `--json` (`{"error": NAME, "message": ...}`) and
+/// the exit code of its name.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    pub json: Value,
+    pub code: i32,
+}
+
+impl Failure {
+    pub fn new(name: ErrorName, message: impl Into<String>) -> Failure {
+        Failure { json: json!({ "error": name.as_str(), "message": message.into() }), code: code_of(Some(name)) }
+    }
+
+    pub fn usage(message: impl Into<String>) -> Failure {
+        Failure::new(ErrorName::InvalidRequest, message)
+    }
+
+    pub fn unreachable(message: impl Into<String>) -> Failure {
+        Failure::new(ErrorName::StoreUnavailable, message)
+    }
+
+    /// The error name of the answer.
+    pub fn name(&self) -> Option<ErrorName> {
+        self.json.get("error").and_then(Value::as_str).and_then(ErrorName::parse)
+    }
+
+    pub fn message(&self) -> String {
+        self.json.get("message").and_then(Value::as_str).unwrap_or("unknown error").to_string()
+    }
+
+    /// From the error body of an HTTP answer (`--url`): the only place a name is read from text.
+    pub fn from_json(json: Value) -> Failure {
+        let code = code_of(json.get("error").and_then(Value::as_str).and_then(ErrorName::parse));
+        Failure { json, code }
+    }
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Failure {
+        Failure { json: e.to_json(), code: code_of(Some(e.error_name())) }
+    }
+}
+
+/// The exit code of an error.
+pub fn code_of(name: Option<ErrorName>) -> i32 {
+    use ErrorName::*;
+    match name {
+        Some(LeaseHeld) => exit::HELD,
+        Some(NotHolder | NotFound) | None => exit::FAILED,
+        Some(InvalidRequest | MethodNotAllowed | UnknownRoute) => exit::USAGE,
+        Some(StoreUnavailable | Throttled | OutcomeUnknown | ClockSkew | StoreRefused) => exit::STORE,
+    }
+}
 
 pub fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
