@@ -150,6 +150,9 @@ pub fn text(v: &Value) -> String {
         if let Some(st) = e.get("state").and_then(Value::as_str) {
             line.push_str(&format!("  state {st}"));
         }
+        if let Some(n) = e["slots"].as_u64() {
+            line.push_str(&format!("  slot of {n}"));
+        }
         if let (Some(h), Some(f)) = (e.get("previous_holder").and_then(Value::as_str), e["previous_fence"].as_u64()) {
             line.push_str(&format!("  from {h} (fence {f})"));
         }

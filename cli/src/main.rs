@@ -10,7 +10,7 @@
 //! | 2    | usage error: bad flag, bad duration, invalid request (`InvalidRequest`) |
 //! | 75   | the lease is held by someone else (`LeaseHeld`) |
 //! | 76   | `run` only: the lease was lost while the command ran; the command was stopped |
-//! | 77   | the store or the API could not be reached (`StoreUnavailable`, `Throttled`) |
+//! | 77   | the store or the API could not be reached, or the store refused the request (`StoreUnavailable`, `Throttled`, `OutcomeUnknown`, `ClockSkew`, `StoreRefused`) |
 //!
 //! `run` otherwise exits with its command's status (128 + N when the command was killed by
 //! signal N; 126 when it cannot be executed, 127 when it is not found).
@@ -203,7 +203,7 @@ pub struct AcquireArgs {
     /// Your own lease_id (22..128 of [A-Za-z0-9_-]), so a retried acquire gets the same lease
     #[arg(long = "lease-id", value_name = "ID")]
     pub lease_id: Option<String>,
-    /// A semaphore of N slots: at most N holders of KEY at once (1..=1000; 1 is a plain lease)
+    /// A semaphore of N slots: at most N holders of KEY at once (1..=640; 1 is a plain lease)
     #[arg(long, value_name = "N")]
     pub slots: Option<u32>,
 }

@@ -13,6 +13,8 @@ use async_trait::async_trait;
 use leasehold::store::{Condition, Mutation, Page, ScanKind, Store, Write};
 use leasehold::{ClockSamples, Record};
 
+use crate::snapshot::SCRAPE_ITEMS;
+
 /// A histogram with fixed upper bounds (seconds).
 pub struct Histogram {
     bounds: &'static [f64],
@@ -58,9 +60,6 @@ impl Histogram {
 const WAIT_BOUNDS: &[f64] = &[0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
 const STORE_BOUNDS: &[f64] = &[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5];
 const STORE_OPS: [&str; 4] = ["get", "update", "delete", "scan"];
-
-/// Most items one scan of the operator views' snapshot reads.
-pub const SCRAPE_ITEMS: usize = 10_000;
 
 /// Keys with a `leasehold_queue_length` series: the longest queues (a series per key with
 /// waiters would grow with the number of keys).
@@ -230,11 +229,44 @@ impl Metrics {
         for (s, (_, h)) in &states {
             let _ = writeln!(o, "leasehold_work_state_held_keys{{state=\"{}\"}} {h}", escape(s));
         }
+        semaphores(&mut o, &items, now_ms);
         let _ = writeln!(o, "# HELP leasehold_scrape_complete 1 when the snapshot's scan read every item (at most {SCRAPE_ITEMS}), 0 when the gauges above count only the first ones.\n# TYPE leasehold_scrape_complete gauge\nleasehold_scrape_complete {}", u8::from(complete));
         let _ = writeln!(o, "# HELP leasehold_scrapes_total Scans of the store this server made for its page, /summary and /metrics (at most one per --scan-every).\n# TYPE leasehold_scrapes_total counter\nleasehold_scrapes_total {}", view.scans);
         let _ = writeln!(o, "# HELP leasehold_scrape_age_seconds Age of the scan the gauges above come from (this server's own writes since included).\n# TYPE leasehold_scrape_age_seconds gauge\nleasehold_scrape_age_seconds {}", view.age.as_secs_f64());
         let _ = writeln!(o, "# HELP leasehold_uptime_seconds Seconds since this server started.\n# TYPE leasehold_uptime_seconds gauge\nleasehold_uptime_seconds {}", self.started.elapsed().as_secs());
         o
+    }
+}
+
+/// The semaphores among `items` (DESIGN.md, "Semaphores"): each one's N and live holders, and
+/// each live holder's time left, labelled with its holder and fence (never a lease_id).
+fn semaphores(o: &mut String, items: &[&Record], now_ms: u64) {
+    let sems: Vec<&Record> = items.iter().copied().filter(|r| r.semaphore.slots.is_some()).collect();
+    let _ = writeln!(o, "# HELP leasehold_semaphore_slots A semaphore's N.\n# TYPE leasehold_semaphore_slots gauge");
+    for r in &sems {
+        let _ =
+            writeln!(o, "leasehold_semaphore_slots{{key=\"{}\"}} {}", escape(&r.key), r.semaphore.slots.unwrap_or(0));
+    }
+    let _ = writeln!(o, "# HELP leasehold_semaphore_slots_taken A semaphore's live holders.\n# TYPE leasehold_semaphore_slots_taken gauge");
+    for r in &sems {
+        let _ = writeln!(
+            o,
+            "leasehold_semaphore_slots_taken{{key=\"{}\"}} {}",
+            escape(&r.key),
+            r.live_slots(now_ms).count()
+        );
+    }
+    let _ = writeln!(o, "# HELP leasehold_semaphore_holder_expires_in_seconds Time left of each live holder of a semaphore, by holder and fence.\n# TYPE leasehold_semaphore_holder_expires_in_seconds gauge");
+    for r in &sems {
+        for h in r.live_slots(now_ms) {
+            let left = h.expires_at_ms.saturating_sub(now_ms) as f64 / 1000.0;
+            let (k, holder) = (escape(&r.key), escape(&h.holder));
+            let _ = writeln!(
+                o,
+                "leasehold_semaphore_holder_expires_in_seconds{{key=\"{k}\",holder=\"{holder}\",fence=\"{}\"}} {left}",
+                h.fence
+            );
+        }
     }
 }
 

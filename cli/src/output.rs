@@ -1,13 +1,68 @@
-//! What commands print: the API's JSON with `--json`, short text otherwise.
+//! What commands print: the API's JSON with `--json`, short text otherwise; and a failed
+//! command's answer ([`Failure`]) with its exit code.
 
 use std::io::Write;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use serde_json::Value;
+use leasehold::{Error, ErrorName};
+use serde_json::{json, Value};
 
 use crate::duration::{human, rfc3339};
-use crate::target::Failure;
-use crate::{Cmd, Global};
+use crate::{exit, Cmd, Global};
+
+/// A failed command: the error JSON printed by `--json` (`{"error": NAME, "message": ...}`) and
+/// the exit code of its name.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    pub json: Value,
+    pub code: i32,
+}
+
+impl Failure {
+    pub fn new(name: ErrorName, message: impl Into<String>) -> Failure {
+        Failure { json: json!({ "error": name.as_str(), "message": message.into() }), code: code_of(Some(name)) }
+    }
+
+    pub fn usage(message: impl Into<String>) -> Failure {
+        Failure::new(ErrorName::InvalidRequest, message)
+    }
+
+    pub fn unreachable(message: impl Into<String>) -> Failure {
+        Failure::new(ErrorName::StoreUnavailable, message)
+    }
+
+    /// The error name of the answer.
+    pub fn name(&self) -> Option<ErrorName> {
+        self.json.get("error").and_then(Value::as_str).and_then(ErrorName::parse)
+    }
+
+    pub fn message(&self) -> String {
+        self.json.get("message").and_then(Value::as_str).unwrap_or("unknown error").to_string()
+    }
+
+    /// From the error body of an HTTP answer (`--url`): the only place a name is read from text.
+    pub fn from_json(json: Value) -> Failure {
+        let code = code_of(json.get("error").and_then(Value::as_str).and_then(ErrorName::parse));
+        Failure { json, code }
+    }
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Failure {
+        Failure { json: e.to_json(), code: code_of(Some(e.error_name())) }
+    }
+}
+
+/// The exit code of an error.
+pub fn code_of(name: Option<ErrorName>) -> i32 {
+    use ErrorName::*;
+    match name {
+        Some(LeaseHeld) => exit::HELD,
+        Some(NotHolder | NotFound) | None => exit::FAILED,
+        Some(InvalidRequest | MethodNotAllowed | UnknownRoute) => exit::USAGE,
+        Some(StoreUnavailable | Throttled | OutcomeUnknown | ClockSkew | StoreRefused) => exit::STORE,
+    }
+}
 
 pub fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
@@ -115,19 +170,75 @@ pub fn success(g: &Global, cmd: &Cmd, mut v: Value) {
             t
         }
         Cmd::Get(_) => state(&v),
-        Cmd::ForceRelease(_) => format!(
-            "force-released {:?}: the lease of {} ended; fence is now {}",
-            s(&v, "key"),
-            s(&v, "holder"),
-            n(&v, "fence").unwrap_or(0)
-        ),
+        Cmd::ForceRelease(a) => match n(&v, "slots") {
+            Some(slots) => format!(
+                "force-released {:?}: {} evicted; {} of {slots} slots taken now; fence is now {}",
+                s(&v, "key"),
+                a.fence.map_or_else(|| "every holder".to_string(), |f| format!("the holder with fence {f}")),
+                n(&v, "slots_taken").unwrap_or(0),
+                n(&v, "fence").unwrap_or(0)
+            ),
+            None => format!(
+                "force-released {:?}: the lease of {} ended; fence is now {}",
+                s(&v, "key"),
+                s(&v, "holder"),
+                n(&v, "fence").unwrap_or(0)
+            ),
+        },
         Cmd::List(_) => list(&v),
         Cmd::Serve(_) | Cmd::Run(_) | Cmd::Put(_) | Cmd::Next(_) | Cmd::Count(_) | Cmd::Table(_) | Cmd::History(_) => String::new(),
     };
     print(&text);
 }
 
+/// Time left until `expires_at_ms`: `12.3s`, `expired`, or `never`.
+fn left(expires_at_ms: Option<u64>, now: u64) -> String {
+    match expires_at_ms {
+        Some(e) if e > now => human(Duration::from_millis(e - now)),
+        Some(_) => "expired".into(),
+        None => "never".into(),
+    }
+}
+
+/// A semaphore's live holders, one line each: holder, fence, time left.
+fn slot_holders(v: &Value, indent: &str) -> Vec<String> {
+    let now = now_ms();
+    let holders = v.get("holders").and_then(Value::as_array).cloned().unwrap_or_default();
+    holders
+        .iter()
+        .map(|h| {
+            format!(
+                "{indent}{}  fence {}  {} left",
+                s(h, "holder"),
+                n(h, "fence").unwrap_or(0),
+                left(n(h, "expires_at_ms"), now)
+            )
+        })
+        .collect()
+}
+
+/// A semaphore's `get`: slots taken of N, then each live holder.
+fn semaphore_state(v: &Value, slots: u64) -> String {
+    let taken = n(v, "slots_taken").unwrap_or(0);
+    let mut t = format!(
+        "{:?} is a semaphore: {taken} of {slots} slots taken (last fence {})",
+        s(v, "key"),
+        n(v, "fence").unwrap_or(0)
+    );
+    for line in slot_holders(v, "  holder    ") {
+        t.push('\n');
+        t.push_str(&line);
+    }
+    if taken > 0 {
+        t.push_str(&format!("\n  next free {}", when(n(v, "expires_at_ms"))));
+    }
+    t
+}
+
 fn state(v: &Value) -> String {
+    if let Some(slots) = n(v, "slots") {
+        return semaphore_state(v, slots);
+    }
     let held = v.get("held").and_then(Value::as_bool).unwrap_or(false);
     let mut t = if held {
         format!(
@@ -189,9 +300,12 @@ pub fn watch_frame(g: &Global, key: &str, every: Duration, result: Result<Value,
 }
 
 /// The STATE column: `held`, `fail-closed` (held until released) or `free` (it expired since
-/// it was listed).
+/// it was listed); a semaphore's `held`, or `full` when every slot is taken.
 fn list_state(v: &Value) -> &'static str {
     let held = v.get("held").and_then(Value::as_bool).unwrap_or(false);
+    if let Some(slots) = n(v, "slots").filter(|_| held) {
+        return if n(v, "slots_taken").unwrap_or(0) >= slots { "full" } else { "held" };
+    }
     match n(v, "expires_at_ms") {
         _ if !held => "free",
         None => "fail-closed",
@@ -206,22 +320,38 @@ fn list(v: &Value) -> String {
         return "no keys are held".to_string();
     }
     let now = now_ms();
-    let rows: Vec<[String; 5]> = items
-        .iter()
-        .map(|i| {
-            [
+    let mut rows: Vec<[String; 5]> = Vec::new();
+    for i in &items {
+        let Some(slots) = n(i, "slots") else {
+            rows.push([
                 s(i, "key").to_string(),
                 s(i, "holder").to_string(),
                 n(i, "fence").unwrap_or(0).to_string(),
-                match n(i, "expires_at_ms") {
-                    Some(e) if e > now => human(Duration::from_millis(e - now)),
-                    Some(_) => "expired".into(),
-                    None => "never".into(),
-                },
+                left(n(i, "expires_at_ms"), now),
                 list_state(i).to_string(),
-            ]
-        })
-        .collect();
+            ]);
+            continue;
+        };
+        // A semaphore: one row with its slots taken of N and when the next one frees, then one
+        // row per live holder.
+        let taken = n(i, "slots_taken").unwrap_or(0);
+        rows.push([
+            s(i, "key").to_string(),
+            format!("{taken} of {slots} slots"),
+            n(i, "fence").unwrap_or(0).to_string(),
+            left(n(i, "expires_at_ms"), now),
+            list_state(i).to_string(),
+        ]);
+        for h in i.get("holders").and_then(Value::as_array).into_iter().flatten() {
+            rows.push([
+                String::new(),
+                format!("- {}", s(h, "holder")),
+                n(h, "fence").unwrap_or(0).to_string(),
+                left(n(h, "expires_at_ms"), now),
+                String::new(),
+            ]);
+        }
+    }
     let head = ["KEY", "HOLDER", "FENCE", "EXPIRES IN", "STATE"];
     let mut width = head.map(|h| h.chars().count());
     for r in &rows {

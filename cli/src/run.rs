@@ -126,7 +126,7 @@ pub struct RunArgs {
     /// Who holds the lease (shown to others) [default: user@hostname]
     #[arg(long, env = "LEASEHOLD_HOLDER")]
     pub holder: Option<String>,
-    /// Hold one of N slots of KEY, a semaphore: at most N commands run at once (1..=1000; 1 is
+    /// Hold one of N slots of KEY, a semaphore: at most N commands run at once (1..=640; 1 is
     /// a plain lease)
     #[arg(long, value_name = "N", conflicts_with_all = ["next", "min_hold"])]
     pub slots: Option<u32>,

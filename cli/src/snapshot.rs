@@ -1,6 +1,6 @@
 //! What `leasehold serve`'s operator views (the page's listing and counts, `/summary`, the
 //! gauges of `/metrics`) read instead of the store: one snapshot of the table, refreshed by a
-//! bounded scan (at most [`crate::metrics::SCRAPE_ITEMS`] items, eventually consistent on
+//! bounded scan (at most [`SCRAPE_ITEMS`] items, eventually consistent on
 //! DynamoDB) only when a view asks and the snapshot is older than `--scan-every`, one scan at
 //! a time however many pages and scrapers ask; between scans, the writes this server makes
 //! itself (every write its store answers) are applied to it as they land. Other writers' changes
@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 use leasehold::store::{ScanKind, Store};
 use leasehold::Record;
 
-use crate::metrics::SCRAPE_ITEMS;
+/// Most items one scan of the operator views' snapshot reads.
+pub const SCRAPE_ITEMS: usize = 10_000;
 
 /// A snapshot of the table, as the views read it.
 #[derive(Clone)]

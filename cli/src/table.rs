@@ -14,8 +14,8 @@ use leasehold::store::DynamoStore;
 use leasehold::ErrorName;
 use serde_json::{json, Value};
 
-use crate::target::Failure;
-use crate::{exit, output, Global};
+use crate::output::{self, Failure};
+use crate::{exit, Global};
 
 pub const HELP: &str = "\
 Examples:

@@ -7,65 +7,12 @@ use leasehold::api::{self, AcquireRequest, HeartbeatRequest, Operation, ReleaseR
 use leasehold::env::StoreChoice;
 use leasehold::store::table::Part;
 use leasehold::store::Store;
-use leasehold::{Coordinator, Error, ErrorName};
+use leasehold::Coordinator;
 use serde_json::{json, Value};
 
 use crate::client::{self, Endpoint};
-use crate::{exit, Global};
-
-/// A failed command: the error JSON printed by `--json` (`{"error": NAME, "message": ...}`) and
-/// the exit code of its name.
-#[derive(Debug, Clone)]
-pub struct Failure {
-    pub json: Value,
-    pub code: i32,
-}
-
-impl Failure {
-    pub fn new(name: ErrorName, message: impl Into<String>) -> Failure {
-        Failure { json: json!({ "error": name.as_str(), "message": message.into() }), code: code_of(Some(name)) }
-    }
-
-    pub fn usage(message: impl Into<String>) -> Failure {
-        Failure::new(ErrorName::InvalidRequest, message)
-    }
-
-    pub fn unreachable(message: impl Into<String>) -> Failure {
-        Failure::new(ErrorName::StoreUnavailable, message)
-    }
-
-    /// The error name of the answer.
-    pub fn name(&self) -> Option<ErrorName> {
-        self.json.get("error").and_then(Value::as_str).and_then(ErrorName::parse)
-    }
-
-    pub fn message(&self) -> String {
-        self.json.get("message").and_then(Value::as_str).unwrap_or("unknown error").to_string()
-    }
-
-    /// From the error body of an HTTP answer (`--url`): the only place a name is read from text.
-    pub fn from_json(json: Value) -> Failure {
-        let code = code_of(json.get("error").and_then(Value::as_str).and_then(ErrorName::parse));
-        Failure { json, code }
-    }
-}
-
-impl From<Error> for Failure {
-    fn from(e: Error) -> Failure {
-        Failure { json: e.to_json(), code: code_of(Some(e.error_name())) }
-    }
-}
-
-/// The exit code of an error.
-pub fn code_of(name: Option<ErrorName>) -> i32 {
-    use ErrorName::*;
-    match name {
-        Some(LeaseHeld) => exit::HELD,
-        Some(NotHolder | NotFound) | None => exit::FAILED,
-        Some(InvalidRequest | MethodNotAllowed | UnknownRoute) => exit::USAGE,
-        Some(StoreUnavailable | Throttled | OutcomeUnknown | ClockSkew) => exit::STORE,
-    }
-}
+pub use crate::output::Failure;
+use crate::Global;
 
 /// The store a command uses when it needs a coordinator: flags over environment over default.
 /// `Ok(None)`: the HTTP API (`--url` or `LEASEHOLD_URL`), when `allow_url`.
@@ -202,12 +149,12 @@ impl Target {
             (Target::Local(c), Some(f)) => {
                 Ok(serde_json::to_value(c.force_release_slot(key, f).await?).expect("serialises"))
             }
-            (Target::Http(_), Some(_)) => Err(not_over_http("force-release --fence")),
             (Target::Local(c), None) => Ok(serde_json::to_value(c.force_release(key).await?).expect("serialises")),
-            (Target::Http(e), None) => {
+            (Target::Http(e), fence) => {
                 leasehold::validate::key_travels(key)?;
                 let path = format!("/leases/force-release/{}", client::encode_key(key));
-                http(e, "POST", &path, Some(json!({})), Some("force-release")).await
+                let body = fence.map_or_else(|| json!({}), |f| json!({ "fence": f }));
+                http(e, "POST", &path, Some(body), Some("force-release")).await
             }
         }
     }

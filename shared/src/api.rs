@@ -50,7 +50,7 @@ pub struct AcquireRequest {
     /// queued after it is passed over without a delivery attempt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub task_timeout_ms: Option<u64>,
-    /// A semaphore of this many slots (DESIGN.md, "Semaphores"): 1..=1000; 1 or absent is a
+    /// A semaphore of this many slots (DESIGN.md, "Semaphores"): 1..=640; 1 or absent is a
     /// plain lease.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slots: Option<u32>,
@@ -400,7 +400,8 @@ impl HttpResponse {
 }
 
 /// HTTP status of each error: 400 invalid, 404 unknown lease, 409 held or wrong lease_id,
-/// 410 lease lost (expired, released, swept), 503 store unavailable or throttled.
+/// 410 lease lost (expired, released, swept), 500 refused by the store (sending it again gets
+/// the same answer), 503 store unavailable or throttled.
 pub(crate) fn http_status(e: &Error) -> u16 {
     match e {
         Error::InvalidRequest(_) => 400,
@@ -413,6 +414,7 @@ pub(crate) fn http_status(e: &Error) -> u16 {
                 409
             }
         }
+        Error::StoreRefused(_) => 500,
         Error::StoreUnavailable(_) | Error::Throttled(_) | Error::OutcomeUnknown { .. } | Error::ClockSkew(_) => 503,
     }
 }
@@ -561,21 +563,16 @@ pub async fn handle_operator(coord: &Coordinator, req: &HttpRequest, raw_query: 
                 return Some(method_not_allowed("POST", format!("use POST for /leases/force-release/{{key}}, not {m}")))
             }
         }
-        if !req.body.is_empty() {
-            if let Err(e) = serde_json::from_slice::<Value>(&req.body)
-                .map_err(|e| Error::invalid(format!("the body is not valid JSON: {e}")))
-                .and_then(|v| {
-                    if v.as_object().is_some_and(Map::is_empty) {
-                        Ok(())
-                    } else {
-                        Err(Error::invalid("force-release takes no fields: send {} or no body"))
-                    }
-                })
-            {
-                return Some(HttpResponse::error(&e, coord.now_ms()));
-            }
+        let fence = match force_release_fence(&req.body) {
+            Ok(f) => f,
+            Err(e) => return Some(HttpResponse::error(&e, coord.now_ms())),
+        };
+        match fence {
+            // One holder of a semaphore, named by its fence.
+            Some(f) => coord.force_release_slot(key, f).await,
+            None => coord.force_release(key).await,
         }
-        coord.force_release(key).await.map(|s| serde_json::to_value(s).expect("state serialises"))
+        .map(|s| serde_json::to_value(s).expect("state serialises"))
     } else {
         return None;
     };
@@ -585,11 +582,30 @@ pub async fn handle_operator(coord: &Coordinator, req: &HttpRequest, raw_query: 
     })
 }
 
+/// The body of a force-release: none, `{}`, or `{"fence": F}` (one holder of a semaphore).
+fn force_release_fence(body: &[u8]) -> Result<Option<u64>> {
+    if body.is_empty() {
+        return Ok(None);
+    }
+    let v: Value =
+        serde_json::from_slice(body).map_err(|e| Error::invalid(format!("the body is not valid JSON: {e}")))?;
+    let fields = || Error::invalid("force-release takes at most a fence: send {}, {\"fence\": F} or no body");
+    let obj = v.as_object().ok_or_else(fields)?;
+    if obj.keys().any(|k| k != "fence") {
+        return Err(fields());
+    }
+    match obj.get("fence") {
+        None => Ok(None),
+        Some(f) => f.as_u64().map(Some).ok_or_else(|| Error::invalid("fence must be a non-negative integer")),
+    }
+}
+
 /// The OpenAPI 3 description of the HTTP API (committed as shared/openapi.json).
 pub(crate) const OPENAPI_JSON: &str = include_str!("../openapi.json");
 
-/// Handles one HTTP request. Never panics on input and never answers 500: every failure is
-/// a typed JSON error.
+/// Handles one HTTP request. Never panics on input, and every failure is a typed JSON error;
+/// 500 only for `StoreRefused` (a request the store will never accept: a missing table, no
+/// permission), never for any input.
 pub async fn handle_http(coord: &Coordinator, req: HttpRequest, remaining: Option<Duration>) -> HttpResponse {
     match route(&req.method, &req.path) {
         Ok(r) => handle_route(coord, r, req, remaining).await,

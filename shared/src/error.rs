@@ -1,9 +1,9 @@
 //! One error type for every interface, with stable machine names.
 //!
 //! The names (`LeaseHeld`, `NotHolder`, `NotFound`, `InvalidRequest`, `StoreUnavailable`,
-//! `Throttled`, `OutcomeUnknown`, `ClockSkew`) are part of the public contract: they are the `error` field of JSON error
-//! bodies, the `errorType` of Lambda function errors (so Step Functions can `Retry`/`Catch`
-//! on them) and the variant names here.
+//! `Throttled`, `OutcomeUnknown`, `ClockSkew`, `StoreRefused`) are part of the public
+//! contract: they are the `error` field of JSON error bodies, the `errorType` of Lambda
+//! function errors (so Step Functions can `Retry`/`Catch` on them) and the variant names here.
 
 use serde_json::{json, Value};
 
@@ -50,6 +50,7 @@ pub enum ErrorName {
     Throttled,
     OutcomeUnknown,
     ClockSkew,
+    StoreRefused,
     /// HTTP only: no route for the path (or not on this function).
     UnknownRoute,
     /// HTTP only: the route takes another method (with `Allow`).
@@ -57,7 +58,7 @@ pub enum ErrorName {
 }
 
 impl ErrorName {
-    pub const ALL: [ErrorName; 10] = [
+    pub const ALL: [ErrorName; 11] = [
         ErrorName::LeaseHeld,
         ErrorName::NotHolder,
         ErrorName::NotFound,
@@ -66,6 +67,7 @@ impl ErrorName {
         ErrorName::Throttled,
         ErrorName::OutcomeUnknown,
         ErrorName::ClockSkew,
+        ErrorName::StoreRefused,
         ErrorName::UnknownRoute,
         ErrorName::MethodNotAllowed,
     ];
@@ -80,6 +82,7 @@ impl ErrorName {
             ErrorName::Throttled => "Throttled",
             ErrorName::OutcomeUnknown => "OutcomeUnknown",
             ErrorName::ClockSkew => "ClockSkew",
+            ErrorName::StoreRefused => "StoreRefused",
             ErrorName::UnknownRoute => "UnknownRoute",
             ErrorName::MethodNotAllowed => "MethodNotAllowed",
         }
@@ -136,6 +139,13 @@ pub enum Error {
     /// fixed: callers retry no sooner than [`CLOCK_SKEW_RETRY_AFTER`].
     #[error("{0}")]
     ClockSkew(String),
+
+    /// The store refused the request as one it will never accept (DynamoDB's
+    /// `ValidationException`: an item or expression past its limits; a missing table; no
+    /// permission): nothing was written, and sending the same request again gets the same
+    /// answer, so it is not retried.
+    #[error("lease store refused the request: {0}")]
+    StoreRefused(String),
 }
 
 /// How long a caller waits before retrying after `ClockSkew` (`Retry-After` over HTTP,
@@ -223,6 +233,7 @@ impl Error {
             Error::Throttled(_) => ErrorName::Throttled,
             Error::OutcomeUnknown { .. } => ErrorName::OutcomeUnknown,
             Error::ClockSkew(_) => ErrorName::ClockSkew,
+            Error::StoreRefused(_) => ErrorName::StoreRefused,
         }
     }
 

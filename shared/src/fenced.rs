@@ -96,9 +96,12 @@ pub const FENCE_VALUE: &str = ":lh_fence";
 /// The fence condition ANDed to the caller's: the recorded fence is absent or not above ours.
 pub const FENCE_CONDITION: &str = "attribute_not_exists(#lh_fence) OR #lh_fence <= :lh_fence";
 /// The condition of the lease-live `ConditionCheck` on the lease item (`:lh_now` is the
-/// coordinator's clock plus its safe margin).
-pub(crate) const LEASE_LIVE_CONDITION: &str =
-    "lease_id = :lh_lease_id AND attribute_not_exists(released_at_ms) AND (attribute_not_exists(expires_at_ms) OR expires_at_ms > :lh_now)";
+/// coordinator's clock plus its safe margin): the item's lease, or the semaphore holder whose
+/// entry in the holders' map is named by the lease_id (`#lh_lease_id`: a semaphore's item
+/// carries `lease_id = -`, which no caller's lease_id is, and a lease's item has no map).
+pub(crate) const LEASE_LIVE_CONDITION: &str = "(lease_id = :lh_lease_id AND attribute_not_exists(released_at_ms) \
+     AND (attribute_not_exists(expires_at_ms) OR expires_at_ms > :lh_now)) \
+     OR (sem_holders.#lh_lease_id.expires_at_ms > :lh_now AND attribute_not_exists(sem_holders.#lh_lease_id.released_at_ms))";
 
 /// Why a fenced write or a lease-live commit did not land.
 #[derive(Debug, thiserror::Error)]
@@ -451,6 +454,7 @@ pub(crate) fn lease_live_check(
         .table_name(lease_table)
         .key(attr::KEY, AttributeValue::S(key.to_string()))
         .condition_expression(LEASE_LIVE_CONDITION)
+        .expression_attribute_names("#lh_lease_id", lease_id.expose())
         .expression_attribute_values(":lh_lease_id", AttributeValue::S(lease_id.expose().to_string()))
         .expression_attribute_values(":lh_now", AttributeValue::N(live_at_ms.to_string()))
         .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)

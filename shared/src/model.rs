@@ -330,8 +330,12 @@ impl Record {
     }
 
     /// A semaphore's public view: its live holders, held while any is live, the earliest
-    /// expiry of a live holder.
+    /// expiry of a live holder and that holder's name (the slot that frees next; when none is
+    /// live, the last holder granted).
     fn semaphore_state(&self, now_ms: u64) -> LeaseState {
+        let next = self.live_slots(now_ms).min_by_key(|h| h.expires_at_ms);
+        let last = self.semaphore.slot_holders.iter().max_by_key(|h| h.fence);
+        let holder = next.or(last).map_or_else(|| self.holder.clone(), |h| h.holder.clone());
         let live: Vec<SlotState> = self
             .live_slots(now_ms)
             .map(|h| SlotState {
@@ -344,7 +348,7 @@ impl Record {
         LeaseState {
             key: self.key.clone(),
             held: !live.is_empty(),
-            holder: self.holder.clone(),
+            holder,
             fence: self.fence,
             acquired_at_ms: self.acquired_at_ms,
             expires_at_ms: live.iter().map(|h| h.expires_at_ms).min(),

@@ -41,21 +41,66 @@ impl Default for Limits {
 pub(crate) const LEASE_ID_MIN_LEN: usize = 22;
 pub(crate) const LEASE_ID_MAX_LEN: usize = 128;
 /// The most leases one `acquire_next` takes, and the longest work state name, in bytes.
-/// Most slots of a semaphore (DESIGN.md, "Semaphores").
-pub const MAX_SLOTS: u32 = 1000;
+/// DynamoDB's largest item, in bytes.
+pub const ITEM_LIMIT_BYTES: usize = 400 * 1024;
+/// What a semaphore's item takes besides its holders' map, at most: its key (up to 1,024
+/// bytes), holder, fence, times, TTL, `sem_*` counters, attribute names (DESIGN.md,
+/// "Semaphores", "Cost").
+pub const SEMAPHORE_BASE_BYTES: usize = 2048;
+/// One holder's entry in a semaphore's map without its metadata, at most, by DynamoDB's item
+/// size rules (a name's UTF-8 bytes; a number at most 21 bytes; a map 3 bytes plus, per
+/// element, its name, its value and 1 byte): its name (a lease_id of up to 128 bytes) and 1,
+/// the map's 3, its 8 elements' names (84 bytes) and 1 each, 6 numbers, a holder of up to 256
+/// bytes. A holder's metadata adds its JSON's length.
+pub const SLOT_ENTRY_BYTES: usize = (LEASE_ID_MAX_LEN + 1) + 3 + (84 + 8) + 6 * 21 + 256;
+/// Entries the holders' map of a semaphore of N slots is sized for: its bound N + 16 (a grant
+/// past it tidies the ended entries), and as many again for tidies refused by concurrent writes.
+pub const fn slot_entries(n: u32) -> usize {
+    n as usize + 32
+}
+/// The bytes each holder's entry may take in a semaphore of `n` slots: the item's limit
+/// shared by its entries.
+pub const fn slot_entry_budget(n: u32) -> usize {
+    (ITEM_LIMIT_BYTES - SEMAPHORE_BASE_BYTES) / slot_entries(n)
+}
+/// Most slots of a semaphore (DESIGN.md, "Semaphores"): the largest N whose map of entries
+/// without metadata fits a DynamoDB item (640).
+pub const MAX_SLOTS: u32 = ((ITEM_LIMIT_BYTES - SEMAPHORE_BASE_BYTES) / SLOT_ENTRY_BYTES - slot_entries(0)) as u32;
+/// The most metadata (bytes of JSON) a holder of a semaphore of `n` slots may carry, so that
+/// the item fits DynamoDB's 400 KB with every entry at its largest.
+pub const fn max_slot_metadata_bytes(n: u32) -> usize {
+    slot_entry_budget(n).saturating_sub(SLOT_ENTRY_BYTES)
+}
 
-/// A semaphore's `slots`: 1..=1000; a holder of two or more slots needs a duration and takes
-/// no min_hold or keep-alive.
+/// A semaphore's `slots`: 1..=[`MAX_SLOTS`]; a holder of two or more slots needs a duration
+/// and takes no min_hold or keep-alive.
 pub(crate) fn slots(slots: Option<u32>, timed: bool, min_hold: bool, keepalive: bool) -> Result<()> {
     let Some(n) = slots else { return Ok(()) };
     if !(1..=MAX_SLOTS).contains(&n) {
-        return Err(Error::invalid(format!("slots must be between 1 and {MAX_SLOTS}, got {n}")));
+        return Err(Error::invalid(format!(
+            "slots must be between 1 and {MAX_SLOTS} (the most holders a DynamoDB item of 400 KB keeps), got {n}"
+        )));
     }
     if n >= 2 && !timed {
         return Err(Error::invalid("slots: a semaphore's holder needs a duration (no fail_closed slot)"));
     }
     if n >= 2 && (min_hold || keepalive) {
         return Err(Error::invalid("slots: a semaphore's holder takes no min_hold_ms or keepalive"));
+    }
+    Ok(())
+}
+
+/// A holder of a semaphore of `n` slots (`n >= 2`) carries at most
+/// [`max_slot_metadata_bytes`]`(n)` bytes of metadata: the item of N holders, each with as
+/// much, fits DynamoDB's 400 KB.
+pub(crate) fn slot_metadata(n: u32, m: &Map<String, Value>) -> Result<()> {
+    let size = serde_json::to_vec(m).map(|v| v.len()).unwrap_or(usize::MAX);
+    let max = max_slot_metadata_bytes(n);
+    if n >= 2 && size > max {
+        return Err(Error::invalid(format!(
+            "metadata is {size} bytes as JSON; a holder of a semaphore of {n} slots carries at most {max} bytes \
+             (N holders' entries share a DynamoDB item of 400 KB)"
+        )));
     }
     Ok(())
 }

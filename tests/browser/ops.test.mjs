@@ -1,6 +1,7 @@
 // The operator page's view of the whole product (tests/tests/browser.rs prepared the store):
 // keys per work state, a queue length beside its holder, the recent events of the keys shown,
-// and a key's timeline when its key is clicked. Leaves a screenshot.
+// a key's timeline when its key is clicked, and a semaphore (pool/x: 3 holders of 4 slots) as
+// one, with a holder force-released from its row. Leaves a screenshot.
 //
 // Usage: node ops.test.mjs URL SCREENSHOT_PATH  (env LEASEHOLD_BROWSER_TOOLS as page.test.mjs;
 // LEASEHOLD_EXPECT: JSON with the fences the test saw)
@@ -67,6 +68,29 @@ try {
   const tl = await page.$$eval("#timeline-items li", (l) => l.map((x) => [x.dataset.kind, x.dataset.fence]));
   check(JSON.stringify(tl) === JSON.stringify(expect.timeline), `jobs/t's timeline ${JSON.stringify(tl)} is ${JSON.stringify(expect.timeline)}`);
   check((await page.textContent("#timeline-title")) === "Timeline of jobs/t", "the timeline names its key");
+
+  // A semaphore as one: 3 of 4 slots, then one row per holder with its fence and time left.
+  await until(page, "the semaphore is listed", async () => page.isVisible('#rows tr.semaphore[data-key="pool/x"]'));
+  const sem = await page.$eval('#rows tr.semaphore[data-key="pool/x"]', (tr) => tr.querySelector("td.holder").textContent);
+  check(sem === "3 of 4 slots", `pool/x shows its slots taken of N: ${JSON.stringify(sem)}`);
+  const holders = async () => page.$$eval('#rows tr.slot[data-key="pool/x"]', (rows) => rows.map((r) =>
+    [r.querySelector("td.holder").textContent, r.querySelector("td.fence").textContent, r.querySelector("td.left").textContent]));
+  const rows = await holders();
+  check(JSON.stringify(rows.map((r) => [r[0], r[1]])) === JSON.stringify(expect.pool), `pool/x's holders and fences ${JSON.stringify(rows)}`);
+  check(rows.every((r) => /^\d+m \d+s$|^\d+\.\ds$/.test(r[2])), `each holder's time left counts down: ${JSON.stringify(rows)}`);
+  // Its timeline: each holder's grant.
+  await page.click('#rows tr.semaphore[data-key="pool/x"] td.key');
+  await until(page, "the timeline of pool/x opens", async () => (await page.textContent("#timeline-title")) === "Timeline of pool/x");
+  const st = await page.$$eval("#timeline-items li", (l) => l.map((x) => [x.dataset.kind, x.dataset.fence]));
+  check(JSON.stringify(st) === JSON.stringify(expect.pool.map((p) => ["granted", p[1]])), `pool/x's timeline ${JSON.stringify(st)}`);
+  // Force-release of the second holder alone, from its row, behind the confirmation.
+  page.once("dialog", (d) => d.accept());
+  await page.click(`#rows tr.slot[data-key="pool/x"][data-fence="${expect.pool[1][1]}"] button`);
+  await until(page, "the evicted holder leaves the semaphore's rows", async () => (await holders()).length === 2);
+  const left = (await holders()).map((r) => r[0]);
+  check(JSON.stringify(left) === JSON.stringify(["s1", "s3"]), `s2 evicted, s1 and s3 hold: ${JSON.stringify(left)}`);
+  check((await page.$eval('#rows tr.semaphore[data-key="pool/x"] td.holder', (td) => td.textContent)) === "2 of 4 slots",
+    "pool/x shows 2 of 4 slots");
 
   await page.screenshot({ path: screenshot, fullPage: true });
   console.log("SCREENSHOT " + screenshot);

@@ -465,14 +465,27 @@ pub async fn all_history(client: &aws_sdk_sfn::Client, arn: &str) -> Vec<aws_sdk
     let mut events = Vec::new();
     let mut token: Option<String> = None;
     loop {
-        let out = client
-            .get_execution_history()
-            .execution_arn(arn)
-            .max_results(1000)
-            .set_next_token(token.clone())
-            .send()
-            .await
-            .unwrap_or_else(|e| panic!("history of {arn}: {e:?}"));
+        // moto's server has answered 500 (an HTML error page) to a history read of an execution
+        // the adapter had just stopped, once in a full run: a page answered 5xx is asked again,
+        // as the SDK's own retries would against Step Functions.
+        let mut tries = 0;
+        let out = loop {
+            let sent = client
+                .get_execution_history()
+                .execution_arn(arn)
+                .max_results(1000)
+                .set_next_token(token.clone())
+                .send()
+                .await;
+            match sent {
+                Ok(out) => break out,
+                Err(e) if tries < 5 && e.raw_response().is_some_and(|r| r.status().is_server_error()) => {
+                    tries += 1;
+                    tokio::time::sleep(std::time::Duration::from_millis(200 * tries)).await;
+                }
+                Err(e) => panic!("history of {arn}: {e:?}"),
+            }
+        };
         events.extend(out.events().iter().cloned());
         token = out.next_token().map(str::to_string);
         if token.is_none() {

@@ -116,8 +116,10 @@ fn the_operator_page_shows_the_leases_live_in_chromium() {
 }
 
 /// The page shows the whole product: keys per work state (and how many are held), the queue
-/// length beside a holder, the recent events of the keys shown, and a key's timeline when it
-/// is clicked (tests/browser/ops.test.mjs). Screenshot: target/artifacts/operator-page-ops.png.
+/// length beside a holder, the recent events of the keys shown, a key's timeline when it is
+/// clicked, and a semaphore as one: its slots taken of N, each holder with its fence and time
+/// left, its holders' timeline, and one holder force-released from its row
+/// (tests/browser/ops.test.mjs). Screenshot: target/artifacts/operator-page-ops.png.
 #[test]
 fn the_operator_page_shows_states_queues_and_timelines_in_chromium() {
     use std::sync::Arc;
@@ -174,7 +176,15 @@ fn the_operator_page_shows_states_queues_and_timelines_in_chromium() {
         }
     });
     let fence = t["fence"].as_u64().unwrap().to_string();
-    let expect = json!({"timeline": [["granted", fence], ["renewed", fence]]});
+    // A semaphore of 4 slots with 3 holders.
+    let pool: Vec<(String, String)> = ["s1", "s2", "s3"]
+        .iter()
+        .map(|h| {
+            let l = post("/leases/acquire/pool/x", json!({"holder": h, "duration_ms": 120_000, "slots": 4}));
+            (h.to_string(), l["fence"].as_u64().unwrap().to_string())
+        })
+        .collect();
+    let expect = json!({"timeline": [["granted", fence], ["renewed", fence]], "pool": pool});
 
     let artifacts = repo_root().join("target/artifacts");
     std::fs::create_dir_all(&artifacts).unwrap();

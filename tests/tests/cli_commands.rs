@@ -193,7 +193,7 @@ leasehold_tests::variants!(sync [
 ]: every_subcommand);
 
 /// `acquire --slots N`: a semaphore of N holders (DESIGN.md, "Semaphores"), each released on
-/// its own; `force-release --fence` evicts one holder (not over `--url`).
+/// its own; `force-release --fence` evicts one holder.
 fn semaphore_subcommands(t: &Target) {
     let acquire =
         |h: &str| t.run(&["acquire", "sem/cli", "--holder", h, "--duration", "30s", "--slots", "2", "--json"]);
@@ -213,21 +213,55 @@ fn semaphore_subcommands(t: &Target) {
     assert_eq!(t.run(&["release", "sem/cli", "--lease-id", id1, "--json"]).ok().json()["already_released"], true);
     let s3 = acquire("s3").ok().json();
     let one = t.run(&["force-release", "sem/cli", "--fence", &u(&s3, "fence").to_string(), "--json"]);
-    if t.server.is_some() {
-        assert_eq!(one.code(2).json()["error"], "InvalidRequest");
-    } else {
-        assert_eq!(one.ok().json()["holders"].as_array().unwrap().len(), 1);
-        acquire("s4").ok();
-    }
+    assert_eq!(one.ok().json()["holders"].as_array().unwrap().len(), 1);
+    acquire("s4").ok();
+    // A fence no unreleased holder has: NotFound; a key that is no semaphore: InvalidRequest.
+    let gone = t.run(&["force-release", "sem/cli", "--fence", &u(&s3, "fence").to_string(), "--json"]);
+    assert_eq!(gone.code(1).json()["error"], "NotFound");
+    t.run(&["acquire", "plain/cli", "--holder", "p", "--json"]).ok();
+    let plain = t.run(&["force-release", "plain/cli", "--fence", "1", "--json"]).code(2).json();
+    assert_eq!(plain["error"], "InvalidRequest");
     let bad = t.run(&["acquire", "sem/cli", "--holder", "x", "--slots", "0", "--json"]).code(2).json();
     assert_eq!(bad["error"], "InvalidRequest");
+}
+
+/// Operators see a semaphore as one (DESIGN.md, "Semaphores": Interfaces): `list` and `get`
+/// show its slots taken of N and each live holder with its fence and time left, not the first
+/// holder alone; `force-release --fence` says what it evicted.
+fn operators_see_a_semaphore_as_one(t: &Target) {
+    let take = |h: &str| {
+        let a = ["acquire", "pool/x", "--holder", h, "--duration", "30s", "--slots", "4", "--json"];
+        t.run(&a).ok().json()
+    };
+    let held: Vec<Value> = ["a", "b", "c"].iter().map(|h| take(h)).collect();
+    let listed = t.run(&["list", "--json"]).ok().json();
+    let item = listed["leases"].as_array().unwrap().iter().find(|l| l["key"] == "pool/x").cloned().unwrap();
+    assert_eq!((u(&item, "slots"), u(&item, "slots_taken")), (4, 3), "{item}");
+    let text = t.run(&["list"]).ok().stdout;
+    let row = text.lines().find(|l| l.starts_with("pool/x")).unwrap_or_else(|| panic!("{text}"));
+    assert!(row.contains("3 of 4 slots") && row.contains("held"), "{text}");
+    for (h, l) in ["a", "b", "c"].iter().zip(&held) {
+        let line = text.lines().find(|x| x.contains(&format!("- {h} "))).unwrap_or_else(|| panic!("{h}: {text}"));
+        assert!(line.contains(&u(l, "fence").to_string()) && line.contains('s'), "{line}");
+    }
+    let got = t.run(&["get", "pool/x"]).ok().stdout;
+    assert!(got.contains("is a semaphore: 3 of 4 slots taken"), "{got}");
+    for (h, l) in ["a", "b", "c"].iter().zip(&held) {
+        let line = got.lines().find(|x| x.contains(&format!("holder    {h} "))).unwrap_or_else(|| panic!("{got}"));
+        assert!(line.contains(&format!("fence {}", u(l, "fence"))) && line.ends_with(" left"), "{line}");
+    }
+    let fence = u(&held[1], "fence").to_string();
+    let out = t.run(&["force-release", "pool/x", "--fence", &fence]).ok().stdout;
+    assert!(out.contains(&format!("the holder with fence {fence} evicted; 2 of 4 slots taken now")), "{out}");
+    let text = t.run(&["list"]).ok().stdout;
+    assert!(text.contains("2 of 4 slots") && !text.contains("- b "), "{text}");
 }
 
 leasehold_tests::variants!(sync [
     embedded => &Target::embedded(),
     dynamodb => &Target::dynamo(),
     served => &Target::served(),
-]: semaphore_subcommands);
+]: semaphore_subcommands, operators_see_a_semaphore_as_one);
 
 #[test]
 fn over_http_api_on_dynamodb() {

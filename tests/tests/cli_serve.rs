@@ -289,8 +289,12 @@ fn operator_routes_list_force_release_and_the_page() {
     let (s, _, b) = http(a, "POST", "/leases/force-release/jobs/a", &[("content-type", "text/plain")], b"{}");
     assert_eq!((s, json(&b)["error"].as_str()), (415, Some("InvalidRequest")));
     let ct = [("content-type", "application/json")];
-    let (s, _, b) = http(a, "POST", "/leases/force-release/jobs/a", &ct, br#"{"x":1}"#);
-    assert_eq!((s, json(&b)["error"].as_str()), (400, Some("InvalidRequest")));
+    // At most a fence (one holder of a semaphore), a non-negative integer; a plain lease has none.
+    for bad in [&br#"{"x":1}"#[..], br#"{"fence":"7"}"#, br#"{"fence":-1}"#, br#"{"fence":1,"x":1}"#, br#"{"fence":1}"#]
+    {
+        let (s, _, b) = http(a, "POST", "/leases/force-release/jobs/a", &ct, bad);
+        assert_eq!((s, json(&b)["error"].as_str()), (400, Some("InvalidRequest")), "{b}");
+    }
     let (s, _, b) = http(a, "POST", "/leases/force-release/jobs/a", &ct, b"{}");
     assert_eq!(s, 200, "{b}");
     let freed = json(&b);

@@ -341,3 +341,44 @@ async fn held_lease_offers_both() {
     assert!(matches!(held.commit_while_live(&e.leases, tx).await, Err(FencedError::LeaseLost { .. })));
     assert!(get(&e, "h5").await.is_none());
 }
+
+/// A semaphore's holder commits while its slot is live, like a lease's holder: the lease-live
+/// check finds its entry in the holders' map (the item's own `lease_id` is `-`). Refused once
+/// the slot is released, expired or force-released, while another holder of the same key
+/// still commits. Before, every commit of a slot's holder was `LeaseLost`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_semaphore_holder_commits_while_its_slot_is_live() {
+    let e = env().await;
+    let c = &e.coord;
+    let write =
+        |id: &str, value: &str| e.client.transact_write_items().transact_items(put_item(&e.table, id, value, None));
+    let slots = || AcquireOptions { slots: Some(3), ..Default::default() };
+    let lost = |r: Result<_, FencedError>, what: &str| {
+        assert!(matches!(r, Err(FencedError::LeaseLost { lease: Some(_) })), "{what}: must be LeaseLost: {r:?}")
+    };
+    let k = "k-sem";
+    let a = c.acquire(k, "a", Some(Duration::from_secs(30)), slots()).await.unwrap();
+    let b = c.acquire(k, "b", Some(Duration::from_secs(30)), slots()).await.unwrap();
+    // 2 s: the commit must land while the slot is live, on a loaded machine too.
+    let short = c.acquire(k, "short", Some(Duration::from_secs(2)), slots()).await.unwrap();
+    for (l, id) in [(&a, "s1"), (&b, "s2"), (&short, "s3")] {
+        c.commit_while_live(&e.leases, k, &l.lease_id, l.fence, write(id, "live")).await.expect("a live slot commits");
+    }
+    // Released: refused; the other holder still commits.
+    c.release(k, &a.lease_id).await.unwrap();
+    lost(c.commit_while_live(&e.leases, k, &a.lease_id, a.fence, write("s4", "released")).await, "released");
+    c.commit_while_live(&e.leases, k, &b.lease_id, b.fence, write("s5", "b")).await.expect("b is live");
+    // Expired.
+    let left = short.expires_at_ms.unwrap().saturating_sub(c.now_ms());
+    tokio::time::sleep(Duration::from_millis(left + 100)).await;
+    lost(c.commit_while_live(&e.leases, k, &short.lease_id, short.fence, write("s6", "expired")).await, "expired");
+    // Force-released (the one holder).
+    c.force_release_slot(k, b.fence).await.unwrap();
+    lost(c.commit_while_live(&e.leases, k, &b.lease_id, b.fence, write("s7", "evicted")).await, "force-released");
+    // A lease_id that never held a slot.
+    let never = leasehold::LeaseId::generate();
+    lost(c.commit_while_live(&e.leases, k, &never, b.fence, write("s8", "never")).await, "never a holder");
+    for id in ["s4", "s6", "s7", "s8"] {
+        assert!(get(&e, id).await.is_none(), "{id}: a refused commit wrote");
+    }
+}

@@ -1,7 +1,9 @@
 //! Lease history (DESIGN.md, "Lease history"): a scripted run (acquire, heartbeat, release into a
-//! state, a crash taken over after expiry, a force-release, a queue hand-over), then
+//! state, a crash taken over after expiry, a force-release, a queue hand-over) and a semaphore's
+//! (each holder's grant, renewal, release and eviction, a crashed holder taken over), then
 //! `leasehold history KEY` lists exactly those events with their fences, on the embedded store
-//! (written in the same transaction as each change) and through `serve`.
+//! (written in the same transaction as each change), through `serve` and through DynamoDB
+//! Streams.
 
 mod cli_support;
 
@@ -75,6 +77,30 @@ async fn scripted_run(c: &Coordinator, rec: &Recorder, key: &str) -> Vec<Expecte
     want
 }
 
+/// A semaphore's scripted run on `key` (2 slots): each holder's grant, renewal, release and
+/// eviction, and a holder that crashes, taken over by the take that cleans it away; returns the
+/// events it must leave, in order.
+async fn semaphore_run(c: &Coordinator, key: &str) -> Vec<Expected> {
+    let long = Some(Duration::from_secs(60));
+    let slots = || AcquireOptions { slots: Some(2), ..Default::default() };
+    let mut want = Vec::new();
+    let a = c.acquire(key, "s1", long, slots()).await.unwrap();
+    want.push(ev("granted", "s1", a.fence));
+    let crash = c.acquire(key, "crasher", Some(Duration::from_millis(1000)), slots()).await.unwrap();
+    want.push(ev("granted", "crasher", crash.fence));
+    c.heartbeat(key, &a.lease_id, Some(Duration::from_secs(90))).await.unwrap();
+    want.push(ev("renewed", "s1", a.fence));
+    // Full only by the crasher, expired unreleased: the next take cleans it away, taking over.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let b = c.acquire(key, "s2", long, slots()).await.unwrap();
+    want.push(("taken_over".into(), "s2".into(), b.fence, None, Some(("crasher".into(), crash.fence))));
+    c.release(key, &a.lease_id).await.unwrap();
+    want.push(ev("released", "s1", a.fence));
+    c.force_release_slot(key, b.fence).await.unwrap();
+    want.push(ev("force_released", "s2", b.fence));
+    want
+}
+
 /// The events of an answer, as [`Expected`] tuples.
 fn got(v: &Value) -> Vec<Expected> {
     v["events"]
@@ -103,6 +129,7 @@ async fn scripted_run_on_the_embedded_store() {
     let c = Coordinator::new(Arc::new(store), test_config()).with_deliver(rec.clone() as Arc<dyn Deliver>);
     let key = "orders/42";
     let want = scripted_run(&c, &rec, key).await;
+    let sem = semaphore_run(&c, "pool/7").await;
     // Another key's events are not listed.
     let other = c.acquire("orders/43", "x", Some(Duration::from_secs(60)), AcquireOptions::default()).await.unwrap();
     let out = tokio::task::spawn_blocking(move || {
@@ -110,12 +137,15 @@ async fn scripted_run_on_the_embedded_store() {
         let text = target.run(&["history", key]).ok().stdout;
         let one = target.run(&["history", "orders/43", "--json"]).ok().json();
         let none = target.run(&["history", "orders/42", "--since", "1ms", "--json"]).ok().json();
-        (j, text, one, none, target)
+        let pool = target.run(&["history", "pool/7", "--json"]).ok().json();
+        (j, text, one, none, pool, target)
     })
     .await
     .unwrap();
-    let (j, text, one, none, target) = out;
+    let (j, text, one, none, pool, target) = out;
     assert_eq!(got(&j), want, "{j:#}");
+    assert_eq!(got(&pool), sem, "{pool:#}");
+    assert!(pool["events"].as_array().unwrap().iter().all(|e| e["slots"] == 2), "{pool:#}");
     let events = j["events"].as_array().unwrap();
     // Times come from the records: in order; the lease_id never appears, only its start.
     let times: Vec<u64> = events.iter().map(|e| e["at_ms"].as_u64().unwrap()).collect();
@@ -294,6 +324,7 @@ async fn scripted_run_through_the_stream() {
     let c = Coordinator::new(Arc::new(store), test_config()).with_deliver(rec.clone() as Arc<dyn Deliver>);
     let key = "orders/42";
     let want = scripted_run(&c, &rec, key).await;
+    let sem = semaphore_run(&c, "pool/7").await;
     c.acquire("orders/43", "x", Some(Duration::from_secs(60)), AcquireOptions::default()).await.unwrap();
 
     let records = stream_records(&conf, &client, &table).await;
@@ -341,17 +372,23 @@ async fn scripted_run_through_the_stream() {
         server: None,
         dir: leasehold_tests::TempDir::new("hist"),
     };
-    let (j, text) = tokio::task::spawn_blocking(move || {
-        (t.run(&["history", key, "--json"]).ok().json(), t.run(&["history", key]).ok().stdout)
+    let (j, text, pool) = tokio::task::spawn_blocking(move || {
+        let pool = t.run(&["history", "pool/7", "--json"]).ok().json();
+        (t.run(&["history", key, "--json"]).ok().json(), t.run(&["history", key]).ok().stdout, pool)
     })
     .await
     .unwrap();
     assert_eq!(got(&j), want, "{j:#}");
+    assert_eq!(got(&pool), sem, "{pool:#}");
     assert_eq!(j["events"][8]["interface"], "queue");
     assert_eq!(text.lines().count(), want.len(), "{text}");
     let names: Vec<(&str, &str)> = records
         .iter()
         .map(|r| (r["eventName"].as_str().unwrap_or(""), r["dynamodb"]["Keys"]["key"]["S"].as_str().unwrap_or("")))
         .collect();
-    assert_eq!(written as usize, want.len() + 1, "the run's events and orders/43's grant; records: {names:?}");
+    assert_eq!(
+        written as usize,
+        want.len() + sem.len() + 1,
+        "the runs' events and orders/43's grant; records: {names:?}"
+    );
 }

@@ -1,7 +1,7 @@
 //! `GET /metrics` of `leasehold serve`: the Prometheus text format, parsed by a Prometheus
 //! text-format parser (the `prometheus-parse` crate), with the values a scripted set of
 //! requests must leave: acquisitions, contention, a waited acquire, releases, an expiry taken
-//! over, errors by name, store latency, a queue length and work-state counts. The gauges come
+//! over, errors by name, store latency, a queue length, work-state counts and a semaphore's slots and holders. The gauges come
 //! from a snapshot of the store: one series per key for the 20 longest queues only, and on
 //! DynamoDB one eventually consistent scan per `--scan-every` however many views ask, with the
 //! server's own writes applied in between.
@@ -74,7 +74,8 @@ async fn metrics_parse_and_count_what_happened() {
     let a = server.addr.clone();
     let db = std::path::PathBuf::from(&target.args[1]);
     let addr = a.clone();
-    let (queued_key, put_keys) = tokio::task::spawn_blocking(move || {
+    let put_keys = 3;
+    let (queued_key, fences) = tokio::task::spawn_blocking(move || {
         let a = addr;
         // Acquire; contention (refused, and refused after a wait); a bad heartbeat; a release.
         let (s, l) = post(&a, "/leases/acquire/m/a", r#"{"holder":"h","duration_ms":30000}"#);
@@ -97,7 +98,15 @@ async fn metrics_parse_and_count_what_happened() {
         assert_eq!(post(&a, "/leases/acquire/m/t", r#"{"holder":"next","duration_ms":30000}"#).0, 200);
         // A held key for a waiter to queue on.
         assert_eq!(post(&a, "/leases/acquire/m/q", r#"{"holder":"q","duration_ms":30000}"#).0, 200);
-        ("m/q", 3)
+        // A semaphore of 4 slots with 3 holders.
+        let mut fences = Vec::new();
+        for h in ["s1", "s2", "s3"] {
+            let body = format!(r#"{{"holder":"{h}","duration_ms":30000,"slots":4}}"#);
+            let (s, l) = post(&a, "/leases/acquire/m/sem", &body);
+            assert_eq!(s, 200, "{l}");
+            fences.push((h, l["fence"].as_u64().unwrap()));
+        }
+        ("m/q", fences)
     })
     .await
     .unwrap();
@@ -111,8 +120,18 @@ async fn metrics_parse_and_count_what_happened() {
     assert!(matches!(q, Enqueued::Queued { .. }), "{q:?}");
 
     let (m, text) = tokio::task::spawn_blocking(move || scrape(&a)).await.unwrap();
-    // acquire m/a, next (1 lease), m/t twice, m/q.
-    assert_eq!(num(&m, "leasehold_acquisitions_total", &[]), 5.0, "{text}");
+    // acquire m/a, next (1 lease), m/t twice, m/q, three slots of m/sem.
+    assert_eq!(num(&m, "leasehold_acquisitions_total", &[]), 8.0, "{text}");
+    assert_eq!(num(&m, "leasehold_semaphore_slots", &[("key", "m/sem")]), 4.0, "{text}");
+    assert_eq!(num(&m, "leasehold_semaphore_slots_taken", &[("key", "m/sem")]), 3.0, "{text}");
+    for (h, f) in &fences {
+        let left = num(
+            &m,
+            "leasehold_semaphore_holder_expires_in_seconds",
+            &[("key", "m/sem"), ("holder", h), ("fence", &f.to_string())],
+        );
+        assert!(left > 0.0 && left <= 30.0, "{h}: {left}\n{text}");
+    }
     assert_eq!(num(&m, "leasehold_contention_total", &[]), 2.0, "{text}");
     assert_eq!(num(&m, "leasehold_releases_total", &[]), 1.0, "{text}");
     assert_eq!(num(&m, "leasehold_expiries_taken_over_total", &[]), 1.0, "{text}");
@@ -135,6 +154,9 @@ async fn metrics_parse_and_count_what_happened() {
         "leasehold_store_latency_seconds",
         "leasehold_queue_length",
         "leasehold_work_state_keys",
+        "leasehold_semaphore_slots",
+        "leasehold_semaphore_slots_taken",
+        "leasehold_semaphore_holder_expires_in_seconds",
     ] {
         assert!(m.docs.contains_key(name), "{name} has HELP");
         assert!(text.contains(&format!("# TYPE {name} ")), "{name} has TYPE");

@@ -156,6 +156,9 @@ impl Coordinator {
             limits.keepalive(k, self.now_ms(), duration)?;
         }
         crate::validate::slots(opts.slots, duration.is_some(), opts.min_hold.is_some(), opts.keepalive.is_some())?;
+        if let (Some(n), Some(m)) = (opts.slots, &opts.metadata) {
+            crate::validate::slot_metadata(n, m)?;
+        }
         if duration.is_none() && opts.lease_id.is_none() {
             // A fail-closed lease whose answer is lost would otherwise be held forever under an
             // id nobody knows; with the caller's own id, a retry or a release reaches it.
@@ -210,7 +213,7 @@ impl Coordinator {
         // never land, so `LeaseHeld` stays what it is.)
         let batch = want.is_some();
         res.map_err(|e| {
-            let open = matches!(e, Error::StoreUnavailable(_) | Error::Throttled(_))
+            let open = matches!(e, Error::StoreUnavailable(_) | Error::Throttled(_) | Error::StoreRefused(_))
                 || (matches!(e, Error::LeaseHeld { .. }) && !batch);
             let e = if landed && open {
                 Error::outcome_unknown(

@@ -146,8 +146,14 @@ pub(crate) enum SlotAnswer {
     Granted(Record),
     /// Our lease_id's slot already ended (released or expired): never again.
     Ended(Reason),
-    /// No item, or a free plain lease (its fence, if any): the first holder makes the semaphore.
+    /// No item, or a free plain lease (what its whole replacement must be fenced above, if
+    /// any: its fence, and its last queue's tail, see `Record::fence_floor`): the first holder
+    /// makes the semaphore.
     Make(Option<u64>),
+    /// A free plain lease, freed by a queue write stamped after this take's clock
+    /// (`freed_at_ms`, which `Free` refuses: a clock ahead of ours): make the semaphore once
+    /// this clock has passed the stamp.
+    Early(Record),
     /// A slot may be free but the last fence is not below ours: go again above it.
     Above(u64),
     /// Full only by ended holders: take again, cleaning them under the item as read.
@@ -168,7 +174,11 @@ pub(crate) fn sort_take(w: Write, lease_id: &LeaseId, fence: u64, now: u64, slot
             return SlotAnswer::Ended(ended_reason(&r, lease_id, now).unwrap_or(Reason::WrongLeaseId));
         }
         let free = !r.is_held(now) && r.queue_len() == 0 && r.work.state.is_none() && r.queue.pending_token.is_none();
-        return if free { SlotAnswer::Make(Some(r.fence)) } else { SlotAnswer::Held(r) };
+        return match r.queue.freed_at_ms {
+            _ if !free => SlotAnswer::Held(r),
+            Some(t) if t > now => SlotAnswer::Early(r),
+            _ => SlotAnswer::Make(Some(r.fence_floor())),
+        };
     }
     if let Some(h) = r.slot(lease_id) {
         return match (h.released_at_ms, h.is_live(now)) {

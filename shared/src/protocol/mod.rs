@@ -130,7 +130,7 @@ pub struct AcquireOptions {
     /// A request already sent is bounded by the store client's attempt timeout.
     pub deadline: Option<Instant>,
     /// A semaphore of this many slots (DESIGN.md, "Semaphores"): at most N holders at once,
-    /// 1..=1000. `None` or 1: a plain lease, exactly as without.
+    /// 1..=640. `None` or 1: a plain lease, exactly as without.
     pub slots: Option<u32>,
 }
 

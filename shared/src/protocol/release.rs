@@ -128,20 +128,37 @@ impl Coordinator {
 
     /// Operator release: frees the key at once whoever holds it (min_hold ignored) and
     /// advances the fence, so the evicted holder's fence is below any later one.
-    /// On a semaphore, every holder is evicted (one read first: DESIGN.md, "Semaphores").
+    /// On a semaphore, every holder is evicted. The item is read first, and the write lands only
+    /// on the item as read (its fence: every grant moves it), so that a plain force-release
+    /// never lands on a semaphore made in between (DESIGN.md, "force_release(key)").
     pub async fn force_release(&self, key: &str) -> Result<LeaseState> {
         self.config.limits.key(key)?;
-        if let Some(s) = self.force_release_slots(key, None).await? {
-            return Ok(s);
-        }
         let deadline = self.monotonic() + self.config.retry_budget;
+        loop {
+            let Some(r) = self.read(deadline, || self.store.get(key)).await? else {
+                return Err(Error::NotFound { key: key.to_string() });
+            };
+            let done = match r.semaphore.slots {
+                Some(_) => self.evict_slots(key, &r, None, deadline).await?,
+                None => self.force_release_lease(key, &r, deadline).await?,
+            };
+            if let Some(s) = done {
+                return Ok(s);
+            }
+            if self.monotonic() >= deadline {
+                return Err(Error::StoreUnavailable(format!("{key:?} kept changing until the deadline")));
+            }
+        }
+    }
+
+    /// The force-release of the plain lease `r` (the item as read). `None`: the key changed
+    /// hands since it was read (read it again).
+    async fn force_release_lease(&self, key: &str, r: &Record, deadline: Instant) -> Result<Option<LeaseState>> {
         let max = self.max_duration_ms();
         let (w, _, now) = self
             .write_unchecked(key, deadline, |now| {
-                Ok((
-                    Condition::Exists,
-                    Mutation::Lease(LeaseMutation::ForceRelease { now_ms: now, ttl: self.ttl_after(now + max) }),
-                ))
+                let m = Mutation::Lease(LeaseMutation::ForceRelease { now_ms: now, ttl: self.ttl_after(now + max) });
+                Ok((Condition::FenceIs(r.fence), m))
             })
             .await
             .map_err(|f| f.into_error(key))?;
@@ -150,9 +167,10 @@ impl Coordinator {
                 self.keep_queued(key, &r).await;
                 self.wakeups.wake(key);
                 self.after_free(key, &r).await;
-                Ok(r.state(now))
+                Ok(Some(r.state(now)))
             }
-            Write::Rejected(_) => Err(Error::NotFound { key: key.to_string() }),
+            Write::Rejected(None) => Err(Error::NotFound { key: key.to_string() }),
+            Write::Rejected(Some(_)) => Ok(None),
         }
     }
 
@@ -161,9 +179,20 @@ impl Coordinator {
     /// unreleased holder has that fence; `InvalidRequest` when `key` is no semaphore.
     pub async fn force_release_slot(&self, key: &str, fence: u64) -> Result<LeaseState> {
         self.config.limits.key(key)?;
-        match self.force_release_slots(key, Some(fence)).await? {
-            Some(s) => Ok(s),
-            None => Err(Error::invalid(format!("{key:?} is no semaphore: force-release it without a fence"))),
+        let deadline = self.monotonic() + self.config.retry_budget;
+        loop {
+            let Some(r) = self.read(deadline, || self.store.get(key)).await? else {
+                return Err(Error::NotFound { key: key.to_string() });
+            };
+            if r.semaphore.slots.is_none() {
+                return Err(Error::invalid(format!("{key:?} is no semaphore: force-release it without a fence")));
+            }
+            if let Some(s) = self.evict_slots(key, &r, Some(fence), deadline).await? {
+                return Ok(s);
+            }
+            if self.monotonic() >= deadline {
+                return Err(Error::StoreUnavailable(format!("{key:?} kept changing until the deadline")));
+            }
         }
     }
 

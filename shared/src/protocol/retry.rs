@@ -161,6 +161,10 @@ impl Coordinator {
     }
 
     pub(crate) async fn release_departed_now(&self, key: &str, lease_id: &LeaseId) {
+        // A semaphore's slot: the holder's own release.
+        if self.known_semaphore(key) {
+            return self.release_departed_slot(key, lease_id).await;
+        }
         // The ordinary release, without a hand-over of its own (that would make this recursive):
         // the next waiter is woken and tries.
         let deadline = self.monotonic() + self.config.retry_budget;
@@ -178,6 +182,10 @@ impl Coordinator {
                 self.freed(key, &r);
                 self.after_free(key, &r).await;
             }
+            // The item is a semaphore: the grant was a slot.
+            Ok((Write::Rejected(Some(r)), _, _)) if r.semaphore.slots.is_some() => {
+                self.release_departed_slot(key, lease_id).await
+            }
             Ok(_) => {}
             Err(f) => tracing::warn!(
                 key,
@@ -187,6 +195,22 @@ impl Coordinator {
         }
     }
 }
+impl Coordinator {
+    /// Releases the slot of the semaphore `key` granted to a take that left before it could be
+    /// told. Nothing to do when it did not land or already ended.
+    async fn release_departed_slot(&self, key: &str, lease_id: &LeaseId) {
+        match self.free_slot(key, lease_id).await {
+            Ok(Ok(_)) => tracing::debug!(key, "released a slot whose take had left"),
+            Ok(Err(_)) => {}
+            Err(e) => tracing::warn!(
+                key,
+                error = e.name(),
+                "could not release a slot whose take had left; it expires on its own"
+            ),
+        }
+    }
+}
+
 /// A write that did not get an answer in time.
 pub(crate) struct Failed {
     pub(crate) error: Error,
@@ -234,23 +258,28 @@ impl Failed {
     /// it; a release's retry answers `already_released`).
     pub(crate) fn into_error(self, key: &str) -> Error {
         match self.error {
-            // A throttled end after an attempt that timed out is no less unknown.
-            e @ (Error::StoreUnavailable(_) | Error::Throttled(_)) if self.maybe_landed => Error::outcome_unknown(
-                key,
-                format!(
-                    "{e}; a write may have landed: send the same request again with the same lease_id (it is \
+            // A throttled or refused end after an attempt that timed out is no less unknown.
+            e @ (Error::StoreUnavailable(_) | Error::Throttled(_) | Error::StoreRefused(_)) if self.maybe_landed => {
+                Error::outcome_unknown(
+                    key,
+                    format!(
+                        "{e}; a write may have landed: send the same request again with the same lease_id (it is \
                      idempotent), or release with it"
-                ),
-            ),
+                    ),
+                )
+            }
             e => e,
         }
     }
 }
 
-/// Did this answer grant, or may it have granted, the lease `lease_id`?
+/// Did this answer grant, or may it have granted, the lease `lease_id`: the item's lease, or
+/// an unreleased holder of the semaphore it is?
 fn grants(answer: &Result<Write>, lease_id: &LeaseId) -> bool {
     match answer {
-        Ok(Write::Applied(r) | Write::Rejected(Some(r))) => &r.lease_id == lease_id,
+        Ok(Write::Applied(r) | Write::Rejected(Some(r))) => {
+            &r.lease_id == lease_id || r.slot(lease_id).is_some_and(|h| h.released_at_ms.is_none())
+        }
         Ok(Write::Rejected(None)) => false,
         // It may have landed: look.
         Err(e) => e.may_have_landed(),

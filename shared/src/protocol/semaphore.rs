@@ -7,6 +7,7 @@ use super::*;
 use crate::model::{SemaphoreFields, SlotHolder};
 use crate::protocol::line::Ticket;
 use crate::protocol::retry::Lapse;
+use crate::store::{CLEAN_CHUNK, EVICT_CHUNK};
 
 /// A grant that saw more entries than N + this tidies the ended ones away.
 const TIDY_ABOVE: usize = 16;
@@ -65,10 +66,18 @@ impl Take<'_> {
     }
 }
 
-/// The ended entries of a semaphore at `now`, and the holders counted once they are gone.
+/// At most [`CLEAN_CHUNK`] ended entries of a semaphore at `now` (those still counted, expired
+/// unreleased, first: each frees a slot), and the holders counted once they are gone: the live
+/// ones and the counted ended ones left for a later write. One write names no more entries
+/// than this, so that its expression stays within DynamoDB's limits (4 KB, 300 operators);
+/// a map with more ended entries is cleaned by several writes, each under the item as read.
 fn ended(r: &Record, now: u64) -> (Vec<LeaseId>, u32) {
-    let gone = r.semaphore.slot_holders.iter().filter(|h| !h.is_live(now)).map(|h| h.lease_id.clone()).collect();
-    (gone, r.live_slots(now).count() as u32)
+    let holders = &r.semaphore.slot_holders;
+    let counted = holders.iter().filter(|h| !h.is_live(now) && h.released_at_ms.is_none());
+    let released = holders.iter().filter(|h| !h.is_live(now) && h.released_at_ms.is_some());
+    let gone: Vec<LeaseId> = counted.clone().chain(released).take(CLEAN_CHUNK).map(|h| h.lease_id.clone()).collect();
+    let left = counted.count().saturating_sub(gone.len());
+    (gone, (r.live_slots(now).count() + left) as u32)
 }
 
 impl Coordinator {
@@ -98,7 +107,10 @@ impl Coordinator {
         let mut t = Take { key, holder, duration_ms, opts, slots, lease_id, seen, how, landed, ticket, lapse };
         let res = self.takes(&mut t, wait_deadline, deadline).await;
         res.map_err(|e| {
-            let open = matches!(e, Error::StoreUnavailable(_) | Error::Throttled(_) | Error::LeaseHeld { .. });
+            let open = matches!(
+                e,
+                Error::StoreUnavailable(_) | Error::Throttled(_) | Error::StoreRefused(_) | Error::LeaseHeld { .. }
+            );
             let e = if t.landed && open {
                 Error::outcome_unknown(key, format!("{e}; an earlier attempt of this acquire may still land"))
             } else {
@@ -139,6 +151,10 @@ impl Coordinator {
                     t.new_lease_id();
                 }
                 SlotAnswer::Make(seen) => (t.seen, t.how) = (seen.or(t.seen), How::Make),
+                SlotAnswer::Early(r) => {
+                    (t.seen, t.how) = (Some(r.fence_floor()), How::Make);
+                    self.slot_early(t, &r, now, deadline).await?;
+                }
                 SlotAnswer::Above(f) => (t.seen, t.how) = (Some(f), How::Blind),
                 SlotAnswer::Clean(r) => (t.seen, t.how) = (Some(r.fence), How::Clean(Box::new(r))),
                 SlotAnswer::Held(r) => {
@@ -220,25 +236,48 @@ impl Coordinator {
         }
     }
 
-    /// The slot is ours. A grant that saw many ended entries tidies them (best effort).
+    /// The slot is ours. A grant that saw many ended entries tidies them (best effort) before
+    /// it answers, so that the next grant finds the map tidied; a caller that leaves meanwhile
+    /// (its deadline) never had the slot, which is given back ([`Unanswered`]).
     async fn slot_granted(&self, t: &Take<'_>, r: Record, sent: Instant, now: u64) -> Lease {
         self.note_semaphore(t.key);
         if r.semaphore.slot_holders.len() > r.semaphore.slots.unwrap_or(1) as usize + TIDY_ABOVE {
-            let (gone, live) = ended(&r, now);
             let ttl = self.ttl_after(now + self.max_duration_ms());
-            let cond =
-                Condition::Semaphore(SemaphoreCondition::SlotsAsRead { rev: r.semaphore.slots_rev.unwrap_or(0) });
-            let _ = self
-                .store
-                .update(
-                    t.key,
-                    &cond,
-                    &Mutation::Semaphore(SemaphoreMutation::TidySlots { ended: gone, taken: live, ttl }),
-                )
-                .await;
+            let unanswered =
+                Unanswered { coord: self.clone(), key: t.key.to_string(), lease_id: Some(t.lease_id.clone()) };
+            // In chunks of at most `CLEAN_CHUNK` entries, each write under the item the last
+            // one left; the first refused (the item changed) ends the tidy.
+            let mut cur = r.clone();
+            loop {
+                let (gone, taken) = ended(&cur, now);
+                if gone.is_empty() {
+                    break;
+                }
+                let rev = cur.semaphore.slots_rev.unwrap_or(0);
+                let cond = Condition::Semaphore(SemaphoreCondition::SlotsAsRead { rev });
+                let m = Mutation::Semaphore(SemaphoreMutation::TidySlots { ended: gone, taken, ttl });
+                match self.store.update(t.key, &cond, &m).await {
+                    Ok(Write::Applied(next)) => cur = next,
+                    _ => break,
+                }
+            }
+            unanswered.answered();
         }
         let h = r.slot(&t.lease_id).expect("a granted take has its entry");
         h.lease(t.key, r.semaphore.slots, sent, now, self.safe_margin(sent, now))
+    }
+
+    /// A free plain lease `r` freed by a clock ahead of ours (its `freed_at_ms` after this
+    /// take's clock `now`): sleep until this clock has passed it (once: no put is sent before),
+    /// or answer `LeaseHeld` when that is past the deadline.
+    async fn slot_early(&self, t: &Take<'_>, r: &Record, now: u64, deadline: Instant) -> Result<()> {
+        let at = r.queue.freed_at_ms.unwrap_or(now);
+        let until = self.monotonic() + Duration::from_millis(at.saturating_sub(now) + 1);
+        if until >= deadline {
+            return Err(Error::LeaseHeld { key: t.key.to_string(), holder: r.holder.clone(), expires_at_ms: Some(at) });
+        }
+        tokio::time::sleep_until(until.into()).await;
+        Ok(())
     }
 
     /// Full, or a live plain lease: sleep until the next slot frees (or `poll_max`), or answer
@@ -424,54 +463,81 @@ impl Coordinator {
         }
     }
 
-    /// Operator release of a semaphore's holders: the one whose fence is `fence`, or every
-    /// unreleased one; the fence moves past all issued. `None`: `key` is no semaphore.
-    pub(crate) async fn force_release_slots(&self, key: &str, fence: Option<u64>) -> Result<Option<LeaseState>> {
-        let deadline = self.monotonic() + self.config.retry_budget;
+    /// Operator release of the semaphore `r` (the item as read): the holder whose fence is
+    /// `fence`, or every unreleased one; the fence moves past all issued. `None`: the item
+    /// changed since it was read (read it again).
+    pub(crate) async fn evict_slots(
+        &self,
+        key: &str,
+        r: &Record,
+        fence: Option<u64>,
+        deadline: Instant,
+    ) -> Result<Option<LeaseState>> {
         let max = self.max_duration_ms();
-        loop {
-            let Some(r) = self.read(deadline, || self.store.get(key)).await? else {
-                return Err(Error::NotFound { key: key.to_string() });
-            };
-            if r.semaphore.slots.is_none() {
-                return Ok(None);
-            }
-            let hit = |h: &&SlotHolder| h.released_at_ms.is_none() && fence.is_none_or(|f| h.fence == f);
-            let evicted: Vec<LeaseId> =
-                r.semaphore.slot_holders.iter().filter(hit).map(|h| h.lease_id.clone()).collect();
-            if evicted.is_empty() && fence.is_some() {
-                return Err(Error::NotFound { key: format!("{key} (no unreleased holder with fence {fence:?})") });
-            }
-            let taken = r.semaphore.slot_holders.iter().filter(|h| h.released_at_ms.is_none()).count() - evicted.len();
+        let hit = |h: &&SlotHolder| h.released_at_ms.is_none() && fence.is_none_or(|f| h.fence == f);
+        let evicted: Vec<LeaseId> = r.semaphore.slot_holders.iter().filter(hit).map(|h| h.lease_id.clone()).collect();
+        if evicted.is_empty() && fence.is_some() {
+            return Err(Error::NotFound { key: format!("{key} (no unreleased holder with fence {fence:?})") });
+        }
+        // In chunks of at most `EVICT_CHUNK` holders (DynamoDB's expression limits), each
+        // write under the item the last one left, so each is whole on its own: its holders
+        // released and fenced off, `sem_taken` what it leaves. A refused chunk (the item
+        // changed) ends it: read again, the holders still unreleased are evicted then.
+        // Nobody to evict (every holder released): one write still moves the fence.
+        let chunks: Vec<&[LeaseId]> =
+            if evicted.is_empty() { vec![&[]] } else { evicted.chunks(EVICT_CHUNK).collect() };
+        let mut cur = r.clone();
+        let mut answer = None;
+        for chunk in chunks {
+            let unreleased = cur.semaphore.slot_holders.iter().filter(|h| h.released_at_ms.is_none()).count();
+            let taken = unreleased.saturating_sub(chunk.len());
+            let rev = cur.semaphore.slots_rev.unwrap_or(0);
             // As a force-release: not refused for this clock.
             let (w, _, now) = self
                 .write_unchecked(key, deadline, |now| {
                     let m = Mutation::Semaphore(SemaphoreMutation::EvictSlots {
-                        evicted: evicted.clone(),
+                        evicted: chunk.to_vec(),
                         now_ms: now,
                         taken: taken as u32,
                         ttl: self.ttl_after(now + max),
                     });
-                    Ok((
-                        Condition::Semaphore(SemaphoreCondition::SlotsAsRead {
-                            rev: r.semaphore.slots_rev.unwrap_or(0),
-                        }),
-                        m,
-                    ))
+                    Ok((Condition::Semaphore(SemaphoreCondition::SlotsAsRead { rev }), m))
                 })
                 .await
                 .map_err(|f| f.into_error(key))?;
             match w {
-                Write::Applied(r) => {
+                Write::Applied(next) => {
                     self.wakeups.wake(key);
-                    return Ok(Some(r.state(now)));
+                    answer = Some(next.state(now));
+                    cur = next;
                 }
-                _ if self.monotonic() >= deadline => {
-                    return Err(Error::StoreUnavailable(format!("{key:?} kept changing until the deadline")))
-                }
-                _ => {}
+                _ => return Ok(None),
             }
         }
+        Ok(answer)
+    }
+}
+
+/// A slot granted to a take that has not answered yet: dropped before [`Unanswered::answered`]
+/// (its caller left), the slot is given back in a task of its own (DESIGN.md, "Cancellation").
+struct Unanswered {
+    coord: Coordinator,
+    key: String,
+    lease_id: Option<LeaseId>,
+}
+
+impl Unanswered {
+    fn answered(mut self) {
+        self.lease_id = None;
+    }
+}
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        let Some(id) = self.lease_id.take() else { return };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        let (coord, key) = (self.coord.clone(), std::mem::take(&mut self.key));
+        rt.spawn(async move { coord.release_departed_now(&key, &id).await });
     }
 }
 

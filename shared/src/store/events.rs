@@ -17,7 +17,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::keys::NO_LEASE;
-use crate::model::Record;
+use crate::model::{Record, SlotHolder};
 
 /// What happened to a key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -78,6 +78,10 @@ pub struct Event {
     pub previous_holder: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub previous_fence: Option<u64>,
+    /// A semaphore holder's event (DESIGN.md, "Semaphores"): the semaphore's N. `holder`,
+    /// `fence` and `lease_id_prefix` are that holder's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slots: Option<u32>,
     /// By which interface (see [`set_interface`]): `queue` for hand-overs, `step_functions`
     /// for leases with a keep-alive on an execution, else the process's own (`http` for
     /// `leasehold serve`, `cli`, `lambda`) or `unknown` (the Streams path cannot know it).
@@ -186,8 +190,66 @@ fn event(r: &Record, kind: EventKind, at_ms: u64) -> Event {
         state: None,
         previous_holder: None,
         previous_fence: None,
+        slots: None,
         interface: interface_of(r, kind),
     }
+}
+
+/// One event of the semaphore `r`'s holder `h`.
+fn slot_event(r: &Record, h: &SlotHolder, kind: EventKind, at_ms: u64) -> Event {
+    Event {
+        holder: h.holder.clone(),
+        fence: h.fence,
+        lease_id_prefix: h.lease_id.expose().chars().take(LEASE_ID_PREFIX_CHARS).collect(),
+        slots: r.semaphore.slots,
+        ..event(r, kind, at_ms)
+    }
+}
+
+/// The events of a write to a semaphore (DESIGN.md, "Semaphores"), each of one holder, from the
+/// holders' map before and after it: a new entry is `granted` (`taken_over` when the same write
+/// cleaned away a holder that had expired unreleased, or replaced a plain lease that had: the
+/// earliest such one is named), an entry newly released is `released` (`force_released` when an
+/// operator evicted it: its expiry set to 0), and a live entry whose expiry moved is `renewed`.
+/// Entries cleaned away give none of their own.
+fn slot_events(old: Option<&Record>, new: &Record) -> Vec<Event> {
+    let before: &[SlotHolder] = old.filter(|o| o.semaphore.slots.is_some()).map_or(&[], |o| &o.semaphore.slot_holders);
+    let mut out = Vec::new();
+    for h in &new.semaphore.slot_holders {
+        let Some(o) = before.iter().find(|o| o.lease_id == h.lease_id) else {
+            let at = h.acquired_at_ms;
+            let expired = |e: Option<u64>| e.is_some_and(|e| e <= at);
+            let cleaned = before
+                .iter()
+                .filter(|o| {
+                    o.released_at_ms.is_none() && expired(Some(o.expires_at_ms)) && new.slot(&o.lease_id).is_none()
+                })
+                .min_by_key(|o| o.expires_at_ms)
+                .map(|o| (o.holder.clone(), o.fence));
+            let plain = old
+                .filter(|o| {
+                    o.semaphore.slots.is_none() && is_lease(o) && o.released_at_ms.is_none() && expired(o.expires_at_ms)
+                })
+                .map(|o| (o.holder.clone(), o.fence));
+            let mut e = slot_event(new, h, EventKind::Granted, at);
+            if let Some((holder, fence)) = cleaned.or(plain) {
+                (e.kind, e.previous_holder, e.previous_fence) = (EventKind::TakenOver, Some(holder), Some(fence));
+            }
+            out.push(e);
+            continue;
+        };
+        match (o.released_at_ms, h.released_at_ms) {
+            (None, Some(at)) => {
+                let kind = if h.expires_at_ms == 0 { EventKind::ForceReleased } else { EventKind::Released };
+                out.push(slot_event(new, h, kind, at));
+            }
+            (None, None) if h.expires_at_ms != o.expires_at_ms => {
+                out.push(slot_event(new, h, EventKind::Renewed, h.renewed_at_ms));
+            }
+            _ => {}
+        }
+    }
+    out
 }
 
 /// The events of one write: the item before (`None`: there was none) and after (`None`: it was
@@ -200,9 +262,11 @@ pub fn events(old: Option<&Record>, new: Option<&Record>) -> Vec<Event> {
     if new.queue.waiter.is_some() || old.is_some_and(|o| o.queue.waiter.is_some()) {
         return vec![];
     }
-    // A semaphore's holders have no events yet (DESIGN.md, "Semaphores": later work); its item's
-    // own attributes are no lease.
-    if new.semaphore.slots.is_some() || old.is_some_and(|o| o.semaphore.slots.is_some()) {
+    // A semaphore's events are its holders'; its item's own attributes are no lease.
+    if new.semaphore.slots.is_some() {
+        return slot_events(old, new);
+    }
+    if old.is_some_and(|o| o.semaphore.slots.is_some()) {
         return vec![];
     }
     let old = old.filter(|o| is_lease(o) || o.work.state.is_some());
@@ -272,8 +336,10 @@ pub fn events(old: Option<&Record>, new: Option<&Record>) -> Vec<Event> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Keepalive, LeaseId};
-    use crate::store::{KeepaliveMutation, LeaseMutation, Mutation, NewLease, QueueMutation, Visit, WorkMutation};
+    use crate::model::{Keepalive, LeaseId, SemaphoreFields, SlotHolder};
+    use crate::store::{
+        KeepaliveMutation, LeaseMutation, Mutation, NewLease, QueueMutation, SemaphoreMutation, Visit, WorkMutation,
+    };
 
     fn lease(holder: &str, id: &str, now: u64, fence: u64) -> NewLease {
         NewLease::new(holder, LeaseId::from_string(id), now, Some(1000), fence)
@@ -407,6 +473,94 @@ mod tests {
         assert_eq!(kinds(&ev), vec![(HandedOver, "x", 12, 9000)]);
         let (_, ev) = apply(&Mutation::Queue(QueueMutation::Revoke { now_ms: 9100, ttl: Some(1) }), Some(&r3));
         assert_eq!(kinds(&ev), vec![(Revoked, "x", 12, 9100)]);
+    }
+
+    fn holder(name: &str, id: &str, now: u64, fence: u64, duration: u64) -> SlotHolder {
+        SlotHolder {
+            lease_id: LeaseId::from_string(id),
+            fence,
+            holder: name.into(),
+            acquired_at_ms: now,
+            renewed_at_ms: now,
+            expires_at_ms: now + duration,
+            duration_ms: duration,
+            released_at_ms: None,
+            metadata: None,
+        }
+    }
+
+    fn take(h: SlotHolder, clean: Option<(Vec<LeaseId>, u32)>) -> Mutation {
+        Mutation::Semaphore(SemaphoreMutation::TakeSlot { slot: Box::new(h), slots: 2, ttl: 1, clean })
+    }
+
+    /// Each holder of a semaphore has its own events, with its holder, fence and lease_id's
+    /// start, and the semaphore's N; cleaning and tidying give none of their own.
+    #[test]
+    fn a_semaphore_s_holders() {
+        use EventKind::*;
+        let id = |s: &str| LeaseId::from_string(s.repeat(24));
+        // A plain lease expired unreleased: the take that makes the semaphore takes it over.
+        let (plain, _) =
+            apply(&Mutation::Lease(LeaseMutation::Acquire(lease("p", "pppppppppppppppppppppppp", 100, 10))), None);
+        let first = holder("a", &"a".repeat(24), 5000, 16, 1000);
+        let mut sem = Record {
+            semaphore: SemaphoreFields {
+                slots: Some(2),
+                slots_taken: Some(1),
+                slots_rev: Some(1),
+                slot_holders: vec![first],
+            },
+            fence: 16,
+            lease_id: LeaseId::from_string(NO_LEASE),
+            ..Record::key_only("k".into())
+        };
+        sem.holder = "a".into();
+        let (r, ev) = apply(&Mutation::Semaphore(SemaphoreMutation::PutSemaphore(Box::new(sem))), Some(&plain));
+        assert_eq!(kinds(&ev), vec![(TakenOver, "a", 16, 5000)]);
+        assert_eq!(
+            (ev[0].previous_holder.as_deref(), ev[0].previous_fence, ev[0].slots),
+            (Some("p"), Some(10), Some(2))
+        );
+        assert_eq!(ev[0].lease_id_prefix, "aaaaaa");
+        let (r, ev) = apply(&take(holder("b", &"b".repeat(24), 5100, 17, 1000), None), Some(&r));
+        assert_eq!(kinds(&ev), vec![(Granted, "b", 17, 5100)]);
+        let renew = Mutation::Semaphore(SemaphoreMutation::RenewSlot {
+            lease_id: id("b"),
+            now_ms: 5200,
+            duration_ms: 1000,
+            ttl: 1,
+        });
+        let (r, ev) = apply(&renew, Some(&r));
+        assert_eq!(kinds(&ev), vec![(Renewed, "b", 17, 5200)]);
+        let (r, ev) = apply(
+            &Mutation::Semaphore(SemaphoreMutation::ReleaseSlot { lease_id: id("b"), now_ms: 5300, ttl: 1 }),
+            Some(&r),
+        );
+        assert_eq!(kinds(&ev), vec![(Released, "b", 17, 5300)]);
+        // A released again: nothing changes, nothing recorded.
+        assert!(events(Some(&r), Some(&r)).is_empty());
+        // a expired unreleased at 6000; c's take cleans a and b away: taken over from a.
+        let (r, ev) =
+            apply(&take(holder("c", &"c".repeat(24), 7000, 18, 1000), Some((vec![id("a"), id("b")], 1))), Some(&r));
+        assert_eq!(kinds(&ev), vec![(TakenOver, "c", 18, 7000)]);
+        assert_eq!((ev[0].previous_holder.as_deref(), ev[0].previous_fence), (Some("a"), Some(16)));
+        let (r, ev) = apply(&take(holder("d", &"d".repeat(24), 7100, 19, 1000), None), Some(&r));
+        assert_eq!(kinds(&ev), vec![(Granted, "d", 19, 7100)]);
+        // An operator evicts both: one event each, with the evicted holder's fence.
+        let evict = Mutation::Semaphore(SemaphoreMutation::EvictSlots {
+            evicted: vec![id("c"), id("d")],
+            now_ms: 7200,
+            taken: 0,
+            ttl: 1,
+        });
+        let (r, ev) = apply(&evict, Some(&r));
+        assert_eq!(kinds(&ev), vec![(ForceReleased, "c", 18, 7200), (ForceReleased, "d", 19, 7200)]);
+        // A tidy removes ended entries: nothing recorded.
+        let (_, ev) = apply(
+            &Mutation::Semaphore(SemaphoreMutation::TidySlots { ended: vec![id("c"), id("d")], taken: 0, ttl: 1 }),
+            Some(&r),
+        );
+        assert!(ev.is_empty());
     }
 
     #[test]

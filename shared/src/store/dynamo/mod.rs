@@ -142,6 +142,20 @@ impl DynamoStore {
     }
 }
 
+/// DynamoDB's answers that refuse a request for good: the request itself is invalid (an item
+/// past 400 KB, an expression past its limits: `ValidationException`), the table is missing, or
+/// the caller may not use it. Nothing was written, and the same request would be refused again:
+/// `StoreRefused`, never retried, never "may have landed".
+const REFUSALS: &[&str] = &[
+    "ValidationException",
+    "ResourceNotFoundException",
+    "ItemCollectionSizeLimitExceededException",
+    "AccessDeniedException",
+    "UnrecognizedClientException",
+    "MissingAuthenticationTokenException",
+    "SerializationException",
+];
+
 /// Classifies SDK failures into the protocol's error names.
 fn map_err<E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static, R: std::fmt::Debug>(
     e: SdkError<E, R>,
@@ -155,6 +169,7 @@ fn map_err<E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static, 
                 | "ThrottlingException"
                 | "RequestLimitExceeded"
                 | "LimitExceededException" => Error::Throttled(format!("{code}: {msg}")),
+                c if REFUSALS.contains(&c) => Error::StoreRefused(format!("{code}: {msg}")),
                 _ => Error::StoreUnavailable(format!("{code}: {msg}")),
             }
         }

@@ -25,5 +25,5 @@ mod work;
 pub use keepalive::{KeepaliveCondition, KeepaliveMutation};
 pub use lease::{LeaseCondition, LeaseMutation, NewLease, Visit};
 pub use queue::{QueueCondition, QueueMutation};
-pub use semaphore::{SemaphoreCondition, SemaphoreMutation};
+pub use semaphore::{SemaphoreCondition, SemaphoreMutation, CLEAN_CHUNK, EVICT_CHUNK};
 pub use work::{WorkCondition, WorkMutation};

@@ -10,6 +10,16 @@ use crate::store::dynamo::expr::{guard, slot_guard, Expr, Guard, Request};
 use crate::store::dynamo::item::{num, str_, Item};
 use crate::store::table::attr;
 
+/// Most entries of the holders' map one cleaning take or tidy removes. DynamoDB refuses an
+/// expression past 4 KB or 300 operators (`ValidationException`): one entry is a
+/// `sem_holders.#ended99` path of 21 bytes and two operators, so a write of this many stays
+/// within both (`one_write_stays_within_dynamodb_s_expression_limits`); a map with more ended
+/// entries is cleaned by several writes in sequence, each under the item the last one left.
+pub const CLEAN_CHUNK: usize = 100;
+/// Most holders one force-release evicts: each sets two paths (`released_at_ms`,
+/// `expires_at_ms`, 90 bytes and six operators); more are evicted by several writes.
+pub const EVICT_CHUNK: usize = 32;
+
 /// The conditions of a semaphore's writes. Semantics are defined by
 /// [`SemaphoreCondition::holds`]; the DynamoDB text of each is in DESIGN.md, and a test renders
 /// each and compares.
@@ -292,4 +302,127 @@ fn semaphore_item(r: &Record) -> Item {
     put(attr::SEM_REV, num(s.slots_rev.unwrap_or(0)));
     put(attr::SEM_HOLDERS, AttributeValue::M(holders));
     item
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::dynamo::expressions;
+    use crate::store::{Condition, Mutation};
+    use crate::validate::{
+        max_slot_metadata_bytes, slot_entries, ITEM_LIMIT_BYTES, MAX_SLOTS, SEMAPHORE_BASE_BYTES, SLOT_ENTRY_BYTES,
+    };
+
+    /// DynamoDB's operators in an expression, counted generously: comparators, arithmetic,
+    /// `AND`/`OR`/`NOT`, functions, and each dereference of a document path (`.`).
+    fn operators(e: &str) -> usize {
+        let symbols = e.matches(['=', '<', '>', '+', '-', '.', '(']).count();
+        let words = e.split_whitespace().filter(|w| matches!(*w, "AND" | "OR" | "NOT" | "BETWEEN" | "IN")).count();
+        symbols + words
+    }
+
+    fn ids(n: usize) -> Vec<LeaseId> {
+        (0..n).map(|i| LeaseId::from_string(format!("{i:0>128}"))).collect()
+    }
+
+    fn holder(id: &LeaseId, metadata: usize) -> SlotHolder {
+        let mut md = serde_json::Map::new();
+        if metadata > 0 {
+            // `{"m":"..."}`: 8 bytes of JSON around the text.
+            md.insert("m".into(), serde_json::Value::String("x".repeat(metadata - 8)));
+        }
+        SlotHolder {
+            lease_id: id.clone(),
+            fence: u64::MAX,
+            holder: "h".repeat(256),
+            acquired_at_ms: u64::MAX,
+            renewed_at_ms: u64::MAX,
+            expires_at_ms: u64::MAX,
+            duration_ms: u64::MAX,
+            released_at_ms: Some(u64::MAX),
+            metadata: (metadata > 0).then_some(md),
+        }
+    }
+
+    /// The cleaning take, the tidy and the force-release name at most `CLEAN_CHUNK` /
+    /// `EVICT_CHUNK` entries each: every such write's expressions stay under 4 KB and 300
+    /// operators, with the longest names DynamoDB aliases carry.
+    #[test]
+    fn one_write_stays_within_dynamodb_s_expression_limits() {
+        let rev = Condition::Semaphore(SemaphoreCondition::SlotsAsRead { rev: u64::MAX });
+        let slot = Box::new(holder(&ids(1)[0], 4096));
+        let writes = [
+            Mutation::Semaphore(SemaphoreMutation::TakeSlot {
+                slot,
+                slots: MAX_SLOTS,
+                ttl: u64::MAX,
+                clean: Some((ids(CLEAN_CHUNK), MAX_SLOTS)),
+            }),
+            Mutation::Semaphore(SemaphoreMutation::TidySlots {
+                ended: ids(CLEAN_CHUNK),
+                taken: MAX_SLOTS,
+                ttl: u64::MAX,
+            }),
+            Mutation::Semaphore(SemaphoreMutation::EvictSlots {
+                evicted: ids(EVICT_CHUNK),
+                now_ms: u64::MAX,
+                taken: MAX_SLOTS,
+                ttl: u64::MAX,
+            }),
+        ];
+        for m in &writes {
+            let (cond, update) = expressions(&rev, m);
+            for e in [&cond, &update] {
+                assert!(e.len() < 4096, "{} bytes: {e}", e.len());
+                assert!(operators(e) < 300, "{} operators: {e}", operators(e));
+            }
+            // Half as many again would not do for at least one limit, or the chunk is far too
+            // small: each write is sized to use the limits well.
+            assert!(update.len() > 1024 || operators(&update) > 75, "{update}");
+        }
+    }
+
+    /// DynamoDB's item size: a name's bytes plus its value's (a number at most 21 bytes: its
+    /// significant digits halved, plus 1; a map 3 bytes plus, per element, name, value, 1).
+    fn value_size(v: &AttributeValue) -> usize {
+        match v {
+            AttributeValue::S(s) => s.len(),
+            AttributeValue::N(n) => n.trim_start_matches('-').len().div_ceil(2) + 1,
+            AttributeValue::M(m) => 3 + m.iter().map(|(k, v)| k.len() + value_size(v) + 1).sum::<usize>(),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// The largest semaphore `validate` admits fits a DynamoDB item (400 KB): `MAX_SLOTS`
+    /// holders' map at its sized bound, every entry at its largest (a 128-byte lease_id, a
+    /// 256-byte holder, the metadata allowed at that N), derived from the limits; a key of
+    /// 1,024 bytes. At N = 4 a holder carries the 4 KB of metadata any lease may.
+    #[test]
+    fn the_largest_semaphore_admitted_fits_a_dynamodb_item() {
+        for n in [2, 4, 16, 100, 300, MAX_SLOTS] {
+            let meta = max_slot_metadata_bytes(n).min(4096);
+            let holders: Vec<SlotHolder> = ids(slot_entries(n)).iter().map(|id| holder(id, meta)).collect();
+            let mut r = Record::key_only("k".repeat(1024));
+            r.holder = "h".repeat(256);
+            (r.fence, r.acquired_at_ms, r.min_hold_until_ms, r.ttl) = (u64::MAX, u64::MAX, u64::MAX, Some(u64::MAX));
+            r.semaphore.slots = Some(n);
+            (r.semaphore.slots_taken, r.semaphore.slots_rev) = (Some(n), Some(u64::MAX));
+            r.semaphore.slot_holders = holders;
+            let item = semaphore_item(&r);
+            let size: usize = item.iter().map(|(k, v)| k.len() + value_size(v)).sum();
+            assert!(size <= ITEM_LIMIT_BYTES, "N = {n}, metadata {meta}: {size} bytes");
+            // The model is not far off: the base and the entries as counted bound what is sent.
+            let entry = |h: &SlotHolder| h.lease_id.expose().len() + value_size(&slot_holder_value(h)) + 1;
+            assert!(r.semaphore.slot_holders.iter().all(|h| entry(h) <= SLOT_ENTRY_BYTES + meta), "N = {n}");
+            let base = size - r.semaphore.slot_holders.iter().map(entry).sum::<usize>();
+            assert!(base <= SEMAPHORE_BASE_BYTES, "N = {n}: base {base}");
+        }
+        assert_eq!(MAX_SLOTS, 640);
+        assert_eq!(max_slot_metadata_bytes(4), 10_714);
+        assert_eq!(max_slot_metadata_bytes(100), 2_481);
+        assert_eq!(max_slot_metadata_bytes(MAX_SLOTS), 0);
+        // One slot more, with entries at their largest, would not fit.
+        let over = slot_entries(MAX_SLOTS + 1) * SLOT_ENTRY_BYTES + SEMAPHORE_BASE_BYTES;
+        assert!(over > ITEM_LIMIT_BYTES, "{over}");
+    }
 }

@@ -1,0 +1,448 @@
+//! Semaphores under the faults and limits of production (DESIGN.md, "Semaphores"): requests the
+//! store refuses for good, acquires dropped half-way, and the first take on a key left behind
+//! by a queue. Each case runs on both stores unless it is about DynamoDB itself.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use leasehold::store::{
+    Condition, DynamoStore, LeaseMutation, Mutation, Page, QueueCondition, QueueMutation, ScanKind, SemaphoreCondition,
+    SemaphoreMutation, Store, Write,
+};
+use leasehold::{AcquireOptions, Coordinator, Error, LeaseId, Record, SlotHolder};
+use leasehold_tests::{both_backends, dynamo_local, test_config, Backend, Counting, Fault, Faulty};
+
+both_backends!(
+    takes_cut_at_any_point_strand_no_slot,
+    a_take_dropped_during_its_tidy_gives_its_slot_back,
+    the_first_take_on_a_key_left_by_a_queue_is_fenced_above_its_tail,
+    the_first_take_on_a_key_freed_by_a_clock_ahead_waits_for_it_once,
+    a_plain_force_release_never_lands_on_a_semaphore_made_meanwhile,
+    force_release_of_many_holders_is_chunked_and_whole,
+    a_tidy_of_many_ended_entries_is_chunked_and_keeps_the_bound,
+    a_take_cleaning_many_expired_holders_is_one_write,
+    slots_and_metadata_past_what_an_item_holds_are_refused_at_acquire,
+);
+
+fn secs(s: u64) -> Option<Duration> {
+    Some(Duration::from_secs(s))
+}
+
+fn slots(n: u32) -> AcquireOptions {
+    AcquireOptions { slots: Some(n), ..Default::default() }
+}
+
+/// A semaphore item of `holders` live holders, each with `meta` bytes of metadata.
+fn semaphore_of(key: &str, holders: usize, meta: usize, now: u64) -> Record {
+    let metadata = serde_json::json!({ "note": "x".repeat(meta) }).as_object().cloned();
+    let slot_holders: Vec<SlotHolder> = (0..holders)
+        .map(|i| SlotHolder {
+            lease_id: LeaseId::generate(),
+            fence: 1 + i as u64,
+            holder: format!("h{i}"),
+            acquired_at_ms: now,
+            renewed_at_ms: now,
+            expires_at_ms: now + 60_000,
+            duration_ms: 60_000,
+            released_at_ms: None,
+            metadata: metadata.clone(),
+        })
+        .collect();
+    let mut r = leasehold::store::NewLease::new("h0", LeaseId::from_string("-"), now, None, holders as u64).record(key);
+    (r.expires_at_ms, r.duration_ms, r.renewed_at_ms) = (None, None, None);
+    (r.semaphore.slots, r.semaphore.slots_taken, r.semaphore.slots_rev) = (Some(1000), Some(holders as u32), Some(1));
+    r.semaphore.slot_holders = slot_holders;
+    r
+}
+
+/// DynamoDB refuses a request it will never accept (an item past 400 KB, an expression past
+/// 4 KB: `ValidationException`; a missing table: `ResourceNotFoundException`). The store answers
+/// `StoreRefused`, which may not have landed and is not retried: the coordinator sends it once
+/// and answers `StoreRefused`, never `OutcomeUnknown` (before, it was `StoreUnavailable`, retried
+/// until the deadline and answered `OutcomeUnknown` for ever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_dynamodb_refuses_for_good_is_store_refused_and_sent_once() {
+    let local = tokio::task::spawn_blocking(dynamo_local).await.unwrap();
+    let store: Arc<dyn Store> = Arc::new(local.store().await);
+    let now = 1_700_000_000_000;
+    // An item past 400 KB: 120 holders with 4 KB of metadata each.
+    let big = semaphore_of("refused/big", 120, 4000, now);
+    let r = store
+        .update(
+            "refused/big",
+            &Condition::Queue(QueueCondition::NotLease),
+            &Mutation::Semaphore(SemaphoreMutation::PutSemaphore(Box::new(big))),
+        )
+        .await;
+    let e = r.expect_err("an item past 400 KB is refused");
+    assert!(matches!(e, Error::StoreRefused(ref m) if m.contains("ValidationException")), "{e:?}");
+    assert!(!e.is_transient() && !e.may_have_landed(), "{e:?}");
+    assert!(store.get("refused/big").await.unwrap().is_none(), "nothing was written");
+    // An update expression past 4 KB: a tidy naming 300 entries.
+    let small = semaphore_of("refused/expr", 2, 0, now);
+    store
+        .update(
+            "refused/expr",
+            &Condition::Queue(QueueCondition::NotLease),
+            &Mutation::Semaphore(SemaphoreMutation::PutSemaphore(Box::new(small))),
+        )
+        .await
+        .unwrap();
+    let ended: Vec<LeaseId> = (0..300).map(|_| LeaseId::generate()).collect();
+    let tidy = Mutation::Semaphore(SemaphoreMutation::TidySlots { ended, taken: 2, ttl: now / 1000 });
+    let e = store
+        .update("refused/expr", &Condition::Semaphore(SemaphoreCondition::SlotsAsRead { rev: 1 }), &tidy)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::StoreRefused(ref m) if m.contains("ValidationException")), "{e:?}");
+
+    // Through a coordinator, on a table that does not exist: one request, `StoreRefused`.
+    let missing = Counting::new(Arc::new(DynamoStore::new(local.client().await, "no-such-table")));
+    let c = Coordinator::new(missing.clone(), test_config());
+    let r = c.acquire("refused/k", "h", secs(30), AcquireOptions::default()).await;
+    assert!(matches!(r, Err(Error::StoreRefused(ref m)) if m.contains("ResourceNotFoundException")), "{r:?}");
+    assert_eq!(missing.updates.load(Ordering::SeqCst), 1, "a refused write is not sent again");
+    let r = c.acquire("refused/k", "h", secs(30), slots(3)).await;
+    assert!(matches!(r, Err(Error::StoreRefused(_))), "{r:?}");
+    assert_eq!(missing.updates.load(Ordering::SeqCst), 2, "a refused take is not sent again");
+    let r = c.get("refused/k").await;
+    assert!(matches!(r, Err(Error::StoreRefused(_))), "{r:?}");
+    assert_eq!(missing.gets.load(Ordering::SeqCst), 1, "a refused read is not sent again");
+}
+
+async fn until(limit: Duration, what: &str, mut f: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !f().await {
+        assert!(Instant::now() < deadline, "{what}: not within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// No holder of `k` is live, soon: nothing was stranded.
+async fn no_holder_soon(c: &Coordinator, k: &str, what: &str) {
+    until(Duration::from_secs(10), what, async || match c.get(k).await {
+        Ok(s) => !s.held && s.slots_taken.unwrap_or(0) == 0,
+        Err(Error::NotFound { .. }) => true,
+        Err(e) => panic!("{e}"),
+    })
+    .await;
+}
+
+/// A take dropped while its write is in flight (a caller's timeout, a disconnected HTTP
+/// client) hands its request to a task that reads the answer and gives back the slot it
+/// granted: the first take (which makes the semaphore with a `PutItem`), a take on a semaphore
+/// with free slots, and a waiting take. Before, the task looked for the lease_id on the item
+/// (always `-` on a semaphore), found nothing, and the slot stayed taken for its whole
+/// duration.
+async fn takes_cut_at_any_point_strand_no_slot(b: Backend) {
+    let c = b.coordinator(test_config());
+    let long = secs(60);
+    // A new key (refused take, then the put), and a semaphore with a free slot (one take):
+    // cut within their requests.
+    for (i, cut_us) in (0..4000).step_by(200).enumerate() {
+        for other in [false, true] {
+            let k = format!("cut{i}-{other}");
+            let held = match other {
+                true => Some(c.acquire(&k, "other", long, slots(2)).await.unwrap()),
+                false => None,
+            };
+            let got = tokio::time::timeout(Duration::from_micros(cut_us), c.acquire(&k, "cut", long, slots(2))).await;
+            if let Ok(lease) = got {
+                c.release(&k, &lease.unwrap().lease_id).await.unwrap();
+            }
+            if let Some(h) = held {
+                c.release(&k, &h.lease_id).await.unwrap();
+            }
+            no_holder_soon(&c, &k, &format!("a take cut after {cut_us} µs (other holder: {other})")).await;
+        }
+    }
+    // A full semaphore, a slot released 40 ms into the wait: waiters cut before, around and
+    // after it.
+    for cut_ms in [1u64, 15, 38, 40, 41, 42, 44, 47, 50, 60, 80, 120] {
+        let k = format!("full{cut_ms}");
+        let a = c.acquire(&k, "a", long, slots(2)).await.unwrap();
+        let b2 = c.acquire(&k, "b", long, slots(2)).await.unwrap();
+        let (c2, k2) = (c.clone(), k.clone());
+        let release = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(40)).await;
+            c2.release(&k2, &a.lease_id).await.unwrap();
+        });
+        let opts = AcquireOptions { wait: secs(20), ..slots(2) };
+        let got = tokio::time::timeout(Duration::from_millis(cut_ms), c.acquire(&k, "w", long, opts)).await;
+        release.await.unwrap();
+        if let Ok(lease) = got {
+            c.release(&k, &lease.unwrap().lease_id).await.unwrap();
+        }
+        c.release(&k, &b2.lease_id).await.unwrap();
+        no_holder_soon(&c, &k, &format!("a waiting take cut after {cut_ms} ms")).await;
+    }
+}
+
+/// A grant that saw many ended entries tidies them in a write of its own, before it answers
+/// (the next grant finds the map tidied). A caller whose deadline comes during that write never
+/// had the slot: it is given back. Before, the slot stayed taken for its whole duration.
+async fn a_take_dropped_during_its_tidy_gives_its_slot_back(b: Backend) {
+    // The tidy (the only write under `sem_rev` here: nobody expires) lands at once but answers
+    // 3 s later.
+    let faulty = Faulty::on(b.store(), |c| matches!(c, Condition::Semaphore(SemaphoreCondition::SlotsAsRead { .. })));
+    let c = Coordinator::new(faulty.clone(), test_config());
+    let k = "tidy";
+    // 18 released entries stay in the map; the 19th grant sees more than N + 16 and tidies.
+    for i in 0..18 {
+        let l = c.acquire(k, &format!("h{i}"), secs(60), slots(2)).await.unwrap();
+        c.release(k, &l.lease_id).await.unwrap();
+    }
+    faulty.inject(&[Fault::SlowAnswer(Duration::from_secs(3))]);
+    let got = tokio::time::timeout(Duration::from_secs(1), c.acquire(k, "cut", secs(60), slots(2))).await;
+    assert!(got.is_err(), "the grant waits for its tidy: {got:?}");
+    assert_eq!(faulty.injected.load(Ordering::SeqCst), 1, "the take was granted and its tidy sent");
+    no_holder_soon(&c, k, "the slot of a take dropped during its tidy").await;
+    // The tidy landed: the map is back within its bound.
+    let r = c.store().get(k).await.unwrap().unwrap();
+    assert!(r.semaphore.slot_holders.len() <= 2 + 16 + 1, "{} entries", r.semaphore.slot_holders.len());
+}
+
+/// A plain lease key left free by a queue: released, then a waiter enqueued and passed over
+/// (`Skip`), the queue's numbers starting at `start` (µs) and the pass stamped `ahead_ms` after
+/// this clock (a writer's clock ahead; 1 s before it when negative). The queue's tail, and the
+/// stamp.
+async fn left_by_a_queue(c: &Coordinator, k: &str, start: u64, ahead_ms: i64) -> (u64, u64) {
+    let l = c.acquire(k, "plain", secs(30), AcquireOptions::default()).await.unwrap();
+    c.release(k, &l.lease_id).await.unwrap();
+    let store = c.store();
+    let enqueue = Mutation::Queue(QueueMutation::Enqueue {
+        now_ms: c.now_ms(),
+        start,
+        lease_id: LeaseId::generate(),
+        shard: 1000,
+    });
+    let w = store.update(k, &Condition::Exists, &enqueue).await.unwrap();
+    let tail = match w {
+        leasehold::store::Write::Applied(r) => r.queue.queue_tail.unwrap(),
+        other => panic!("{other:?}"),
+    };
+    let freed_at_ms = c.now_ms().saturating_add_signed(ahead_ms);
+    store
+        .update(k, &Condition::Exists, &Mutation::Queue(QueueMutation::Skip { seq: tail, now_ms: freed_at_ms }))
+        .await
+        .unwrap();
+    (tail, freed_at_ms)
+}
+
+/// The first take on a plain key whose last queue's tail is above its fence (a queue's numbers
+/// start at the enqueuer's clock in µs, which may run ahead) must write a fence above that tail,
+/// as every grant that replaces the whole item does (`Free`'s `queue_tail < :fence`). Before,
+/// the take chose its fence above the item's fence only, its put was refused, and it sent the
+/// put again and again until its deadline.
+async fn the_first_take_on_a_key_left_by_a_queue_is_fenced_above_its_tail(b: Backend) {
+    let counting = Counting::new(b.store());
+    let c = Coordinator::new(counting.clone(), test_config());
+    let k = "sem/tail";
+    let (tail, _) = left_by_a_queue(&c, k, c.now_us() + 20_000_000, -1000).await;
+    let before = counting.total();
+    let l = c.acquire(k, "s", secs(30), slots(3)).await.expect("the key is free");
+    assert!(l.fence > tail, "the fence {} is above the last queue's tail {tail}", l.fence);
+    // The refused take, then the put.
+    assert_eq!(counting.total() - before, 2);
+}
+
+/// The first take on a plain key freed by a queue write stamped by a clock ahead of this one
+/// (`freed_at_ms` after this take's clock, which `Free` refuses) waits once until this clock
+/// has passed the stamp, as a lease's acquire does. Before, it sent the put again at once,
+/// hundreds of times, until its clock caught up.
+async fn the_first_take_on_a_key_freed_by_a_clock_ahead_waits_for_it_once(b: Backend) {
+    let counting = Counting::new(b.store());
+    let c = Coordinator::new(counting.clone(), test_config());
+    let k = "sem/ahead";
+    let (_, ahead) = left_by_a_queue(&c, k, c.now_us() - 10_000_000, 2000).await;
+    let before = counting.total();
+    let opts = AcquireOptions { wait: secs(5), ..slots(3) };
+    let l = c.acquire(k, "s", secs(30), opts).await.expect("the key is free once this clock passes the stamp");
+    assert!(l.acquired_at_ms > ahead, "granted at {} before the stamp {ahead}", l.acquired_at_ms);
+    // The refused take, the refused put that shows the stamp, one pause, the put.
+    let sent = counting.total() - before;
+    assert!(sent <= 4, "{sent} requests");
+}
+
+/// Holds a plain force-release's write (`ForceRelease`) until [`HeldForceRelease::open`]: the
+/// operator read the item, and its write is on its way while others act.
+struct HeldForceRelease {
+    inner: Arc<dyn Store>,
+    gate: tokio::sync::Semaphore,
+    waiting: std::sync::atomic::AtomicBool,
+}
+
+impl HeldForceRelease {
+    fn open(&self) {
+        self.gate.add_permits(1000);
+    }
+}
+
+#[async_trait]
+impl Store for HeldForceRelease {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    async fn get(&self, key: &str) -> leasehold::Result<Option<Record>> {
+        self.inner.get(key).await
+    }
+    async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
+        if matches!(m, Mutation::Lease(LeaseMutation::ForceRelease { .. })) {
+            self.waiting.store(true, Ordering::SeqCst);
+            let _ = self.gate.acquire().await;
+        }
+        self.inner.update(key, c, m).await
+    }
+    async fn delete(&self, key: &str, c: &Condition) -> leasehold::Result<Write> {
+        self.inner.delete(key, c).await
+    }
+    async fn scan(&self, k: &ScanKind, s: Option<&str>, l: u32) -> leasehold::Result<Page> {
+        self.inner.scan(k, s, l).await
+    }
+}
+
+/// An operator force-releases a plain lease key: it reads the item (a plain lease, released),
+/// then writes. In between, the key becomes a semaphore of 3 slots, all taken. The plain
+/// force-release must not land on the semaphore: it would set the item's expiry to 0, and the
+/// next plain acquire's `PutItem` would replace the whole map while its 3 holders still
+/// believe (4 believers on 3 slots). It is refused (the fence read moved on), and the
+/// operator's force-release, seeing a semaphore, evicts its holders; a plain acquire then waits.
+async fn a_plain_force_release_never_lands_on_a_semaphore_made_meanwhile(b: Backend) {
+    let held = Arc::new(HeldForceRelease {
+        inner: b.store(),
+        gate: tokio::sync::Semaphore::new(0),
+        waiting: std::sync::atomic::AtomicBool::new(false),
+    });
+    let operator = Coordinator::new(held.clone(), test_config());
+    let users = b.coordinator(test_config());
+    let k = "race/force";
+    let plain = users.acquire(k, "plain", secs(30), AcquireOptions::default()).await.unwrap();
+    users.release(k, &plain.lease_id).await.unwrap();
+    let op = operator.clone();
+    let force = tokio::spawn(async move { op.force_release(k).await });
+    until(Duration::from_secs(10), "the force-release's write is on its way", async || {
+        held.waiting.load(Ordering::SeqCst)
+    })
+    .await;
+    let holders: Vec<_> = three_holders(&users, k).await;
+    assert_eq!(users.get(k).await.unwrap().slots_taken, Some(3));
+    held.open();
+    let state = force.await.unwrap().expect("the force-release ends");
+    // Whatever it evicted, no plain lease may replace the semaphore's item while it is one.
+    let r = users.acquire(k, "intruder", secs(30), AcquireOptions::default()).await;
+    assert!(matches!(r, Err(Error::LeaseHeld { .. })), "a plain acquire took the semaphore's key: {r:?}");
+    let item = b.store().get(k).await.unwrap().unwrap();
+    assert_eq!(item.semaphore.slots, Some(3), "the semaphore's item is still one: {item:?}");
+    // The operator's force-release reached the semaphore: its holders are evicted and fenced off.
+    assert!(state.slots.is_some() && !state.held, "{state:?}");
+    for h in &holders {
+        assert!(state.fence > h.fence);
+        assert!(users.heartbeat(k, &h.lease_id, None).await.is_err(), "an evicted holder renewed");
+    }
+}
+
+/// Three takes of a 3-slot semaphore on `k`.
+async fn three_holders(c: &Coordinator, k: &str) -> Vec<leasehold::Lease> {
+    let mut out = Vec::new();
+    for h in ["s1", "s2", "s3"] {
+        out.push(c.acquire(k, h, secs(30), slots(3)).await.unwrap());
+    }
+    out
+}
+
+/// 70 holders of an 80-slot semaphore force-released at once: three writes of at most 32
+/// holders (DynamoDB's expression limits), each whole on its own; every holder is evicted and
+/// fenced off, and the semaphore is taken again.
+async fn force_release_of_many_holders_is_chunked_and_whole(b: Backend) {
+    let counting = Counting::new(b.store());
+    let c = Coordinator::new(counting.clone(), test_config());
+    let k = "chunked/evict";
+    let mut held = Vec::new();
+    for i in 0..70 {
+        held.push(c.acquire(k, &format!("h{i}"), secs(120), slots(80)).await.unwrap());
+    }
+    let before = counting.updates.load(Ordering::SeqCst);
+    let state = c.force_release(k).await.unwrap();
+    assert_eq!(counting.updates.load(Ordering::SeqCst) - before, 3, "70 holders in writes of 32");
+    assert!(!state.held && state.slots_taken == Some(0), "{state:?}");
+    for l in &held {
+        assert!(matches!(c.heartbeat(k, &l.lease_id, None).await, Err(Error::NotHolder { .. })));
+        assert!(state.fence > l.fence);
+    }
+    let again = c.acquire(k, "again", secs(120), slots(80)).await.unwrap();
+    assert!(again.fence > state.fence);
+}
+
+/// A 250-slot semaphore used one holder at a time: past 266 entries a grant tidies them all,
+/// in writes of at most 100 entries; the map never passes its bound.
+async fn a_tidy_of_many_ended_entries_is_chunked_and_keeps_the_bound(b: Backend) {
+    let counting = Counting::new(b.store());
+    let c = Coordinator::new(counting.clone(), test_config());
+    let k = "chunked/tidy";
+    let mut most = 0;
+    for i in 0..300 {
+        let before = counting.updates.load(Ordering::SeqCst);
+        let l = c.acquire(k, &format!("h{i}"), secs(60), slots(250)).await.unwrap();
+        let writes = counting.updates.load(Ordering::SeqCst) - before;
+        let n = c.store().get(k).await.unwrap().unwrap().semaphore.slot_holders.len();
+        most = most.max(n);
+        if i == 266 {
+            // The take, then 266 ended entries removed 100 at a time.
+            assert_eq!((writes, n), (4, 1), "the tidying grant");
+        }
+        c.release(k, &l.lease_id).await.unwrap();
+    }
+    assert!(most <= 250 + 16 + 1, "{most} entries");
+}
+
+/// A take on a 150-slot semaphore full of expired holders: one refused take, then one write
+/// that removes 100 of them (the rest stay counted) and takes; the semaphore is still N.
+async fn a_take_cleaning_many_expired_holders_is_one_write(b: Backend) {
+    let counting = Counting::new(b.store());
+    let c = Coordinator::new(counting.clone(), test_config());
+    let k = "chunked/clean";
+    let mut held = Vec::new();
+    for i in 0..150 {
+        held.push(c.acquire(k, &format!("h{i}"), secs(5), slots(150)).await.unwrap());
+    }
+    let last = held.iter().map(|l| l.expires_at_ms.unwrap()).max().unwrap();
+    while c.now_ms() <= last + c.config().skew_margin.as_millis() as u64 + 50 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let before = counting.updates.load(Ordering::SeqCst);
+    let l = c.acquire(k, "after", secs(60), slots(150)).await.unwrap();
+    assert_eq!(counting.updates.load(Ordering::SeqCst) - before, 2, "refused, then cleaned and taken");
+    let r = c.store().get(k).await.unwrap().unwrap();
+    assert_eq!((r.semaphore.slot_holders.len(), r.semaphore.slots_taken), (51, Some(51)));
+    assert!(l.fence > held.iter().map(|h| h.fence).max().unwrap());
+    // 149 more fit: the 50 expired ones left are cleaned by the take that finds it full.
+    for i in 0..149 {
+        c.acquire(k, &format!("g{i}"), secs(60), slots(150)).await.unwrap();
+    }
+    let state = c.get(k).await.unwrap();
+    assert_eq!(state.slots_taken, Some(150), "{state:?}");
+}
+
+/// `slots` past the most a 400 KB item holds, or more metadata than a holder's share of it,
+/// is `InvalidRequest` naming the bound, before anything is sent.
+async fn slots_and_metadata_past_what_an_item_holds_are_refused_at_acquire(b: Backend) {
+    use leasehold::validate::{max_slot_metadata_bytes, MAX_SLOTS};
+    let counting = Counting::new(b.store());
+    let c = Coordinator::new(counting.clone(), test_config());
+    let e = c.acquire("bound/n", "h", secs(60), slots(MAX_SLOTS + 1)).await.unwrap_err();
+    assert!(matches!(e, Error::InvalidRequest(ref m) if m.contains("slots") && m.contains("640")), "{e:?}");
+    let meta = |n: usize| serde_json::json!({ "m": "x".repeat(n - 8) }).as_object().cloned();
+    let max = max_slot_metadata_bytes(100);
+    let over = AcquireOptions { metadata: meta(max + 1), ..slots(100) };
+    let e = c.acquire("bound/meta", "h", secs(60), over).await.unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidRequest(ref m) if m.contains("metadata") && m.contains(&max.to_string())),
+        "{e:?}"
+    );
+    assert_eq!(counting.total(), 0, "nothing was sent");
+    let fits = AcquireOptions { metadata: meta(max), ..slots(100) };
+    c.acquire("bound/meta", "h", secs(60), fits).await.unwrap();
+    c.acquire(&format!("bound/{MAX_SLOTS}"), "h", secs(60), slots(MAX_SLOTS)).await.unwrap();
+}
