@@ -8,7 +8,7 @@ use leasehold::testing::{SimClock, SimStore};
 use leasehold::{AcquireOptions, Coordinator};
 
 use crate::check::Violation;
-use crate::node::{config, Kind, Node};
+use crate::node::{config, Kind, Node, FINAL_NODE};
 use crate::run::Fleet;
 use crate::session::{release_until_done, SEMAPHORES};
 use crate::sfn::lost_waiters;
@@ -22,7 +22,7 @@ pub(crate) async fn after_every_lease(fleet: &Fleet, s: &Settings) -> Arc<Node> 
     let world = &fleet.world;
     // Orphaned fail-closed leases are released by a process that knows their ids (before the
     // queued waiters are judged: a waiter behind a fail-closed lease waits for its release).
-    let final_node = fleet.start_node(99, Kind::Honest).0;
+    let final_node = fleet.start_node(FINAL_NODE, Kind::Honest).0;
     let orphans = {
         let mut w = lock(world);
         let mut all = std::mem::take(&mut w.orphans);
