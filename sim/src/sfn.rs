@@ -12,6 +12,7 @@ use crate::check::Violation;
 use crate::node::{config, Node};
 use crate::session::hold;
 use crate::world::{draw, lock, now, told, Shared};
+use crate::SKEW_MARGIN_MS;
 
 /// A `.waitForTaskToken` task of an execution (DESIGN.md, "The waiter queue").
 #[derive(Debug, Clone)]
@@ -101,23 +102,49 @@ impl Deliver for SimSfn {
     }
 }
 
-/// The functions' coordinator: serves queues, never crashes (a Lambda function).
-pub(crate) fn functions_node(world: &Shared, store: &SimStore, truth: &Arc<SimClock>) -> Arc<Node> {
-    let clock = Arc::new(SimClock::offset_from(truth, 0));
+/// The functions' coordinator (a Lambda function's process): serves queues. The `n`th process
+/// (after `n` crashes) has a clock of its own, within half the margin (the first: the store's).
+pub(crate) fn functions_node(world: &Shared, store: &SimStore, truth: &Arc<SimClock>, n: usize) -> Arc<Node> {
+    let offset = if n == 0 {
+        0
+    } else {
+        draw(world, |w| w.between(0, SKEW_MARGIN_MS - 20) as i64) - (SKEW_MARGIN_MS / 2 - 10) as i64
+    };
+    let clock = Arc::new(SimClock::offset_from(truth, offset));
     let handle = store.handle();
     let coord = Coordinator::new(Arc::new(handle.clone()), config(clock.clone(), lock(world).blind_clock))
         .with_deliver(Arc::new(SimSfn(world.clone())));
-    Arc::new(Node { coord, store: handle, clock, name: "fn".into(), rogue: false, serves_queues: true })
+    Arc::new(Node { coord, store: handle, clock, name: format!("fn{n}"), rogue: false, serves_queues: true })
 }
 
-/// The scheduled queue sweep (the heartbeat function's), until the run is over.
-pub(crate) async fn queue_sweeper(node: Arc<Node>, world: Shared) {
+/// The functions' process crashes (its requests stop; those sent still land; the invocations
+/// running in it end unanswered, and Step Functions retries them) and a new one takes the next
+/// invocations, with a clock of its own.
+pub(crate) fn crash_functions(world: &Shared, store: &SimStore, truth: &Arc<SimClock>) {
+    let (old, n) = {
+        let mut w = lock(world);
+        w.functions_crashed += 1;
+        w.fault("function_crash");
+        (w.functions.clone().expect("the functions"), w.functions_crashed)
+    };
+    old.store.stop();
+    for inv in lock(world).invocations.remove(&old.name).unwrap_or_default() {
+        inv.abort();
+    }
+    let new = functions_node(world, store, truth, n);
+    lock(world).functions = Some(new);
+}
+
+/// The scheduled queue sweep (the heartbeat function's), until the run is over: each run in
+/// the functions' process of the moment.
+pub(crate) async fn queue_sweeper(world: Shared) {
     loop {
         let every = draw(&world, |w| w.between(500, 1500));
         tokio::time::sleep(Duration::from_millis(every)).await;
         if lock(&world).end {
             return;
         }
+        let node = lock(&world).functions.clone().expect("the functions");
         let _ = node.coord.sweep_queues(now() + Duration::from_secs(2)).await;
     }
 }
@@ -145,8 +172,11 @@ pub(crate) async fn execution(mut f: Arc<Node>, world: &Shared, x: Execution) ->
             tokio::spawn(async move { f.coord.acquire_or_enqueue(&k, &exec, d, opts, &token, t).await })
         };
         // The invocation runs in `f`'s process: a crash of that process stops it.
-        if !f.name.starts_with("fn") {
-            lock(world).invocations.entry(f.name.clone()).or_default().push(inv.abort_handle());
+        {
+            let mut w = lock(world);
+            let running = w.invocations.entry(f.name.clone()).or_default();
+            running.retain(|h| !h.is_finished());
+            running.push(inv.abort_handle());
         }
         let crashed = || Error::StoreUnavailable("the acquire function's process crashed".into());
         let res = inv.await.unwrap_or_else(|_| Err(crashed()));
