@@ -213,7 +213,7 @@ impl Metrics {
             if let Some(s) = &r.work.state {
                 let e = states.entry(s.as_str()).or_default();
                 e.0 += 1;
-                if r.is_held(now_ms) {
+                if r.shows_held(now_ms) {
                     e.1 += 1;
                 }
             }

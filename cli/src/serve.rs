@@ -409,9 +409,9 @@ async fn summary_route(coord: &Coordinator, ops: &Ops, req: &HttpRequest, raw: &
         if let Some(s) = &r.work.state {
             let e = states.entry(s.as_str()).or_default();
             e.0 += 1;
-            e.1 += u64::from(r.is_held(now));
+            e.1 += u64::from(r.shows_held(now));
         }
-        if leases.len() < limit && r.key.starts_with(prefix.as_str()) && r.is_held(now) {
+        if leases.len() < limit && r.key.starts_with(prefix.as_str()) && r.shows_held(now) {
             let st = r.state(now);
             if st.held {
                 leases.push(st);

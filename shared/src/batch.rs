@@ -266,8 +266,11 @@ impl Coordinator {
             let memo = format!("{}/{state}", self.id());
             let spread = contended(&memo, self.monotonic());
             let page = if spread { (want * SPREAD).min(MAX_CANDIDATES) } else { 2 * want };
-            let now = self.now_ms();
-            let kind = ScanKind::State { state: state.to_string(), shard: shard.clone(), free_at_ms: Some(now) };
+            // Keys free by the store's clock as it may be now (`latest`): an item put or released
+            // by a coordinator whose clock reading is ahead of this one's is free by its stamp,
+            // and its take goes again with the clock raised to that stamp (`Record::freed_by_stamp`).
+            let latest = self.now_ms() + self.safe_margin_now().as_millis() as u64;
+            let kind = ScanKind::State { state: state.to_string(), shard: shard.clone(), free_at_ms: Some(latest) };
             // A read is retried within the budget of a request: one lost answer must not fail
             // the batch.
             let mut deadline = self.monotonic() + self.config().retry_budget;
@@ -283,7 +286,7 @@ impl Coordinator {
                 }
             };
             let mut candidates: Vec<Record> =
-                items.into_iter().filter(|r| !r.is_held(now) && r.work.state.as_deref() == Some(state)).collect();
+                items.into_iter().filter(|r| !r.is_held(latest) && r.work.state.as_deref() == Some(state)).collect();
             if spread {
                 spread_pick(&mut candidates, want);
             } else if want > 1 && candidates.len() > 1 {

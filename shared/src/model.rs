@@ -274,7 +274,11 @@ impl Record {
     /// free by the clock of the coordinator that freed it, whatever the clock of the one reading
     /// it now (DESIGN.md, "Clocks": a released key is free to every taker).
     pub fn freed_by_stamp(&self) -> Option<u64> {
-        let at = self.freed_at()?;
+        // A key put into a work state without a lease is free from its putter's clock reading,
+        // written as both its expiry and its entry time (no lease's expiry equals its entry
+        // time: a lease lasts at least the minimum duration from a clock at or after it).
+        let put = self.work.state_since_ms.filter(|s| self.expires_at_ms == Some(*s));
+        let at = self.freed_at().max(put)?;
         self.expires_at_ms.is_some_and(|e| e <= at).then_some(at)
     }
 
@@ -297,6 +301,19 @@ impl Record {
         }
     }
 
+    /// Released with no minimum hold pending: free to every reader, whatever its clock. (The
+    /// expiry a release leaves is the acquirer's clock reading, which a reader whose corrected
+    /// clock is behind that acquirer's would otherwise see as still ahead: DESIGN.md, "Clocks".)
+    pub fn released_outright(&self) -> bool {
+        self.released_at_ms.is_some() && self.expires_at_ms.is_some_and(|e| e <= self.acquired_at_ms)
+    }
+
+    /// Is the key held, as views show it (`get`, `list`, the page, `/metrics`): held at `now_ms`
+    /// and not released outright.
+    pub fn shows_held(&self, now_ms: u64) -> bool {
+        self.is_held(now_ms) && !self.released_outright()
+    }
+
     /// Does the lease `lease_id` still hold this key at `now_ms`?
     pub fn is_live_for(&self, lease_id: &LeaseId, now_ms: u64) -> bool {
         &self.lease_id == lease_id && self.released_at_ms.is_none() && self.is_held(now_ms)
@@ -309,7 +326,7 @@ impl Record {
         }
         LeaseState {
             key: self.key.clone(),
-            held: self.is_held(now_ms),
+            held: self.shows_held(now_ms),
             holder: self.holder.clone(),
             fence: self.fence,
             acquired_at_ms: self.acquired_at_ms,

@@ -596,14 +596,19 @@ async fn keepalive_sweep_against_step_functions() {
     let l_aborted = lab.take("ka/aborted", "etl", d, keepalive(until, Some(&aborted))).await;
     let l_missing = lab.take("ka/missing", "etl", d, keepalive(until, Some(&missing))).await;
     let l_no_arn = lab.take("ka/no-arn", "etl", d, keepalive(until, None)).await;
-    let l_past = lab.take("ka/past", "etl", d, keepalive(now_ms() + 300, Some(&running))).await;
+    // Past its keep-alive deadline by the sweep, yet granted with a safe time: longer than the
+    // safe margin (about 320 ms with steady answers: DESIGN.md, "Clocks").
+    let past_until = now_ms() + 1_000;
+    let l_past = lab.take("ka/past", "etl", d, keepalive(past_until, Some(&running))).await;
     let l_plain = lab.take("ka/plain", "etl", d, Default::default()).await;
     // Keep-alive asked for, but the lease expires before any scheduled run: not resurrected.
-    let l_lapsed = lab.take("ka/lapsed", "etl", 200, keepalive(until, None)).await;
+    let l_lapsed = lab.take("ka/lapsed", "etl", 600, keepalive(until, None)).await;
 
     sfn.client.stop_execution().execution_arn(&aborted).send().await.expect("StopExecution");
     assert_eq!(sfn.status(&aborted).await, "ABORTED");
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Until the keep-alive deadline has passed and the lapsed lease has expired.
+    let lapsed_at = l_lapsed.expires_at_ms.expect("a lease with a duration");
+    tokio::time::sleep(Duration::from_millis(past_until.max(lapsed_at).saturating_sub(now_ms()) + 300)).await;
 
     let report = sweep(&lab).await;
     println!("sweep 1: {report}");

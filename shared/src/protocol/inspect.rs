@@ -29,7 +29,7 @@ impl Coordinator {
             let page = self.read(deadline, || self.store.scan(&ScanKind::All, start.as_deref(), 100)).await?;
             let now = self.now_ms();
             let states =
-                page.items.iter().filter(|r| r.is_held(now) && r.key.starts_with(prefix)).map(|r| r.state(now));
+                page.items.iter().filter(|r| r.shows_held(now) && r.key.starts_with(prefix)).map(|r| r.state(now));
             // A semaphore's item has no expiry: it is held while a holder is live.
             out.extend(states.filter(|s| s.held));
             if out.len() >= limit {
