@@ -1,32 +1,15 @@
-//! The simulated Step Functions: task tokens and deliveries, the functions' process and its
-//! queue sweep, and the executions of queued waiters.
+//! The simulated Step Functions: task tokens and deliveries, the functions' queue sweep, and
+//! the executions of queued waiters.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use leasehold::queue::{Deliver, DeliveryError};
-use leasehold::testing::{SimClock, SimStore};
-use leasehold::{AcquireOptions, Coordinator, Error, Lease, LeaseId};
+use leasehold::{AcquireOptions, Error, Lease, LeaseId};
 
-use crate::check::Violation;
-use crate::node::{config, Node};
 use crate::session::hold;
-use crate::world::{draw, lock, now, told, Shared};
-
-/// A `.waitForTaskToken` task of an execution (DESIGN.md, "The waiter queue").
-#[derive(Debug, Clone)]
-pub(crate) struct Task {
-    /// The execution's name (the client name its lease is told to).
-    pub(crate) exec: String,
-    pub(crate) key: String,
-    pub(crate) lease_id: String,
-    /// Its timeout (the task's `TimeoutSeconds`): later deliveries answer `TaskTimedOut`.
-    pub(crate) timeout: Instant,
-    /// Closed: succeeded (the lease delivered), failed, or timed out.
-    pub(crate) closed: bool,
-    /// Its execution was stopped and deleted: deliveries answer `TaskDoesNotExist`.
-    pub(crate) deleted: bool,
-}
+use crate::violation::Violation;
+use crate::world::{draw, lock, now, told, Node, Shared, Task};
 
 /// The simulated Step Functions: task tokens, `SendTaskSuccess` / `SendTaskFailure` with
 /// latency, refusals and lost answers (the call lands, the answer never comes: the caller's
@@ -99,15 +82,6 @@ impl Deliver for SimSfn {
             _ => Err(DeliveryError::Gone("TaskDoesNotExist".into())),
         }
     }
-}
-
-/// The functions' coordinator: serves queues, never crashes (a Lambda function).
-pub(crate) fn functions_node(world: &Shared, store: &SimStore, truth: &Arc<SimClock>) -> Arc<Node> {
-    let clock = Arc::new(SimClock::offset_from(truth, 0));
-    let handle = store.handle();
-    let coord = Coordinator::new(Arc::new(handle.clone()), config(clock.clone(), lock(world).blind_clock))
-        .with_deliver(Arc::new(SimSfn(world.clone())));
-    Arc::new(Node { coord, store: handle, clock, name: "fn".into(), rogue: false, serves_queues: true })
 }
 
 /// The scheduled queue sweep (the heartbeat function's), until the run is over.

@@ -10,7 +10,8 @@ use std::time::Instant;
 use leasehold::store::Mutation;
 use leasehold::testing::Applied;
 
-use super::{describe, short, Violation};
+use super::{describe, short};
+use crate::violation::Violation;
 use crate::world::Event;
 
 /// A released lease stays as released (DESIGN.md, "Failure modes": a holder releasing after an
