@@ -92,7 +92,7 @@ pub(crate) fn name_ghost(world: &Shared, store: &SimStore, k: &str, mut v: Viola
         v.kind = "stale_acquire_holds_key";
         // The key became free after the acquire was sent not by a release but by a queue write
         // (the undelivered mark removed, the last waiter passed over): found by the
-        // simulation, fixed by `FreeAfter`'s `freed_at_ms` clause (DESIGN.md, "Simulation");
+        // simulation, fixed by `FreeAfter`'s `freed_at_ms` clause (FINDINGS.md);
         // named apart, a violation as the other.
         let id = store.peek(k).map(|r| r.lease_id.expose().to_string()).unwrap_or_default();
         if freed_by_queue_write(&store_log(store), k, &id) {

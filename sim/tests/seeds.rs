@@ -53,7 +53,7 @@ fn regression_seeds_end_every_acquire_by_its_deadline() {
     }
 }
 
-/// Regression seed of this round's findings (DESIGN.md, "Simulation"): with the simulation as
+/// Regression seed of this round's findings (FINDINGS.md): with the simulation as
 /// it is now, seed 1 finds each of these with its fix reverted:
 /// - a fail-closed acquire held in the network that took a key released after it was sent
 ///   (`stale_acquire_holds_key`; fixed by `FreeAfter`);
@@ -76,8 +76,8 @@ fn regression_seed_1_keeps_every_promise() {
     assert!(out.status.success(), "seed 1:\n{text}");
 }
 
-/// Regression seeds of the known findings fixed in the third round (DESIGN.md, "Simulation":
-/// "Found and fixed"). Each finds its finding, in a fresh process, with its fix reverted:
+/// Regression seeds of the known findings fixed in the third round (FINDINGS.md). Each finds
+/// its finding, in a fresh process, with its fix reverted:
 /// - `--seed 201 --ops 10000`: a fail-closed acquire that took a key a queue write freed after
 ///   it was sent (`stale_acquire_after_queue_freed`; fixed by `FreeAfter`'s `freed_at_ms`
 ///   clause).
