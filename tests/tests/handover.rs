@@ -21,6 +21,7 @@ both_backends!(
     an_ambiguous_hand_over_that_lands_late_is_settled_by_the_release,
     a_waiter_elsewhere_is_not_passed_over_by_the_line_s_own_waiters,
     a_mark_landing_before_the_hand_over_s_write_leaves_the_key_free,
+    a_callers_lease_id_sent_again_after_a_dropped_acquire_keeps_its_lease,
 );
 
 const LONG: Option<Duration> = Some(Duration::from_secs(30));
@@ -373,4 +374,31 @@ async fn a_mark_landing_before_the_hand_over_s_write_leaves_the_key_free(b: Back
     assert!(!waiter.is_finished());
     other.release(k, &l.lease_id).await.unwrap();
     waiter.abort();
+}
+
+/// An acquire under the caller's own lease_id is dropped while its write is in flight (it
+/// lands at once, its answer comes 800 ms later), and the caller sends the same request again
+/// at once, as DESIGN.md says to: the retry is answered with the lease, and the dropped
+/// attempt's answer, arriving afterwards, must not give that lease back (it is the caller's
+/// now; found by the simulation's cancelled acquires: the departed attempt's release ended the
+/// retried fail-closed lease while its holder believed it). A generated lease_id's grant is
+/// still given back (`acquires_cut_at_any_point_strand_no_lease`).
+async fn a_callers_lease_id_sent_again_after_a_dropped_acquire_keeps_its_lease(b: Backend) {
+    let faulty = Faulty::new(b.store());
+    let c = quiet(faulty.clone());
+    for (k, duration) in [("own-id", LONG), ("own-id-fail-closed", None)] {
+        let id = LeaseId::from_string(format!("{k}-lease"));
+        let opts = AcquireOptions { lease_id: Some(id.clone()), ..Default::default() };
+        faulty.inject(&[Fault::SlowAnswer(Duration::from_millis(800))]);
+        let first = tokio::time::timeout(Duration::from_millis(200), c.acquire(k, "h", duration, opts.clone())).await;
+        assert!(first.is_err(), "{k}: the first acquire was dropped with its write in flight");
+        let l = c.acquire(k, "h", duration, opts).await.expect("the same request again answers the lease");
+        assert_eq!(l.lease_id, id);
+        // The dropped attempt's answer arrives, and whatever it sets off has time to land.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let s = c.get(k).await.unwrap();
+        assert!(s.held, "{k}: the caller's lease was given back by its dropped attempt: {s:?}");
+        c.heartbeat(k, &id, duration).await.expect("still the caller's lease");
+        c.release(k, &id).await.unwrap();
+    }
 }

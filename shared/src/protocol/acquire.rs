@@ -202,8 +202,11 @@ impl Coordinator {
         let mut wait = Waiting::new(&self.pacer, ask.key, self.config.poll_max, start);
         // Waiting acquires of this coordinator line up per key: only the head tries, and a
         // release handled here wakes it at once.
-        let ticket = (!ask.opts.wait.unwrap_or_default().is_zero())
-            .then(|| InLine { ticket: self.wakeups.enter(ask.key), coord: self.clone() });
+        let ticket = (!ask.opts.wait.unwrap_or_default().is_zero()).then(|| InLine {
+            ticket: self.wakeups.enter(ask.key),
+            coord: self.clone(),
+            release_departed: ask.opts.lease_id.is_none(),
+        });
         if ticket.as_ref().is_some_and(|t| t.is_head()) {
             wait.courtesy(wait_deadline).await;
         }
@@ -295,12 +298,16 @@ impl Coordinator {
         }
         let template = a.ask.lease(a.lease_id, a.wait.advertise());
         let (lease_id, visit, seen) = (&*a.lease_id, &a.visit, a.seen_fence);
+        // A grant whose caller left is given back only under a lease_id generated here: a
+        // caller's own lease_id stays the caller's to send again or release (a retry of it is
+        // answered with this very lease, which a departed attempt's release would end under it).
+        let departed_release = a.ask.opts.lease_id.is_none().then_some(lease_id);
         let mut fence = 0;
         let (w, sent, now) = match self
             .write_noting(
                 key,
                 a.deadline,
-                Some(lease_id),
+                departed_release,
                 |now| {
                     fence = self.next_fence(key, seen)?;
                     let cond = match visit {

@@ -192,7 +192,7 @@ impl Coordinator {
             .write_noting(
                 t.key,
                 deadline,
-                Some(&t.lease_id),
+                t.opts.lease_id.is_none().then_some(&t.lease_id),
                 |now| {
                     fence = self.next_fence(t.key, t.seen)?;
                     let ttl = self.ttl_after(now + max);
@@ -243,7 +243,12 @@ impl Coordinator {
         if r.semaphore.slot_holders.len() > r.semaphore.slots.unwrap_or(1) as usize + TIDY_ABOVE {
             let ttl = self.ttl_after(now + self.max_duration_ms());
             let unanswered =
-                Unanswered { coord: self.clone(), key: t.key.to_string(), lease_id: Some(t.lease_id.clone()) };
+                // Only a generated lease_id's slot is given back (see `Attempts`' departed release).
+                Unanswered {
+                    coord: self.clone(),
+                    key: t.key.to_string(),
+                    lease_id: t.opts.lease_id.is_none().then(|| t.lease_id.clone()),
+                };
             // In chunks of at most `CLEAN_CHUNK` entries, each write under the item the last
             // one left; the first refused (the item changed) ends the tidy.
             let mut cur = r.clone();

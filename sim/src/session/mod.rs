@@ -78,6 +78,9 @@ pub(crate) async fn client(node: Arc<Node>, world: Shared, n: usize) {
 }
 
 /// Acquire with an optional wait; checks that the acquire ends by its deadline.
+/// How often a session's acquire is cancelled by its caller.
+const CANCEL_CHANCE: f64 = 0.03;
+
 pub(crate) async fn acquire(
     node: &Node,
     world: &Shared,
@@ -98,7 +101,22 @@ pub(crate) async fn acquire(
     };
     let held_before = own.as_ref().is_some_and(holds_own);
     let opts_waited = opts.wait.is_some_and(|w| !w.is_zero());
-    let r = node.coord.acquire(k, name, duration, opts).await;
+    // Now and then the caller gives up on the acquire at a random instant (a request's own
+    // timeout, a Lambda out of time, a dropped task): the future is dropped at whatever await
+    // it is in. Nothing it may have taken is believed; the key must stay safe and usable.
+    let cancel_after = draw(world, |w| w.chance(CANCEL_CHANCE).then(|| w.between(1, 2500)));
+    let r = match cancel_after {
+        None => node.coord.acquire(k, name, duration, opts).await,
+        Some(ms) => {
+            match tokio::time::timeout(Duration::from_millis(ms), node.coord.acquire(k, name, duration, opts)).await {
+                Ok(r) => r,
+                Err(_) => {
+                    lock(world).fault("acquire_cancelled");
+                    return Err(Error::StoreUnavailable(format!("{name} cancelled its acquire after {ms} ms")));
+                }
+            }
+        }
+    };
     let end = now();
     if let Some(id) = &own {
         answered_by_own_lease(world, k, name, id, &r, held_before && holds_own(id), holds_own(id));
