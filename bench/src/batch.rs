@@ -170,6 +170,41 @@ async fn floor_table(client: &aws_sdk_dynamodb::Client, table: &str) {
 async fn floor_drain(proxy: &Proxy, table: &str, items: usize, workers: usize, limit: u32) -> Drain {
     let client = aws_sdk_dynamodb::Client::new(&sdk_config_for(&proxy.endpoint()).await);
     floor_table(&client, table).await;
+    floor_fill(&client, table, items).await;
+    let done = Arc::new(Mutex::new(HashMap::new()));
+    let (writes, lost) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    proxy.reset_counts();
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for w in 0..workers {
+        let worker = FloorWorker {
+            client: aws_sdk_dynamodb::Client::new(&sdk_config_for(&proxy.endpoint()).await),
+            table: table.to_string(),
+            me: format!("w{w}"),
+            limit,
+            done: done.clone(),
+            writes: writes.clone(),
+            lost: lost.clone(),
+        };
+        tasks.push(tokio::spawn(async move { worker.drain().await }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let d = done.lock().unwrap();
+    Drain {
+        secs,
+        requests: proxy.total(),
+        taking_writes: writes.load(Ordering::Relaxed),
+        collisions: lost.load(Ordering::Relaxed),
+        twice: d.values().map(|n| (*n as u64).saturating_sub(1)).sum(),
+        processed: d.len() as u64,
+    }
+}
+
+/// The floor's items: `items` keys in `STATE`, since now.
+async fn floor_fill(client: &aws_sdk_dynamodb::Client, table: &str, items: usize) {
     let t0 = leasehold_tests_now_ms();
     fill(items, |k| {
         let (client, table) = (client.clone(), table.to_string());
@@ -186,111 +221,116 @@ async fn floor_drain(proxy: &Proxy, table: &str, items: usize, workers: usize, l
         }
     })
     .await;
-    let done = Arc::new(Mutex::new(HashMap::new()));
-    let (writes, lost) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-    proxy.reset_counts();
-    let start = Instant::now();
-    let mut tasks = Vec::new();
-    for w in 0..workers {
-        let client = aws_sdk_dynamodb::Client::new(&sdk_config_for(&proxy.endpoint()).await);
-        let (table, done, writes, lost) = (table.to_string(), done.clone(), writes.clone(), lost.clone());
-        tasks.push(tokio::spawn(async move {
-            let me = format!("w{w}");
-            let mut empty = 0;
-            while empty < 2 {
-                let page = client
-                    .query()
+}
+
+/// One worker of the floor, with its own client, and the counts every worker adds to.
+struct FloorWorker {
+    client: aws_sdk_dynamodb::Client,
+    table: String,
+    me: String,
+    limit: u32,
+    /// How often each key was marked done.
+    done: Arc<Mutex<HashMap<String, u32>>>,
+    /// Taking writes sent.
+    writes: Arc<AtomicU64>,
+    /// Taking writes that lost to another worker.
+    lost: Arc<AtomicU64>,
+}
+
+impl FloorWorker {
+    /// Pages of the `status` index until two in a row are empty: takes each page's items, then
+    /// marks the ones it took done.
+    async fn drain(self) {
+        let mut empty = 0;
+        while empty < 2 {
+            let page = self
+                .client
+                .query()
+                .table_name(&self.table)
+                .index_name("by_status")
+                .key_condition_expression("#s = :p")
+                .expression_attribute_names("#s", "status")
+                .expression_attribute_values(":p", s(STATE))
+                .limit(self.limit as i32)
+                .send()
+                .await
+                .expect("query");
+            if page.items().is_empty() {
+                empty += 1;
+                continue;
+            }
+            empty = 0;
+            let mine = self.take(page.items()).await;
+            self.finish(mine).await;
+        }
+    }
+
+    /// One conditional UpdateItem per item (`status = PENDING` -> `LEASED`, owner, expiry), in
+    /// parallel: the keys this worker took.
+    async fn take(&self, items: &[HashMap<String, AttributeValue>]) -> Vec<AttributeValue> {
+        let mut take = tokio::task::JoinSet::new();
+        for item in items {
+            let key = item["key"].clone();
+            let (client, table, me) = (self.client.clone(), self.table.clone(), self.me.clone());
+            self.writes.fetch_add(1, Ordering::Relaxed);
+            take.spawn(async move {
+                let r = client
+                    .update_item()
                     .table_name(&table)
-                    .index_name("by_status")
-                    .key_condition_expression("#s = :p")
+                    .key("key", key.clone())
+                    .update_expression("SET #s = :leased, #o = :me, #e = :e")
+                    .condition_expression("#s = :p")
                     .expression_attribute_names("#s", "status")
+                    .expression_attribute_names("#o", "owner")
+                    .expression_attribute_names("#e", "expires")
+                    .expression_attribute_values(":leased", s("LEASED"))
                     .expression_attribute_values(":p", s(STATE))
-                    .limit(limit as i32)
+                    .expression_attribute_values(":me", s(&me))
+                    .expression_attribute_values(":e", n(leasehold_tests_now_ms() + 60_000))
+                    .send()
+                    .await;
+                match r {
+                    Ok(_) => Some(key),
+                    Err(e) if e.as_service_error().is_some_and(|s| s.is_conditional_check_failed_exception()) => None,
+                    Err(e) => panic!("{e:?}"),
+                }
+            });
+        }
+        let mut mine = Vec::new();
+        while let Some(r) = take.join_next().await {
+            match r.unwrap() {
+                Some(k) => mine.push(k),
+                None => {
+                    self.lost.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        mine
+    }
+
+    /// One conditional UpdateItem per key taken (`owner = me` -> `DONE`), in parallel.
+    async fn finish(&self, mine: Vec<AttributeValue>) {
+        let mut finish = tokio::task::JoinSet::new();
+        for key in mine {
+            seen(&self.done, key.as_s().unwrap());
+            let (client, table, me) = (self.client.clone(), self.table.clone(), self.me.clone());
+            finish.spawn(async move {
+                client
+                    .update_item()
+                    .table_name(&table)
+                    .key("key", key)
+                    .update_expression("SET #s = :done")
+                    .condition_expression("#o = :me")
+                    .expression_attribute_names("#s", "status")
+                    .expression_attribute_names("#o", "owner")
+                    .expression_attribute_values(":done", s("DONE"))
+                    .expression_attribute_values(":me", s(&me))
                     .send()
                     .await
-                    .expect("query");
-                if page.items().is_empty() {
-                    empty += 1;
-                    continue;
-                }
-                empty = 0;
-                let mut take = tokio::task::JoinSet::new();
-                for item in page.items() {
-                    let key = item["key"].clone();
-                    let (client, table, me) = (client.clone(), table.clone(), me.clone());
-                    writes.fetch_add(1, Ordering::Relaxed);
-                    take.spawn(async move {
-                        let r = client
-                            .update_item()
-                            .table_name(&table)
-                            .key("key", key.clone())
-                            .update_expression("SET #s = :leased, #o = :me, #e = :e")
-                            .condition_expression("#s = :p")
-                            .expression_attribute_names("#s", "status")
-                            .expression_attribute_names("#o", "owner")
-                            .expression_attribute_names("#e", "expires")
-                            .expression_attribute_values(":leased", s("LEASED"))
-                            .expression_attribute_values(":p", s(STATE))
-                            .expression_attribute_values(":me", s(&me))
-                            .expression_attribute_values(":e", n(leasehold_tests_now_ms() + 60_000))
-                            .send()
-                            .await;
-                        match r {
-                            Ok(_) => Some(key),
-                            Err(e)
-                                if e.as_service_error().is_some_and(|s| s.is_conditional_check_failed_exception()) =>
-                            {
-                                None
-                            }
-                            Err(e) => panic!("{e:?}"),
-                        }
-                    });
-                }
-                let mut mine = Vec::new();
-                while let Some(r) = take.join_next().await {
-                    match r.unwrap() {
-                        Some(k) => mine.push(k),
-                        None => {
-                            lost.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                }
-                let mut finish = tokio::task::JoinSet::new();
-                for key in mine {
-                    seen(&done, key.as_s().unwrap());
-                    let (client, table, me) = (client.clone(), table.clone(), me.clone());
-                    finish.spawn(async move {
-                        client
-                            .update_item()
-                            .table_name(&table)
-                            .key("key", key)
-                            .update_expression("SET #s = :done")
-                            .condition_expression("#o = :me")
-                            .expression_attribute_names("#s", "status")
-                            .expression_attribute_names("#o", "owner")
-                            .expression_attribute_values(":done", s("DONE"))
-                            .expression_attribute_values(":me", s(&me))
-                            .send()
-                            .await
-                            .expect("done");
-                    });
-                }
-                while finish.join_next().await.is_some() {}
-            }
-        }));
-    }
-    for t in tasks {
-        t.await.unwrap();
-    }
-    let secs = start.elapsed().as_secs_f64();
-    let d = done.lock().unwrap();
-    Drain {
-        secs,
-        requests: proxy.total(),
-        taking_writes: writes.load(Ordering::Relaxed),
-        collisions: lost.load(Ordering::Relaxed),
-        twice: d.values().map(|n| (*n as u64).saturating_sub(1)).sum(),
-        processed: d.len() as u64,
+                    .expect("done");
+            });
+        }
+        while finish.join_next().await.is_some() {}
     }
 }
 

@@ -67,9 +67,7 @@ async fn child(a: &ChildArgs) -> Value {
 
 async fn report(s: &Setup, p: &Params, rss: &mut Rss) {
     let libs = libraries();
-    let Params { m1n, rounds, warmup, .. } = *p;
-    // Interleaved rounds: every library runs a slice of the cycles in turn.
-    let mut acc: BTreeMap<&str, M1Acc> = BTreeMap::new();
+    let Params { m1n, rounds, .. } = *p;
     // `LEASEHOLD_BENCH_RTT_MS=N`: the proxy holds every request N ms before forwarding it, for
     // every library alike (an in-region round trip instead of DynamoDB Local's sub-millisecond
     // answers): every request then parks the client's threads until its answer, in either
@@ -79,14 +77,24 @@ async fn report(s: &Setup, p: &Params, rss: &mut Rss) {
     if let Some(ms) = rtt {
         s.proxy.random_faults(1000, &[ProxyFault::Delay(Duration::from_millis(ms))], 1);
     }
+    let acc = measure(s, p, &libs, rss).await;
+    s.proxy.clear_faults();
+    print_table(&acc, &libs, m1n, rounds, rtt);
+}
+
+/// Interleaved rounds, after a warm-up: every library runs a slice of the cycles in turn. What
+/// each library's rounds add up to.
+async fn measure(s: &Setup, p: &Params, libs: &[&'static str], rss: &mut Rss) -> BTreeMap<&'static str, M1Acc> {
+    let Params { m1n, rounds, warmup, .. } = *p;
+    let mut acc: BTreeMap<&'static str, M1Acc> = BTreeMap::new();
     // Warm-up, not measured: DynamoDB Local's JIT compiles each request shape on first use,
     // which would otherwise be charged to whichever library runs first.
-    for lib in &libs {
+    for lib in libs {
         run_child(s, lib, "m1", warmup, 0, &format!("{lib}-warm")).await;
     }
     for r in 0..rounds {
         // A different library starts each round.
-        let mut order = libs.clone();
+        let mut order = libs.to_vec();
         order.rotate_left(r % libs.len());
         for lib in &order {
             let (v, reqs) = run_child(s, lib, "m1", m1n / rounds, 0, &format!("{lib}-{r}")).await;
@@ -104,7 +112,17 @@ async fn report(s: &Setup, p: &Params, rss: &mut Rss) {
             note_rss(rss, lib, &v);
         }
     }
-    s.proxy.clear_faults();
+    acc
+}
+
+/// The table of the libraries' figures, and leasehold's ratios to the floors and its peer.
+fn print_table(
+    acc: &BTreeMap<&'static str, M1Acc>,
+    libs: &[&'static str],
+    m1n: usize,
+    rounds: usize,
+    rtt: Option<u64>,
+) {
     let floor = acc["raw"].rate();
     println!(
         "\nM1 uncontended: 1 worker, acquire+release of distinct keys, {m1n} cycles each, {rounds} interleaved rounds"
@@ -120,7 +138,7 @@ async fn report(s: &Setup, p: &Params, rss: &mut Rss) {
         "{:<22} {:>10} {:>9} {:>9} {:>13} {:>12} {:>9} {:>9}",
         "library", "cycles/s", "p50 ms", "p99 ms", "requests/cyc", "client CPU", "runs/cyc", "vs raw"
     );
-    for lib in &libs {
+    for lib in libs {
         let a = &acc[lib];
         let med = |v: &Vec<f64>| {
             let mut v = v.clone();

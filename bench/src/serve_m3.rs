@@ -31,23 +31,7 @@ async fn report(_: &Setup, params: &Params, _: &mut Rss) {
     assert!(exe.exists(), "{} is missing: cargo build --release -p leasehold-cli", exe.display());
     let dir = std::env::temp_dir().join(format!("leasehold-serve-m3-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    let mut server = Command::new(&exe)
-        .args(["serve", "--addr", "127.0.0.1:0", "--db"])
-        .arg(dir.join("leases.db"))
-        .env_remove("LEASEHOLD_URL")
-        .env_remove("LEASEHOLD_TABLE")
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("start leasehold serve");
-    let mut line = String::new();
-    BufReader::new(server.stdout.take().expect("stdout")).read_line(&mut line).expect("banner");
-    let url = line
-        .split_whitespace()
-        .find(|w| w.starts_with("http://"))
-        .expect("URL in banner")
-        .trim_end_matches('/')
-        .to_string();
+    let (mut server, url) = start_server(&exe, &dir);
 
     let key = "bench/serve-m3";
     let stop = Arc::new(AtomicBool::new(false));
@@ -57,31 +41,7 @@ async fn report(_: &Setup, params: &Params, _: &mut Rss) {
     let mut tasks = Vec::new();
     for w in 0..WORKERS {
         let (url, stop, grants) = (url.clone(), stop.clone(), grants.clone());
-        tasks.push(tokio::spawn(async move {
-            let acquire = format!("{url}/leases/acquire/{key}");
-            let release = format!("{url}/leases/release/{key}");
-            let body = format!(r#"{{"holder":"w{w}","duration_ms":10000,"wait_ms":10000}}"#);
-            let mut turns = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                let r = http::request("POST", &acquire, Some(body.as_bytes())).await.expect("acquire");
-                if r.status != 200 {
-                    continue;
-                }
-                let lease: Value = r.json();
-                tokio::time::sleep(HOLD).await;
-                let rel = format!(r#"{{"lease_id":"{}"}}"#, lease["lease_id"].as_str().expect("lease_id"));
-                let r = http::request("POST", &release, Some(rel.as_bytes())).await.expect("release");
-                assert_eq!(r.status, 200, "release: {}", r.text());
-                let released: Value = r.json();
-                grants.lock().unwrap().push((
-                    lease["fence"].as_u64().unwrap(),
-                    lease["acquired_at_ms"].as_u64().unwrap(),
-                    released["released_at_ms"].as_u64().unwrap(),
-                ));
-                turns += 1;
-            }
-            turns
-        }));
+        tasks.push(tokio::spawn(async move { worker(&url, key, w, &stop, &grants).await }));
     }
     tokio::time::sleep(Duration::from_secs(secs)).await;
     stop.store(true, Ordering::Relaxed);
@@ -96,20 +56,7 @@ async fn report(_: &Setup, params: &Params, _: &mut Rss) {
     let overlaps = hand.iter().filter(|h| **h < 0.0).count();
     hand.sort_by(|a, b| a.partial_cmp(b).unwrap());
 
-    // The ceiling: a 5 ms hold as it really sleeps, plus one HTTP round trip to the server.
-    let (mut holds, mut rtts) = (Vec::new(), Vec::new());
-    for _ in 0..200 {
-        let t = Instant::now();
-        tokio::time::sleep(HOLD).await;
-        holds.push(t.elapsed().as_secs_f64() * 1000.0);
-        let t = Instant::now();
-        http::request("GET", &format!("{url}/leases/{key}"), None).await.expect("get");
-        rtts.push(t.elapsed().as_secs_f64() * 1000.0);
-    }
-    for v in [&mut holds, &mut rtts] {
-        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    }
-    let (hold, rtt) = (pct(&holds, 0.5), pct(&rtts, 0.5));
+    let (hold, rtt) = hold_and_round_trip(&url, key).await;
     let ceiling = elapsed * 1000.0 / (hold + rtt);
     let acq: u64 = per.iter().sum();
     let (mx, mn) = (*per.iter().max().unwrap(), *per.iter().min().unwrap());
@@ -127,4 +74,73 @@ async fn report(_: &Setup, params: &Params, _: &mut Rss) {
     let _ = server.kill();
     let _ = server.wait();
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `leasehold serve` on an embedded store in `dir`, on a free port: the process and its URL
+/// (read from its banner).
+fn start_server(exe: &std::path::Path, dir: &std::path::Path) -> (std::process::Child, String) {
+    let mut server = Command::new(exe)
+        .args(["serve", "--addr", "127.0.0.1:0", "--db"])
+        .arg(dir.join("leases.db"))
+        .env_remove("LEASEHOLD_URL")
+        .env_remove("LEASEHOLD_TABLE")
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start leasehold serve");
+    let mut line = String::new();
+    BufReader::new(server.stdout.take().expect("stdout")).read_line(&mut line).expect("banner");
+    let url = line
+        .split_whitespace()
+        .find(|w| w.starts_with("http://"))
+        .expect("URL in banner")
+        .trim_end_matches('/')
+        .to_string();
+    (server, url)
+}
+
+/// Worker `w`: acquires `key` (waiting), holds it 5 ms and releases it, until `stop`; records
+/// each grant's (fence, acquired_at_ms, released_at_ms) in `grants`. Its turns.
+async fn worker(url: &str, key: &str, w: usize, stop: &AtomicBool, grants: &Mutex<Vec<(u64, u64, u64)>>) -> u64 {
+    let acquire = format!("{url}/leases/acquire/{key}");
+    let release = format!("{url}/leases/release/{key}");
+    let body = format!(r#"{{"holder":"w{w}","duration_ms":10000,"wait_ms":10000}}"#);
+    let mut turns = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        let r = http::request("POST", &acquire, Some(body.as_bytes())).await.expect("acquire");
+        if r.status != 200 {
+            continue;
+        }
+        let lease: Value = r.json();
+        tokio::time::sleep(HOLD).await;
+        let rel = format!(r#"{{"lease_id":"{}"}}"#, lease["lease_id"].as_str().expect("lease_id"));
+        let r = http::request("POST", &release, Some(rel.as_bytes())).await.expect("release");
+        assert_eq!(r.status, 200, "release: {}", r.text());
+        let released: Value = r.json();
+        grants.lock().unwrap().push((
+            lease["fence"].as_u64().unwrap(),
+            lease["acquired_at_ms"].as_u64().unwrap(),
+            released["released_at_ms"].as_u64().unwrap(),
+        ));
+        turns += 1;
+    }
+    turns
+}
+
+/// The ceiling's parts, medians of 200 in ms: a 5 ms hold as it really sleeps, and one HTTP
+/// round trip to the server.
+async fn hold_and_round_trip(url: &str, key: &str) -> (f64, f64) {
+    let (mut holds, mut rtts) = (Vec::new(), Vec::new());
+    for _ in 0..200 {
+        let t = Instant::now();
+        tokio::time::sleep(HOLD).await;
+        holds.push(t.elapsed().as_secs_f64() * 1000.0);
+        let t = Instant::now();
+        http::request("GET", &format!("{url}/leases/{key}"), None).await.expect("get");
+        rtts.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    for v in [&mut holds, &mut rtts] {
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    }
+    (pct(&holds, 0.5), pct(&rtts, 0.5))
 }

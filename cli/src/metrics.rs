@@ -147,32 +147,42 @@ impl Metrics {
     /// snapshot `view` (queue lengths of the [`QUEUE_SERIES`] longest queues, waiters and keys
     /// with waiters in all, keys per work state).
     pub fn render(&self, view: &crate::snapshot::View, now_ms: u64) -> String {
-        let complete = view.complete;
         let mut o = String::new();
+        self.render_counters(&mut o);
+        let items: Vec<&Record> = view.items.values().filter(|r| r.queue.waiter.is_none()).collect();
+        queue_lengths(&mut o, &items);
+        work_states(&mut o, &items, now_ms);
+        semaphores(&mut o, &items, now_ms);
+        self.render_scrape(&mut o, view);
+        o
+    }
+
+    /// This process's counters and latency histograms.
+    fn render_counters(&self, o: &mut String) {
         let counter = |o: &mut String, name: &str, help: &str, v: u64| {
             let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
         };
         counter(
-            &mut o,
+            o,
             "leasehold_acquisitions_total",
             "Leases granted by acquire and next.",
             self.acquisitions.load(Ordering::Relaxed),
         );
         counter(
-            &mut o,
+            o,
             "leasehold_contention_total",
             "Acquires refused because the key was held (LeaseHeld).",
             self.contention.load(Ordering::Relaxed),
         );
         counter(
-            &mut o,
+            o,
             "leasehold_releases_total",
             "Leases released by their holder.",
             self.releases.load(Ordering::Relaxed),
         );
         let taken = leasehold::history::counted(leasehold::history::EventKind::TakenOver);
         counter(
-            &mut o,
+            o,
             "leasehold_expiries_taken_over_total",
             "Grants on keys whose last lease expired unreleased, written by this server (embedded store only).",
             taken,
@@ -193,48 +203,57 @@ impl Metrics {
             let _ = writeln!(o, "leasehold_errors_total{{error=\"{name}\"}} {n}");
         }
         let _ = writeln!(o, "# HELP leasehold_acquire_wait_seconds Time acquires that asked to wait (wait_ms > 0) took, any outcome.\n# TYPE leasehold_acquire_wait_seconds histogram");
-        self.waits.render(&mut o, "leasehold_acquire_wait_seconds", "");
+        self.waits.render(o, "leasehold_acquire_wait_seconds", "");
         let _ = writeln!(o, "# HELP leasehold_store_latency_seconds Time of each store request, by operation.\n# TYPE leasehold_store_latency_seconds histogram");
         for (i, op) in STORE_OPS.iter().enumerate() {
-            self.store[i].render(&mut o, "leasehold_store_latency_seconds", &format!("operation=\"{op}\""));
+            self.store[i].render(o, "leasehold_store_latency_seconds", &format!("operation=\"{op}\""));
         }
-        let items: Vec<&Record> = view.items.values().filter(|r| r.queue.waiter.is_none()).collect();
-        let mut queues: Vec<(u64, &str)> =
-            items.iter().filter(|r| r.queue_len() > 0).map(|r| (r.queue_len(), r.key.as_str())).collect();
-        queues.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(b.1)));
-        let _ = writeln!(o, "# HELP leasehold_queue_length Waiters queued on a key: the {QUEUE_SERIES} longest queues only (leasehold_queued_keys says how many keys have waiters).\n# TYPE leasehold_queue_length gauge");
-        for (n, key) in queues.iter().take(QUEUE_SERIES) {
-            let _ = writeln!(o, "leasehold_queue_length{{key=\"{}\"}} {n}", escape(key));
-        }
-        let _ = writeln!(o, "# HELP leasehold_queued_waiters Waiters queued on every key.\n# TYPE leasehold_queued_waiters gauge\nleasehold_queued_waiters {}", queues.iter().map(|q| q.0).sum::<u64>());
-        let _ = writeln!(o, "# HELP leasehold_queued_keys Keys with waiters queued.\n# TYPE leasehold_queued_keys gauge\nleasehold_queued_keys {}", queues.len());
-        let mut states: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
-        for r in &items {
-            if let Some(s) = &r.work.state {
-                let e = states.entry(s.as_str()).or_default();
-                e.0 += 1;
-                if r.shows_held(now_ms) {
-                    e.1 += 1;
-                }
-            }
-        }
-        let _ = writeln!(
-            o,
-            "# HELP leasehold_work_state_keys Keys in each work state.\n# TYPE leasehold_work_state_keys gauge"
-        );
-        for (s, (n, _)) in &states {
-            let _ = writeln!(o, "leasehold_work_state_keys{{state=\"{}\"}} {n}", escape(s));
-        }
-        let _ = writeln!(o, "# HELP leasehold_work_state_held_keys Keys in each work state held right now.\n# TYPE leasehold_work_state_held_keys gauge");
-        for (s, (_, h)) in &states {
-            let _ = writeln!(o, "leasehold_work_state_held_keys{{state=\"{}\"}} {h}", escape(s));
-        }
-        semaphores(&mut o, &items, now_ms);
-        let _ = writeln!(o, "# HELP leasehold_scrape_complete 1 when the snapshot's scan read every item (at most {SCRAPE_ITEMS}), 0 when the gauges above count only the first ones.\n# TYPE leasehold_scrape_complete gauge\nleasehold_scrape_complete {}", u8::from(complete));
+    }
+
+    /// How complete and how old the snapshot behind the gauges is, and this server's uptime.
+    fn render_scrape(&self, o: &mut String, view: &crate::snapshot::View) {
+        let _ = writeln!(o, "# HELP leasehold_scrape_complete 1 when the snapshot's scan read every item (at most {SCRAPE_ITEMS}), 0 when the gauges above count only the first ones.\n# TYPE leasehold_scrape_complete gauge\nleasehold_scrape_complete {}", u8::from(view.complete));
         let _ = writeln!(o, "# HELP leasehold_scrapes_total Scans of the store this server made for its page, /summary and /metrics (at most one per --scan-every).\n# TYPE leasehold_scrapes_total counter\nleasehold_scrapes_total {}", view.scans);
         let _ = writeln!(o, "# HELP leasehold_scrape_age_seconds Age of the scan the gauges above come from (this server's own writes since included).\n# TYPE leasehold_scrape_age_seconds gauge\nleasehold_scrape_age_seconds {}", view.age.as_secs_f64());
         let _ = writeln!(o, "# HELP leasehold_uptime_seconds Seconds since this server started.\n# TYPE leasehold_uptime_seconds gauge\nleasehold_uptime_seconds {}", self.started.elapsed().as_secs());
-        o
+    }
+}
+
+/// The [`QUEUE_SERIES`] longest queues among `items`, and the waiters and keys with waiters in all.
+fn queue_lengths(o: &mut String, items: &[&Record]) {
+    let mut queues: Vec<(u64, &str)> =
+        items.iter().filter(|r| r.queue_len() > 0).map(|r| (r.queue_len(), r.key.as_str())).collect();
+    queues.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(b.1)));
+    let _ = writeln!(o, "# HELP leasehold_queue_length Waiters queued on a key: the {QUEUE_SERIES} longest queues only (leasehold_queued_keys says how many keys have waiters).\n# TYPE leasehold_queue_length gauge");
+    for (n, key) in queues.iter().take(QUEUE_SERIES) {
+        let _ = writeln!(o, "leasehold_queue_length{{key=\"{}\"}} {n}", escape(key));
+    }
+    let _ = writeln!(o, "# HELP leasehold_queued_waiters Waiters queued on every key.\n# TYPE leasehold_queued_waiters gauge\nleasehold_queued_waiters {}", queues.iter().map(|q| q.0).sum::<u64>());
+    let _ = writeln!(o, "# HELP leasehold_queued_keys Keys with waiters queued.\n# TYPE leasehold_queued_keys gauge\nleasehold_queued_keys {}", queues.len());
+}
+
+/// Keys per work state among `items`, and how many of them are held at `now_ms`.
+fn work_states(o: &mut String, items: &[&Record], now_ms: u64) {
+    let mut states: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
+    for r in items {
+        if let Some(s) = &r.work.state {
+            let e = states.entry(s.as_str()).or_default();
+            e.0 += 1;
+            if r.shows_held(now_ms) {
+                e.1 += 1;
+            }
+        }
+    }
+    let _ = writeln!(
+        o,
+        "# HELP leasehold_work_state_keys Keys in each work state.\n# TYPE leasehold_work_state_keys gauge"
+    );
+    for (s, (n, _)) in &states {
+        let _ = writeln!(o, "leasehold_work_state_keys{{state=\"{}\"}} {n}", escape(s));
+    }
+    let _ = writeln!(o, "# HELP leasehold_work_state_held_keys Keys in each work state held right now.\n# TYPE leasehold_work_state_held_keys gauge");
+    for (s, (_, h)) in &states {
+        let _ = writeln!(o, "leasehold_work_state_held_keys{{state=\"{}\"}} {h}", escape(s));
     }
 }
 

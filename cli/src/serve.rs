@@ -89,37 +89,15 @@ async fn serve(g: &Global, args: ServeArgs) -> i32 {
         Ok(c) => c,
         Err(e) => return output::failure(g, &Failure::usage(e.to_string())),
     };
-    let (store, sqlite): (Arc<dyn Store>, Option<SqliteStore>) = match &choice {
-        StoreChoice::Embedded { path } => match SqliteStore::open(path) {
-            Ok(s) => (Arc::new(s.clone()), Some(s)),
-            Err(e) => return output::failure(g, &Failure::unreachable(format!("{}: {e}", choice.describe()))),
-        },
-        StoreChoice::Dynamo { .. } => match crate::target::open_store(g, &choice, SERVE_USES, true).await {
-            Ok(s) => (s, None),
-            Err(f) => return output::failure(g, &f),
-        },
+    let (store, sqlite) = match open(g, &choice).await {
+        Ok(s) => s,
+        Err(f) => return output::failure(g, &f),
     };
-    let metrics = Arc::new(crate::metrics::Metrics::default());
     let every = args.scan_every.unwrap_or(match &choice {
         StoreChoice::Dynamo { .. } => DYNAMO_SCAN_EVERY,
         StoreChoice::Embedded { .. } => Duration::from_secs(1),
     });
-    let scanned: Arc<dyn Store> =
-        Arc::new(crate::metrics::Metered { inner: store.clone(), metrics: metrics.clone(), snapshot: None });
-    let snapshot = Arc::new(crate::snapshot::Snapshot::new(scanned, every));
-    let store: Arc<dyn Store> =
-        Arc::new(crate::metrics::Metered { inner: store, metrics: metrics.clone(), snapshot: Some(snapshot.clone()) });
-    let coord = Coordinator::new(store.clone(), config);
-    let ops = Arc::new(Ops {
-        metrics,
-        snapshot,
-        history: match &choice {
-            StoreChoice::Embedded { path } => crate::history::Source::Embedded(path.clone()),
-            StoreChoice::Dynamo { table } => {
-                crate::history::Source::Dynamo { history_table: crate::history::history_table_of(table, None) }
-            }
-        },
-    });
+    let (coord, ops) = assemble(store, &choice, every, config);
     let listener = match tokio::net::TcpListener::bind(args.addr).await {
         Ok(l) => l,
         Err(e) => {
@@ -130,40 +108,94 @@ async fn serve(g: &Global, args: ServeArgs) -> i32 {
     let addr = listener.local_addr().unwrap_or(args.addr);
     // Before the banner: whoever reads it may signal at once.
     let shutdown = shutdown_signal();
-    {
-        use std::io::Write;
-        let mut out = std::io::stdout().lock();
-        let _ = writeln!(out, "leasehold: serving the HTTP API on http://{addr} ({})", choice.describe());
-        let _ = writeln!(
-            out,
-            "try: curl -s -X POST http://{addr}/leases/acquire/jobs/demo -H 'content-type: application/json' -d '{{\"holder\":\"me\",\"duration_ms\":30000}}'"
-        );
-        let _ = out.flush();
-    }
-
+    banner(addr, &choice);
     if let Some(s) = sqlite {
-        let (c, every) = (coord.clone(), args.purge_every.max(Duration::from_secs(1)));
-        let path = s.path().to_path_buf();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(every);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                match s.purge_expired(c.now_ms()).await {
-                    Ok(0) => {}
-                    Ok(n) => tracing::debug!(purged = n, "purged expired items"),
-                    Err(e) => tracing::warn!(error = %e, "purge of expired items failed"),
-                }
-                let (p, now) = (path.clone(), c.now_ms());
-                match tokio::task::spawn_blocking(move || leasehold::store::sqlite_history::prune(&p, now)).await {
-                    Ok(Ok(_)) => {}
-                    Ok(Err(e)) => tracing::warn!(error = %e, "history pruning failed"),
-                    Err(e) => tracing::warn!(error = %e, "history pruning failed"),
-                }
-            }
-        });
+        purge_in_background(s, coord.clone(), args.purge_every.max(Duration::from_secs(1)));
     }
+    accept_until(listener, coord, ops, shutdown).await;
+    exit::OK
+}
 
+/// The store `choice` names: the embedded store (also returned as itself, for its purge) or
+/// the DynamoDB table, checked for what the server uses of it.
+async fn open(g: &Global, choice: &StoreChoice) -> Result<(Arc<dyn Store>, Option<SqliteStore>), Failure> {
+    match choice {
+        StoreChoice::Embedded { path } => match SqliteStore::open(path) {
+            Ok(s) => Ok((Arc::new(s.clone()), Some(s))),
+            Err(e) => Err(Failure::unreachable(format!("{}: {e}", choice.describe()))),
+        },
+        StoreChoice::Dynamo { .. } => Ok((crate::target::open_store(g, choice, SERVE_USES, true).await?, None)),
+    }
+}
+
+/// The coordinator the routes use and what the operator routes read: both see the store
+/// through the metrics, and the coordinator's writes land in the snapshot (scanned again when
+/// older than `every`).
+fn assemble(
+    store: Arc<dyn Store>,
+    choice: &StoreChoice,
+    every: Duration,
+    config: leasehold::Config,
+) -> (Coordinator, Arc<Ops>) {
+    let metrics = Arc::new(crate::metrics::Metrics::default());
+    let scanned: Arc<dyn Store> =
+        Arc::new(crate::metrics::Metered { inner: store.clone(), metrics: metrics.clone(), snapshot: None });
+    let snapshot = Arc::new(crate::snapshot::Snapshot::new(scanned, every));
+    let store: Arc<dyn Store> =
+        Arc::new(crate::metrics::Metered { inner: store, metrics: metrics.clone(), snapshot: Some(snapshot.clone()) });
+    let coord = Coordinator::new(store, config);
+    let history = match choice {
+        StoreChoice::Embedded { path } => crate::history::Source::Embedded(path.clone()),
+        StoreChoice::Dynamo { table } => {
+            crate::history::Source::Dynamo { history_table: crate::history::history_table_of(table, None) }
+        }
+    };
+    (coord, Arc::new(Ops { metrics, snapshot, history }))
+}
+
+/// The lines on stdout that say the server is up, where, and how to try it.
+fn banner(addr: SocketAddr, choice: &StoreChoice) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "leasehold: serving the HTTP API on http://{addr} ({})", choice.describe());
+    let _ = writeln!(
+        out,
+        "try: curl -s -X POST http://{addr}/leases/acquire/jobs/demo -H 'content-type: application/json' -d '{{\"holder\":\"me\",\"duration_ms\":30000}}'"
+    );
+    let _ = out.flush();
+}
+
+/// Every `every`, purges the embedded store's expired items and prunes its history.
+fn purge_in_background(s: SqliteStore, c: Coordinator, every: Duration) {
+    let path = s.path().to_path_buf();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            match s.purge_expired(c.now_ms()).await {
+                Ok(0) => {}
+                Ok(n) => tracing::debug!(purged = n, "purged expired items"),
+                Err(e) => tracing::warn!(error = %e, "purge of expired items failed"),
+            }
+            let (p, now) = (path.clone(), c.now_ms());
+            match tokio::task::spawn_blocking(move || leasehold::store::sqlite_history::prune(&p, now)).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => tracing::warn!(error = %e, "history pruning failed"),
+                Err(e) => tracing::warn!(error = %e, "history pruning failed"),
+            }
+        }
+    });
+}
+
+/// Serves each connection `listener` accepts until `shutdown` resolves, then gives the
+/// requests still running up to 5 s.
+async fn accept_until(
+    listener: tokio::net::TcpListener,
+    coord: Coordinator,
+    ops: Arc<Ops>,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder.timer(TokioTimer::new()).header_read_timeout(Duration::from_secs(30)).keep_alive(true);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
@@ -199,7 +231,6 @@ async fn serve(g: &Global, args: ServeArgs) -> i32 {
             eprintln!("leasehold: requests still running after 5s; closing them");
         }
     }
-    exit::OK
 }
 
 /// Installs the SIGTERM and SIGINT handlers now (not when the returned future is first polled:

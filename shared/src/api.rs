@@ -494,8 +494,9 @@ pub fn route(method: &str, path: &str) -> std::result::Result<Route, HttpRespons
 }
 
 /// Routes only `leasehold serve` answers: the operator page, the listing and force-release.
-/// They are not deployed on the AWS HTTP API (DESIGN.md, "The operator page"): an operator
-/// lists and force-releases a deployment's table with `leasehold --table NAME`.
+/// They are not deployed on the AWS HTTP API (DESIGN.md, "Interfaces over the protocol", the
+/// operator page and routes): an operator lists and force-releases a deployment's table with
+/// `leasehold --table NAME`.
 pub const SERVE_ROUTES: [(&str, &str); 3] =
     [("GET", "/"), ("GET", "/leases"), ("POST", "/leases/force-release/{key+}")];
 

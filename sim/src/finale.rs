@@ -7,22 +7,25 @@ use std::time::Duration;
 use leasehold::testing::{SimClock, SimStore};
 use leasehold::{AcquireOptions, Coordinator};
 
-use crate::check::Violation;
-use crate::node::{config, Kind, Node, FINAL_NODE};
-use crate::run::Fleet;
+use crate::node::{config, start_node, Kind, FINAL_NODE};
 use crate::session::{release_until_done, SEMAPHORES};
 use crate::sfn::lost_waiters;
 use crate::store_log::{freed_by_queue_write, store_log};
-use crate::world::{done, draw, key, lock, todo, work_key, Event, Shared, KEYS, WORK};
+use crate::violation::Violation;
+use crate::world::{done, draw, key, lock, todo, work_key, Event, Node, Shared, KEYS, WORK};
 use crate::{Settings, SKEW_MARGIN_MS};
 
 /// After the drain: orphaned fail-closed leases released, queued waiters served, and then every
 /// key, slot and work item checked. Returns the process that checked them.
-pub(crate) async fn after_every_lease(fleet: &Fleet, s: &Settings) -> Arc<Node> {
-    let world = &fleet.world;
+pub(crate) async fn after_every_lease(
+    world: &Shared,
+    store: &SimStore,
+    truth: &Arc<SimClock>,
+    s: &Settings,
+) -> Arc<Node> {
     // Orphaned fail-closed leases are released by a process that knows their ids (before the
     // queued waiters are judged: a waiter behind a fail-closed lease waits for its release).
-    let final_node = fleet.start_node(FINAL_NODE, Kind::Honest).0;
+    let final_node = start_node(world, store, truth, FINAL_NODE, Kind::Honest).0;
     let orphans = {
         let mut w = lock(world);
         let mut all = std::mem::take(&mut w.orphans);
@@ -51,11 +54,11 @@ pub(crate) async fn after_every_lease(fleet: &Fleet, s: &Settings) -> Arc<Node> 
     // Past every lease and keep-alive deadline: every key must be free to take.
     tokio::time::sleep(Duration::from_secs(20)).await;
     let checker = &final_node.coord;
-    keys_usable(world, &fleet.store, checker).await;
+    keys_usable(world, store, checker).await;
     if s.semaphores {
         slots_usable(world, checker).await;
     }
-    work_items_kept(world, &fleet.store, checker, s.seed);
+    work_items_kept(world, store, checker, s.seed);
     final_node
 }
 
@@ -89,7 +92,7 @@ pub(crate) fn name_ghost(world: &Shared, store: &SimStore, k: &str, mut v: Viola
         v.kind = "stale_acquire_holds_key";
         // The key became free after the acquire was sent not by a release but by a queue write
         // (the undelivered mark removed, the last waiter passed over): found by the
-        // simulation, fixed by `FreeAfter`'s `freed_at_ms` clause (DESIGN.md, "Simulation");
+        // simulation, fixed by `FreeAfter`'s `freed_at_ms` clause (FINDINGS.md);
         // named apart, a violation as the other.
         let id = store.peek(k).map(|r| r.lease_id.expose().to_string()).unwrap_or_default();
         if freed_by_queue_write(&store_log(store), k, &id) {

@@ -23,9 +23,10 @@ mod run;
 mod session;
 mod sfn;
 mod store_log;
+mod violation;
 mod world;
 
-pub use check::Violation;
+pub use violation::Violation;
 
 /// The wall time every run starts at (2027-01-15).
 pub(crate) const EPOCH_MS: i64 = 1_800_000_000_000;

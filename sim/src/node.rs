@@ -1,5 +1,5 @@
-//! Coordinator processes: their configuration, clocks and crashes, and each one's keep-alive
-//! sweep.
+//! Coordinator processes (the library users' and the functions'): their configuration, clocks
+//! and crashes, and each one's keep-alive sweep.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -9,21 +9,8 @@ use leasehold::{Config, Coordinator, ExecutionState, Executions, LeaseId};
 
 use crate::session::client;
 use crate::sfn::SimSfn;
-use crate::world::{draw, lock, now, Event, Shared};
+use crate::world::{draw, lock, now, Event, Node, Shared};
 use crate::SKEW_MARGIN_MS;
-
-/// One coordinator process.
-pub(crate) struct Node {
-    pub(crate) coord: Coordinator,
-    pub(crate) store: SimStore,
-    pub(crate) clock: Arc<SimClock>,
-    pub(crate) name: String,
-    /// Beyond the skew margin: every expiry it judges must be refused.
-    pub(crate) rogue: bool,
-    /// Serves waiter queues (delivers grants to the simulated Step Functions), as the Lambda
-    /// functions do; the others are library users.
-    pub(crate) serves_queues: bool,
-}
 
 /// A coordinator process and its tasks (clients, sweeper).
 pub(crate) type Running = (Arc<Node>, Vec<tokio::task::JoinHandle<()>>);
@@ -143,6 +130,15 @@ pub(crate) fn start_node(world: &Shared, store: &SimStore, truth: &Arc<SimClock>
         tasks.push(tokio::spawn(async move { sweeper(n, w).await }));
     }
     (node, tasks)
+}
+
+/// The functions' coordinator: serves queues, never crashes (a Lambda function).
+pub(crate) fn functions_node(world: &Shared, store: &SimStore, truth: &Arc<SimClock>) -> Arc<Node> {
+    let clock = Arc::new(SimClock::offset_from(truth, 0));
+    let handle = store.handle();
+    let coord = Coordinator::new(Arc::new(handle.clone()), config(clock.clone(), lock(world).blind_clock))
+        .with_deliver(Arc::new(SimSfn(world.clone())));
+    Arc::new(Node { coord, store: handle, clock, name: "fn".into(), rogue: false, serves_queues: true })
 }
 
 /// A clock jumped beyond the margin: its node's name, when NTP steps it back, and by how much

@@ -9,18 +9,18 @@ use leasehold::testing::{Faults, SimClock, SimStore};
 use leasehold::{Clock, Coordinator};
 
 use crate::finale;
-use crate::node::{clock_jumps, config, crash_node, start_node, Jumped, Kind, Running};
-use crate::sfn::{crash_functions, functions_node, queue_sweeper};
+use crate::node::{clock_jumps, config, crash_node, functions_node, start_node, Jumped, Kind, Running};
+use crate::sfn::queue_sweeper;
 use crate::store_log::fault_map;
 use crate::world::{done, draw, key, lock, now, todo, work_key, Event, Shared, World, KEYS, WORK};
 use crate::{check, Outcome, Settings, ATTEMPT_TIMEOUT, EPOCH_MS, SKEW_MARGIN_MS};
 
 /// The processes of a run, and the faults the driver has under way.
-pub(crate) struct Fleet {
-    pub(crate) world: Shared,
-    pub(crate) store: SimStore,
+struct Fleet {
+    world: Shared,
+    store: SimStore,
     /// The true clock (the store's).
-    pub(crate) truth: Arc<SimClock>,
+    truth: Arc<SimClock>,
     /// The honest coordinators (`None`: crashed, until its restart).
     nodes: Vec<Option<Running>>,
     /// The coordinators with a clock beyond the margin (rogue, blind), when the run has them.
@@ -48,16 +48,16 @@ pub(crate) async fn simulate(s: Settings) -> Outcome {
     }
     store.set_faults(faults);
     // The functions (Lambda) that executions call, and their scheduled queue sweep.
-    let functions = functions_node(&world, &store, &truth, 0);
-    lock(&world).functions = Some(functions);
+    let functions = functions_node(&world, &store, &truth);
+    lock(&world).functions = Some(functions.clone());
     let queue_sweep = {
-        let w = world.clone();
-        tokio::spawn(async move { queue_sweeper(w).await })
+        let (n, w) = (functions.clone(), world.clone());
+        tokio::spawn(async move { queue_sweeper(n, w).await })
     };
     let mut fleet = Fleet::start(&s, world.clone(), store.clone(), truth.clone());
     fleet.drive(&s).await;
     fleet.drain(&s).await;
-    let final_node = finale::after_every_lease(&fleet, &s).await;
+    let final_node = finale::after_every_lease(&world, &store, &truth, &s).await;
     lock(&world).end = true;
     let _ = queue_sweep.await;
     let log = store.take_log();
@@ -133,7 +133,7 @@ impl Fleet {
         f
     }
 
-    pub(crate) fn start_node(&self, i: usize, kind: Kind) -> Running {
+    fn start_node(&self, i: usize, kind: Kind) -> Running {
         start_node(&self.world, &self.store, &self.truth, i, kind)
     }
 
@@ -154,9 +154,6 @@ impl Fleet {
             let (crash, step, force) = draw(&self.world, |w| (w.chance(0.01), w.chance(0.01), w.chance(0.003)));
             if crash {
                 self.crash(s);
-            }
-            if draw(&self.world, |w| w.chance(0.005)) {
-                crash_functions(&self.world, &self.store, &self.truth);
             }
             if step {
                 self.step(s);

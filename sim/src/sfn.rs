@@ -1,33 +1,15 @@
-//! The simulated Step Functions: task tokens and deliveries, the functions' process and its
-//! queue sweep, and the executions of queued waiters.
+//! The simulated Step Functions: task tokens and deliveries, the functions' queue sweep, and
+//! the executions of queued waiters.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use leasehold::queue::{Deliver, DeliveryError};
-use leasehold::testing::{SimClock, SimStore};
-use leasehold::{AcquireOptions, Coordinator, Error, Lease, LeaseId};
+use leasehold::{AcquireOptions, Error, Lease, LeaseId};
 
-use crate::check::Violation;
-use crate::node::{config, Node};
 use crate::session::hold;
-use crate::world::{draw, lock, now, told, Shared};
-use crate::SKEW_MARGIN_MS;
-
-/// A `.waitForTaskToken` task of an execution (DESIGN.md, "The waiter queue").
-#[derive(Debug, Clone)]
-pub(crate) struct Task {
-    /// The execution's name (the client name its lease is told to).
-    pub(crate) exec: String,
-    pub(crate) key: String,
-    pub(crate) lease_id: String,
-    /// Its timeout (the task's `TimeoutSeconds`): later deliveries answer `TaskTimedOut`.
-    pub(crate) timeout: Instant,
-    /// Closed: succeeded (the lease delivered), failed, or timed out.
-    pub(crate) closed: bool,
-    /// Its execution was stopped and deleted: deliveries answer `TaskDoesNotExist`.
-    pub(crate) deleted: bool,
-}
+use crate::violation::Violation;
+use crate::world::{draw, lock, now, told, Node, Shared, Task};
 
 /// The simulated Step Functions: task tokens, `SendTaskSuccess` / `SendTaskFailure` with
 /// latency, refusals and lost answers (the call lands, the answer never comes: the caller's
@@ -44,24 +26,40 @@ impl Deliver for SimSfn {
             lock(&self.0).fault("sfn_throttled");
             return Err(DeliveryError::Transient("ThrottlingException".into()));
         }
-        if (4..7).contains(&fault) {
-            // Held in the network, landing late: past the client's 3 s timeout the caller has
-            // given up (and may deliver again) before it lands.
-            let held = draw(&self.0, |w| w.between(300, 6000));
-            lock(&self.0).fault("sfn_delivery_held");
-            if held >= 3000 {
-                let (w, token, lease) = (self.0.clone(), token.to_string(), lease.clone());
-                tokio::spawn(async move {
-                    tokio::time::sleep(Duration::from_millis(held)).await;
-                    let _ = land(&w, &token, &lease);
-                });
-                tokio::time::sleep(Duration::from_secs(3)).await;
-                return Err(DeliveryError::Transient("timeout".into()));
+        let answer = {
+            let mut w = lock(&self.0);
+            let at = now();
+            match w.tasks.get_mut(token) {
+                None => Err(DeliveryError::Gone("TaskDoesNotExist".into())),
+                Some(t) if t.deleted => Err(DeliveryError::Gone("TaskDoesNotExist".into())),
+                Some(t) if t.closed || at >= t.timeout => {
+                    t.closed = true;
+                    Err(DeliveryError::Gone("TaskTimedOut".into()))
+                }
+                Some(t) => {
+                    t.closed = true;
+                    Ok(t.exec.clone())
+                }
             }
-            tokio::time::sleep(Duration::from_millis(held)).await;
+        };
+        let exec = match answer {
+            Ok(exec) => exec,
+            Err(e) => return Err(e),
+        };
+        // The task has its output: the execution holds the lease (heartbeats, writes, release
+        // through the functions).
+        if lease.key.is_empty() || lease.safe_until.is_some_and(|s| s <= now()) {
+            // Delivered too late to use: the execution does not use it (it ends with its
+            // duration).
+            lock(&self.0).fault("sfn_late_delivery");
+        } else {
+            told(&self.0, &exec, lease);
+            let (w, l) = (self.0.clone(), lease.clone());
+            let node = lock(&self.0).functions.clone().expect("the functions");
+            let h = tokio::spawn(async move { hold(&node, &w, &exec, l, None).await });
+            lock(&self.0).exec_tasks.push(h);
         }
-        land(&self.0, token, lease)?;
-        if (7..13).contains(&fault) {
+        if fault < 10 {
             // Landed, but the answer is lost: the client's timeout.
             lock(&self.0).fault("sfn_lost_answer");
             tokio::time::sleep(Duration::from_secs(3)).await;
@@ -86,86 +84,14 @@ impl Deliver for SimSfn {
     }
 }
 
-/// A `SendTaskSuccess` lands: the task, if it still waits, has its output, and the execution
-/// holds the lease (heartbeats, writes, release through the functions) unless it came too late
-/// to use.
-fn land(world: &Shared, token: &str, lease: &Lease) -> Result<(), DeliveryError> {
-    let answer = {
-        let mut w = lock(world);
-        let at = now();
-        match w.tasks.get_mut(token) {
-            None => Err(DeliveryError::Gone("TaskDoesNotExist".into())),
-            Some(t) if t.deleted => Err(DeliveryError::Gone("TaskDoesNotExist".into())),
-            Some(t) if t.closed || at >= t.timeout => {
-                t.closed = true;
-                Err(DeliveryError::Gone("TaskTimedOut".into()))
-            }
-            Some(t) => {
-                t.closed = true;
-                Ok(t.exec.clone())
-            }
-        }
-    };
-    let exec = answer?;
-    // The task has its output: the execution holds the lease (heartbeats, writes, release
-    // through the functions).
-    if lease.key.is_empty() || lease.safe_until.is_some_and(|s| s <= now()) {
-        // Delivered too late to use: the execution does not use it (it ends with its
-        // duration).
-        lock(world).fault("sfn_late_delivery");
-    } else {
-        told(world, &exec, lease);
-        let (w, l) = (world.clone(), lease.clone());
-        let node = lock(world).functions.clone().expect("the functions");
-        let h = tokio::spawn(async move { hold(&node, &w, &exec, l, None).await });
-        lock(world).exec_tasks.push(h);
-    }
-    Ok(())
-}
-
-/// The functions' coordinator (a Lambda function's process): serves queues. The `n`th process
-/// (after `n` crashes) has a clock of its own, within half the margin (the first: the store's).
-pub(crate) fn functions_node(world: &Shared, store: &SimStore, truth: &Arc<SimClock>, n: usize) -> Arc<Node> {
-    let offset = if n == 0 {
-        0
-    } else {
-        draw(world, |w| w.between(0, SKEW_MARGIN_MS - 20) as i64) - (SKEW_MARGIN_MS / 2 - 10) as i64
-    };
-    let clock = Arc::new(SimClock::offset_from(truth, offset));
-    let handle = store.handle();
-    let coord = Coordinator::new(Arc::new(handle.clone()), config(clock.clone(), lock(world).blind_clock))
-        .with_deliver(Arc::new(SimSfn(world.clone())));
-    Arc::new(Node { coord, store: handle, clock, name: format!("fn{n}"), rogue: false, serves_queues: true })
-}
-
-/// The functions' process crashes (its requests stop; those sent still land; the invocations
-/// running in it end unanswered, and Step Functions retries them) and a new one takes the next
-/// invocations, with a clock of its own.
-pub(crate) fn crash_functions(world: &Shared, store: &SimStore, truth: &Arc<SimClock>) {
-    let (old, n) = {
-        let mut w = lock(world);
-        w.functions_crashed += 1;
-        w.fault("function_crash");
-        (w.functions.clone().expect("the functions"), w.functions_crashed)
-    };
-    old.store.stop();
-    for inv in lock(world).invocations.remove(&old.name).unwrap_or_default() {
-        inv.abort();
-    }
-    let new = functions_node(world, store, truth, n);
-    lock(world).functions = Some(new);
-}
-
-/// The scheduled queue sweep (the heartbeat function's), until the run is over: each run in
-/// the functions' process of the moment.
-pub(crate) async fn queue_sweeper(world: Shared) {
+/// The scheduled queue sweep (the heartbeat function's), until the run is over.
+pub(crate) async fn queue_sweeper(node: Arc<Node>, world: Shared) {
     loop {
         let every = draw(&world, |w| w.between(500, 1500));
         tokio::time::sleep(Duration::from_millis(every)).await;
         if lock(&world).end {
             return;
         }
-        let node = lock(&world).functions.clone().expect("the functions");
         let _ = node.coord.sweep_queues(now() + Duration::from_secs(2)).await;
     }
 }
@@ -193,11 +119,8 @@ pub(crate) async fn execution(mut f: Arc<Node>, world: &Shared, x: Execution) ->
             tokio::spawn(async move { f.coord.acquire_or_enqueue(&k, &exec, d, opts, &token, t).await })
         };
         // The invocation runs in `f`'s process: a crash of that process stops it.
-        {
-            let mut w = lock(world);
-            let running = w.invocations.entry(f.name.clone()).or_default();
-            running.retain(|h| !h.is_finished());
-            running.push(inv.abort_handle());
+        if !f.name.starts_with("fn") {
+            lock(world).invocations.entry(f.name.clone()).or_default().push(inv.abort_handle());
         }
         let crashed = || Error::StoreUnavailable("the acquire function's process crashed".into());
         let res = inv.await.unwrap_or_else(|_| Err(crashed()));

@@ -5,11 +5,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use leasehold::{Lease, LeaseId};
+use leasehold::testing::{SimClock, SimStore};
+use leasehold::{Coordinator, Lease, LeaseId};
 
-use crate::check::Violation;
-use crate::node::Node;
-use crate::sfn::Task;
+use crate::violation::Violation;
 use crate::Settings;
 
 /// One thing a client was told or did, in the order it happened.
@@ -62,11 +61,8 @@ pub(crate) struct World {
     pub(crate) tasks: BTreeMap<String, Task>,
     /// Executions holding a lease delivered to them (awaited at the end).
     pub(crate) exec_tasks: Vec<tokio::task::JoinHandle<()>>,
-    /// The coordinator the executions' functions call (a Lambda function's process; replaced
-    /// when it crashes).
+    /// The coordinator the executions' functions call (never crashes: a Lambda function).
     pub(crate) functions: Option<Arc<Node>>,
-    /// How often the functions' process crashed (and was replaced).
-    pub(crate) functions_crashed: usize,
     /// The run is over: the functions' queue sweep stops.
     pub(crate) end: bool,
     /// See [`Settings::hot_key`].
@@ -79,6 +75,34 @@ pub(crate) struct World {
     pub(crate) held_leases: bool,
     /// Acquire-function invocations running in each process (stopped by its crash).
     pub(crate) invocations: BTreeMap<String, Vec<tokio::task::AbortHandle>>,
+}
+
+/// One coordinator process.
+pub(crate) struct Node {
+    pub(crate) coord: Coordinator,
+    pub(crate) store: SimStore,
+    pub(crate) clock: Arc<SimClock>,
+    pub(crate) name: String,
+    /// Beyond the skew margin: every expiry it judges must be refused.
+    pub(crate) rogue: bool,
+    /// Serves waiter queues (delivers grants to the simulated Step Functions), as the Lambda
+    /// functions do; the others are library users.
+    pub(crate) serves_queues: bool,
+}
+
+/// A `.waitForTaskToken` task of an execution (DESIGN.md, "The waiter queue").
+#[derive(Debug, Clone)]
+pub(crate) struct Task {
+    /// The execution's name (the client name its lease is told to).
+    pub(crate) exec: String,
+    pub(crate) key: String,
+    pub(crate) lease_id: String,
+    /// Its timeout (the task's `TimeoutSeconds`): later deliveries answer `TaskTimedOut`.
+    pub(crate) timeout: Instant,
+    /// Closed: succeeded (the lease delivered), failed, or timed out.
+    pub(crate) closed: bool,
+    /// Its execution was stopped and deleted: deliveries answer `TaskDoesNotExist`.
+    pub(crate) deleted: bool,
 }
 
 pub(crate) type Shared = Arc<Mutex<World>>;
@@ -120,7 +144,6 @@ impl World {
             tasks: BTreeMap::new(),
             exec_tasks: Vec::new(),
             functions: None,
-            functions_crashed: 0,
             invocations: BTreeMap::new(),
             end: false,
             hot_key: s.hot_key,

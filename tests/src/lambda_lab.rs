@@ -295,22 +295,8 @@ pub async fn check_case(lab: &Lab, name: &str, spec: &Value, case: &Value) -> Re
     let function = case.get("function").or(spec.get("function")).and_then(Value::as_str).expect("function");
     let trigger = spec["trigger"].as_str().expect("trigger");
     let key = spec["key"].as_str().expect("key");
-    let setup_name = case["setup"].as_str().expect("setup");
     let expect = &case["expect"];
-    let substitute_ids = case.get("substitute").and_then(Value::as_bool).unwrap_or(true);
-
-    let mut payload = read_event(name);
-    if let Some(ka) = payload.get_mut("keepalive").and_then(Value::as_object_mut) {
-        if ka.get("until_ms").and_then(Value::as_u64).is_some_and(|u| u > 1_000_000) {
-            ka.insert("until_ms".into(), json!(now_ms() + 3_600_000));
-        }
-    }
-    let setup = run_setup(lab, name, function, &payload, setup_name, key).await;
-    if substitute_ids {
-        if let Some(id) = &setup.lease_id {
-            substitute(&mut payload, PLACEHOLDER, id);
-        }
-    }
+    let (payload, setup) = prepare(lab, name, function, key, case).await;
     let expected_error = expect.get("error").and_then(Value::as_str);
     let expected_status = expect.get("status").and_then(Value::as_u64);
     let rejects = expected_error == Some("InvalidRequest") || matches!(expected_status, Some(400 | 405));
@@ -322,86 +308,11 @@ pub async fn check_case(lab: &Lab, name: &str, spec: &Value, case: &Value) -> Re
 
     let mut problems = Vec::new();
     let (body, outcome) = if trigger == "http" {
-        let a = http_answer(&inv)?;
-        if let Some(s) = expected_status {
-            if a.status != s {
-                problems.push(format!("status {} (expected {s}): {}", a.status, a.body));
-            }
-        }
-        for h in expect.get("headers").and_then(Value::as_array).into_iter().flatten() {
-            let h = h.as_str().unwrap();
-            match a.header(h) {
-                Some(v) if h == "retry-after" && v.parse::<u64>().map_or(true, |s| s < 1) => {
-                    problems.push(format!("bad {h}: {v}"))
-                }
-                Some(_) => {}
-                None => problems.push(format!("no {h} header: {:?}", a.headers)),
-            }
-        }
-        if let Some(e) = expected_error {
-            if a.body.get("error").and_then(Value::as_str) != Some(e) {
-                problems.push(format!("error {:?} (expected {e})", a.body.get("error")));
-            }
-            if a.body.get("message").and_then(Value::as_str).is_none_or(str::is_empty) {
-                problems.push("error body without a message".into());
-            }
-        }
-        let outcome = format!("HTTP {}{}", a.status, a.body.get("error").map(|e| format!(" {e}")).unwrap_or_default());
-        (a.body, outcome)
+        http_outcome(&inv, expect, &mut problems)?
     } else {
-        match (&inv.error_type, expected_error) {
-            (None, None) => {}
-            (Some(t), Some(e)) if t == e => {
-                let b = inv.error_body();
-                if b.get("error").and_then(Value::as_str) != Some(e) {
-                    problems.push(format!("errorMessage is not the JSON error body: {}", inv.body));
-                }
-            }
-            (got, want) => problems.push(format!("errorType {got:?} (expected {want:?}): {}", inv.body)),
-        }
-        let body = if inv.error_type.is_some() { inv.error_body() } else { inv.body.clone() };
-        let outcome = match &inv.error_type {
-            Some(t) => format!("error {t}"),
-            None => "ok".to_string(),
-        };
-        (body, outcome)
+        direct_outcome(&inv, expected_error, &mut problems)
     };
-
-    for (path, want) in expect.get("fields").and_then(Value::as_object).into_iter().flatten() {
-        let got = at(&body, path);
-        let matches = match (got, want) {
-            (None, Value::Null) => true,
-            (Some(g), w) => g == w,
-            (None, _) => false,
-        };
-        if !matches {
-            problems.push(format!("{path} = {got:?} (expected {want})"));
-        }
-    }
-    for path in expect.get("has").and_then(Value::as_array).into_iter().flatten() {
-        let path = path.as_str().unwrap();
-        if at(&body, path).is_none_or(Value::is_null) {
-            problems.push(format!("{path} missing"));
-        }
-    }
-    for path in expect.get("absent").and_then(Value::as_array).into_iter().flatten() {
-        let path = path.as_str().unwrap();
-        if at(&body, path).is_some() {
-            problems.push(format!("{path} present"));
-        }
-    }
-    if let Some(rel) = expect.get("fence").and_then(Value::as_str) {
-        let base = setup.fence.ok_or(format!("{name}: fence check without a setup fence"))?;
-        let got = body.get("fence").and_then(Value::as_u64);
-        let ok = match rel {
-            "higher" => got.is_some_and(|f| f > base),
-            "same" => got == Some(base),
-            other => return Err(format!("{name}: unknown fence expectation {other:?}")),
-        };
-        if !ok {
-            problems.push(format!("fence {got:?} (expected {rel} than/as {base})"));
-        }
-    }
+    check_body(name, expect, &body, &setup, &mut problems)?;
     if let Some(ms) = expect.get("within_ms").and_then(Value::as_u64) {
         if elapsed > Duration::from_millis(ms) {
             problems.push(format!("answered after {elapsed:?} (limit {ms} ms)"));
@@ -417,4 +328,125 @@ pub async fn check_case(lab: &Lab, name: &str, spec: &Value, case: &Value) -> Re
     } else {
         Err(problems.join("; "))
     }
+}
+
+/// The case's event (a keep-alive's far `until_ms` moved to an hour from now), after its
+/// setup ran, with the setup's lease_id in place of the placeholder unless the case says not to.
+async fn prepare(lab: &Lab, name: &str, function: &str, key: &str, case: &Value) -> (Value, Setup) {
+    let setup_name = case["setup"].as_str().expect("setup");
+    let substitute_ids = case.get("substitute").and_then(Value::as_bool).unwrap_or(true);
+    let mut payload = read_event(name);
+    if let Some(ka) = payload.get_mut("keepalive").and_then(Value::as_object_mut) {
+        if ka.get("until_ms").and_then(Value::as_u64).is_some_and(|u| u > 1_000_000) {
+            ka.insert("until_ms".into(), json!(now_ms() + 3_600_000));
+        }
+    }
+    let setup = run_setup(lab, name, function, &payload, setup_name, key).await;
+    if substitute_ids {
+        if let Some(id) = &setup.lease_id {
+            substitute(&mut payload, PLACEHOLDER, id);
+        }
+    }
+    (payload, setup)
+}
+
+/// An HTTP event's answer checked against the expected status, headers and error: its body
+/// and a one-line outcome.
+fn http_outcome(inv: &Invocation, expect: &Value, problems: &mut Vec<String>) -> Result<(Value, String), String> {
+    let expected_error = expect.get("error").and_then(Value::as_str);
+    let expected_status = expect.get("status").and_then(Value::as_u64);
+    let a = http_answer(inv)?;
+    if let Some(s) = expected_status {
+        if a.status != s {
+            problems.push(format!("status {} (expected {s}): {}", a.status, a.body));
+        }
+    }
+    for h in expect.get("headers").and_then(Value::as_array).into_iter().flatten() {
+        let h = h.as_str().unwrap();
+        match a.header(h) {
+            Some(v) if h == "retry-after" && v.parse::<u64>().map_or(true, |s| s < 1) => {
+                problems.push(format!("bad {h}: {v}"))
+            }
+            Some(_) => {}
+            None => problems.push(format!("no {h} header: {:?}", a.headers)),
+        }
+    }
+    if let Some(e) = expected_error {
+        if a.body.get("error").and_then(Value::as_str) != Some(e) {
+            problems.push(format!("error {:?} (expected {e})", a.body.get("error")));
+        }
+        if a.body.get("message").and_then(Value::as_str).is_none_or(str::is_empty) {
+            problems.push("error body without a message".into());
+        }
+    }
+    let outcome = format!("HTTP {}{}", a.status, a.body.get("error").map(|e| format!(" {e}")).unwrap_or_default());
+    Ok((a.body, outcome))
+}
+
+/// A direct invocation's answer checked against the expected error type: its body (the error
+/// body for a function error) and a one-line outcome.
+fn direct_outcome(inv: &Invocation, expected_error: Option<&str>, problems: &mut Vec<String>) -> (Value, String) {
+    match (&inv.error_type, expected_error) {
+        (None, None) => {}
+        (Some(t), Some(e)) if t == e => {
+            let b = inv.error_body();
+            if b.get("error").and_then(Value::as_str) != Some(e) {
+                problems.push(format!("errorMessage is not the JSON error body: {}", inv.body));
+            }
+        }
+        (got, want) => problems.push(format!("errorType {got:?} (expected {want:?}): {}", inv.body)),
+    }
+    let body = if inv.error_type.is_some() { inv.error_body() } else { inv.body.clone() };
+    let outcome = match &inv.error_type {
+        Some(t) => format!("error {t}"),
+        None => "ok".to_string(),
+    };
+    (body, outcome)
+}
+
+/// The answer's body checked against the expected fields, present and absent paths, and its
+/// fence against the setup's; an error for an expectation the case cannot have.
+fn check_body(
+    name: &str,
+    expect: &Value,
+    body: &Value,
+    setup: &Setup,
+    problems: &mut Vec<String>,
+) -> Result<(), String> {
+    for (path, want) in expect.get("fields").and_then(Value::as_object).into_iter().flatten() {
+        let got = at(body, path);
+        let matches = match (got, want) {
+            (None, Value::Null) => true,
+            (Some(g), w) => g == w,
+            (None, _) => false,
+        };
+        if !matches {
+            problems.push(format!("{path} = {got:?} (expected {want})"));
+        }
+    }
+    for path in expect.get("has").and_then(Value::as_array).into_iter().flatten() {
+        let path = path.as_str().unwrap();
+        if at(body, path).is_none_or(Value::is_null) {
+            problems.push(format!("{path} missing"));
+        }
+    }
+    for path in expect.get("absent").and_then(Value::as_array).into_iter().flatten() {
+        let path = path.as_str().unwrap();
+        if at(body, path).is_some() {
+            problems.push(format!("{path} present"));
+        }
+    }
+    if let Some(rel) = expect.get("fence").and_then(Value::as_str) {
+        let base = setup.fence.ok_or(format!("{name}: fence check without a setup fence"))?;
+        let got = body.get("fence").and_then(Value::as_u64);
+        let ok = match rel {
+            "higher" => got.is_some_and(|f| f > base),
+            "same" => got == Some(base),
+            other => return Err(format!("{name}: unknown fence expectation {other:?}")),
+        };
+        if !ok {
+            problems.push(format!("fence {got:?} (expected {rel} than/as {base})"));
+        }
+    }
+    Ok(())
 }

@@ -76,6 +76,11 @@ struct State {
     events: Vec<ProxyEvent>,
     /// More random faults, each with its own operations and rate (see [`Proxy::add_random_faults`]).
     rules: Vec<Rule>,
+    /// Ask DynamoDB for each request's consumed capacity ([`Proxy::measure_capacity`]).
+    capacity: bool,
+    /// Per operation: capacity units consumed (the answers' ConsumedCapacity, indexes
+    /// included), and requests answered with an error.
+    consumed: BTreeMap<String, (f64, u64)>,
 }
 
 /// Random faults on some operations: each matching request draws one with this probability.
@@ -246,6 +251,59 @@ impl Proxy {
     pub fn events(&self) -> Vec<ProxyEvent> {
         self.state.lock().unwrap().events.clone()
     }
+
+    /// From now on every request that can say so asks for its consumed capacity, indexes
+    /// included (`ReturnConsumedCapacity: INDEXES`, added unless the client asked itself),
+    /// and [`Proxy::consumed`] sums what the answers report.
+    pub fn measure_capacity(&self, on: bool) {
+        let mut s = self.state.lock().unwrap();
+        s.capacity = on;
+        s.consumed.clear();
+    }
+
+    /// Per operation ("PutItem", "Query", ...): (capacity units consumed, error answers). A
+    /// write refused by its condition reports no capacity here; DynamoDB charges it all the
+    /// same (at least one write unit).
+    pub fn consumed(&self) -> BTreeMap<String, (f64, u64)> {
+        self.state.lock().unwrap().consumed.clone()
+    }
+}
+
+/// Operations that take `ReturnConsumedCapacity`.
+const CAPACITY_OPS: [&str; 9] = [
+    "GetItem",
+    "PutItem",
+    "UpdateItem",
+    "DeleteItem",
+    "Query",
+    "Scan",
+    "BatchGetItem",
+    "BatchWriteItem",
+    "TransactWriteItems",
+];
+
+/// `body` asking for its consumed capacity (unchanged when it cannot or already does).
+fn with_capacity(target: &str, body: &Bytes) -> Bytes {
+    if !CAPACITY_OPS.contains(&target) {
+        return body.clone();
+    }
+    match serde_json::from_slice::<serde_json::Value>(body) {
+        Ok(serde_json::Value::Object(mut m)) if !m.contains_key("ReturnConsumedCapacity") => {
+            m.insert("ReturnConsumedCapacity".into(), "INDEXES".into());
+            Bytes::from(serde_json::Value::Object(m).to_string())
+        }
+        _ => body.clone(),
+    }
+}
+
+/// The capacity units an answer reports (one `ConsumedCapacity`, or a list of them).
+fn capacity_of(answer: &[u8]) -> f64 {
+    let v: serde_json::Value = serde_json::from_slice(answer).unwrap_or_default();
+    let one = |c: &serde_json::Value| c["CapacityUnits"].as_f64().unwrap_or(0.0);
+    match &v["ConsumedCapacity"] {
+        serde_json::Value::Array(a) => a.iter().map(one).sum(),
+        c => one(c),
+    }
 }
 
 impl Drop for Proxy {
@@ -280,11 +338,12 @@ async fn handle(
         .unwrap_or_else(|| "-".into());
     let (parts, body) = req.into_parts();
     let body = body.collect().await.map_err(std::io::Error::other)?.to_bytes();
-    let (fault, record) = {
+    let (fault, record, capacity) = {
         let mut s = st.lock().unwrap();
         *s.counts.entry(target.clone()).or_default() += 1;
-        (s.pick(&target), s.record)
+        (s.pick(&target), s.record, s.capacity)
     };
+    let body = if capacity { with_capacity(&target, &body) } else { body };
     let log = |status: u16| {
         if record {
             let mut s = st.lock().unwrap();
@@ -328,8 +387,11 @@ async fn handle(
     }
     let mut fwd = Request::builder().method(parts.method).uri(parts.uri.path());
     for (k, v) in parts.headers.iter() {
-        fwd = fwd.header(k, v);
+        if k != hyper::header::CONTENT_LENGTH {
+            fwd = fwd.header(k, v);
+        }
     }
+    fwd = fwd.header(hyper::header::CONTENT_LENGTH, body.len());
     let fwd = fwd.body(Full::new(body.clone())).map_err(std::io::Error::other)?;
     if let Some(ProxyFault::DelayedDuplicate { hold, forward_after }) = fault {
         // The original goes on by itself, on a fresh upstream connection, at its own time.
@@ -380,6 +442,12 @@ async fn handle(
     let status = resp.status().as_u16();
     let (rparts, rbody) = resp.into_parts();
     let rbody = rbody.collect().await.map_err(std::io::Error::other)?.to_bytes();
+    if capacity {
+        let mut s = st.lock().unwrap();
+        let e = s.consumed.entry(target.clone()).or_default();
+        e.0 += capacity_of(&rbody);
+        e.1 += u64::from(status >= 400);
+    }
     if fault == Some(ProxyFault::DropResponse) {
         log(0);
         return Err(std::io::Error::other("injected: response dropped after forwarding"));

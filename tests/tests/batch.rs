@@ -712,3 +712,49 @@ async fn batch_processor_drain_past_25000_history_events() {
     );
     assert!(drain.ends.len() >= 2, "{}", drain.figures(n));
 }
+
+/// States entered (one state transition each) and Lambda tasks scheduled in an execution.
+async fn transitions_and_invocations(client: &aws_sdk_sfn::Client, arn: &str) -> (i64, i64) {
+    let h = sfn_quotas::all_history(client, arn).await;
+    let entered = h.iter().filter(|e| e.r#type().as_str().ends_with("StateEntered")).count() as i64;
+    let lambdas = h
+        .iter()
+        .filter(|e| {
+            matches!(
+                e.r#type(),
+                aws_sdk_sfn::types::HistoryEventType::TaskScheduled
+                    | aws_sdk_sfn::types::HistoryEventType::LambdaFunctionScheduled
+            )
+        })
+        .count() as i64;
+    (entered, lambdas)
+}
+
+/// What the BatchProcessor costs in Step Functions and Lambda per key (BENCHMARKS.md, "What it
+/// costs"): drains of 10 and 20 keys in batches of 10, each one execution; the difference is
+/// ten keys and one batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_processor_state_transitions_per_key() {
+    let s = tokio::task::spawn_blocking(stack).await.unwrap();
+    let c = coordinator(s).await;
+    let mut counts = Vec::new();
+    for (state, n) in [("COST10", 10), ("COST20", 20), ("COST0", 0)] {
+        let keys: Vec<String> = (0..n).map(|i| format!("good/{state}-{i:03}")).collect();
+        put_keys(&c, state, &keys).await;
+        let (client, arn) =
+            start(s, next_execution_region(""), format!("cost-{state}"), json!({"state": state, "limit": 10})).await;
+        let ends = follow(s, client.clone(), arn.clone()).await;
+        assert_eq!(ends.len(), 1);
+        counts.push(transitions_and_invocations(&client, &arn).await);
+    }
+    let (ten, twenty, empty) = (counts[0], counts[1], counts[2]);
+    let per_batch_of_10 = (twenty.0 - ten.0, twenty.1 - ten.1);
+    println!(
+        "batch processor: empty drain {empty:?}, 10 keys {ten:?}, 20 keys {twenty:?} (state transitions, Lambda \
+         invocations); ten more keys in one more batch: {per_batch_of_10:?}"
+    );
+    // Measured 56 (5.6 a key: Renew, Work, ReleaseDone and their Pass and Choice states).
+    assert!((50..=60).contains(&per_batch_of_10.0), "{counts:?}");
+    // Per key: renew, work, release; per batch: next.
+    assert_eq!(per_batch_of_10.1, 10 * 3 + 1, "{counts:?}");
+}

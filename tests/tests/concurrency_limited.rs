@@ -485,6 +485,50 @@ async fn concurrency_limited_event_counts_justify_its_bounds() {
     assert!(worst >= sfn_quotas::MAX_HISTORY_EVENTS as i64 / 2, "{worst}");
 }
 
+/// What ConcurrencyLimited costs in Step Functions and Lambda (BENCHMARKS.md, "What it
+/// costs"): runs of 2 and 6 items on enough slots (none waits), one execution each; the
+/// difference is four items. States entered are the billed state transitions; Lambda tasks
+/// scheduled are invocations (per item: acquire, the work function, release).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn state_transitions_and_invocations_per_item() {
+    tokio::task::spawn_blocking(stack).await.unwrap();
+    let mut per_run = Vec::new();
+    for n in [2usize, 6] {
+        let items: Vec<Value> = (0..n).map(|i| json!({"n": i, "ms": 50})).collect();
+        let input =
+            json!({"key": unique("cost"), "slots": 10, "items": items, "wait_ms": 0, "duration_ms": duration_ms()});
+        let (client, arn) = start(input).await;
+        let ends = follow(client.clone(), arn.clone(), sfn_quotas::MAX_HISTORY_EVENTS).await;
+        assert_eq!(ends.len(), 1, "{ends:?}");
+        let h = sfn_quotas::all_history(&client, &arn).await;
+        let entered = h.iter().filter(|e| e.r#type().as_str().ends_with("StateEntered")).count() as i64;
+        let lambdas = h
+            .iter()
+            .filter(|e| {
+                matches!(
+                    e.r#type(),
+                    aws_sdk_sfn::types::HistoryEventType::TaskScheduled
+                        | aws_sdk_sfn::types::HistoryEventType::LambdaFunctionScheduled
+                )
+            })
+            .count() as i64;
+        per_run.push((entered, lambdas));
+    }
+    let per_item = ((per_run[1].0 - per_run[0].0) / 4, (per_run[1].1 - per_run[0].1) / 4);
+    let fixed = (per_run[0].0 - 2 * per_item.0, per_run[0].1 - 2 * per_item.1);
+    println!(
+        "concurrency limited, slots free: per item {} state transitions and {} Lambda invocations (work \
+         included); per execution {} and {}",
+        per_item.0, per_item.1, fixed.0, fixed.1
+    );
+    // Exact: four more items cost four times one item's states, and the fixed part is not negative.
+    assert_eq!((per_run[1].0 - per_run[0].0) % 4, 0, "{per_run:?}");
+    // Measured: 11 an item, 10 an execution.
+    assert!((8..=14).contains(&per_item.0) && (5..=15).contains(&fixed.0), "{per_run:?}");
+    assert_eq!(per_item.1, 3, "acquire, work, release per item: {per_run:?}");
+    assert!((0..=2).contains(&fixed.1), "{per_run:?}");
+}
+
 /// The history quota the next test holds each execution to: lowered from 25,000 so that a
 /// list of a few dozen items crosses it in all (the full quota's run is
 /// `concurrency_limited_chain_past_25000_history_events`, outside the suite).

@@ -225,7 +225,7 @@ impl leasehold::store::Store for JumpOnWrite {
     }
 }
 
-/// The simulation's clock jumps (seed 2 of the simulation; DESIGN.md, "Simulation"). The clock
+/// The simulation's clock jumps (seed 2 of the simulation; FINDINGS.md). The clock
 /// was checked before an acquire's first try; the try was throttled, and during the backoff
 /// the clock was stepped 60 s ahead. The retry must check the clock again: sent as it was, its
 /// `:now` saw the live lease of another holder as expired and took the key (two holders).

@@ -22,6 +22,7 @@ both_backends!(
     a_waiter_elsewhere_is_not_passed_over_by_the_line_s_own_waiters,
     a_mark_landing_before_the_hand_over_s_write_leaves_the_key_free,
     a_callers_lease_id_sent_again_after_a_dropped_acquire_keeps_its_lease,
+    a_mark_that_did_not_land_is_written_again_at_the_next_refusal,
 );
 
 const LONG: Option<Duration> = Some(Duration::from_secs(30));
@@ -401,4 +402,36 @@ async fn a_callers_lease_id_sent_again_after_a_dropped_acquire_keeps_its_lease(b
         c.heartbeat(k, &id, duration).await.expect("still the caller's lease");
         c.release(k, &id).await.unwrap();
     }
+}
+
+/// A waiter of another coordinator whose mark of the lease (`awaited_by`) does not land (the
+/// store refuses the write, or it outlasts the waiter's pause on a slow store) marks it again at
+/// its next refusal: it is not left unmarked, passed over by that line for as long as it waits.
+async fn a_mark_that_did_not_land_is_written_again_at_the_next_refusal(b: Backend) {
+    let x = polling_every(b.store(), Duration::from_secs(1));
+    // The marks are the only writes under `FenceIs`; the first one is not sent.
+    let faulty = Faulty::on(b.store(), |c| matches!(c, Condition::FenceIs(_)));
+    faulty.inject(&[Fault::Unavailable]);
+    let w = polling_every(faulty.clone(), Duration::from_millis(100));
+    let k = "mark-again";
+    let h = x.acquire(k, "h", LONG, AcquireOptions::default()).await.unwrap();
+    let x1 = tokio::spawn({
+        let x = x.clone();
+        async move { x.acquire(k, "x1", LONG, waiting(Duration::from_secs(20))).await }
+    });
+    head_offers(&x, k).await;
+    x.release(k, &h.lease_id).await.unwrap();
+    let l1 = x1.await.unwrap().expect("x1 is handed the key");
+    let wl = tokio::spawn({
+        let w = w.clone();
+        async move { w.acquire(k, "w", LONG, waiting(Duration::from_secs(30))).await }
+    });
+    until(Duration::from_secs(10), "w's waiter marks x1's lease after its first mark was lost", async || {
+        b.store().get(k).await.unwrap().is_some_and(|r| r.queue.awaited_by.as_deref() == Some(w.id()))
+    })
+    .await;
+    assert_eq!(faulty.injected.load(Ordering::SeqCst), 1, "the first mark was not sent");
+    x.release(k, &l1.lease_id).await.unwrap();
+    let got = wl.await.unwrap().expect("w's waiter gets the key");
+    w.release(k, &got.lease_id).await.unwrap();
 }

@@ -47,6 +47,9 @@ async fn scripted_run(c: &Coordinator, rec: &Recorder, key: &str) -> Vec<Expecte
     // Acquire, heartbeat, release into a state.
     let a = c.acquire(key, "w1", long, opts()).await.unwrap();
     want.push(ev("granted", "w1", a.fence));
+    // A renewal is ordered after the grant by its clock (`renewed_at_ms < :now`): one in the
+    // grant's own millisecond is refused and renews nothing, so it comes a little later.
+    tokio::time::sleep(Duration::from_millis(3)).await;
     c.heartbeat(key, &a.lease_id, Some(Duration::from_secs(90))).await.unwrap();
     want.push(ev("renewed", "w1", a.fence));
     let r = c.release_to(key, &a.lease_id, Some("DONE")).await.unwrap();
@@ -88,6 +91,9 @@ async fn semaphore_run(c: &Coordinator, key: &str) -> Vec<Expected> {
     want.push(ev("granted", "s1", a.fence));
     let crash = c.acquire(key, "crasher", Some(Duration::from_millis(1000)), slots()).await.unwrap();
     want.push(ev("granted", "crasher", crash.fence));
+    // A renewal is ordered after the grant by its clock (`renewed_at_ms < :now`): one in the
+    // grant's own millisecond is refused and renews nothing, so it comes a little later.
+    tokio::time::sleep(Duration::from_millis(3)).await;
     c.heartbeat(key, &a.lease_id, Some(Duration::from_secs(90))).await.unwrap();
     want.push(ev("renewed", "s1", a.fence));
     // Full only by the crasher, expired unreleased: the next take cleans it away, taking over.

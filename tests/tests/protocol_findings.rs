@@ -1,4 +1,4 @@
-//! Protocol defects the deterministic simulation found (DESIGN.md, "Simulation"), each
+//! Protocol defects the deterministic simulation found (FINDINGS.md), each
 //! replayed here against both stores: the embedded one and DynamoDB Local.
 
 use std::sync::atomic::Ordering;
@@ -331,7 +331,7 @@ impl Deliver for RetriedTask {
     }
 }
 
-/// DESIGN.md, "Simulation" (a retried invocation with a fresh task token). A queued acquire
+/// FINDINGS.md (a retried invocation with a fresh task token). A queued acquire
 /// is queued; its invocation then fails, and Step Functions retries it with the same lease_id
 /// and a new token, the first token dead. Between the two, the holder releases and the queue
 /// grants the waiter's slot to the first token. The retry finds its lease_id's lease live: it

@@ -506,3 +506,37 @@ async fn a_delivery_that_landed_but_timed_out_keeps_the_key() {
     assert!(acquired >= released, "one at a time: the second acquired at {acquired}, the first released at {released}");
     assert!(b.output["fence"].as_u64().unwrap() > a.output["fence"].as_u64().unwrap());
 }
+
+/// What a QueuedSingleFlight execution costs in Step Functions and Lambda (BENCHMARKS.md,
+/// "What it costs"): the states it entered (one transition each) and the Lambda tasks it
+/// scheduled, alone and queued behind another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn state_transitions_and_invocations_per_run() {
+    stack();
+    let key = unique("queued-cost");
+    let input = |work_seconds: u64| json!({"key": key, "duration_ms": 60000, "work_seconds": work_seconds});
+    let first = start(input(4)).await;
+    wait_for(&key, "the first execution's lease", |s| s.held && s.holder == first.name).await;
+    let second = start(input(0)).await;
+    wait_for(&key, "the second execution queued", |s| s.queue_length == 1).await;
+    let mut counts = Vec::new();
+    for run in [&first, &second] {
+        let end = wait_end(run, Duration::from_secs(180)).await;
+        assert_eq!(end.status, ExecutionStatus::Succeeded, "{end:?}");
+        let h = leasehold_tests::sfn_quotas::all_history(&run.client, &run.arn).await;
+        let entered = h.iter().filter(|e| e.r#type().as_str().ends_with("StateEntered")).count();
+        let lambdas = h
+            .iter()
+            .filter(|e| {
+                matches!(e.r#type(), HistoryEventType::TaskScheduled | HistoryEventType::LambdaFunctionScheduled)
+            })
+            .count();
+        counts.push((entered, lambdas));
+    }
+    println!(
+        "queued single flight: alone {:?}, queued behind another {:?} (state transitions, Lambda invocations)",
+        counts[0], counts[1]
+    );
+    assert_eq!(counts[0], counts[1], "waiting in the queue costs no transition: {counts:?}");
+    assert_eq!(counts[0], (12, 2), "{counts:?}");
+}

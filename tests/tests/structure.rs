@@ -16,14 +16,24 @@ fn src() -> PathBuf {
 }
 
 /// The source directories of the crates whose files import each other in no circle (tests/tests,
-/// the integration tests themselves, stay out). sim/src joins once its circles are broken
-/// (issue 40: world with check, node, session and sfn; run with finale).
-const ACYCLIC_CRATES: [&str; 4] = ["shared/src", "cli/src", "bench/src", "tests/src"];
+/// the integration tests themselves, stay out).
+const ACYCLIC_CRATES: [&str; 5] = ["shared/src", "cli/src", "bench/src", "tests/src", "sim/src"];
 
-/// The source directories of the crates held to `MAX_FN_LINES`. cli/src, bench/src and tests/src
-/// join once their long functions are split (issue 40: cli `serve`, `run`, `supervise`,
-/// `render`; bench `floor_drain`, both `report`s; tests/src `check_case`, `handle`, `step`).
-const BOUNDED_CRATES: [&str; 2] = ["shared/src", "sim/src"];
+/// The source directories of the crates held to `MAX_FN_LINES`: every crate's.
+const BOUNDED_CRATES: [&str; 5] = ["shared/src", "sim/src", "cli/src", "bench/src", "tests/src"];
+
+/// Functions let past `MAX_FN_LINES` for now, as `(file, name)`: each is rewritten on a branch
+/// of its own (cli `run` and `supervise` with `leasehold run`'s timing on the clock; the test
+/// proxy's `handle` with the proxy), which splits it. An entry that is no longer over the
+/// bound fails the test, so that the list only shrinks.
+const LONG_FOR_NOW: [(&str, &str); 3] =
+    [("cli/src/run.rs", "run"), ("cli/src/run.rs", "supervise"), ("tests/src/proxy.rs", "handle")];
+
+/// `p` relative to the repository (as the failure messages name files), or as it is when it is
+/// outside it.
+fn rel(p: &Path) -> String {
+    p.strip_prefix(repo_root()).unwrap_or(p).display().to_string()
+}
 
 /// Every `.rs` file under `dir`, with its source up to its test module.
 fn sources(dir: &Path) -> Vec<(PathBuf, String)> {
@@ -162,7 +172,7 @@ fn functions(path: &Path, text: &str) -> Vec<(String, usize, String, usize)> {
             lines[j].len() - lines[j].trim_start().len() == indent && lines[j].trim_start().starts_with('}')
         });
         if let Some(close) = close {
-            out.push((path.display().to_string(), i + 1, ident_at(sig), close - i + 1));
+            out.push((rel(path), i + 1, ident_at(sig), close - i + 1));
         }
     }
     out
@@ -179,12 +189,19 @@ fn no_function_is_longer_than_80_lines() {
         all.extend(fns);
     }
     assert!(all.len() > 500, "the functions were read: {}", all.len());
+    let exempt = |file: &str, name: &str| LONG_FOR_NOW.iter().any(|(f, n)| file == *f && name == *n);
     let long: Vec<String> = all
         .iter()
-        .filter(|f| f.3 > MAX_FN_LINES)
+        .filter(|f| f.3 > MAX_FN_LINES && !exempt(&f.0, &f.2))
         .map(|(file, line, name, n)| format!("{file}:{line} {name}: {n} lines"))
         .collect();
     assert!(long.is_empty(), "functions longer than {MAX_FN_LINES} lines:\n{}", long.join("\n"));
+    let within: Vec<String> = LONG_FOR_NOW
+        .iter()
+        .filter(|(f, n)| !all.iter().any(|a| a.0 == *f && a.2 == *n && a.3 > MAX_FN_LINES))
+        .map(|(f, n)| format!("{f} {n}"))
+        .collect();
+    assert!(within.is_empty(), "LONG_FOR_NOW names functions within the bound (remove them): {within:?}");
 }
 
 /// The module path a file of the crate rooted at `dir` defines: `[]` for lib.rs or main.rs,
@@ -243,12 +260,11 @@ fn expand(prefix: &[String], rest: &str, out: &mut Vec<Vec<String>>) {
 /// (items lib.rs or main.rs re-export) are left out, as in the module graph.
 fn file_imports(dir: &Path) -> BTreeMap<String, BTreeSet<String>> {
     let files = sources(dir);
-    let name = |p: &Path| p.strip_prefix(repo_root()).unwrap().display().to_string();
-    let modules: BTreeMap<Vec<String>, String> = files.iter().map(|(p, _)| (module_path(dir, p), name(p))).collect();
+    let modules: BTreeMap<Vec<String>, String> = files.iter().map(|(p, _)| (module_path(dir, p), rel(p))).collect();
     let mut graph = BTreeMap::new();
     for (p, text) in &files {
         let own = module_path(dir, p);
-        let file = name(p);
+        let file = rel(p);
         let mut deps = BTreeSet::new();
         for (i, _) in text.match_indices("::") {
             let before = &text[..i];
@@ -361,7 +377,7 @@ fn only_the_clock_module_reads_time() {
         }
         for (n, line) in text.lines().enumerate() {
             if let Some(r) = reads.iter().find(|r| line.contains(*r)) {
-                found.push(format!("{}:{} {r}", p.display(), n + 1));
+                found.push(format!("{}:{} {r}", rel(&p), n + 1));
             }
         }
     }
@@ -416,7 +432,7 @@ fn every_source_file_says_what_it_is_for() {
                 .join(" ");
             let placeholder = ["TODO", "FIXME", "XXX"].iter().any(|p| doc.trim().starts_with(p));
             if doc.split_whitespace().count() < 4 || placeholder {
-                missing.push(path.strip_prefix(&root).unwrap().display().to_string());
+                missing.push(rel(&path));
             }
         }
     }
@@ -442,7 +458,7 @@ fn the_store_has_no_unreachable_arm() {
                 let text = std::fs::read_to_string(&p).unwrap();
                 for (n, line) in text.lines().enumerate() {
                     if line.contains(concat!("unreachable", "!")) {
-                        found.push(format!("{}:{}", p.display(), n + 1));
+                        found.push(format!("{}:{}", rel(&p), n + 1));
                     }
                 }
             }

@@ -1254,3 +1254,32 @@ fn the_rule_finds_work_outside_the_lease() {
         assert!(found.iter().any(|v| v.contains(expect)), "{name}: expected {expect:?}, found {found:#?}");
     }
 }
+
+/// States entered (Step Functions bills one state transition each) and Lambda tasks scheduled
+/// (invocations) of an execution's history.
+fn transitions_and_invocations(end: &Ended) -> (usize, usize) {
+    let entered = end.history.iter().filter(|e| format!("{:?}", e.kind).ends_with("StateEntered")).count();
+    let lambdas = end
+        .history
+        .iter()
+        .filter(|e| matches!(e.kind, HistoryEventType::TaskScheduled | HistoryEventType::LambdaFunctionScheduled))
+        .count();
+    (entered, lambdas)
+}
+
+/// What a SingleFlight run costs in Step Functions and Lambda (BENCHMARKS.md, "What it
+/// costs"): uncontended (the placeholder work step, the default keep-alive) it enters 14 states
+/// (its input checked and configured, acquire, work, release, the outcome) and invokes the
+/// functions twice (acquire, release). ConcurrencyLimited's are measured in
+/// concurrency_limited.rs, the BatchProcessor's in batch.rs, QueuedSingleFlight's in
+/// queue_workflow.rs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn state_transitions_and_invocations_per_run() {
+    tokio::task::spawn_blocking(stack).await.unwrap();
+    let run = start(SINGLE_FLIGHT, "", json!({"key": unique("cost"), "work_seconds": 0})).await;
+    let end = wait_end(&run, LONG).await;
+    assert_eq!(end.status, ExecutionStatus::Succeeded, "{}", end.describe());
+    let (transitions, invocations) = transitions_and_invocations(&end);
+    println!("single flight, uncontended: {transitions} state transitions, {invocations} Lambda invocations");
+    assert_eq!((transitions, invocations), (14, 2), "{}", end.describe());
+}

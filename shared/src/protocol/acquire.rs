@@ -524,10 +524,11 @@ impl Coordinator {
             |r: Record| Error::LeaseHeld { key: key.to_string(), holder: r.holder, expires_at_ms: r.expires_at_ms };
         let Some(until) = pause.map(|p| self.monotonic() + p) else { return Err(held(r)) };
         // The key is in another coordinator's in-process line while this acquire waits: it says
-        // so on the item, once per lease it sees, and that coordinator's next release leaves the
-        // key free for it instead of handing it over again. The mark is written within the pause
-        // (best effort), so that the acquire still ends by its deadline.
-        if a.wait.new_lease() && self.turn_elsewhere(&r) {
+        // so on the item, and that coordinator's next release leaves the key free for it instead
+        // of handing it over again. The mark is written within the pause (best effort), so that
+        // the acquire still ends by its deadline; a mark that did not land in it (a slow store,
+        // a short pause) is written again at the next refusal that shows the lease unmarked.
+        if self.turn_elsewhere(&r) {
             let _ = tokio::time::timeout_at(until.into(), self.waits_in(key, r.fence)).await;
         }
         let pause = until.saturating_duration_since(self.monotonic());

@@ -119,9 +119,6 @@ pub(crate) struct Waiting<'a> {
     pause: Duration,
     /// The fence of the lease that held the key at the last rejection.
     held_by: Option<u64>,
-    /// The last rejection showed a lease this acquire had not seen at a rejection before (its
-    /// first, or the key changed hands while it waited: it missed a turn).
-    new_lease: bool,
 }
 
 impl<'a> Waiting<'a> {
@@ -138,7 +135,6 @@ impl<'a> Waiting<'a> {
             period: pace.period,
             pause: pace.period,
             held_by: None,
-            new_lease: false,
         }
     }
 
@@ -154,12 +150,6 @@ impl<'a> Waiting<'a> {
     /// The period this attempt writes with its lease (`poll_ms`), when it contended.
     pub(crate) fn advertise(&self) -> Option<u64> {
         self.contended.then(|| next_period(self.period, self.attempts, self.poll_max).as_millis() as u64)
-    }
-
-    /// Did the last rejection show a lease this acquire had not seen before (the first it was
-    /// refused by, or the key changed hands while it waited)?
-    pub(crate) fn new_lease(&self) -> bool {
-        self.new_lease
     }
 
     /// Granted by an item advertising `poll_ms`: remembered for this coordinator's next call.
@@ -194,7 +184,6 @@ impl<'a> Waiting<'a> {
         } else {
             aged(self.period, now.saturating_duration_since(self.start))
         };
-        self.new_lease = self.held_by != Some(fence);
         self.held_by = Some(fence);
         let mut sleep = uniform(self.pause / 2, self.pause + self.pause / 2);
         if let Some(u) = until_expiry {

@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 use leasehold::store::Mutation;
 use leasehold::testing::Applied;
 
-use super::{blind, short, true_us, Violation};
+use super::{blind, short, true_us};
+use crate::violation::Violation;
 use crate::world::Event;
 
 /// Fences strictly increase in grant order; a lease_id is granted once.

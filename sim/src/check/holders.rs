@@ -8,7 +8,8 @@ use std::time::Instant;
 use leasehold::store::Mutation;
 use leasehold::testing::Applied;
 
-use super::{blind, ms, short, Violation};
+use super::{blind, ms, short};
+use crate::violation::Violation;
 use crate::world::Event;
 
 /// No two leases of one key believed at once.

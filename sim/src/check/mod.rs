@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use leasehold::testing::Applied;
 
+use crate::violation::Violation;
 use crate::world::Event;
 
 mod fences;
@@ -31,34 +32,6 @@ mod work;
 
 use history::describe;
 pub(crate) use history::{history, trace_hash};
-
-/// One broken promise.
-#[derive(Debug, Clone)]
-pub struct Violation {
-    pub kind: &'static str,
-    pub key: String,
-    pub message: String,
-    /// The history of the key around it (filled in at the end of the run).
-    pub history: Vec<String>,
-    /// When it happened, when known (the history shown ends shortly after).
-    pub at: Option<Instant>,
-    /// A known finding of the protocol, written down (DESIGN.md, "Simulation") and not yet
-    /// fixed: reported, not counted as a violation.
-    pub known: bool,
-}
-
-impl Violation {
-    pub(crate) fn new(kind: &'static str, key: &str, message: String) -> Self {
-        Violation {
-            kind,
-            key: key.to_string(),
-            message,
-            history: Vec::new(),
-            at: Some(tokio::time::Instant::now().into_std()),
-            known: false,
-        }
-    }
-}
 
 pub(super) fn ms(t0: Instant, t: Instant) -> u64 {
     t.saturating_duration_since(t0).as_millis() as u64

@@ -10,10 +10,11 @@ use std::time::Instant;
 use leasehold::store::Mutation;
 use leasehold::testing::Applied;
 
-use super::{describe, short, Violation};
+use super::{describe, short};
+use crate::violation::Violation;
 use crate::world::Event;
 
-/// A released lease stays as released (DESIGN.md, "Failure modes": a holder releasing after an
+/// A released lease stays as released (DESIGN.md, "Failure cases": a holder releasing after an
 /// operator force-released its lease, or a release retried after its answer was lost, changes
 /// nothing): no release or renewal is applied to an item whose lease is released already.
 pub(super) fn released_once(log: &[Applied], out: &mut Vec<Violation>) {
@@ -132,7 +133,7 @@ pub(super) fn queues(log: &[Applied], out: &mut Vec<Violation>) {
                 let before = last.insert(a.key.as_str(), *seq).unwrap_or(0);
                 if *seq <= before {
                     // A repeated number is a later queue reusing an earlier one's numbers, and
-                    // its waiter items (found by the simulation, fixed: DESIGN.md, "Simulation").
+                    // its waiter items (found by the simulation, fixed: FINDINGS.md).
                     let reused = *seq == before;
                     let mut v = Violation::new(
                         if reused { "queue_seq_reused" } else { "queue_not_fifo" },

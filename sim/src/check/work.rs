@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use leasehold::store::Mutation;
 use leasehold::testing::Applied;
 
-use super::Violation;
+use crate::violation::Violation;
 use crate::world::Event;
 
 /// No item in a work state is deleted by TTL (a key in a state is kept until it is taken).

@@ -6,9 +6,8 @@ use std::time::Duration;
 use leasehold::{AcquireOptions, LeaseId};
 
 use super::{hold, told};
-use crate::check::Violation;
-use crate::node::Node;
-use crate::world::{done, draw, lock, op, todo, work_key, Shared, WORK};
+use crate::violation::Violation;
+use crate::world::{done, draw, lock, op, todo, work_key, Node, Shared, WORK};
 
 /// A batch over the work items: take up to a few free items of the first state, work, and
 /// release each into the final state (or back, unfinished); a producer puts finished items back.

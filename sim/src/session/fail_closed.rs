@@ -6,8 +6,7 @@ use std::time::Duration;
 use leasehold::{AcquireOptions, Error, LeaseId};
 
 use super::{acquire, hold, release_until_done};
-use crate::node::Node;
-use crate::world::{draw, key, lock, op, split, Shared, KEYS};
+use crate::world::{draw, key, lock, op, split, Node, Shared, KEYS};
 
 /// A fail-closed lease with the client's own lease_id: a lost answer is retried with it.
 pub(crate) async fn fail_closed(node: &Node, world: &Shared, name: &str) {

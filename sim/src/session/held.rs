@@ -6,9 +6,8 @@ use std::time::Duration;
 use leasehold::AcquireOptions;
 
 use super::release_unknown;
-use crate::check::Violation;
-use crate::node::Node;
-use crate::world::{draw, ended, key, lock, now, op, told, write_resource, Shared, KEYS};
+use crate::violation::Violation;
+use crate::world::{draw, ended, key, lock, now, op, told, write_resource, Node, Shared, KEYS};
 
 /// A lease held with [`leasehold::HeldLease`]: renewed in the background (every renewal the
 /// holder is given is told), the work run under `run` (cancelled at a loss or at the safe time)

@@ -6,8 +6,7 @@ use std::time::Duration;
 use leasehold::{AcquireOptions, Keepalive, LeaseId};
 
 use super::acquire;
-use crate::node::Node;
-use crate::world::{draw, ended, key, lock, now, op, split, write_resource, Shared, KEYS};
+use crate::world::{draw, ended, key, lock, now, op, split, write_resource, Node, Shared, KEYS};
 
 /// A keep-alive lease bound to an execution: renewed by the sweep while the execution runs.
 pub(crate) async fn keepalive(node: &Node, world: &Shared, name: &str) {

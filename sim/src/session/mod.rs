@@ -5,9 +5,8 @@ use std::time::Duration;
 
 use leasehold::{AcquireOptions, Coordinator, Error, Lease, LeaseId, NotHolderReason};
 
-use crate::check::Violation;
-use crate::node::Node;
-use crate::world::{draw, ended, lock, now, op, told, write_resource, Event, Shared};
+use crate::violation::Violation;
+use crate::world::{draw, ended, lock, now, op, told, write_resource, Event, Node, Shared};
 use crate::ATTEMPT_TIMEOUT;
 
 mod batch;

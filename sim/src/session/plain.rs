@@ -6,8 +6,7 @@ use std::time::Duration;
 use leasehold::{AcquireOptions, LeaseId};
 
 use super::{acquire, hold, release_unknown};
-use crate::node::Node;
-use crate::world::{draw, ended, key, now, op, write_resource, Shared, KEYS};
+use crate::world::{draw, ended, key, now, op, write_resource, Node, Shared, KEYS};
 
 /// A plain lease, maybe waited for: work, heartbeats, a pause now and then, release.
 pub(crate) async fn plain(node: &Node, world: &Shared, name: &str) {

@@ -4,9 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::node::Node;
-use crate::sfn::{delete_later, execution, Execution, Task};
-use crate::world::{draw, key, lock, now, op, split, Shared, KEYS};
+use crate::sfn::{delete_later, execution, Execution};
+use crate::world::{draw, key, lock, now, op, split, Node, Shared, Task, KEYS};
 use leasehold::LeaseId;
 
 /// A Step Functions execution that waits for a key in its queue (QueuedSingleFlight): the

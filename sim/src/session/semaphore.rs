@@ -6,8 +6,7 @@ use std::time::Duration;
 use leasehold::{AcquireOptions, Error};
 
 use super::{acquire, release_unknown};
-use crate::node::Node;
-use crate::world::{draw, ended, lock, now, op, told, Shared};
+use crate::world::{draw, ended, lock, now, op, told, Node, Shared};
 
 /// The semaphores of the semaphore runs (`Settings::semaphores`): key and N.
 pub(crate) const SEMAPHORES: [(&str, u32); 2] = [("sem2", 2), ("sem3", 3)];

@@ -162,6 +162,35 @@ fn plain_path(v: &str) -> Option<&str> {
     (v == "$" || v.starts_with("$.")).then_some(v)
 }
 
+/// The successors of a Choice state: each rule's, under its bound and the negation of every
+/// earlier rule's, and the default's, under the negation of all of them.
+fn choices(s: &Value, flow: &Flow) -> Vec<(String, Flow)> {
+    let mut out = Vec::new();
+    let rules = s["Choices"].as_array().cloned().unwrap_or_default();
+    for (i, rule) in rules.iter().enumerate() {
+        let mut f = flow.clone();
+        for earlier in &rules[..i] {
+            if let Some(b) = bound_of(earlier, false) {
+                add_bound(&mut f.guards, b);
+            }
+        }
+        if let Some(b) = bound_of(rule, true) {
+            add_bound(&mut f.guards, b);
+        }
+        out.push((rule["Next"].as_str().unwrap_or_default().to_string(), f));
+    }
+    let mut f = flow.clone();
+    for r in &rules {
+        if let Some(b) = bound_of(r, false) {
+            add_bound(&mut f.guards, b);
+        }
+    }
+    if let Some(d) = s["Default"].as_str() {
+        out.push((d.to_string(), f));
+    }
+    out
+}
+
 /// The guards of `guards` seen through a payload template `params` whose output is written
 /// at `result_path` (`$`: the template is the whole output, the rest of the input is gone).
 fn map_guards(
@@ -356,79 +385,10 @@ impl Walker {
                     flow.request = Some(request_of(&s["Parameters"]));
                 }
             }
-            "Choice" => {
-                let rules = s["Choices"].as_array().cloned().unwrap_or_default();
-                for (i, rule) in rules.iter().enumerate() {
-                    let mut f = flow.clone();
-                    for earlier in &rules[..i] {
-                        if let Some(b) = bound_of(earlier, false) {
-                            add_bound(&mut f.guards, b);
-                        }
-                    }
-                    if let Some(b) = bound_of(rule, true) {
-                        add_bound(&mut f.guards, b);
-                    }
-                    out.push((rule["Next"].as_str().unwrap_or_default().to_string(), f));
-                }
-                let mut f = flow.clone();
-                for r in &rules {
-                    if let Some(b) = bound_of(r, false) {
-                        add_bound(&mut f.guards, b);
-                    }
-                }
-                if let Some(d) = s["Default"].as_str() {
-                    out.push((d.to_string(), f));
-                }
-                return out;
-            }
-            "Wait" => {
-                let seconds = s["Seconds"].as_u64().or_else(|| {
-                    let p = s["SecondsPath"].as_str()?;
-                    flow.guards.get(p).and_then(|g| g.1).map(|v| v.max(0) as u64)
-                });
-                if seconds.is_some_and(|w| w >= LONGEST_INVOCATION_S) {
-                    flow.pending = false;
-                }
-                if let Some(h) = flow.hold.as_mut().filter(|h| !h.bound) {
-                    match seconds {
-                        Some(w) => h.elapsed_s += w,
-                        None => {
-                            let what = "a Wait of unchecked length under a timed lease".to_string();
-                            self.violation(scope, name, what);
-                        }
-                    }
-                    let h = h.clone();
-                    self.check_time(scope, name, &h);
-                }
-            }
+            "Choice" => return choices(s, &flow),
+            "Wait" => self.wait(scope, name, s, &mut flow),
             "Task" => return self.task(scope, name, s, flow),
-            "Map" | "Parallel" => {
-                if flow.hold.as_ref().is_some_and(|h| !h.bound) {
-                    self.violation(scope, name, "a timed lease held across a Map or Parallel state".into());
-                }
-                let inner_flow = Flow {
-                    hold: flow.hold.clone(),
-                    request: None,
-                    guards: map_guards(&flow.guards, s.get("ItemSelector").unwrap_or(&Value::Null), "$"),
-                    pending: false,
-                };
-                let procs: Vec<&Value> = match s.get("ItemProcessor").or(s.get("Iterator")) {
-                    Some(p) => vec![p],
-                    None => s["Branches"].as_array().map(|b| b.iter().collect()).unwrap_or_default(),
-                };
-                for p in procs {
-                    let inner = p["States"].as_object().expect("States");
-                    let start = p["StartAt"].as_str().expect("StartAt");
-                    let sub = if scope.is_empty() { name.to_string() } else { format!("{scope}/{name}") };
-                    self.scope(&sub, inner, start, inner_flow.clone());
-                }
-                if let Some(rp) = s["ResultPath"].as_str() {
-                    flow.guards.retain(|k, _| !(k == rp || k.starts_with(&format!("{rp}."))));
-                }
-                for c in s["Catch"].as_array().into_iter().flatten() {
-                    out.push((c["Next"].as_str().unwrap_or_default().to_string(), flow.clone()));
-                }
-            }
+            "Map" | "Parallel" => out = self.nested(scope, name, s, &mut flow),
             _ => {
                 // Succeed, Fail.
                 self.end(scope, name, &flow);
@@ -438,6 +398,61 @@ impl Walker {
         match next {
             Some(n) => out.push((n, flow)),
             None => self.end(scope, name, &flow),
+        }
+        out
+    }
+
+    /// A Wait state: its seconds (given, or the guarded value of its path) add to a timed
+    /// lease's time; a long one outlasts the work's invocation.
+    fn wait(&mut self, scope: &str, name: &str, s: &Value, flow: &mut Flow) {
+        let seconds = s["Seconds"].as_u64().or_else(|| {
+            let p = s["SecondsPath"].as_str()?;
+            flow.guards.get(p).and_then(|g| g.1).map(|v| v.max(0) as u64)
+        });
+        if seconds.is_some_and(|w| w >= LONGEST_INVOCATION_S) {
+            flow.pending = false;
+        }
+        if let Some(h) = flow.hold.as_mut().filter(|h| !h.bound) {
+            match seconds {
+                Some(w) => h.elapsed_s += w,
+                None => {
+                    let what = "a Wait of unchecked length under a timed lease".to_string();
+                    self.violation(scope, name, what);
+                }
+            }
+            let h = h.clone();
+            self.check_time(scope, name, &h);
+        }
+    }
+
+    /// A Map or Parallel state: each of its processors or branches checked as a scope of its
+    /// own; the successors along its catches (its `Next` is the caller's).
+    fn nested(&mut self, scope: &str, name: &str, s: &Value, flow: &mut Flow) -> Vec<(String, Flow)> {
+        let mut out = Vec::new();
+        if flow.hold.as_ref().is_some_and(|h| !h.bound) {
+            self.violation(scope, name, "a timed lease held across a Map or Parallel state".into());
+        }
+        let inner_flow = Flow {
+            hold: flow.hold.clone(),
+            request: None,
+            guards: map_guards(&flow.guards, s.get("ItemSelector").unwrap_or(&Value::Null), "$"),
+            pending: false,
+        };
+        let procs: Vec<&Value> = match s.get("ItemProcessor").or(s.get("Iterator")) {
+            Some(p) => vec![p],
+            None => s["Branches"].as_array().map(|b| b.iter().collect()).unwrap_or_default(),
+        };
+        for p in procs {
+            let inner = p["States"].as_object().expect("States");
+            let start = p["StartAt"].as_str().expect("StartAt");
+            let sub = if scope.is_empty() { name.to_string() } else { format!("{scope}/{name}") };
+            self.scope(&sub, inner, start, inner_flow.clone());
+        }
+        if let Some(rp) = s["ResultPath"].as_str() {
+            flow.guards.retain(|k, _| !(k == rp || k.starts_with(&format!("{rp}."))));
+        }
+        for c in s["Catch"].as_array().into_iter().flatten() {
+            out.push((c["Next"].as_str().unwrap_or_default().to_string(), flow.clone()));
         }
         out
     }

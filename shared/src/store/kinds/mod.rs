@@ -16,6 +16,10 @@
 //! fields as a group of `model::Record`, their attribute names in `table.rs` and their decoding
 //! in `dynamo/item.rs` (DESIGN.md, "Code map").
 
+use crate::model::Record;
+use crate::store::dynamo::item::{num, str_, Item};
+use crate::store::table::attr;
+
 mod keepalive;
 mod lease;
 mod queue;
@@ -27,3 +31,20 @@ pub use lease::{LeaseCondition, LeaseMutation, NewLease, Visit};
 pub use queue::{QueueCondition, QueueMutation};
 pub use semaphore::{SemaphoreCondition, SemaphoreMutation, CLEAN_CHUNK, EVICT_CHUNK};
 pub use work::{WorkCondition, WorkMutation};
+
+/// The attributes every item written whole from a [`Record`] opens with (a waiter's, a new
+/// semaphore's): key, fence, holder, lease_id, acquired-at, minimum hold and TTL, in an item
+/// with room for `capacity` attributes.
+fn lease_item_head(r: &Record, capacity: usize) -> Item {
+    let mut item = Item::with_capacity(capacity);
+    item.insert(attr::KEY.to_string(), str_(&r.key));
+    item.insert(attr::FENCE.to_string(), num(r.fence));
+    item.insert(attr::HOLDER.to_string(), str_(&r.holder));
+    item.insert(attr::LEASE_ID.to_string(), str_(r.lease_id.expose()));
+    item.insert(attr::ACQUIRED_AT.to_string(), num(r.acquired_at_ms));
+    item.insert(attr::MIN_HOLD_UNTIL.to_string(), num(r.min_hold_until_ms));
+    if let Some(t) = r.ttl {
+        item.insert(attr::TTL.to_string(), num(t));
+    }
+    item
+}

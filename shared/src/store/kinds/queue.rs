@@ -6,6 +6,7 @@
 use aws_sdk_dynamodb::types::AttributeValue;
 
 use super::lease::{updated, NewLease};
+use super::lease_item_head;
 use crate::error::{Error, Result};
 use crate::model::{LeaseId, Record};
 use crate::store::dynamo::expr::{guard, id, Expr, Guard, Request};
@@ -388,20 +389,11 @@ fn grant(x: &mut Expr, key: &str, n: &NewLease, seq: u64, token: &str) {
 /// index: the sweep finds keys with waiters through the lease items (`q_shard`).
 fn waiter_item(r: &Record) -> Result<Item> {
     let w = r.queue.waiter.as_ref().ok_or_else(|| Error::invalid("a waiter item needs a waiter"))?;
-    let mut item = Item::with_capacity(10);
+    let mut item = lease_item_head(r, 10);
     let mut put = |a: &str, v: AttributeValue| {
         item.insert(a.to_string(), v);
     };
-    put(attr::KEY, str_(&r.key));
-    put(attr::FENCE, num(r.fence));
-    put(attr::HOLDER, str_(&r.holder));
-    put(attr::LEASE_ID, str_(r.lease_id.expose()));
-    put(attr::ACQUIRED_AT, num(r.acquired_at_ms));
     put(attr::EXPIRES_AT, num(r.expires_at_ms.unwrap_or(0)));
-    put(attr::MIN_HOLD_UNTIL, num(r.min_hold_until_ms));
-    if let Some(t) = r.ttl {
-        put(attr::TTL, num(t));
-    }
     // When this try wrote it (`WaiterNewer`).
     if let Some(t) = r.renewed_at_ms {
         put(attr::RENEWED_AT, num(t));

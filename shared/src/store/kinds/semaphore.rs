@@ -5,6 +5,7 @@
 use aws_sdk_dynamodb::types::AttributeValue;
 
 use super::lease::updated;
+use super::lease_item_head;
 use crate::model::{LeaseId, Record, SlotHolder};
 use crate::store::dynamo::expr::{guard, slot_guard, Expr, Guard, Request};
 use crate::store::dynamo::item::{num, str_, Item};
@@ -284,19 +285,10 @@ fn slot_holder_value(h: &SlotHolder) -> AttributeValue {
 fn semaphore_item(r: &Record) -> Item {
     let s = &r.semaphore;
     let holders = s.slot_holders.iter().map(|h| (h.lease_id.expose().to_string(), slot_holder_value(h))).collect();
-    let mut item = Item::with_capacity(10);
+    let mut item = lease_item_head(r, 10);
     let mut put = |a: &str, v: AttributeValue| {
         item.insert(a.to_string(), v);
     };
-    put(attr::KEY, str_(&r.key));
-    put(attr::FENCE, num(r.fence));
-    put(attr::HOLDER, str_(&r.holder));
-    put(attr::LEASE_ID, str_(r.lease_id.expose()));
-    put(attr::ACQUIRED_AT, num(r.acquired_at_ms));
-    put(attr::MIN_HOLD_UNTIL, num(r.min_hold_until_ms));
-    if let Some(t) = r.ttl {
-        put(attr::TTL, num(t));
-    }
     put(attr::SEM_SLOTS, num(s.slots.unwrap_or(1) as u64));
     put(attr::SEM_TAKEN, num(s.slots_taken.unwrap_or(0) as u64));
     put(attr::SEM_REV, num(s.slots_rev.unwrap_or(0)));
