@@ -223,42 +223,61 @@ impl Coordinator {
 
     async fn keep_or_release(&self, rec: Record, state: ExecutionState) -> Outcome {
         // Checked after the execution's description was awaited, right before the write.
-        let Ok(now) = self.checked_now(&rec.key).await else { return Outcome::Error };
-        let (cond, m, ok) = if state == ExecutionState::Ended {
+        let Ok(mut now) = self.checked_now(&rec.key).await else { return Outcome::Error };
+        let mut adopted = false;
+        loop {
+            let (cond, m, ok) = self.keep_write(&rec, state, now);
+            return match self.store().update(&rec.key, &cond, &m).await {
+                Ok(Write::Applied(r)) => {
+                    tracing::info!(key = %r.key, holder = %r.holder, fence = r.fence, outcome = if matches!(ok, Outcome::Released) { "released" } else { "renewed" }, "keep-alive");
+                    // A key in a work state keeps no TTL (DESIGN.md, "Work items and batch leases").
+                    self.keep_queued(&r.key, &r).await;
+                    ok
+                }
+                // A renewal refused for its order alone, the last one stamped by a clock ahead
+                // of this one: once more at that stamp ([`Coordinator::after_renewal`]).
+                Ok(Write::Rejected(Some(r))) if !adopted && matches!(ok, Outcome::Renewed) => {
+                    match self.after_renewal(&r, &rec.lease_id, now) {
+                        Some(t) => {
+                            (now, adopted) = (t, true);
+                            continue;
+                        }
+                        None => Outcome::Raced,
+                    }
+                }
+                Ok(Write::Rejected(_)) => Outcome::Raced,
+                Err(e) => {
+                    tracing::warn!(key = %rec.key, error = e.name(), "keep-alive write failed");
+                    Outcome::Error
+                }
+            };
+        }
+    }
+
+    /// The keep-alive's write of `rec` at `now`: its release when its execution ended, its
+    /// renewal otherwise, and the outcome it counts as once applied.
+    fn keep_write(&self, rec: &Record, state: ExecutionState, now: u64) -> (Condition, Mutation, Outcome) {
+        if state == ExecutionState::Ended {
             let ttl = self.ttl_after(now + self.max_duration_ms());
-            (
+            return (
                 Condition::Lease(LeaseCondition::Unreleased { lease_id: rec.lease_id.clone() }),
                 Mutation::Lease(LeaseMutation::Release { now_ms: now, ttl }),
                 Outcome::Released,
-            )
-        } else {
-            // A key in a work state keeps no TTL (and the condition checks the index's copy).
-            let stateless = rec.work.state.is_none();
-            let ttl = stateless.then(|| self.ttl_after(now + rec.duration_ms.unwrap_or(0)));
-            (
-                Condition::Lease(LeaseCondition::Renew {
-                    lease_id: rec.lease_id.clone(),
-                    now_ms: now,
-                    expires_at_ms: None,
-                    ttl: stateless,
-                }),
-                Mutation::Lease(LeaseMutation::Extend { now_ms: now, duration_ms: None, ttl }),
-                Outcome::Renewed,
-            )
-        };
-        match self.store().update(&rec.key, &cond, &m).await {
-            Ok(Write::Applied(r)) => {
-                tracing::info!(key = %r.key, holder = %r.holder, fence = r.fence, outcome = if matches!(ok, Outcome::Released) { "released" } else { "renewed" }, "keep-alive");
-                // A key in a work state keeps no TTL (DESIGN.md, "Work items and batch leases").
-                self.keep_queued(&r.key, &r).await;
-                ok
-            }
-            Ok(Write::Rejected(_)) => Outcome::Raced,
-            Err(e) => {
-                tracing::warn!(key = %rec.key, error = e.name(), "keep-alive write failed");
-                Outcome::Error
-            }
+            );
         }
+        // A key in a work state keeps no TTL (and the condition checks the index's copy).
+        let stateless = rec.work.state.is_none();
+        let ttl = stateless.then(|| self.ttl_after(now + rec.duration_ms.unwrap_or(0)));
+        (
+            Condition::Lease(LeaseCondition::Renew {
+                lease_id: rec.lease_id.clone(),
+                now_ms: now,
+                expires_at_ms: None,
+                ttl: stateless,
+            }),
+            Mutation::Lease(LeaseMutation::Extend { now_ms: now, duration_ms: None, ttl }),
+            Outcome::Renewed,
+        )
     }
 
     /// Takes a lease that can no longer be kept alive (expired, released, past its keep-alive

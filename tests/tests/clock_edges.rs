@@ -12,6 +12,8 @@
 //! - `a_released_key_is_free_to_a_clock_behind`: a key released by one coordinator is taken at
 //!   once by another whose clock is behind the first's (within the margin), without waiting
 //!   for its clock to pass the releaser's stamps.
+//! - `a_renewal_by_a_clock_behind_moves_the_expiry_on`: a lease granted by one coordinator is
+//!   renewed at once by another whose clock is behind, as far as a clock on time would.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -220,7 +222,39 @@ async fn a_released_key_is_free_to_a_clock_behind(b: Backend) {
     traffic.iter().for_each(|t| t.abort());
 }
 
-leasehold_tests::both_backends!(edges_never_overlap, a_released_key_is_free_to_a_clock_behind);
+/// A lease granted or renewed by a coordinator on time is renewed by one whose clock runs
+/// behind it (a new process's, say) right afterwards: the renewal's order (`renewed_at_ms <
+/// :now`) refuses the behind clock's stamp, and the renewal goes again at the later stamp, so
+/// the expiry moves on as far as a clock on time would move it; the keep-alive sweep of such a
+/// process renews rather than counting the lease as raced.
+async fn a_renewal_by_a_clock_behind_moves_the_expiry_on(b: Backend) {
+    let stores = [Backend::dynamo_store_like(&b).await, Backend::dynamo_store_like(&b).await];
+    let traffic: Vec<_> = stores.iter().map(|s| steady_traffic(s.clone(), "renew-traffic")).collect();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let on_time = Coordinator::new(stores[0].clone(), config(0));
+    let behind = Coordinator::new(stores[1].clone(), config(-(MARGIN.as_millis() as i64) + 30));
+    let long = Duration::from_secs(20);
+    for i in 0..10 {
+        let key = format!("renew-behind-{i}");
+        let l = on_time.acquire(&key, "first", Some(LEASE), AcquireOptions::default()).await.unwrap();
+        let before = l.expires_at_ms.expect("a timed lease");
+        let r = behind.heartbeat(&key, &l.lease_id, Some(long)).await.unwrap();
+        let after = r.expires_at_ms.expect("a timed lease");
+        assert!(
+            after >= before + long.as_millis() as u64 - LEASE.as_millis() as u64,
+            "round {i}: renewed to {after}, granted until {before}: the renewal did not land"
+        );
+        assert_eq!(r.fence, l.fence);
+        on_time.release(&key, &l.lease_id).await.unwrap();
+    }
+    traffic.iter().for_each(|t| t.abort());
+}
+
+leasehold_tests::both_backends!(
+    edges_never_overlap,
+    a_released_key_is_free_to_a_clock_behind,
+    a_renewal_by_a_clock_behind_moves_the_expiry_on
+);
 
 /// Figures for DESIGN.md and BENCHMARKS.md ("Clocks"): the safe margin an honest coordinator
 /// (its clock this machine's, the store's) counts on DynamoDB Local, right after its first

@@ -606,9 +606,12 @@ async fn keepalive_sweep_against_step_functions() {
 
     sfn.client.stop_execution().execution_arn(&aborted).send().await.expect("StopExecution");
     assert_eq!(sfn.status(&aborted).await, "ABORTED");
-    // Until the keep-alive deadline has passed and the lapsed lease has expired.
+    // Until the keep-alive deadline has passed and the lapsed lease has expired, by the clock
+    // of the functions' process too: a process's clock is kept at or behind the store's, by
+    // up to its safe margin (about 1.25 s while its evidence is fresh: DESIGN.md, "Clocks"),
+    // and until its clock passes the expiry the lapsed lease is live to it.
     let lapsed_at = l_lapsed.expires_at_ms.expect("a lease with a duration");
-    tokio::time::sleep(Duration::from_millis(past_until.max(lapsed_at).saturating_sub(now_ms()) + 300)).await;
+    tokio::time::sleep(Duration::from_millis(past_until.max(lapsed_at).saturating_sub(now_ms()) + 1_500)).await;
 
     let report = sweep(&lab).await;
     println!("sweep 1: {report}");

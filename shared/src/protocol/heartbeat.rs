@@ -66,9 +66,12 @@ impl Coordinator {
         // item (DESIGN.md, "Work items and batch leases").
         let mut in_state = false;
         let mut terminal = false;
+        // Set once, to a later renewal's stamp another clock wrote ([`Coordinator::after_renewal`]).
+        let mut floor: Option<u64> = None;
         loop {
             let (w, sent, now) = self
                 .write(key, deadline, |now| {
+                    let now = floor.map_or(now, |f| now.max(f));
                     let cond = Condition::Lease(LeaseCondition::Renew {
                         lease_id: lease_id.clone(),
                         now_ms: now,
@@ -80,10 +83,18 @@ impl Coordinator {
                 })
                 .await
                 .map_err(|f| f.into_error(key))?;
+            let now = floor.map_or(now, |f| now.max(f));
             return match w {
                 Write::Applied(r) => {
                     check_fence(&r)?;
                     Ok(r.lease(sent, now, self.safe_margin(sent, now)))
+                }
+                // Refused because the last renewal (or the grant) was stamped at or after this
+                // clock by another coordinator's, which is ahead of this one: once more at that
+                // stamp, so that a clock behind renews as far as one on time would.
+                Write::Rejected(Some(r)) if floor.is_none() && self.after_renewal(&r, lease_id, now).is_some() => {
+                    floor = self.after_renewal(&r, lease_id, now);
+                    continue;
                 }
                 // Refused for the TTL alone: the same renewal without it; in a terminal state,
                 // whose keys keep a lease's TTL (DESIGN.md, "Terminal states"), with it but
@@ -107,6 +118,19 @@ impl Coordinator {
                 Write::Rejected(r) => Err(self.not_holder(key, lease_id, r.as_ref(), now)),
             };
         }
+    }
+
+    /// For a renewal of `lease_id` refused at `now` only for its order: the item is live for
+    /// it and its last renewal (or grant) is stamped at or after `now`, by a coordinator whose
+    /// clock is ahead of this one's, the stamp a renewal sent again should carry: one past
+    /// that stamp, if the store's clock may already be past it (a stamp beyond what the store's
+    /// clock can be now is a wrong clock's, never adopted). Every coordinator's stamps are
+    /// never ahead of the store's clock (DESIGN.md, "Clocks"), so the adopted stamp is not
+    /// either, and the expiry still only grows. `None` otherwise.
+    pub(crate) fn after_renewal(&self, r: &Record, lease_id: &LeaseId, now: u64) -> Option<u64> {
+        let t = r.renewed_at_ms?;
+        let latest = self.now_ms() + self.safe_margin_now().as_millis() as u64;
+        (r.is_live_for(lease_id, now) && t >= now && t < latest).then_some(t + 1)
     }
 
     pub(crate) fn not_holder(&self, key: &str, lease_id: &LeaseId, r: Option<&Record>, now: u64) -> Error {
