@@ -1,4 +1,4 @@
-//! Deterministic simulation of the lease protocol (DESIGN.md, "Simulation").
+//! Deterministic simulation of the lease protocol (sim/README.md; DESIGN.md, "Simulation").
 //!
 //! One seed is one run: several coordinators (the real [`Coordinator`], with every feature it
 //! has) share one simulated store ([`SimStore`]: DynamoDB's conditional writes, a lagging index,
