@@ -132,13 +132,37 @@ pub(crate) fn start_node(world: &Shared, store: &SimStore, truth: &Arc<SimClock>
     (node, tasks)
 }
 
-/// The functions' coordinator: serves queues, never crashes (a Lambda function).
-pub(crate) fn functions_node(world: &Shared, store: &SimStore, truth: &Arc<SimClock>) -> Arc<Node> {
-    let clock = Arc::new(SimClock::offset_from(truth, 0));
+/// The functions' coordinator (a Lambda function's process): serves queues. The `n`th process
+/// (after `n` crashes) has a clock of its own, within half the margin (the first: the store's).
+pub(crate) fn functions_node(world: &Shared, store: &SimStore, truth: &Arc<SimClock>, n: usize) -> Arc<Node> {
+    let offset = if n == 0 {
+        0
+    } else {
+        draw(world, |w| w.between(0, SKEW_MARGIN_MS - 20) as i64) - (SKEW_MARGIN_MS / 2 - 10) as i64
+    };
+    let clock = Arc::new(SimClock::offset_from(truth, offset));
     let handle = store.handle();
     let coord = Coordinator::new(Arc::new(handle.clone()), config(clock.clone(), lock(world).blind_clock))
         .with_deliver(Arc::new(SimSfn(world.clone())));
-    Arc::new(Node { coord, store: handle, clock, name: "fn".into(), rogue: false, serves_queues: true })
+    Arc::new(Node { coord, store: handle, clock, name: format!("fn{n}"), rogue: false, serves_queues: true })
+}
+
+/// The functions' process crashes (its requests stop; those sent still land; the invocations
+/// running in it end unanswered, and Step Functions retries them) and a new one takes the next
+/// invocations, with a clock of its own.
+pub(crate) fn crash_functions(world: &Shared, store: &SimStore, truth: &Arc<SimClock>) {
+    let (old, n) = {
+        let mut w = lock(world);
+        w.functions_crashed += 1;
+        w.fault("function_crash");
+        (w.functions.clone().expect("the functions"), w.functions_crashed)
+    };
+    old.store.stop();
+    for inv in lock(world).invocations.remove(&old.name).unwrap_or_default() {
+        inv.abort();
+    }
+    let new = functions_node(world, store, truth, n);
+    lock(world).functions = Some(new);
 }
 
 /// A clock jumped beyond the margin: its node's name, when NTP steps it back, and by how much

@@ -9,7 +9,9 @@ use leasehold::testing::{Faults, SimClock, SimStore};
 use leasehold::{Clock, Coordinator};
 
 use crate::finale;
-use crate::node::{clock_jumps, config, crash_node, functions_node, start_node, Jumped, Kind, Running};
+use crate::node::{
+    clock_jumps, config, crash_functions, crash_node, functions_node, start_node, Jumped, Kind, Running,
+};
 use crate::sfn::queue_sweeper;
 use crate::store_log::fault_map;
 use crate::world::{done, draw, key, lock, now, todo, work_key, Event, Shared, World, KEYS, WORK};
@@ -48,11 +50,11 @@ pub(crate) async fn simulate(s: Settings) -> Outcome {
     }
     store.set_faults(faults);
     // The functions (Lambda) that executions call, and their scheduled queue sweep.
-    let functions = functions_node(&world, &store, &truth);
-    lock(&world).functions = Some(functions.clone());
+    let functions = functions_node(&world, &store, &truth, 0);
+    lock(&world).functions = Some(functions);
     let queue_sweep = {
-        let (n, w) = (functions.clone(), world.clone());
-        tokio::spawn(async move { queue_sweeper(n, w).await })
+        let w = world.clone();
+        tokio::spawn(async move { queue_sweeper(w).await })
     };
     let mut fleet = Fleet::start(&s, world.clone(), store.clone(), truth.clone());
     fleet.drive(&s).await;
@@ -154,6 +156,9 @@ impl Fleet {
             let (crash, step, force) = draw(&self.world, |w| (w.chance(0.01), w.chance(0.01), w.chance(0.003)));
             if crash {
                 self.crash(s);
+            }
+            if draw(&self.world, |w| w.chance(0.005)) {
+                crash_functions(&self.world, &self.store, &self.truth);
             }
             if step {
                 self.step(s);

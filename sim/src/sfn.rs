@@ -84,14 +84,16 @@ impl Deliver for SimSfn {
     }
 }
 
-/// The scheduled queue sweep (the heartbeat function's), until the run is over.
-pub(crate) async fn queue_sweeper(node: Arc<Node>, world: Shared) {
+/// The scheduled queue sweep (the heartbeat function's), until the run is over: each run in
+/// the functions' process of the moment.
+pub(crate) async fn queue_sweeper(world: Shared) {
     loop {
         let every = draw(&world, |w| w.between(500, 1500));
         tokio::time::sleep(Duration::from_millis(every)).await;
         if lock(&world).end {
             return;
         }
+        let node = lock(&world).functions.clone().expect("the functions");
         let _ = node.coord.sweep_queues(now() + Duration::from_secs(2)).await;
     }
 }
@@ -119,8 +121,11 @@ pub(crate) async fn execution(mut f: Arc<Node>, world: &Shared, x: Execution) ->
             tokio::spawn(async move { f.coord.acquire_or_enqueue(&k, &exec, d, opts, &token, t).await })
         };
         // The invocation runs in `f`'s process: a crash of that process stops it.
-        if !f.name.starts_with("fn") {
-            lock(world).invocations.entry(f.name.clone()).or_default().push(inv.abort_handle());
+        {
+            let mut w = lock(world);
+            let running = w.invocations.entry(f.name.clone()).or_default();
+            running.retain(|h| !h.is_finished());
+            running.push(inv.abort_handle());
         }
         let crashed = || Error::StoreUnavailable("the acquire function's process crashed".into());
         let res = inv.await.unwrap_or_else(|_| Err(crashed()));

@@ -61,8 +61,11 @@ pub(crate) struct World {
     pub(crate) tasks: BTreeMap<String, Task>,
     /// Executions holding a lease delivered to them (awaited at the end).
     pub(crate) exec_tasks: Vec<tokio::task::JoinHandle<()>>,
-    /// The coordinator the executions' functions call (never crashes: a Lambda function).
+    /// The coordinator the executions' functions call (a Lambda function's process; replaced
+    /// when it crashes).
     pub(crate) functions: Option<Arc<Node>>,
+    /// How often the functions' process crashed (and was replaced).
+    pub(crate) functions_crashed: usize,
     /// The run is over: the functions' queue sweep stops.
     pub(crate) end: bool,
     /// See [`Settings::hot_key`].
@@ -144,6 +147,7 @@ impl World {
             tasks: BTreeMap::new(),
             exec_tasks: Vec::new(),
             functions: None,
+            functions_crashed: 0,
             invocations: BTreeMap::new(),
             end: false,
             hot_key: s.hot_key,
