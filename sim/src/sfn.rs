@@ -26,40 +26,24 @@ impl Deliver for SimSfn {
             lock(&self.0).fault("sfn_throttled");
             return Err(DeliveryError::Transient("ThrottlingException".into()));
         }
-        let answer = {
-            let mut w = lock(&self.0);
-            let at = now();
-            match w.tasks.get_mut(token) {
-                None => Err(DeliveryError::Gone("TaskDoesNotExist".into())),
-                Some(t) if t.deleted => Err(DeliveryError::Gone("TaskDoesNotExist".into())),
-                Some(t) if t.closed || at >= t.timeout => {
-                    t.closed = true;
-                    Err(DeliveryError::Gone("TaskTimedOut".into()))
-                }
-                Some(t) => {
-                    t.closed = true;
-                    Ok(t.exec.clone())
-                }
+        if (4..7).contains(&fault) {
+            // Held in the network, landing late: past the client's 3 s timeout the caller has
+            // given up (and may deliver again) before it lands.
+            let held = draw(&self.0, |w| w.between(300, 6000));
+            lock(&self.0).fault("sfn_delivery_held");
+            if held >= 3000 {
+                let (w, token, lease) = (self.0.clone(), token.to_string(), lease.clone());
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(held)).await;
+                    let _ = land(&w, &token, &lease);
+                });
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                return Err(DeliveryError::Transient("timeout".into()));
             }
-        };
-        let exec = match answer {
-            Ok(exec) => exec,
-            Err(e) => return Err(e),
-        };
-        // The task has its output: the execution holds the lease (heartbeats, writes, release
-        // through the functions).
-        if lease.key.is_empty() || lease.safe_until.is_some_and(|s| s <= now()) {
-            // Delivered too late to use: the execution does not use it (it ends with its
-            // duration).
-            lock(&self.0).fault("sfn_late_delivery");
-        } else {
-            told(&self.0, &exec, lease);
-            let (w, l) = (self.0.clone(), lease.clone());
-            let node = lock(&self.0).functions.clone().expect("the functions");
-            let h = tokio::spawn(async move { hold(&node, &w, &exec, l, None).await });
-            lock(&self.0).exec_tasks.push(h);
+            tokio::time::sleep(Duration::from_millis(held)).await;
         }
-        if fault < 10 {
+        land(&self.0, token, lease)?;
+        if (7..13).contains(&fault) {
             // Landed, but the answer is lost: the client's timeout.
             lock(&self.0).fault("sfn_lost_answer");
             tokio::time::sleep(Duration::from_secs(3)).await;
@@ -82,6 +66,43 @@ impl Deliver for SimSfn {
             _ => Err(DeliveryError::Gone("TaskDoesNotExist".into())),
         }
     }
+}
+
+/// A `SendTaskSuccess` lands: the task, if it still waits, has its output, and the execution
+/// holds the lease (heartbeats, writes, release through the functions) unless it came too late
+/// to use.
+fn land(world: &Shared, token: &str, lease: &Lease) -> Result<(), DeliveryError> {
+    let answer = {
+        let mut w = lock(world);
+        let at = now();
+        match w.tasks.get_mut(token) {
+            None => Err(DeliveryError::Gone("TaskDoesNotExist".into())),
+            Some(t) if t.deleted => Err(DeliveryError::Gone("TaskDoesNotExist".into())),
+            Some(t) if t.closed || at >= t.timeout => {
+                t.closed = true;
+                Err(DeliveryError::Gone("TaskTimedOut".into()))
+            }
+            Some(t) => {
+                t.closed = true;
+                Ok(t.exec.clone())
+            }
+        }
+    };
+    let exec = answer?;
+    // The task has its output: the execution holds the lease (heartbeats, writes, release
+    // through the functions).
+    if lease.key.is_empty() || lease.safe_until.is_some_and(|s| s <= now()) {
+        // Delivered too late to use: the execution does not use it (it ends with its
+        // duration).
+        lock(world).fault("sfn_late_delivery");
+    } else {
+        told(world, &exec, lease);
+        let (w, l) = (world.clone(), lease.clone());
+        let node = lock(world).functions.clone().expect("the functions");
+        let h = tokio::spawn(async move { hold(&node, &w, &exec, l, None).await });
+        lock(world).exec_tasks.push(h);
+    }
+    Ok(())
 }
 
 /// The scheduled queue sweep (the heartbeat function's), until the run is over: each run in
