@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use leasehold::store::SqliteStore;
 use leasehold::{AcquireOptions, Coordinator, Error};
-use leasehold_tests::{dynamo_local, test_config, TempDir};
+use leasehold_tests::{dynamo_local, test_config, Counting, TempDir};
 
 fn short_ttl_config() -> leasehold::Config {
     let mut c = test_config();
@@ -50,42 +50,48 @@ async fn sqlite_purge_keeps_fences_monotonic() {
     let dir = TempDir::new("purge");
     let store = SqliteStore::open(dir.path().join("l.db")).unwrap();
     let arc = std::sync::Arc::new(store.clone());
-    let at = |offset_ms: i64| {
+    // A coordinator whose clock is `offset_ms` off and who sees no clock evidence (a blind
+    // clock: one whose evidence checked it would be refused, or corrected back).
+    let blind = |offset_ms: i64| {
         let mut cfg = short_ttl_config();
         cfg.clock_offset_ms = offset_ms;
-        Coordinator::new(arc.clone(), cfg)
+        Coordinator::new(Counting::new(arc.clone()), cfg)
     };
-    let c = at(0);
+    let c = Coordinator::new(arc.clone(), short_ttl_config());
     let l = c.acquire("p", "h", Some(Duration::from_secs(1)), AcquireOptions::default()).await.unwrap();
     // Held: never purged.
     assert_eq!(store.purge_expired(c.now_ms()).await.unwrap(), 0);
     c.release("p", &l.lease_id).await.unwrap();
     // Not yet past its TTL (release time + max_duration).
     assert_eq!(store.purge_expired(c.now_ms()).await.unwrap(), 0);
-    // Six seconds later (played by a coordinator whose clock is 6 s ahead) it is purged, and
-    // a fresh acquire at that time starts above the purged fence.
-    let later = at(6_000);
-    assert_eq!(store.purge_expired(later.now_ms()).await.unwrap(), 1);
-    assert!(matches!(later.get("p").await, Err(Error::NotFound { .. })));
-    let again = later.acquire("p", "h", Some(Duration::from_secs(1)), AcquireOptions::default()).await.unwrap();
+    // Six seconds later it is purged (a purge at that time: a coordinator's clock ahead of the
+    // store's would be corrected back to it), and a fresh acquire starts above the purged fence.
+    assert_eq!(store.purge_expired(c.now_ms() + 6_000).await.unwrap(), 1);
+    assert!(matches!(c.get("p").await, Err(Error::NotFound { .. })));
+    let again = c.acquire("p", "h", Some(Duration::from_secs(1)), AcquireOptions::default()).await.unwrap();
     assert!(again.fence > l.fence, "{} after {}", again.fence, l.fence);
 
-    // A fence issued by a coordinator whose clock runs a minute fast is ahead of the purger's
-    // clock: the purge keeps that item even past its TTL, so no later fence can fall below it.
-    let fast = at(60_000);
+    // A fence issued by a blind coordinator whose clock runs a minute fast is ahead of the
+    // purger's clock: the purge keeps that item even past its TTL, so no later fence can fall
+    // below it.
+    let fast = blind(60_000);
     let f = fast.acquire("skewed", "h", Some(Duration::from_secs(1)), AcquireOptions::default()).await.unwrap();
     c.release("skewed", &f.lease_id).await.unwrap();
-    assert_eq!(store.purge_expired(c.now_ms() + 6_000).await.unwrap(), 0, "fence ahead of the clock: kept");
+    let purged = store.purge_expired(c.now_ms() + 6_000).await.unwrap();
+    assert!(c.get("skewed").await.is_ok(), "fence ahead of the clock: kept ({purged} purged)");
     // (Its release frees the key at its own clock's acquired_at, a minute ahead.)
     let next =
-        at(61_000).acquire("skewed", "h", Some(Duration::from_secs(1)), AcquireOptions::default()).await.unwrap();
+        blind(61_000).acquire("skewed", "h", Some(Duration::from_secs(1)), AcquireOptions::default()).await.unwrap();
     assert!(next.fence > f.fence);
 
     // A fail-closed lease carries no TTL and is never purged.
     let id = Some(leasehold::LeaseId::generate());
     let fc = c.acquire("forever", "h", None, AcquireOptions { lease_id: id, ..Default::default() }).await.unwrap();
-    assert_eq!(store.purge_expired(c.now_ms() + 10_000_000).await.unwrap(), 2, "only the timed items go");
-    assert_eq!(c.get("forever").await.unwrap().fence, fc.fence);
+    assert!(store.purge_expired(c.now_ms() + 10_000_000).await.unwrap() >= 1);
+    for timed in ["p", "skewed"] {
+        assert!(matches!(c.get(timed).await, Err(Error::NotFound { .. })), "{timed} is purged in the end");
+    }
+    assert_eq!(c.get("forever").await.unwrap().fence, fc.fence, "only the timed items go");
 }
 
 /// [`short_ttl_config`] with DONE a terminal state kept one second.

@@ -48,16 +48,8 @@ impl Coordinator {
         // The clock is checked by each write itself, right before it is sent (`write`): the
         // slot's renewal and the lease's alike.
         let duration_ms = duration.map(|d| d.as_millis() as u64);
-        // A key seen as a semaphore: the holder's slot first (one request), the plain lease
-        // only if the item is no semaphore (DESIGN.md, "Semaphores": Cost).
-        if let Some(d) = duration_ms.filter(|_| self.known_semaphore(key)) {
-            match self.renew_slot(key, lease_id, d, deadline).await? {
-                Ok(lease) => return Ok(lease),
-                Err((Some(r), now)) if r.semaphore.slots.is_some() => {
-                    return Err(self.slot_or_plain_not_holder(key, lease_id, Some(&r), now))
-                }
-                Err(_) => {}
-            }
+        if let Some(done) = self.renew_known_slot(key, lease_id, duration_ms, deadline).await? {
+            return done;
         }
         let max = self.max_duration_ms();
         // A key in a work state keeps no TTL: a renewal writing one is conditional on no state,
@@ -118,6 +110,25 @@ impl Coordinator {
                 Write::Rejected(r) => Err(self.not_holder(key, lease_id, r.as_ref(), now)),
             };
         }
+    }
+
+    /// A key seen as a semaphore: the holder's slot first (one request), the plain lease only
+    /// if the item is no semaphore (DESIGN.md, "Semaphores": Cost). `None`: renew the lease.
+    async fn renew_known_slot(
+        &self,
+        key: &str,
+        lease_id: &LeaseId,
+        duration_ms: Option<u64>,
+        deadline: Instant,
+    ) -> Result<Option<Result<Lease>>> {
+        let Some(d) = duration_ms.filter(|_| self.known_semaphore(key)) else { return Ok(None) };
+        Ok(match self.renew_slot(key, lease_id, d, deadline).await? {
+            Ok(lease) => Some(Ok(lease)),
+            Err((Some(r), now)) if r.semaphore.slots.is_some() => {
+                Some(Err(self.slot_or_plain_not_holder(key, lease_id, Some(&r), now)))
+            }
+            Err(_) => None,
+        })
     }
 
     /// For a renewal of `lease_id` refused at `now` only for its order: the item is live for
