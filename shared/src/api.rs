@@ -312,8 +312,11 @@ async fn queued_acquire(
         lease_id: r.lease_id.as_deref().map(validate::lease_id).transpose()?,
         ..Default::default()
     };
-    let timeout_at_ms = r.task_timeout_ms.map(|t| coord.now_ms().saturating_add(t));
-    match coord.acquire_or_enqueue(key, holder, duration, opts, token, timeout_at_ms).await? {
+    // Counted from the request's arrival on the monotonic clock; dated by the clock the waiter
+    // item is written with, checked right before it (DESIGN.md, "The waiter queue").
+    let since = coord.monotonic().saturating_duration_since(received);
+    let task_timeout = r.task_timeout_ms.map(|t| Duration::from_millis(t).saturating_sub(since));
+    match coord.acquire_or_enqueue(key, holder, duration, opts, token, task_timeout).await? {
         crate::queue::Enqueued::Granted(lease) => {
             let mut v = serde_json::to_value(lease.with_safe_for(received)).expect("lease serialises");
             v["queued"] = json!(false);

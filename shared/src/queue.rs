@@ -193,8 +193,18 @@ impl Coordinator {
         self.deliver().ok_or_else(|| Error::invalid("a queued acquire needs Step Functions delivery"))
     }
 
-    /// Writes the waiter item of `waiter` (slot `waiter.seq` of `key`'s queue).
-    async fn put_waiter(&self, key: &str, waiter: Waiter, deadline: Instant) -> Result<()> {
+    /// Writes the waiter item of `waiter` (slot `waiter.seq` of `key`'s queue). Its task times
+    /// out at `task_deadline` (this coordinator's monotonic clock): `timeout_at_ms` is dated by
+    /// each try's clock, checked right before it, never by an unchecked reading (a clock stepped
+    /// as the call began would date the timeout wrong, and the waiter would be passed over as
+    /// timed out while its task still waits).
+    async fn put_waiter(
+        &self,
+        key: &str,
+        waiter: Waiter,
+        task_deadline: Option<Instant>,
+        deadline: Instant,
+    ) -> Result<()> {
         let max_wait = self.config().limits.max_wait.as_millis() as u64;
         let wk = waiter_key(key, waiter.seq);
         let mut item = Record::key_only(wk.clone());
@@ -202,7 +212,6 @@ impl Coordinator {
         item.lease_id = waiter.lease_id.clone();
         item.acquired_at_ms = waiter.enqueued_at_ms;
         item.expires_at_ms = Some(0);
-        let timeout_at_ms = waiter.timeout_at_ms;
         item.queue.waiter = Some(waiter);
         // Stamped with this try's clock: a retried invocation writes the item again with its
         // own token, and a write of an earlier try held in the network must not put the dead
@@ -214,6 +223,11 @@ impl Coordinator {
         // (never behind the corrected clock, so never a shorter TTL).
         self.write(&wk, deadline, |_| {
             let now = self.own_clock_ms();
+            let left = |d: Instant| d.saturating_duration_since(self.monotonic()).as_millis() as u64;
+            let timeout_at_ms = task_deadline.map(|d| now.saturating_add(left(d)));
+            if let Some(w) = item.queue.waiter.as_mut() {
+                w.timeout_at_ms = timeout_at_ms;
+            }
             let waits_until = timeout_at_ms.unwrap_or(now.saturating_add(LONGEST_WAIT_MS)).max(now + max_wait);
             item.ttl = Some(self.ttl_after(waits_until.saturating_add(self.max_duration_ms())));
             item.renewed_at_ms = Some(now);
@@ -230,7 +244,8 @@ impl Coordinator {
     /// A queued acquire: takes the key if it is free (and delivers the lease at once), else
     /// joins its queue and returns. The lease is delivered to `task_token` when the waiter's
     /// turn comes. `duration` is required (a waiter's grant must end by itself if it is never
-    /// delivered).
+    /// delivered). `task_timeout`: the task's timeout, counted from this call (a waiter whose
+    /// timeout has passed is passed over).
     pub async fn acquire_or_enqueue(
         &self,
         key: &str,
@@ -238,9 +253,10 @@ impl Coordinator {
         duration: Duration,
         opts: AcquireOptions,
         task_token: &str,
-        timeout_at_ms: Option<u64>,
+        task_timeout: Option<Duration>,
     ) -> Result<Enqueued> {
         self.check_queued(key, holder, duration, &opts, task_token)?;
+        let task_deadline = task_timeout.map(|t| self.monotonic() + t);
         let deliver = self.deliverer()?;
         // Only a caller's lease_id can be sent again by a retried invocation.
         let mut retry_possible = opts.lease_id.is_some();
@@ -262,7 +278,7 @@ impl Coordinator {
             // lease_id, so a lease_id is granted at most once; and one whose slot was granted
             // already takes that grant over.
             if std::mem::take(&mut retry_possible) {
-                if let Some(done) = self.resume(key, &lease_id, task_token, timeout_at_ms, &deliver).await? {
+                if let Some(done) = self.resume(key, &lease_id, task_token, task_deadline, &deliver).await? {
                     return Ok(done);
                 }
             }
@@ -304,9 +320,11 @@ impl Coordinator {
                 keepalive: opts.keepalive.clone(),
                 task_token: task_token.to_string(),
                 enqueued_at_ms: enqueued_at,
-                timeout_at_ms,
+                // Dated by the waiter item's write, with its checked clock.
+                timeout_at_ms: None,
             };
-            return self.place_waiter(key, waiter, r.queue.queue_head.unwrap_or(seq - 1), deadline).await;
+            let head = r.queue.queue_head.unwrap_or(seq - 1);
+            return self.place_waiter(key, waiter, head, task_deadline, deadline).await;
         }
         Err(Error::StoreUnavailable(format!("{key:?} kept changing hands while joining its queue")))
     }
@@ -334,9 +352,16 @@ impl Coordinator {
     /// Writes the waiter item of a slot taken (or kept) in `key`'s queue, whose head is `head`,
     /// and answers `Queued`. The key may have been freed between the enqueue and this write,
     /// with nobody to serve this waiter: it is served now (one read when the key is still held).
-    async fn place_waiter(&self, key: &str, waiter: Waiter, head: u64, deadline: Instant) -> Result<Enqueued> {
+    async fn place_waiter(
+        &self,
+        key: &str,
+        waiter: Waiter,
+        head: u64,
+        task_deadline: Option<Instant>,
+        deadline: Instant,
+    ) -> Result<Enqueued> {
         let (seq, lease_id) = (waiter.seq, waiter.lease_id.clone());
-        self.put_waiter(key, waiter, deadline).await?;
+        self.put_waiter(key, waiter, task_deadline, deadline).await?;
         if let Err(e) = self.serve_queue(key).await {
             tracing::warn!(key, error = e.name(), "serving the queue after an enqueue failed");
         }
@@ -353,7 +378,7 @@ impl Coordinator {
         key: &str,
         lease_id: &LeaseId,
         task_token: &str,
-        timeout_at_ms: Option<u64>,
+        task_deadline: Option<Instant>,
         deliver: &Arc<dyn Deliver>,
     ) -> Result<Option<Enqueued>> {
         match self.own_waiter(key, lease_id).await? {
@@ -361,8 +386,8 @@ impl Coordinator {
             Some(Own::Slot(w)) => {
                 let deadline = self.monotonic() + self.config().retry_budget;
                 let seq = w.seq;
-                let waiter = Waiter { task_token: task_token.to_string(), timeout_at_ms, ..w };
-                self.put_waiter(key, waiter, deadline).await?;
+                let waiter = Waiter { task_token: task_token.to_string(), ..w };
+                self.put_waiter(key, waiter, task_deadline, deadline).await?;
                 self.after_rewrite(key, lease_id, seq, task_token, deliver).await.map(Some)
             }
             Some(Own::Granted(r)) => self.take_over(key, &r, task_token, deliver).await.map(Some),

@@ -125,7 +125,6 @@ pub(crate) struct Execution {
     pub(crate) tag: u64,
     pub(crate) lease_id: LeaseId,
     pub(crate) dur: u64,
-    pub(crate) timeout_at_ms: u64,
 }
 
 /// Invokes the acquire function for `x` until its task waits (the token it waits on), or
@@ -138,7 +137,8 @@ pub(crate) async fn execution(mut f: Arc<Node>, world: &Shared, x: Execution) ->
     for attempt in 1..=3 {
         let inv = {
             let (f, k, exec, opts, token) = (f.clone(), k.clone(), exec.clone(), opts.clone(), token.clone());
-            let (d, t) = (Duration::from_millis(x.dur), Some(x.timeout_at_ms));
+            // What is left of the task's timeout, as the acquire function is told it.
+            let (d, t) = (Duration::from_millis(x.dur), Some(x.task.timeout.saturating_duration_since(now())));
             tokio::spawn(async move { f.coord.acquire_or_enqueue(&k, &exec, d, opts, &token, t).await })
         };
         // The invocation runs in `f`'s process: a crash of that process stops it.

@@ -101,6 +101,11 @@ fn regression_seed_1_keeps_every_promise() {
 /// - `--seed 878` (sixth round, a semaphore seed): a generated lease_id's take sent again after
 ///   its unanswered first take's slot expired and was cleaned away, taking a second slot
 ///   (`lease_id_granted_twice`; a take's lease_id now lapses as a lease's does).
+/// - `--seed 378` (seventh round, a clock-jump seed): a queued waiter passed over as timed out
+///   half a minute before its task would time out, its execution left waiting (`waiter_lost`):
+///   the timeout was dated by a clock reading taken while the clock was stepped a minute back,
+///   unchecked; it is now counted on the monotonic clock and dated by the waiter item's
+///   checked write.
 ///
 /// Each in a fresh process, as seed 1 above; none may report a violation or the finding named.
 #[test]
@@ -114,6 +119,7 @@ fn regression_seeds_of_the_fixed_findings_keep_every_promise() {
         (&["--seed", "26"], "two_holders"),
         (&["--seed", "32"], "lease_id_regranted_untold"),
         (&["--seed", "878"], "lease_id_granted_twice"),
+        (&["--seed", "378"], "waiter_lost"),
     ];
     for (args, finding) in runs {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_leasehold-sim"))

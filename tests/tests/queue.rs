@@ -156,10 +156,8 @@ async fn gone_and_timed_out_waiters_are_passed_over(b: Backend) {
     let k = key("gone");
     let Enqueued::Granted(lease) = enqueue(&c, &k, "holder", Duration::from_secs(30)).await else { panic!() };
     enqueue(&c, &k, "gone", Duration::from_secs(30)).await;
-    let past = c.now_ms() + 300;
-    c.acquire_or_enqueue(&k, "late", Duration::from_secs(30), AcquireOptions::default(), "late", Some(past))
-        .await
-        .unwrap();
+    let past = Some(Duration::from_millis(300));
+    c.acquire_or_enqueue(&k, "late", Duration::from_secs(30), AcquireOptions::default(), "late", past).await.unwrap();
     enqueue(&c, &k, "live", Duration::from_secs(30)).await;
     rec.gone.lock().unwrap().insert("gone".into());
     tokio::time::sleep(Duration::from_millis(400)).await;
@@ -617,7 +615,7 @@ async fn waiters_outlive_the_ttl_of_a_day(b: Backend) {
     c.acquire(&k, "holder", None, opts).await.unwrap();
     let day = 24 * 3600 * 1000;
     c.acquire_or_enqueue(&k, "w1", Duration::from_secs(30), AcquireOptions::default(), "w1", None).await.unwrap();
-    let timeout = Some(c.now_ms() + 30 * day);
+    let timeout = Some(Duration::from_millis(30 * day));
     c.acquire_or_enqueue(&k, "w2", Duration::from_secs(30), AcquireOptions::default(), "w2", timeout).await.unwrap();
     let purged = store.purge((c.now_ms() + 20 * day) / 1000).await;
     assert_eq!(c.get(&k).await.unwrap().queue_length, 2);

@@ -35,8 +35,7 @@ pub(crate) async fn queued(node: &Arc<Node>, world: &Shared, name: &str) {
     };
     // The acquire function: this process when it serves queues, else the functions.
     let f = if node.serves_queues { node.clone() } else { lock(world).functions.clone().expect("the functions") };
-    let timeout_at_ms = f.coord.now_ms() + timeout;
-    let x = Execution { task, tag, lease_id, dur, timeout_at_ms };
+    let x = Execution { task, tag, lease_id, dur };
     let w = world.clone();
     let h = tokio::spawn(async move {
         if let Some(token) = execution(f, &w, x).await {
