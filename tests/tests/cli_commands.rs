@@ -203,7 +203,9 @@ fn semaphore_subcommands(t: &Target) {
     assert!(u(&s2, "fence") > u(&s1, "fence"), "fences increase across slots");
     let full = acquire("s3").code(75).json();
     assert_eq!(full["error"], "LeaseHeld");
-    assert_eq!(u(&full, "expires_at_ms"), u(&s1, "expires_at_ms"));
+    // The earliest expiry of a live holder (DESIGN.md, "Semaphores"): each CLI call is a new
+    // process, whose clock is corrected by its own evidence, so the later take may expire first.
+    assert_eq!(u(&full, "expires_at_ms"), u(&s1, "expires_at_ms").min(u(&s2, "expires_at_ms")));
     let g = t.run(&["get", "sem/cli", "--json"]).ok().json();
     assert_eq!((u(&g, "slots"), g["holders"].as_array().unwrap().len()), (2, 2), "{g}");
     assert!(!g.to_string().contains(s1["lease_id"].as_str().unwrap()));

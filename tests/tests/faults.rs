@@ -409,8 +409,11 @@ async fn a_lost_acquire_names_its_lease_id_over_http_and_the_cli() {
         let url = format!("{}{path}", server.url);
         async move { leasehold_tests::http::post_json(&url, &body).await.unwrap() }
     };
-    // Warm the clock evidence, then lose every acquire write's answer.
-    assert_eq!(post("/leases/acquire/warm".into(), json!({"holder": "h", "duration_ms": 1000})).await.status, 200);
+    // Warm the clock evidence, then lose every acquire write's answer. The warming lease is
+    // longer than a new process's safe margin (about 1.25 s on DynamoDB Local: DESIGN.md,
+    // "Clocks"), so that it is granted with a safe time within the 800 ms retry budget.
+    let warm = post("/leases/acquire/warm".into(), json!({"holder": "h", "duration_ms": 30000})).await;
+    assert_eq!(warm.status, 200, "{}", warm.json());
     proxy.add_random_faults(&["PutItem"], 1000, &[ProxyFault::DropResponse]);
     let r = post("/leases/acquire/k1".into(), json!({"holder": "a", "duration_ms": 600000})).await;
     proxy.clear_faults();
