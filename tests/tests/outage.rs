@@ -81,8 +81,9 @@ async fn sdk_faults_are_classified_and_retried() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn renewals_failing_until_safe_time_are_reported() {
     let (proxy, c, direct) = through_proxy().await;
-    // 2 s: a loaded machine can answer a grant later than a shorter lease's safe time.
-    let held = c.hold("r1", "h", Duration::from_secs(2), AcquireOptions::default()).await.unwrap();
+    // 4 s: a new process's safe margin is about 1.25 s on DynamoDB Local (DESIGN.md, "Clocks"),
+    // and a loaded machine can answer a grant later than a shorter lease's safe time.
+    let held = c.hold("r1", "h", Duration::from_secs(4), AcquireOptions::default()).await.unwrap();
     let fence = held.fence();
     let lag = SchedLag::start();
     let safe = held.safe_until().unwrap();
