@@ -286,14 +286,7 @@ impl Coordinator {
             // whose earlier try landed (or a retried invocation) finds the last slot is its own.
             let deadline = self.monotonic() + self.config().retry_budget;
             let start = self.now_us().max(floor + 1);
-            let (w, _, now) = self
-                .write(key, deadline, |now| {
-                    let join = QueueCondition::Queueable { now_ms: now, lease_id: lease_id.clone(), start };
-                    let enqueue = QueueMutation::Enqueue { now_ms: now, start, lease_id: lease_id.clone(), shard };
-                    Ok((join.into(), enqueue.into()))
-                })
-                .await
-                .map_err(|f| f.into_error(key))?;
+            let (w, now) = self.enqueue(key, &lease_id, start, shard, deadline).await?;
             let (r, enqueued_at) = match w {
                 Write::Applied(r) => (r, now),
                 Write::Rejected(Some(r))
@@ -327,6 +320,26 @@ impl Coordinator {
             return self.place_waiter(key, waiter, head, task_deadline, deadline).await;
         }
         Err(Error::StoreUnavailable(format!("{key:?} kept changing hands while joining its queue")))
+    }
+
+    /// The enqueue's write (a new queue's counters start at `start`), and its clock.
+    async fn enqueue(
+        &self,
+        key: &str,
+        lease_id: &LeaseId,
+        start: u64,
+        shard: u32,
+        deadline: Instant,
+    ) -> Result<(Write, u64)> {
+        let (w, _, now) = self
+            .write(key, deadline, |now| {
+                let join = QueueCondition::Queueable { now_ms: now, lease_id: lease_id.clone(), start };
+                let enqueue = QueueMutation::Enqueue { now_ms: now, start, lease_id: lease_id.clone(), shard };
+                Ok((join.into(), enqueue.into()))
+            })
+            .await
+            .map_err(|f| f.into_error(key))?;
+        Ok((w, now))
     }
 
     /// What a queued acquire must be: a valid acquire with a duration, neither `min_hold` nor
