@@ -100,7 +100,9 @@ fn regression_seed_1_keeps_every_promise() {
 ///   replaced instead).
 /// - `--seed 878` (sixth round, a semaphore seed): a generated lease_id's take sent again after
 ///   its unanswered first take's slot expired and was cleaned away, taking a second slot
-///   (`lease_id_granted_twice`; a take's lease_id now lapses as a lease's does).
+///   (`lease_id_granted_twice`; a take's lease_id now lapses as a lease's does). Since the
+///   edge clocks and the functions' faults, neither this seed nor `--seeds 1000` finds it with
+///   the fix reverted (`scripts/sim-reverts/slot-lease-id-lapse.patch`; BENCHMARKS.md).
 /// - `--seed 378` (seventh round, a clock-jump seed): a queued waiter passed over as timed out
 ///   half a minute before its task would time out, its execution left waiting (`waiter_lost`):
 ///   the timeout was dated by a clock reading taken while the clock was stepped a minute back,
