@@ -466,8 +466,9 @@ pub async fn all_history(client: &aws_sdk_sfn::Client, arn: &str) -> Vec<aws_sdk
     let mut token: Option<String> = None;
     loop {
         // moto's server has answered 500 (an HTML error page) to a history read of an execution
-        // the adapter had just stopped, once in a full run: a page answered 5xx is asked again,
-        // as the SDK's own retries would against Step Functions.
+        // the adapter had just stopped: once in a full run, and six times in a row over 3 s in
+        // a run beside another one. A page answered 5xx is asked again, as the SDK's own
+        // retries would against Step Functions, for up to about 30 s.
         let mut tries = 0;
         let out = loop {
             let sent = client
@@ -479,9 +480,9 @@ pub async fn all_history(client: &aws_sdk_sfn::Client, arn: &str) -> Vec<aws_sdk
                 .await;
             match sent {
                 Ok(out) => break out,
-                Err(e) if tries < 5 && e.raw_response().is_some_and(|r| r.status().is_server_error()) => {
+                Err(e) if tries < 30 && e.raw_response().is_some_and(|r| r.status().is_server_error()) => {
                     tries += 1;
-                    tokio::time::sleep(std::time::Duration::from_millis(200 * tries)).await;
+                    tokio::time::sleep(std::time::Duration::from_millis(200 * tries.min(5))).await;
                 }
                 Err(e) => panic!("history of {arn}: {e:?}"),
             }

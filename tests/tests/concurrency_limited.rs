@@ -629,7 +629,7 @@ async fn concurrency_limited_takes_execution_already_exists_as_continued() {
 /// it. Minutes long, so outside the suite: `cargo test -p leasehold-tests --test
 /// concurrency_limited -- --ignored concurrency_limited_chain_past_25000_history_events --nocapture`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "minutes long: run by hand, figures in DESIGN.md"]
+#[ignore = "minutes long: run by hand, figures in BENCHMARKS.md"]
 async fn concurrency_limited_chain_past_25000_history_events() {
     tokio::task::spawn_blocking(stack).await.unwrap();
     let key = unique("full-quota");
