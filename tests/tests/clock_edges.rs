@@ -176,8 +176,13 @@ async fn edges_never_overlap(b: Backend) {
         ahead = ahead.min(accepted_band(stores[0].clone(), &config(0), 5, 3000).await.0);
         behind = behind.min(accepted_band(stores[1].clone(), &config(0), 5, 3000).await.1);
     }
-    // Just inside the edges: coordinator 0 ahead of the store's clock, 1 behind it.
-    let offsets = [ahead - 20, -(behind - 20)];
+    // Inside the edges: coordinator 0 ahead of the store's clock, 1 behind it. A long-lived
+    // coordinator's evidence may come to narrow its band below what these first answers
+    // showed (one quiet round trip does it), and a clock outside it is refused for good: each
+    // clock stands in from its edge by a quarter of what the band has beyond the margin, so
+    // that they stay well over the margin apart.
+    let inset = 20.max((ahead + behind - MARGIN.as_millis() as i64) / 4);
+    let offsets = [ahead - inset, -(behind - inset)];
     let coords = Arc::new([0, 1].map(|i| Coordinator::new(stores[i].clone(), config(offsets[i]))));
     let tally = Arc::new(Mutex::new(Tally::default()));
     let t0 = Instant::now();
@@ -231,14 +236,24 @@ async fn edges_never_overlap(b: Backend) {
     assert!(handed.iter().all(|&h| h >= SEEN), "too few releases taken over: {handed:?}");
 }
 
-/// A key released by one coordinator is taken at once by another whose clock runs behind the
-/// first's by a little less than the margin: the release freed it, whatever the clocks.
-async fn a_released_key_is_free_to_a_clock_behind(b: Backend) {
-    let stores = [Backend::dynamo_store_like(&b).await, Backend::dynamo_store_like(&b).await];
-    let traffic: Vec<_> = stores.iter().map(|s| steady_traffic(s.clone(), "behind-traffic")).collect();
+/// Two processes' coordinators, each over its own client kept busy by steady traffic: one on
+/// time, one whose clock runs behind it by a little less than the margin.
+async fn on_time_and_behind(
+    b: &Backend,
+    traffic_key: &str,
+) -> (Coordinator, Coordinator, Vec<tokio::task::AbortHandle>) {
+    let stores = [Backend::dynamo_store_like(b).await, Backend::dynamo_store_like(b).await];
+    let traffic = stores.iter().map(|s| steady_traffic(s.clone(), traffic_key)).collect();
     tokio::time::sleep(Duration::from_millis(1200)).await;
     let on_time = Coordinator::new(stores[0].clone(), config(0));
     let behind = Coordinator::new(stores[1].clone(), config(-(MARGIN.as_millis() as i64) + 30));
+    (on_time, behind, traffic)
+}
+
+/// A key released by one coordinator is taken at once by another whose clock runs behind the
+/// first's by a little less than the margin: the release freed it, whatever the clocks.
+async fn a_released_key_is_free_to_a_clock_behind(b: Backend) {
+    let (on_time, behind, traffic) = on_time_and_behind(&b, "behind-traffic").await;
     for i in 0..10 {
         let key = format!("behind-{i}");
         let l = on_time.acquire(&key, "first", Some(LEASE), AcquireOptions::default()).await.unwrap();
@@ -258,11 +273,7 @@ async fn a_released_key_is_free_to_a_clock_behind(b: Backend) {
 /// the expiry moves on as far as a clock on time would move it; the keep-alive sweep of such a
 /// process renews rather than counting the lease as raced.
 async fn a_renewal_by_a_clock_behind_moves_the_expiry_on(b: Backend) {
-    let stores = [Backend::dynamo_store_like(&b).await, Backend::dynamo_store_like(&b).await];
-    let traffic: Vec<_> = stores.iter().map(|s| steady_traffic(s.clone(), "renew-traffic")).collect();
-    tokio::time::sleep(Duration::from_millis(1200)).await;
-    let on_time = Coordinator::new(stores[0].clone(), config(0));
-    let behind = Coordinator::new(stores[1].clone(), config(-(MARGIN.as_millis() as i64) + 30));
+    let (on_time, behind, traffic) = on_time_and_behind(&b, "renew-traffic").await;
     let long = Duration::from_secs(20);
     for i in 0..10 {
         let key = format!("renew-behind-{i}");

@@ -76,17 +76,19 @@ impl Coordinator {
                 .await
                 .map_err(|f| f.into_error(key))?;
             let now = floor.map_or(now, |f| now.max(f));
+            // Refused because the last renewal (or the grant) was stamped at or after this
+            // clock by another coordinator's, which is ahead of this one: once more at that
+            // stamp, so that a clock behind renews as far as one on time would.
+            if let (None, Write::Rejected(Some(r))) = (floor, &w) {
+                if let Some(stamp) = self.after_renewal(r, lease_id, now) {
+                    floor = Some(stamp);
+                    continue;
+                }
+            }
             return match w {
                 Write::Applied(r) => {
                     check_fence(&r)?;
                     Ok(r.lease(sent, now, self.safe_margin(sent, now)))
-                }
-                // Refused because the last renewal (or the grant) was stamped at or after this
-                // clock by another coordinator's, which is ahead of this one: once more at that
-                // stamp, so that a clock behind renews as far as one on time would.
-                Write::Rejected(Some(r)) if floor.is_none() && self.after_renewal(&r, lease_id, now).is_some() => {
-                    floor = self.after_renewal(&r, lease_id, now);
-                    continue;
                 }
                 // Refused for the TTL alone: the same renewal without it; in a terminal state,
                 // whose keys keep a lease's TTL (DESIGN.md, "Terminal states"), with it but
