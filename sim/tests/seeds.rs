@@ -102,7 +102,9 @@ fn regression_seed_1_keeps_every_promise() {
 ///   its unanswered first take's slot expired and was cleaned away, taking a second slot
 ///   (`lease_id_granted_twice`; a take's lease_id now lapses as a lease's does). Since the
 ///   edge clocks and the functions' faults, neither this seed nor `--seeds 1000` finds it with
-///   the fix reverted (`scripts/sim-reverts/slot-lease-id-lapse.patch`; BENCHMARKS.md).
+///   the fix reverted (`scripts/sim-reverts/slot-lease-id-lapse.patch`; BENCHMARKS.md); the
+///   integration test `semaphores.rs` `a_take_sent_again_after_its_first_try_expired_takes_a_new_lease_id`
+///   does, on both stores.
 /// - `--seed 378` (seventh round, a clock-jump seed): a queued waiter passed over as timed out
 ///   half a minute before its task would time out, its execution left waiting (`waiter_lost`):
 ///   the timeout was dated by a clock reading taken while the clock was stepped a minute back,

@@ -556,6 +556,9 @@ pub enum Fault {
     DelayedDuplicate(std::time::Duration),
     /// Make the write, then answer only this much later (a stalled answer).
     SlowAnswer(std::time::Duration),
+    /// Make the write, then lose its answer this much later (a request that timed out after
+    /// it landed).
+    LoseResponseAfter(std::time::Duration),
 }
 
 /// Injects faults into the next writes of a real store (of those its filter picks).
@@ -563,6 +566,8 @@ pub struct Faulty {
     pub inner: Arc<dyn Store>,
     pub plan: Mutex<Vec<Fault>>,
     pub injected: AtomicUsize,
+    /// The writes a fault was injected into, in order.
+    pub faulted: Mutex<Vec<Mutation>>,
     /// Which writes the faults are for, by their condition; the others pass untouched.
     only: fn(&Condition) -> bool,
 }
@@ -574,7 +579,13 @@ impl Faulty {
     /// Faults only for the writes whose condition `only` picks (say, a hand-over's, while
     /// waiters poll beside it).
     pub fn on(inner: Arc<dyn Store>, only: fn(&Condition) -> bool) -> Arc<Faulty> {
-        Arc::new(Faulty { inner, plan: Mutex::new(Vec::new()), injected: AtomicUsize::new(0), only })
+        Arc::new(Faulty {
+            inner,
+            plan: Mutex::new(Vec::new()),
+            injected: AtomicUsize::new(0),
+            faulted: Mutex::default(),
+            only,
+        })
     }
     /// Faults for the next writes, in order.
     pub fn inject(&self, faults: &[Fault]) {
@@ -600,6 +611,9 @@ impl Store for Faulty {
     }
     async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> Result<Write> {
         let fault = if (self.only)(c) { self.next_fault() } else { None };
+        if fault.is_some() {
+            self.faulted.lock().unwrap().push(m.clone());
+        }
         match fault {
             None => self.inner.update(key, c, m).await,
             Some(Fault::LoseResponse) => {
@@ -620,6 +634,11 @@ impl Store for Faulty {
                 let w = self.inner.update(key, c, m).await;
                 tokio::time::sleep(after).await;
                 w
+            }
+            Some(Fault::LoseResponseAfter(after)) => {
+                let _ = self.inner.update(key, c, m).await?;
+                tokio::time::sleep(after).await;
+                Err(Error::StoreUnavailable("injected: the answer timed out after the write".into()))
             }
         }
     }

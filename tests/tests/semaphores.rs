@@ -24,6 +24,7 @@ both_backends!(
     a_tidy_of_many_ended_entries_is_chunked_and_keeps_the_bound,
     a_take_cleaning_many_expired_holders_is_one_write,
     slots_and_metadata_past_what_an_item_holds_are_refused_at_acquire,
+    a_take_sent_again_after_its_first_try_expired_takes_a_new_lease_id,
 );
 
 fn secs(s: u64) -> Option<Duration> {
@@ -445,4 +446,43 @@ async fn slots_and_metadata_past_what_an_item_holds_are_refused_at_acquire(b: Ba
     let fits = AcquireOptions { metadata: meta(max), ..slots(100) };
     c.acquire("bound/meta", "h", secs(60), fits).await.unwrap();
     c.acquire(&format!("bound/{MAX_SLOTS}"), "h", secs(60), slots(MAX_SLOTS)).await.unwrap();
+}
+
+/// A take under a generated lease_id whose first try landed, unanswered, is not sent again
+/// under that lease_id once that try's slot has expired: meanwhile another take cleaned the
+/// expired entry away and gave its slot back, so the same lease_id would be granted a second
+/// slot after a first grant nobody was told of. The take goes on under a new lease_id
+/// (DESIGN.md, "Acquire"; the simulation's `lease_id_granted_twice`).
+async fn a_take_sent_again_after_its_first_try_expired_takes_a_new_lease_id(b: Backend) {
+    let faulty = Faulty::on(b.store(), |c| matches!(c, Condition::Semaphore(SemaphoreCondition::SlotFree { .. })));
+    let c = Coordinator::new(faulty.clone(), test_config());
+    let other = Coordinator::new(b.store(), test_config());
+    let k = "sem/lapse";
+    // Longer than a new coordinator's safe margin on DynamoDB Local.
+    let short = Some(Duration::from_millis(1000));
+    // The semaphore exists, one of its two slots held throughout, and this coordinator knows
+    // it: its next take is a blind one.
+    let l = c.acquire(k, "first", secs(60), slots(2)).await.unwrap();
+    c.release(k, &l.lease_id).await.unwrap();
+    let stays = other.acquire(k, "stays", secs(60), slots(2)).await.unwrap();
+    // The take lands; its answer times out 2.5 s later, when its 1 s slot has expired and
+    // another take, cleaning it away, has come and gone.
+    faulty.inject(&[Fault::LoseResponseAfter(Duration::from_millis(2500))]);
+    let cleaner = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(1600)).await;
+        let l = other.acquire(k, "cleaner", secs(60), slots(2)).await.expect("the expired slot is taken");
+        other.release(k, &l.lease_id).await.unwrap();
+        other.release(k, &stays.lease_id).await.unwrap();
+    });
+    let opts = AcquireOptions { wait: secs(10), ..slots(2) };
+    let got = c.acquire(k, "lapsed", short, opts).await.expect("the slot, once the other take left");
+    cleaner.await.unwrap();
+    let first = match &faulty.faulted.lock().unwrap()[..] {
+        [Mutation::Semaphore(SemaphoreMutation::TakeSlot { slot, .. })] => slot.lease_id.clone(),
+        other => panic!("one take faulted: {other:?}"),
+    };
+    assert_ne!(got.lease_id, first, "the lease_id of the first try, expired and cleaned away, was granted again");
+    let r = c.store().get(k).await.unwrap().unwrap();
+    assert!(r.slot(&first).is_none_or(|h| !h.is_live(c.now_ms())), "the first try's slot is not live");
+    c.release(k, &got.lease_id).await.unwrap();
 }
