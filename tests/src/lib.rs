@@ -543,7 +543,7 @@ impl Store for Counting {
 }
 
 /// What a [`Faulty`] store does to the next writes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub enum Fault {
     /// Forward the write, then lose the answer (an ambiguous failure).
     LoseResponse,
@@ -556,9 +556,9 @@ pub enum Fault {
     DelayedDuplicate(std::time::Duration),
     /// Make the write, then answer only this much later (a stalled answer).
     SlowAnswer(std::time::Duration),
-    /// Make the write, then lose its answer this much later (a request that timed out after
-    /// it landed).
-    LoseResponseAfter(std::time::Duration),
+    /// Make the write, then lose its answer once the test says so (a request that timed out
+    /// after it landed, when the test has made what it needs happen meanwhile).
+    LoseResponseWhen(Arc<tokio::sync::Notify>),
 }
 
 /// Injects faults into the next writes of a real store (of those its filter picks).
@@ -590,7 +590,7 @@ impl Faulty {
     /// Faults for the next writes, in order.
     pub fn inject(&self, faults: &[Fault]) {
         let mut p = self.plan.lock().unwrap();
-        p.extend(faults.iter().rev());
+        p.extend(faults.iter().rev().cloned());
     }
     fn next_fault(&self) -> Option<Fault> {
         let f = self.plan.lock().unwrap().pop();
@@ -635,9 +635,9 @@ impl Store for Faulty {
                 tokio::time::sleep(after).await;
                 w
             }
-            Some(Fault::LoseResponseAfter(after)) => {
+            Some(Fault::LoseResponseWhen(told)) => {
                 let _ = self.inner.update(key, c, m).await?;
-                tokio::time::sleep(after).await;
+                told.notified().await;
                 Err(Error::StoreUnavailable("injected: the answer timed out after the write".into()))
             }
         }

@@ -47,7 +47,7 @@ async fn an_acquire_whose_answers_are_all_lost_names_its_lease_id(b: Backend) {
     let cfg = Config { retry_budget: Duration::from_millis(500), ..test_config() };
     let c = Coordinator::new(faulty.clone(), cfg);
     let other = b.coordinator(test_config());
-    faulty.inject(&[Fault::LoseResponse; 1000]);
+    faulty.inject(&vec![Fault::LoseResponse; 1000]);
     let r = c.acquire("lost", "a", secs(600), AcquireOptions::default()).await;
     faulty.plan.lock().unwrap().clear();
     let id = unknown_id(r);
@@ -60,7 +60,7 @@ async fn an_acquire_whose_answers_are_all_lost_names_its_lease_id(b: Backend) {
     other.acquire("lost", "b", secs(60), AcquireOptions::default()).await.unwrap();
 
     // Direct invoke: the error body carries it.
-    faulty.inject(&[Fault::LoseResponse; 1000]);
+    faulty.inject(&vec![Fault::LoseResponse; 1000]);
     let r = api::run(&c, Operation::Acquire, None, json!({"key": "lost2", "holder": "a", "duration_ms": 600000}), None)
         .await;
     faulty.plan.lock().unwrap().clear();
@@ -79,7 +79,7 @@ async fn a_throttled_end_after_a_lost_answer_is_outcome_unknown(b: Backend) {
     let cfg = Config { retry_budget: Duration::from_millis(500), ..test_config() };
     let c = Coordinator::new(faulty.clone(), cfg);
     let mut plan = vec![Fault::LoseResponse];
-    plan.extend([Fault::Throttle; 1000]);
+    plan.extend(vec![Fault::Throttle; 1000]);
     faulty.inject(&plan);
     let r = c.acquire("throttled", "a", secs(600), AcquireOptions::default()).await;
     faulty.plan.lock().unwrap().clear();

@@ -260,7 +260,7 @@ async fn lost_responses_are_idempotent(b: Backend) {
     // for the caller to retry with its lease_id.
     let id = LeaseId::generate();
     c.release("i", &next.lease_id).await.unwrap();
-    faulty.inject(&[Fault::LoseResponse; 50]);
+    faulty.inject(&vec![Fault::LoseResponse; 50]);
     let mut cfg = test_config();
     cfg.retry_budget = Duration::from_millis(1);
     let impatient = Coordinator::new(faulty.clone(), cfg);
@@ -497,7 +497,7 @@ async fn transient_errors_are_retried_then_reported(b: Backend) {
     faulty.inject(&[Fault::Throttle, Fault::Unavailable, Fault::Throttle]);
     let l = c.acquire("t", "h", secs(30), AcquireOptions::default()).await.unwrap();
     assert_eq!(faulty.injected.load(Ordering::SeqCst), 3);
-    faulty.inject(&[Fault::Throttle; 1000]);
+    faulty.inject(&vec![Fault::Throttle; 1000]);
     let mut cfg = test_config();
     cfg.retry_budget = Duration::from_millis(300);
     let c = Coordinator::new(faulty.clone(), cfg);
@@ -508,7 +508,7 @@ async fn transient_errors_are_retried_then_reported(b: Backend) {
     // loaded machine.
     assert!(t.elapsed() < Duration::from_millis(3000), "bounded by the deadline: {:?}", t.elapsed());
     faulty.plan.lock().unwrap().clear();
-    faulty.inject(&[Fault::Unavailable; 1000]);
+    faulty.inject(&vec![Fault::Unavailable; 1000]);
     let r = c.release("t", &l.lease_id).await;
     assert!(matches!(r, Err(Error::StoreUnavailable(_))), "{r:?}");
     faulty.plan.lock().unwrap().clear();
@@ -707,7 +707,7 @@ async fn held_lease_renews_and_notices_loss(b: Backend) {
     let lag = Lag::start();
     let held = fc.hold("bg3", "h", Duration::from_secs(2), AcquireOptions::default()).await.unwrap();
     let safe = held.safe_until().unwrap();
-    faulty.inject(&[Fault::Unavailable; 10_000]);
+    faulty.inject(&vec![Fault::Unavailable; 10_000]);
     let lost = held.lost().await;
     let told = Instant::now();
     assert_eq!(lost, Lost::SafeTimeExpired);
@@ -1200,7 +1200,7 @@ async fn batch_half_failed_loses_nothing(b: Backend) {
     cfg.retry_budget = Duration::from_millis(120);
     let c = Coordinator::new(faulty.clone(), cfg);
     let keys = put_items(&c, "hf/", 10, "P").await;
-    faulty.inject(&[Fault::LoseResponse; 60]);
+    faulty.inject(&vec![Fault::LoseResponse; 60]);
     // The lost leases must outlive the two batches below on a loaded machine: 3 s.
     let lost = c.acquire_next("P", 4, "t", secs(3), AcquireOptions::default()).await;
     faulty.plan.lock().unwrap().clear();
@@ -1225,7 +1225,7 @@ async fn batch_half_failed_loses_nothing(b: Backend) {
     // A half-failed batch: some writes fail before reaching the store (retried within the
     // budget or reported), the others land; what failed stays free.
     let more = put_items(&c, "hf2/", 6, "Q").await;
-    faulty.inject(&[Fault::Unavailable; 12]);
+    faulty.inject(&vec![Fault::Unavailable; 12]);
     let part = c.acquire_next("Q", 6, "t", secs(30), AcquireOptions::default()).await;
     faulty.plan.lock().unwrap().clear();
     let got: HashSet<String> = match part {

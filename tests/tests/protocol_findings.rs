@@ -580,7 +580,7 @@ async fn an_unanswered_renewal_leaves_no_ttl_on_a_work_item(b: Backend) {
     let mut cfg = test_config();
     cfg.retry_budget = Duration::from_millis(1);
     let impatient = Coordinator::new(faulty.clone(), cfg);
-    faulty.inject(&[Fault::LoseResponse; 20]);
+    faulty.inject(&vec![Fault::LoseResponse; 20]);
     let r = impatient.heartbeat("wi-ttl", &l.lease_id, secs(40)).await;
     assert!(r.is_err(), "{r:?}");
     faulty.plan.lock().unwrap().clear();

@@ -465,16 +465,33 @@ async fn a_take_sent_again_after_its_first_try_expired_takes_a_new_lease_id(b: B
     let l = c.acquire(k, "first", secs(60), slots(2)).await.unwrap();
     c.release(k, &l.lease_id).await.unwrap();
     let stays = other.acquire(k, "stays", secs(60), slots(2)).await.unwrap();
-    // The take lands; its answer times out 2.5 s later, when its 1 s slot has expired and
-    // another take, cleaning it away, has come and gone.
-    faulty.inject(&[Fault::LoseResponseAfter(Duration::from_millis(2500))]);
+    // The take lands; its answer times out once its 1 s slot has expired and another take,
+    // cleaning it away, has come and gone.
+    let told = Arc::new(tokio::sync::Notify::new());
+    faulty.inject(&[Fault::LoseResponseWhen(told.clone())]);
+    let store = b.store();
     let cleaner = tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(1600)).await;
-        let l = other.acquire(k, "cleaner", secs(60), slots(2)).await.expect("the expired slot is taken");
+        let landed = Instant::now() + Duration::from_secs(10);
+        while !store
+            .get(k)
+            .await
+            .unwrap()
+            .expect("the item")
+            .semaphore
+            .slot_holders
+            .iter()
+            .any(|h| h.holder == "lapsed")
+        {
+            assert!(Instant::now() < landed, "the first try did not land");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let opts = AcquireOptions { wait: secs(20), ..slots(2) };
+        let l = other.acquire(k, "cleaner", secs(60), opts).await.expect("the expired slot is taken");
         other.release(k, &l.lease_id).await.unwrap();
         other.release(k, &stays.lease_id).await.unwrap();
+        told.notify_one();
     });
-    let opts = AcquireOptions { wait: secs(10), ..slots(2) };
+    let opts = AcquireOptions { wait: secs(30), ..slots(2) };
     let got = c.acquire(k, "lapsed", short, opts).await.expect("the slot, once the other take left");
     cleaner.await.unwrap();
     let first = match &faulty.faulted.lock().unwrap()[..] {
