@@ -1,6 +1,6 @@
 //! The core's extension point for features that act inside a release (DESIGN.md, "Code
 //! map"). The core calls these at fixed points and knows nothing of what they do; the waiter
-//! queue (`queue.rs`) is the one feature that plugs in here today.
+//! queue (`queue/`) is the one feature that plugs in here today.
 
 use async_trait::async_trait;
 
