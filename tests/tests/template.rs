@@ -1209,7 +1209,7 @@ fn dashboard_body() -> Value {
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("the dashboard body is not JSON once substituted: {e}"))
 }
 
-/// The dimensions a metric is emitted with (shared/src/lambda.rs): Latency and Invocations by
+/// The dimensions a metric is emitted with (shared/src/lambda/metrics.rs): Latency and Invocations by
 /// Function and Outcome; the counts by Function or with none.
 fn emitted_with(metric: &str, dims: &[(&str, &str)]) -> bool {
     use leasehold::lambda::{COUNT_METRICS, OUTCOME_METRICS};

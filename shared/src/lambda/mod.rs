@@ -34,6 +34,14 @@ pub mod history;
 /// How the keep-alive sweep learns which executions ended: listed per state machine,
 /// described as the fallback.
 pub mod executions;
+mod http;
+mod metrics;
+mod step_functions;
+
+use http::*;
+use metrics::*;
+pub use metrics::{CLOCK_METRICS, COUNT_METRICS, METRIC_NAMESPACE, OUTCOME_METRICS};
+pub use step_functions::StepFunctions;
 
 /// The three deployed functions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,92 +100,6 @@ pub(crate) fn classify(event: &Value) -> EventKind {
     EventKind::Direct
 }
 
-/// Step Functions DescribeExecution as an [`Executions`] source.
-pub struct StepFunctions(pub aws_sdk_sfn::Client);
-
-#[async_trait]
-impl Executions for StepFunctions {
-    async fn state(&self, execution_arn: &str) -> ExecutionState {
-        use aws_sdk_sfn::types::ExecutionStatus;
-        match self.0.describe_execution().execution_arn(execution_arn).send().await {
-            Ok(out) => match out.status() {
-                ExecutionStatus::Running | ExecutionStatus::PendingRedrive => ExecutionState::Running,
-                ExecutionStatus::Succeeded
-                | ExecutionStatus::Failed
-                | ExecutionStatus::TimedOut
-                | ExecutionStatus::Aborted => ExecutionState::Ended,
-                _ => ExecutionState::Unknown,
-            },
-            Err(e) => {
-                let gone = e.as_service_error().is_some_and(|s| s.is_execution_does_not_exist());
-                if gone {
-                    ExecutionState::Ended
-                } else {
-                    tracing::warn!(error = %aws_smithy_types::error::display::DisplayErrorContext(&e), "DescribeExecution failed");
-                    ExecutionState::Unknown
-                }
-            }
-        }
-    }
-}
-
-/// Step Functions ListExecutions (RUNNING, 1,000 a page) as the sweep's lists.
-#[async_trait]
-impl executions::RunningExecutions for StepFunctions {
-    async fn running_page(
-        &self,
-        state_machine_arn: &str,
-        next: Option<String>,
-    ) -> Result<(Vec<String>, Option<String>), String> {
-        let out = self
-            .0
-            .list_executions()
-            .state_machine_arn(state_machine_arn)
-            .status_filter(aws_sdk_sfn::types::ExecutionStatus::Running)
-            .max_results(1000)
-            .set_next_token(next)
-            .send()
-            .await
-            .map_err(|e| aws_smithy_types::error::display::DisplayErrorContext(&e).to_string())?;
-        let arns = out.executions().iter().map(|e| e.execution_arn().to_string()).collect();
-        Ok((arns, out.next_token().map(str::to_string)))
-    }
-}
-
-/// Step Functions `SendTaskSuccess` / `SendTaskFailure` as the queue's delivery.
-#[async_trait]
-impl crate::queue::Deliver for StepFunctions {
-    async fn success(&self, token: &str, lease: &crate::model::Lease) -> Result<(), crate::queue::DeliveryError> {
-        let output = serde_json::to_string(lease).expect("lease serialises");
-        let res = self.0.send_task_success().task_token(token).output(output).send().await;
-        res.map(|_| ()).map_err(|e| {
-            let gone = e
-                .as_service_error()
-                .is_some_and(|s| s.is_task_does_not_exist() || s.is_task_timed_out() || s.is_invalid_token());
-            delivery_error(gone, &e)
-        })
-    }
-
-    async fn failure(&self, token: &str, error: &str, cause: &str) -> Result<(), crate::queue::DeliveryError> {
-        let res = self.0.send_task_failure().task_token(token).error(error).cause(cause).send().await;
-        res.map(|_| ()).map_err(|e| {
-            let gone = e
-                .as_service_error()
-                .is_some_and(|s| s.is_task_does_not_exist() || s.is_task_timed_out() || s.is_invalid_token());
-            delivery_error(gone, &e)
-        })
-    }
-}
-
-fn delivery_error(gone: bool, e: &dyn std::error::Error) -> crate::queue::DeliveryError {
-    let msg = aws_smithy_types::error::display::DisplayErrorContext(e).to_string();
-    if gone {
-        crate::queue::DeliveryError::Gone(msg)
-    } else {
-        crate::queue::DeliveryError::Transient(msg)
-    }
-}
-
 /// An invocation payload as it arrived: JSON, or the parse error of bytes that are not JSON.
 /// The runtime would otherwise answer malformed bytes itself with its own error type; with
 /// this, they become an `InvalidRequest` like every other bad input.
@@ -215,179 +137,6 @@ impl From<&Error> for Diagnostic {
     fn from(e: &Error) -> Diagnostic {
         Diagnostic { error_type: e.error_name().as_str().to_string(), error_message: e.to_json().to_string() }
     }
-}
-
-/// The CloudWatch namespace of every metric the functions emit.
-pub const METRIC_NAMESPACE: &str = "leasehold";
-
-/// Per-invocation metrics with dimensions `Function` and `Outcome` (`ok` or the error name;
-/// `sweep` for a keep-alive sweep).
-pub const OUTCOME_METRICS: [&str; 2] = ["Latency", "Invocations"];
-
-/// Counts published per `Function` and over all functions (no dimension). Each invocation
-/// sends those that apply to it, 0 or more: `Acquired`, `Contended` (answered `LeaseHeld`)
-/// and `Waited` (asked to wait: `wait_ms` > 0) for acquires; `Lost` (`NotHolder`, lease gone
-/// for good: HTTP 410) for heartbeats and releases; `Throttled` for every function; and the
-/// keep-alive sweep's report: `SweepScanned`, `SweepRenewed`, `SweepReleased` (leases of
-/// executions that ended without releasing: crashed or stopped), `SweepErrors`,
-/// `SweepDescribeFailures` (leases renewed because DescribeExecution failed for their
-/// execution), `SweepIncomplete` (1 when the budget or the time ran out before every shard
-/// was read), `QueueSweepErrors` (keys the queue sweep could not serve, or 1 when it could not
-/// read the queue index at all); `ClockSkew` (answered `ClockSkew`: this function's clock is
-/// refused, see DESIGN.md, "Clocks").
-pub const COUNT_METRICS: [&str; 13] = [
-    "ClockSkew",
-    "Acquired",
-    "Contended",
-    "Waited",
-    "Lost",
-    "Throttled",
-    "SweepScanned",
-    "SweepRenewed",
-    "SweepReleased",
-    "SweepErrors",
-    "SweepDescribeFailures",
-    "SweepIncomplete",
-    "QueueSweepErrors",
-];
-
-/// The counts of one invocation (names from [`COUNT_METRICS`]).
-fn counts(function: Function, outcome: &str, waited: bool, lost: bool) -> Vec<(&'static str, u64)> {
-    let mut c =
-        vec![("Throttled", u64::from(outcome == "Throttled")), ("ClockSkew", u64::from(outcome == "ClockSkew"))];
-    match function {
-        Function::Acquire => c.extend([
-            ("Acquired", u64::from(outcome == "ok")),
-            ("Contended", u64::from(outcome == "LeaseHeld")),
-            ("Waited", u64::from(waited)),
-        ]),
-        Function::Heartbeat | Function::Release => c.push(("Lost", u64::from(lost))),
-    }
-    c
-}
-
-/// The counts of a scheduled run: the keep-alive sweep's report, the queue sweep's errors.
-fn sweep_counts(r: &SweepReport, queue_errors: u32, clock_skew: bool) -> Vec<(&'static str, u64)> {
-    vec![
-        ("Throttled", 0),
-        ("ClockSkew", u64::from(clock_skew)),
-        ("SweepScanned", r.scanned.into()),
-        ("SweepRenewed", r.renewed.into()),
-        ("SweepReleased", r.released.into()),
-        ("SweepErrors", r.errors.into()),
-        ("SweepDescribeFailures", r.describe_failures.into()),
-        ("SweepIncomplete", u64::from(!r.complete)),
-        ("QueueSweepErrors", queue_errors.into()),
-    ]
-}
-
-/// One CloudWatch Embedded Metric Format line: Latency and Invocations by Function and
-/// Outcome, and the counts by Function and in total.
-pub(crate) fn metric_line(function: &str, outcome: &str, latency_ms: f64, counts: &[(&'static str, u64)]) -> Value {
-    // A log line's own time stamp: the machine's clock, whatever the coordinator's is.
-    let ts = crate::clock::SystemClock.wall_ms().max(0) as u64;
-    let mut line = json!({
-        "_aws": {
-            "Timestamp": ts,
-            "CloudWatchMetrics": [{
-                "Namespace": METRIC_NAMESPACE,
-                "Dimensions": [["Function", "Outcome"]],
-                "Metrics": [{"Name": "Latency", "Unit": "Milliseconds"}, {"Name": "Invocations", "Unit": "Count"}]
-            }, {
-                "Namespace": METRIC_NAMESPACE,
-                "Dimensions": [["Function"], []],
-                "Metrics": counts.iter().map(|(n, _)| json!({"Name": n, "Unit": "Count"})).collect::<Vec<_>>()
-            }]
-        },
-        "Function": function,
-        "Outcome": outcome,
-        "Latency": latency_ms,
-        "Invocations": 1
-    });
-    for (n, v) in counts {
-        line[*n] = json!(v);
-    }
-    line
-}
-
-/// The clock check's evidence, by `Function` (on every metric line with recent evidence): the bounds of the
-/// measured offset `store clock - function clock` in ms, as the recent `Date` headers of the
-/// store's answers give it (DESIGN.md, "Clocks").
-pub const CLOCK_METRICS: [&str; 2] = ["ClockOffsetLoMs", "ClockOffsetHiMs"];
-
-/// `line` with the measured clock offset interval, when there is recent evidence.
-pub(crate) fn with_clock_offset(mut line: Value, offset: Option<(i64, i64)>) -> Value {
-    let Some((lo, hi)) = offset else { return line };
-    let directive = json!({
-        "Namespace": METRIC_NAMESPACE,
-        "Dimensions": [["Function"]],
-        "Metrics": CLOCK_METRICS.map(|n| json!({"Name": n, "Unit": "Milliseconds"}))
-    });
-    if let Some(d) = line["_aws"]["CloudWatchMetrics"].as_array_mut() {
-        d.push(directive);
-    }
-    line["ClockOffsetLoMs"] = json!(lo);
-    line["ClockOffsetHiMs"] = json!(hi);
-    line
-}
-
-fn emit_metric(function: &str, outcome: &str, latency_ms: f64, counts: &[(&'static str, u64)]) {
-    // CloudWatch Embedded Metric Format: one JSON line on stdout per invocation.
-    println!("{}", metric_line(function, outcome, latency_ms, counts));
-}
-
-/// Does an acquire request ask to wait for the key?
-fn asks_to_wait(body: Option<&Value>) -> bool {
-    body.and_then(|b| b.get("wait_ms")).and_then(Value::as_u64).is_some_and(|w| w > 0)
-}
-
-/// How long API Gateway waits for an HTTP API integration before it answers 503 itself.
-pub(crate) const HTTP_API_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Time left before API Gateway gives up on a request that arrived at `time_epoch_ms`
-/// (`requestContext.timeEpoch`); `None` when the event carries no arrival time.
-pub(crate) fn http_api_remaining(time_epoch_ms: i64, now_ms: u64) -> Option<Duration> {
-    let arrived = u64::try_from(time_epoch_ms).ok().filter(|t| *t > 0)?;
-    let deadline = arrived + HTTP_API_TIMEOUT.as_millis() as u64;
-    Some(Duration::from_millis(deadline.saturating_sub(now_ms)))
-}
-
-/// An HTTP API event as a request, and the time API Gateway still waits for its answer.
-/// `now_ms`: the function's wall clock.
-fn http_request(event: Value, now_ms: u64) -> Result<(HttpRequest, Option<Duration>), Error> {
-    let req: ApiGatewayV2httpRequest =
-        serde_json::from_value(event).map_err(|e| Error::invalid(format!("malformed HTTP API event: {e}")))?;
-    let body = match req.body {
-        None => Vec::new(),
-        Some(b) if req.is_base64_encoded => aws_smithy_types::base64::decode(&b)
-            .map_err(|_| Error::invalid("the body is marked base64 but does not decode"))?,
-        Some(b) => b.into_bytes(),
-    };
-    let remaining = http_api_remaining(req.request_context.time_epoch, now_ms);
-    // API Gateway decoded the path once before it matched the route: `rawPath` and
-    // `pathParameters` are used as they are, never decoded again.
-    let request = HttpRequest {
-        method: req.request_context.http.method.as_str().to_string(),
-        path: req.raw_path.unwrap_or_default(),
-        key: req.path_parameters.get("key").cloned(),
-        body,
-    };
-    Ok((request, remaining))
-}
-
-fn http_response(r: api::HttpResponse) -> Value {
-    let mut out = ApiGatewayV2httpResponse::default();
-    out.status_code = r.status as i64;
-    for (k, v) in &r.headers {
-        if let (Ok(name), Ok(value)) = (
-            aws_lambda_events::http::HeaderName::from_bytes(k.as_bytes()),
-            aws_lambda_events::http::HeaderValue::from_str(v),
-        ) {
-            out.headers.insert(name, value);
-        }
-    }
-    out.body = Some(Body::Text(r.body));
-    serde_json::to_value(out).expect("response serialises")
 }
 
 /// What one event came to: the function's answer, and what its metric line records.
