@@ -148,18 +148,20 @@ async fn dynamodb_local_restart_keeps_leases() {
 async fn a_grant_answered_after_its_safe_time_is_not_handed_out() {
     let (proxy, c, direct) = through_proxy().await;
     let mut cfg = test_config();
-    cfg.retry_budget = Duration::from_secs(5);
+    cfg.retry_budget = Duration::from_secs(8);
     let patient = Coordinator::new(c.store().clone(), cfg);
-    // The acquire's request is held 1.5 s, longer than the 1 s lease it asks for: when the
+    // The acquire's request is held 2.5 s, longer than the 2 s lease it asks for: when the
     // answer arrives, that lease is already past its safe time (the safety run found this).
+    // (2 s: well over the widest safe margin a new coordinator counts on DynamoDB Local, about
+    // 1.25 s, so that the fresh grant after it is safe even on a loaded machine.)
     // A coordinator's first requests are reads for its clock check (until 3 answers agree):
     // made here, so that the stall below hits the acquire's write.
     for _ in 0..3 {
         let _ = patient.get("late").await;
     }
     proxy.reset_counts();
-    proxy.inject(&[ProxyFault::Stall(Duration::from_millis(1500))]);
-    let l = patient.acquire("late", "h", Some(Duration::from_secs(1)), AcquireOptions::default()).await.unwrap();
+    proxy.inject(&[ProxyFault::Stall(Duration::from_millis(2500))]);
+    let l = patient.acquire("late", "h", Some(Duration::from_secs(2)), AcquireOptions::default()).await.unwrap();
     assert!(l.safe_until.unwrap() > Instant::now(), "a lease handed out must still be safe to use");
     assert_eq!(proxy.counts().get("PutItem"), Some(&2), "the stale grant was followed by a fresh one");
     assert_eq!(direct.get("late").await.unwrap().fence, l.fence);

@@ -1507,7 +1507,9 @@ async fn a_callers_lease_id_answers_what_became_of_it(b: Backend) {
     // Expired: the lease_id's lease ended by itself; the same answer as released.
     let id = LeaseId::generate();
     let mine = AcquireOptions { lease_id: Some(id.clone()), ..Default::default() };
-    let first = c.acquire("own/expired", "a", Some(Duration::from_millis(600)), mine.clone()).await.unwrap();
+    // Longer than the widest safe margin a new coordinator counts on DynamoDB Local (about
+    // 1.25 s; a shorter lease has no safe time, and its acquire is refused under load).
+    let first = c.acquire("own/expired", "a", Some(Duration::from_millis(2000)), mine.clone()).await.unwrap();
     let left = first.expires_at_ms.unwrap().saturating_sub(c.now_ms());
     tokio::time::sleep(Duration::from_millis(left + 100)).await;
     let r = c.acquire("own/expired", "a", secs(30), mine).await;
