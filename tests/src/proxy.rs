@@ -62,7 +62,9 @@ pub struct ProxyEvent {
 #[derive(Default)]
 struct State {
     counts: BTreeMap<String, u64>,
-    queue: VecDeque<ProxyFault>,
+    /// Faults for the next requests, in order; each for any operation, or only the named one
+    /// (requests for others pass it by).
+    queue: VecDeque<(Option<String>, ProxyFault)>,
     /// Each request draws a fault with this probability (per mille) from `random_faults`.
     random_per_mille: u32,
     random_faults: Vec<ProxyFault>,
@@ -103,9 +105,9 @@ impl State {
     }
 
     fn pick(&mut self, target: &str) -> Option<ProxyFault> {
-        if let Some(f) = self.queue.pop_front() {
+        if self.queue.front().is_some_and(|(t, _)| t.as_deref().is_none_or(|t| t == target)) {
             self.injected += 1;
-            return Some(f);
+            return self.queue.pop_front().map(|(_, f)| f);
         }
         let targeted = self.random_target.as_deref().is_none_or(|t| t == target);
         if targeted && self.random_per_mille > 0 && !self.random_faults.is_empty() {
@@ -180,7 +182,14 @@ impl Proxy {
 
     /// Faults for the next requests, in order.
     pub fn inject(&self, faults: &[ProxyFault]) {
-        self.state.lock().unwrap().queue.extend(faults.iter().copied());
+        self.state.lock().unwrap().queue.extend(faults.iter().map(|f| (None, *f)));
+    }
+
+    /// [`Proxy::inject`], but the faults wait for requests for the operation `target` (the
+    /// `X-Amz-Target` operation name, e.g. "PutItem"); others pass untouched meanwhile.
+    pub fn inject_on(&self, target: &str, faults: &[ProxyFault]) {
+        let mut s = self.state.lock().unwrap();
+        s.queue.extend(faults.iter().map(|f| (Some(target.to_string()), *f)));
     }
 
     /// From now on each request gets one of `faults` with probability `per_mille`/1000

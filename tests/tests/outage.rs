@@ -47,7 +47,7 @@ async fn sdk_faults_are_classified_and_retried() {
     assert_eq!(direct.get("p1").await.unwrap().fence, l.fence);
 
     // A response dropped after DynamoDB applied the acquire: the retry finds the same lease.
-    proxy.inject(&[ProxyFault::DropResponse]);
+    proxy.inject_on("PutItem", &[ProxyFault::DropResponse]);
     let l2 = c.acquire("p2", "h", d, AcquireOptions::default()).await.unwrap();
     assert_eq!(direct.get("p2").await.unwrap().fence, l2.fence, "one grant, one fence");
     // Dropped release answer: the retry succeeds, nothing stranded.
@@ -65,7 +65,7 @@ async fn sdk_faults_are_classified_and_retried() {
     // that lease.
     let id = leasehold::LeaseId::generate();
     let with_id = || AcquireOptions { lease_id: Some(id.clone()), ..Default::default() };
-    proxy.inject(&[ProxyFault::Stall(Duration::from_millis(3500))]);
+    proxy.inject_on("PutItem", &[ProxyFault::Stall(Duration::from_millis(3500))]);
     let r = c.acquire("p4", "h", d, with_id()).await;
     assert!(matches!(r, Err(Error::OutcomeUnknown { .. })), "{r:?}");
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -154,19 +154,33 @@ async fn a_grant_answered_after_its_safe_time_is_not_handed_out() {
     // answer arrives, that lease is already past its safe time (the safety run found this).
     // (2 s: well over the widest safe margin a new coordinator counts on DynamoDB Local, about
     // 1.25 s, so that the fresh grant after it is safe even on a loaded machine.)
-    // A coordinator's first requests are reads for its clock check (until 3 answers agree):
-    // made here, so that the stall below hits the acquire's write.
-    for _ in 0..3 {
-        let _ = patient.get("late").await;
-    }
+    // (The stall waits for the acquire's write: a coordinator's first requests are reads for
+    // its clock check.)
     proxy.reset_counts();
-    proxy.inject(&[ProxyFault::Stall(Duration::from_millis(2500))]);
+    proxy.inject_on("PutItem", &[ProxyFault::Stall(Duration::from_millis(2500))]);
     let l = patient.acquire("late", "h", Some(Duration::from_secs(2)), AcquireOptions::default()).await.unwrap();
     assert!(l.safe_until.unwrap() > Instant::now(), "a lease handed out must still be safe to use");
     assert_eq!(proxy.counts().get("PutItem"), Some(&2), "the stale grant was followed by a fresh one");
     assert_eq!(direct.get("late").await.unwrap().fence, l.fence);
-    // Without time left to try again, the caller gets a typed error instead of a dead lease.
-    proxy.inject(&[ProxyFault::Stall(Duration::from_millis(1500))]);
-    let r = c.acquire("late2", "h", Some(Duration::from_secs(1)), AcquireOptions::default()).await;
+    // Without time left to try again, the caller gets a typed error instead of a dead lease:
+    // a coordinator whose retry budget (1 s) is spent by the time the stalled answer (1.5 s)
+    // arrives. (With time left, whether a fresh 1 s grant is safe depends on how wide the
+    // coordinator's margin is on this machine: not what this checks.)
+    let mut cfg = test_config();
+    cfg.retry_budget = Duration::from_secs(1);
+    let hasty = Coordinator::new(c.store().clone(), cfg);
+    proxy.inject_on("PutItem", &[ProxyFault::Stall(Duration::from_millis(1500))]);
+    let r = hasty.acquire("late2", "h", Some(Duration::from_secs(1)), AcquireOptions::default()).await;
     assert!(matches!(r, Err(Error::StoreUnavailable(_))), "{r:?}");
+    // The late grant is given back in the background once the deadline has come: released,
+    // not left to expire.
+    let t = Instant::now();
+    let s = loop {
+        let s = direct.get("late2").await.unwrap();
+        if s.released_at_ms.is_some() || t.elapsed() > Duration::from_secs(10) {
+            break s;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(!s.held && s.released_at_ms.is_some(), "the late grant was given back: {s:?}");
 }
