@@ -157,6 +157,18 @@ impl StopPlan {
         let between = (duration * 2 / 3).saturating_sub(margin);
         StopPlan { grace: grace.min(between / 2), lead: Duration::from_millis(100).min(duration / 20) }
     }
+
+    /// When the command is killed: `lead` before the safe time (`safe`, already shortened by
+    /// the time the machine spent suspended since it was learned), or `grace` after it was
+    /// told to stop (`termed`), whichever comes first; far away without either.
+    fn kill_at(&self, safe: Option<Instant>, termed: Option<Instant>) -> Instant {
+        let by_safe = safe.map(|s| s.checked_sub(self.lead).unwrap_or(s));
+        let by_term = termed.map(|t| t + self.grace);
+        match (by_safe, by_term) {
+            (Some(a), Some(b)) => a.min(b),
+            (a, b) => a.or(b).unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400 * 365)),
+        }
+    }
 }
 
 pub fn main(g: &Global, args: RunArgs) -> i32 {
@@ -165,18 +177,9 @@ pub fn main(g: &Global, args: RunArgs) -> i32 {
 }
 
 async fn run(g: &Global, mut args: RunArgs) -> i32 {
-    let choice = match choose(g, false) {
-        Ok(Either::Store(c)) => c,
-        Ok(Either::Http(_)) => unreachable!("choose refuses URLs here"),
-        Err(f) => return failure(g, &f),
-    };
-    let coord = match coordinator(g, &choice, crate::table::uses(args.next.is_some())).await {
-        Ok((c, _)) => c,
-        Err(f) => return failure(g, &f),
-    };
-    let (Ok(mut sigint), Ok(mut sigterm)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) else {
-        eprintln!("leasehold: error: cannot install signal handlers");
-        return exit::STORE;
+    let (coord, mut sigint, mut sigterm) = match start(g, &args).await {
+        Ok(started) => started,
+        Err(code) => return code,
     };
     let holder = args.holder.clone().filter(|h| !h.is_empty()).unwrap_or_else(default_holder);
 
@@ -196,35 +199,12 @@ async fn run(g: &Global, mut args: RunArgs) -> i32 {
         release(held, &args.key, false).await;
         return exit::STORE;
     };
-    let lease = held.lease();
-    let (fence, expires) = (held.fence(), lease.as_ref().and_then(|l| l.expires_at_ms).unwrap_or(0));
     // The margin the lease's safe time is counted with: the skew margin, or more while the
     // store's answers leave this clock less certain (DESIGN.md, "Clocks").
     let plan = StopPlan::new(args.grace, args.duration, coord.safe_margin_now());
 
     let foreground = terminal_foreground();
-    let mut cmd = tokio::process::Command::new(&args.command[0]);
-    cmd.args(&args.command[1..])
-        .env("LEASEHOLD_KEY", &args.key)
-        .env("LEASEHOLD_FENCE", fence.to_string())
-        .env("LEASEHOLD_EXPIRES_AT", expires.to_string())
-        .env_remove("LEASEHOLD_LEASE_ID");
-    // SAFETY: the hook only calls async-signal-safe functions (setpgid, sigprocmask,
-    // tcsetpgrp, getpid) between fork and exec.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::setpgid(0, 0) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            if foreground {
-                // Take the terminal before exec, so the command never reads it from the
-                // background (the parent does the same: whichever runs first wins the race).
-                hand_terminal_to(libc::getpid());
-            }
-            Ok(())
-        });
-    }
-    let mut child = match cmd.spawn() {
+    let mut child = match command(&args, &held, foreground).spawn() {
         Ok(c) => c,
         Err(e) => {
             eprintln!("leasehold: error: cannot run {:?}: {e}", args.command[0]);
@@ -244,6 +224,59 @@ async fn run(g: &Global, mut args: RunArgs) -> i32 {
     // Nothing of the command may outlive it while `run` still holds the lease, nor after.
     group.kill_rest().await;
     drop(group);
+    finish(held, &args, outcome).await
+}
+
+/// The store's coordinator and the handlers for the signals that may end the wait for the
+/// lease; or the exit code of why there are none.
+async fn start(g: &Global, args: &RunArgs) -> Result<(Coordinator, Signal, Signal), i32> {
+    let choice = match choose(g, false) {
+        Ok(Either::Store(c)) => c,
+        Ok(Either::Http(_)) => unreachable!("choose refuses URLs here"),
+        Err(f) => return Err(failure(g, &f)),
+    };
+    let coord = match coordinator(g, &choice, crate::table::uses(args.next.is_some())).await {
+        Ok((c, _)) => c,
+        Err(f) => return Err(failure(g, &f)),
+    };
+    let (Ok(sigint), Ok(sigterm)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) else {
+        eprintln!("leasehold: error: cannot install signal handlers");
+        return Err(exit::STORE);
+    };
+    Ok((coord, sigint, sigterm))
+}
+
+/// The command to run under `held`: in a process group of its own (in the terminal's
+/// foreground when `run` is), told the key, fence and expiry, never the lease_id.
+fn command(args: &RunArgs, held: &HeldLease, foreground: bool) -> tokio::process::Command {
+    let expires = held.lease().as_ref().and_then(|l| l.expires_at_ms).unwrap_or(0);
+    let mut cmd = tokio::process::Command::new(&args.command[0]);
+    cmd.args(&args.command[1..])
+        .env("LEASEHOLD_KEY", &args.key)
+        .env("LEASEHOLD_FENCE", held.fence().to_string())
+        .env("LEASEHOLD_EXPIRES_AT", expires.to_string())
+        .env_remove("LEASEHOLD_LEASE_ID");
+    // SAFETY: the hook only calls async-signal-safe functions (setpgid, sigprocmask,
+    // tcsetpgrp, getpid) between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setpgid(0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if foreground {
+                // Take the terminal before exec, so the command never reads it from the
+                // background (the parent does the same: whichever runs first wins the race).
+                hand_terminal_to(libc::getpid());
+            }
+            Ok(())
+        });
+    }
+    cmd
+}
+
+/// Releases the lease after the command ended (moving the key on with `--next` when it
+/// succeeded) and answers `run`'s exit code.
+async fn finish(held: HeldLease, args: &RunArgs, outcome: Outcome) -> i32 {
     let code = match &outcome.status {
         Ok(st) => st.code().unwrap_or_else(|| 128 + st.signal().unwrap_or(0)),
         Err(e) => {
@@ -321,18 +354,8 @@ async fn supervise(
     // Set once the command was told to stop: when, and the latest time for SIGKILL.
     let mut termed: Option<Instant> = None;
     let mut killed = false;
-    let far = || Instant::now() + Duration::from_secs(86_400 * 365);
     loop {
-        let kill_at = {
-            // Time the machine spent suspended since the safe time was learned counts against it.
-            let safe = safe_until.map(|s| suspend.shorten(s, learned));
-            let by_safe = safe.map(|s| s.checked_sub(plan.lead).unwrap_or(s));
-            let by_term = termed.map(|t| t + plan.grace);
-            match (by_safe, by_term) {
-                (Some(a), Some(b)) => a.min(b),
-                (a, b) => a.or(b).unwrap_or_else(far),
-            }
-        };
+        let kill_at = plan.kill_at(safe_until.map(|s| suspend.shorten(s, learned)), termed);
         let term_at = kill_at.checked_sub(plan.grace).unwrap_or(kill_at);
         tokio::select! {
             st = child.wait() => return Outcome { status: st, stopped: termed.is_some() },

@@ -333,12 +333,10 @@ fn json_error(status: u16, ty: &str, msg: &str) -> Response<Full<Bytes>> {
         .expect("response")
 }
 
-async fn handle(
-    st: Arc<Mutex<State>>,
-    up: Upstream,
-    upstream: SocketAddr,
-    req: Request<Incoming>,
-) -> Result<Response<Full<Bytes>>, std::io::Error> {
+/// What the proxy answers its client: a response, or a closed connection.
+type Answer = Result<Response<Full<Bytes>>, std::io::Error>;
+
+async fn handle(st: Arc<Mutex<State>>, up: Upstream, upstream: SocketAddr, req: Request<Incoming>) -> Answer {
     let target = req
         .headers()
         .get("x-amz-target")
@@ -366,72 +364,18 @@ async fn handle(
             });
         }
     };
-    match fault {
-        Some(ProxyFault::Reset) => {
-            log(0);
-            return Err(std::io::Error::other("injected reset"));
-        }
-        Some(ProxyFault::Throttle) => {
-            log(400);
-            return Ok(json_error(
-                400,
-                "com.amazonaws.dynamodb.v20120810#ProvisionedThroughputExceededException",
-                "injected throttle",
-            ));
-        }
-        Some(ProxyFault::ControlPlaneThrottle) => {
-            log(400);
-            return Ok(json_error(
-                400,
-                "com.amazonaws.dynamodb.v20120810#ThrottlingException",
-                "Rate of requests exceeds the allowed throughput.",
-            ));
-        }
-        Some(ProxyFault::ServerError) => {
-            log(500);
-            return Ok(json_error(500, "com.amazonaws.dynamodb.v20120810#InternalServerError", "injected 5xx"));
-        }
-        Some(ProxyFault::Delay(d)) => tokio::time::sleep(d).await,
-        _ => {}
+    if let Some((status, answer)) = answer_instead(fault) {
+        log(status);
+        return answer;
     }
-    let mut fwd = Request::builder().method(parts.method).uri(parts.uri.path());
-    for (k, v) in parts.headers.iter() {
-        if k != hyper::header::CONTENT_LENGTH {
-            fwd = fwd.header(k, v);
-        }
+    if let Some(ProxyFault::Delay(d)) = fault {
+        tokio::time::sleep(d).await;
     }
-    fwd = fwd.header(hyper::header::CONTENT_LENGTH, body.len());
-    let fwd = fwd.body(Full::new(body.clone())).map_err(std::io::Error::other)?;
+    let fwd = upstream_request(parts, body.clone())?;
     if let Some(ProxyFault::DelayedDuplicate { hold, forward_after }) = fault {
         // The original goes on by itself, on a fresh upstream connection, at its own time.
-        let arrived = tokio::time::Instant::now();
-        let (st2, target2, body2) = (st.clone(), target.clone(), body.clone());
-        tokio::spawn(async move {
-            tokio::time::sleep_until(arrived + forward_after).await;
-            let own: Upstream = Arc::new(tokio::sync::Mutex::new(None));
-            let status = match forward(&own, upstream, fwd).await {
-                Ok(resp) => {
-                    let status = resp.status().as_u16();
-                    let _ = resp.into_body().collect().await;
-                    status
-                }
-                Err(_) => 0,
-            };
-            let mut s = st2.lock().unwrap();
-            if status != 0 {
-                s.late_forwarded += 1;
-            }
-            if record {
-                s.events.push(ProxyEvent {
-                    at_ms: now_ms(),
-                    target: target2,
-                    status,
-                    fault,
-                    request: String::from_utf8_lossy(&body2).into_owned(),
-                    late: true,
-                });
-            }
-        });
+        let late = Late { st: st.clone(), target: target.clone(), body: body.clone(), fault, record };
+        tokio::spawn(late.forward(upstream, fwd, tokio::time::Instant::now() + forward_after));
         tokio::time::sleep(hold).await;
         log(0);
         return Err(std::io::Error::other("injected: request held, connection closed without an answer"));
@@ -463,6 +407,74 @@ async fn handle(
     }
     log(status);
     Ok(Response::from_parts(rparts, Full::new(rbody)))
+}
+
+/// The answer a fault gives without forwarding (with the status to log), if it is one of
+/// those.
+fn answer_instead(fault: Option<ProxyFault>) -> Option<(u16, Answer)> {
+    let ddb = |ty: &str| format!("com.amazonaws.dynamodb.v20120810#{ty}");
+    Some(match fault? {
+        ProxyFault::Reset => (0, Err(std::io::Error::other("injected reset"))),
+        ProxyFault::Throttle => {
+            (400, Ok(json_error(400, &ddb("ProvisionedThroughputExceededException"), "injected throttle")))
+        }
+        ProxyFault::ControlPlaneThrottle => {
+            (400, Ok(json_error(400, &ddb("ThrottlingException"), "Rate of requests exceeds the allowed throughput.")))
+        }
+        ProxyFault::ServerError => (500, Ok(json_error(500, &ddb("InternalServerError"), "injected 5xx"))),
+        _ => return None,
+    })
+}
+
+/// The request to send upstream: the client's, with its body's length.
+fn upstream_request(parts: hyper::http::request::Parts, body: Bytes) -> Result<Request<Full<Bytes>>, std::io::Error> {
+    let mut fwd = Request::builder().method(parts.method).uri(parts.uri.path());
+    for (k, v) in parts.headers.iter() {
+        if k != hyper::header::CONTENT_LENGTH {
+            fwd = fwd.header(k, v);
+        }
+    }
+    fwd = fwd.header(hyper::header::CONTENT_LENGTH, body.len());
+    fwd.body(Full::new(body)).map_err(std::io::Error::other)
+}
+
+/// A delayed duplicate's original request, forwarded on its own after its client was cut off.
+struct Late {
+    st: Arc<Mutex<State>>,
+    target: String,
+    body: Bytes,
+    fault: Option<ProxyFault>,
+    record: bool,
+}
+
+impl Late {
+    /// Forwards `fwd` at `at` on a fresh upstream connection, and counts (and records) it.
+    async fn forward(self, upstream: SocketAddr, fwd: Request<Full<Bytes>>, at: tokio::time::Instant) {
+        tokio::time::sleep_until(at).await;
+        let own: Upstream = Arc::new(tokio::sync::Mutex::new(None));
+        let status = match forward(&own, upstream, fwd).await {
+            Ok(resp) => {
+                let status = resp.status().as_u16();
+                let _ = resp.into_body().collect().await;
+                status
+            }
+            Err(_) => 0,
+        };
+        let mut s = self.st.lock().unwrap();
+        if status != 0 {
+            s.late_forwarded += 1;
+        }
+        if self.record {
+            s.events.push(ProxyEvent {
+                at_ms: now_ms(),
+                target: self.target,
+                status,
+                fault: self.fault,
+                request: String::from_utf8_lossy(&self.body).into_owned(),
+                late: true,
+            });
+        }
+    }
 }
 
 async fn forward(

@@ -22,13 +22,6 @@ const ACYCLIC_CRATES: [&str; 5] = ["shared/src", "cli/src", "bench/src", "tests/
 /// The source directories of the crates held to `MAX_FN_LINES`: every crate's.
 const BOUNDED_CRATES: [&str; 5] = ["shared/src", "sim/src", "cli/src", "bench/src", "tests/src"];
 
-/// Functions let past `MAX_FN_LINES` for now, as `(file, name)`: each is rewritten on a branch
-/// of its own (cli `run` and `supervise` with `leasehold run`'s timing on the clock; the test
-/// proxy's `handle` with the proxy), which splits it. An entry that is no longer over the
-/// bound fails the test, so that the list only shrinks.
-const LONG_FOR_NOW: [(&str, &str); 3] =
-    [("cli/src/run.rs", "run"), ("cli/src/run.rs", "supervise"), ("tests/src/proxy.rs", "handle")];
-
 /// `p` relative to the repository (as the failure messages name files), or as it is when it is
 /// outside it.
 fn rel(p: &Path) -> String {
@@ -189,19 +182,12 @@ fn no_function_is_longer_than_80_lines() {
         all.extend(fns);
     }
     assert!(all.len() > 500, "the functions were read: {}", all.len());
-    let exempt = |file: &str, name: &str| LONG_FOR_NOW.iter().any(|(f, n)| file == *f && name == *n);
     let long: Vec<String> = all
         .iter()
-        .filter(|f| f.3 > MAX_FN_LINES && !exempt(&f.0, &f.2))
+        .filter(|f| f.3 > MAX_FN_LINES)
         .map(|(file, line, name, n)| format!("{file}:{line} {name}: {n} lines"))
         .collect();
     assert!(long.is_empty(), "functions longer than {MAX_FN_LINES} lines:\n{}", long.join("\n"));
-    let within: Vec<String> = LONG_FOR_NOW
-        .iter()
-        .filter(|(f, n)| !all.iter().any(|a| a.0 == *f && a.2 == *n && a.3 > MAX_FN_LINES))
-        .map(|(f, n)| format!("{f} {n}"))
-        .collect();
-    assert!(within.is_empty(), "LONG_FOR_NOW names functions within the bound (remove them): {within:?}");
 }
 
 /// The module path a file of the crate rooted at `dir` defines: `[]` for lib.rs or main.rs,
