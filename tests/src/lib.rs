@@ -22,6 +22,9 @@ pub mod proxy;
 pub mod sfn_quotas;
 pub mod sfn_throttle;
 pub mod statemachines;
+pub mod wrap;
+
+pub use wrap::{wrap, Intercept, Wrapped};
 
 /// The repository root.
 pub fn repo_root() -> PathBuf {
@@ -493,8 +496,8 @@ impl Backend {
 }
 
 /// Counts the requests a coordinator sends to its store.
+#[derive(Default)]
 pub struct Counting {
-    pub inner: Arc<dyn Store>,
     pub gets: AtomicUsize,
     pub updates: AtomicUsize,
     pub deletes: AtomicUsize,
@@ -502,14 +505,8 @@ pub struct Counting {
 }
 
 impl Counting {
-    pub fn new(inner: Arc<dyn Store>) -> Arc<Counting> {
-        Arc::new(Counting {
-            inner,
-            gets: AtomicUsize::new(0),
-            updates: AtomicUsize::new(0),
-            deletes: AtomicUsize::new(0),
-            scans: AtomicUsize::new(0),
-        })
+    pub fn new(inner: Arc<dyn Store>) -> Arc<Wrapped<Counting>> {
+        wrap(inner, Counting::default())
     }
     pub fn total(&self) -> usize {
         self.gets.load(Ordering::SeqCst)
@@ -520,25 +517,22 @@ impl Counting {
 }
 
 #[async_trait]
-impl Store for Counting {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    async fn get(&self, key: &str) -> Result<Option<Record>> {
+impl Intercept for Counting {
+    async fn get(&self, store: &Arc<dyn Store>, key: &str) -> Result<Option<Record>> {
         self.gets.fetch_add(1, Ordering::SeqCst);
-        self.inner.get(key).await
+        store.get(key).await
     }
-    async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> Result<Write> {
+    async fn update(&self, store: &Arc<dyn Store>, key: &str, c: &Condition, m: &Mutation) -> Result<Write> {
         self.updates.fetch_add(1, Ordering::SeqCst);
-        self.inner.update(key, c, m).await
+        store.update(key, c, m).await
     }
-    async fn delete(&self, key: &str, c: &Condition) -> Result<Write> {
+    async fn delete(&self, store: &Arc<dyn Store>, key: &str, c: &Condition) -> Result<Write> {
         self.deletes.fetch_add(1, Ordering::SeqCst);
-        self.inner.delete(key, c).await
+        store.delete(key, c).await
     }
-    async fn scan(&self, k: &ScanKind, s: Option<&str>, l: u32) -> Result<Page> {
+    async fn scan(&self, store: &Arc<dyn Store>, k: &ScanKind, s: Option<&str>, l: u32) -> Result<Page> {
         self.scans.fetch_add(1, Ordering::SeqCst);
-        self.inner.scan(k, s, l).await
+        store.scan(k, s, l).await
     }
 }
 
@@ -563,7 +557,6 @@ pub enum Fault {
 
 /// Injects faults into the next writes of a real store (of those its filter picks).
 pub struct Faulty {
-    pub inner: Arc<dyn Store>,
     pub plan: Mutex<Vec<Fault>>,
     pub injected: AtomicUsize,
     /// The writes a fault was injected into, in order.
@@ -573,19 +566,15 @@ pub struct Faulty {
 }
 
 impl Faulty {
-    pub fn new(inner: Arc<dyn Store>) -> Arc<Faulty> {
+    pub fn new(inner: Arc<dyn Store>) -> Arc<Wrapped<Faulty>> {
         Faulty::on(inner, |_| true)
     }
     /// Faults only for the writes whose condition `only` picks (say, a hand-over's, while
     /// waiters poll beside it).
-    pub fn on(inner: Arc<dyn Store>, only: fn(&Condition) -> bool) -> Arc<Faulty> {
-        Arc::new(Faulty {
-            inner,
-            plan: Mutex::new(Vec::new()),
-            injected: AtomicUsize::new(0),
-            faulted: Mutex::default(),
-            only,
-        })
+    pub fn on(inner: Arc<dyn Store>, only: fn(&Condition) -> bool) -> Arc<Wrapped<Faulty>> {
+        let faulty =
+            Faulty { plan: Mutex::new(Vec::new()), injected: AtomicUsize::new(0), faulted: Mutex::default(), only };
+        wrap(inner, faulty)
     }
     /// Faults for the next writes, in order.
     pub fn inject(&self, faults: &[Fault]) {
@@ -602,28 +591,22 @@ impl Faulty {
 }
 
 #[async_trait]
-impl Store for Faulty {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    async fn get(&self, key: &str) -> Result<Option<Record>> {
-        self.inner.get(key).await
-    }
-    async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> Result<Write> {
+impl Intercept for Faulty {
+    async fn update(&self, store: &Arc<dyn Store>, key: &str, c: &Condition, m: &Mutation) -> Result<Write> {
         let fault = if (self.only)(c) { self.next_fault() } else { None };
         if fault.is_some() {
             self.faulted.lock().unwrap().push(m.clone());
         }
         match fault {
-            None => self.inner.update(key, c, m).await,
+            None => store.update(key, c, m).await,
             Some(Fault::LoseResponse) => {
-                let _ = self.inner.update(key, c, m).await?;
+                let _ = store.update(key, c, m).await?;
                 Err(Error::StoreUnavailable("injected: response lost after the write".into()))
             }
             Some(Fault::Throttle) => Err(Error::Throttled("injected throttle".into())),
             Some(Fault::Unavailable) => Err(Error::not_sent("injected outage")),
             Some(Fault::DelayedDuplicate(after)) => {
-                let (inner, key, c, m) = (self.inner.clone(), key.to_string(), c.clone(), m.clone());
+                let (inner, key, c, m) = (store.clone(), key.to_string(), c.clone(), m.clone());
                 tokio::spawn(async move {
                     tokio::time::sleep(after).await;
                     let _ = inner.update(&key, &c, &m).await;
@@ -631,26 +614,20 @@ impl Store for Faulty {
                 Err(Error::StoreUnavailable("injected: request stuck in the network".into()))
             }
             Some(Fault::SlowAnswer(after)) => {
-                let w = self.inner.update(key, c, m).await;
+                let w = store.update(key, c, m).await;
                 tokio::time::sleep(after).await;
                 w
             }
             Some(Fault::LoseResponseWhen(told)) => {
-                let _ = self.inner.update(key, c, m).await?;
+                let _ = store.update(key, c, m).await?;
                 told.notified().await;
                 Err(Error::StoreUnavailable("injected: the answer timed out after the write".into()))
             }
         }
     }
-    async fn delete(&self, key: &str, c: &Condition) -> Result<Write> {
-        self.inner.delete(key, c).await
-    }
-    async fn scan(&self, k: &ScanKind, s: Option<&str>, l: u32) -> Result<Page> {
-        self.inner.scan(k, s, l).await
-    }
     // A wrapper of the store is the store: its clock evidence is the store's.
-    fn clock(&self) -> Option<&leasehold::ClockSamples> {
-        self.inner.clock()
+    fn passes_clock(&self) -> bool {
+        true
     }
 }
 
@@ -659,7 +636,6 @@ impl Store for Faulty {
 /// it, and lands later. The write runs in its own task, so a caller dropping its future (a
 /// timeout) does not stop it from landing, as with a real request already on the wire.
 pub struct Gated {
-    pub inner: Arc<dyn Store>,
     armed: std::sync::atomic::AtomicBool,
     gate: Arc<tokio::sync::Notify>,
     /// The held-back write's outcome, once it landed.
@@ -667,13 +643,13 @@ pub struct Gated {
 }
 
 impl Gated {
-    pub fn new(inner: Arc<dyn Store>) -> Arc<Gated> {
-        Arc::new(Gated {
-            inner,
+    pub fn new(inner: Arc<dyn Store>) -> Arc<Wrapped<Gated>> {
+        let gated = Gated {
             armed: std::sync::atomic::AtomicBool::new(false),
             gate: Arc::new(tokio::sync::Notify::new()),
             landed: tokio::sync::watch::channel(None).0,
-        })
+        };
+        wrap(inner, gated)
     }
     /// Hold back the next heartbeat.
     pub fn arm(&self) {
@@ -692,18 +668,12 @@ impl Gated {
 }
 
 #[async_trait]
-impl Store for Gated {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    async fn get(&self, key: &str) -> Result<Option<Record>> {
-        self.inner.get(key).await
-    }
-    async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> Result<Write> {
+impl Intercept for Gated {
+    async fn update(&self, store: &Arc<dyn Store>, key: &str, c: &Condition, m: &Mutation) -> Result<Write> {
         if !matches!(m, Mutation::Lease(LeaseMutation::Extend { .. })) || !self.armed.swap(false, Ordering::SeqCst) {
-            return self.inner.update(key, c, m).await;
+            return store.update(key, c, m).await;
         }
-        let (inner, gate, landed) = (self.inner.clone(), self.gate.clone(), self.landed.clone());
+        let (inner, gate, landed) = (store.clone(), self.gate.clone(), self.landed.clone());
         let (key, c, m) = (key.to_string(), c.clone(), m.clone());
         let task = tokio::spawn(async move {
             gate.notified().await;
@@ -715,15 +685,8 @@ impl Store for Gated {
         });
         task.await.unwrap_or_else(|e| Err(Error::StoreUnavailable(format!("gated write: {e}"))))
     }
-    async fn delete(&self, key: &str, c: &Condition) -> Result<Write> {
-        self.inner.delete(key, c).await
-    }
-    async fn scan(&self, k: &ScanKind, s: Option<&str>, l: u32) -> Result<Page> {
-        self.inner.scan(k, s, l).await
-    }
-    // A wrapper of the store is the store: its clock evidence is the store's.
-    fn clock(&self) -> Option<&leasehold::ClockSamples> {
-        self.inner.clock()
+    fn passes_clock(&self) -> bool {
+        true
     }
 }
 
@@ -830,4 +793,32 @@ macro_rules! both_backends {
             dynamodb => $crate::Backend::dynamo().await,
         ]: $($case),*);
     };
+}
+
+/// Delivers queued grants in process and keeps each delivered lease, in order; every failure
+/// report is accepted and dropped. (The tests that need gone tokens or transient errors have
+/// deliverers of their own.)
+#[derive(Default)]
+pub struct DeliveredLeases(Mutex<Vec<leasehold::Lease>>);
+
+impl DeliveredLeases {
+    /// The leases delivered so far, in the order they were delivered.
+    pub fn leases(&self) -> Vec<leasehold::Lease> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+#[async_trait]
+impl leasehold::queue::Deliver for DeliveredLeases {
+    async fn success(
+        &self,
+        _: &str,
+        lease: &leasehold::Lease,
+    ) -> std::result::Result<(), leasehold::queue::DeliveryError> {
+        self.0.lock().unwrap().push(lease.clone());
+        Ok(())
+    }
+    async fn failure(&self, _: &str, _: &str, _: &str) -> std::result::Result<(), leasehold::queue::DeliveryError> {
+        Ok(())
+    }
 }

@@ -115,6 +115,45 @@ pub async fn forward_invoke_within_quotas(
     Response::from_parts(parts, Full::new(answer))
 }
 
+/// Serves Lambda's Invoke API and Step Functions' StartExecution on `port` for a workflow test:
+/// a StartExecution (a state machine's continue-as-new, as an API call or as its task) is
+/// started on moto at `moto_port`, a `DryRun` answered here, an invocation of the function
+/// `own` (its path holds `/functions/OWN/`) answered by `answer(path, body)`, and every other
+/// invocation forwarded to the emulator at `emulator_port` within the payload quota.
+pub fn serve_invoke_adapter<F, Fut>(port: u16, emulator_port: u16, moto_port: u16, own: &str, answer: F)
+where
+    F: Fn(String, Bytes) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Response<Full<Bytes>>> + Send + 'static,
+{
+    let own = format!("/functions/{own}/");
+    crate::emulator::serve_forever(port, move |req: hyper::Request<hyper::body::Incoming>| {
+        let (answer, own) = (answer.clone(), own.clone());
+        async move {
+            let method = req.method().as_str().to_string();
+            let path = req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or_default();
+            let target = req.headers().get("x-amz-target").and_then(|t| t.to_str().ok()).map(str::to_string);
+            let (path, invocation_type) = invocation_type(&path, req.headers());
+            let body =
+                http_body_util::BodyExt::collect(req.into_body()).await.map(|b| b.to_bytes()).unwrap_or_default();
+            let moto = format!("http://127.0.0.1:{moto_port}");
+            if is_sfn_call(target.as_deref()) {
+                return start_execution_elsewhere(&moto, target.as_deref().unwrap_or(""), &body).await;
+            }
+            if is_start_execution_task(&path) {
+                // The ContinueAsNew task (moto cannot run it as written: see this module).
+                return start_execution_task(&moto, &body).await;
+            }
+            if invocation_type.as_deref() == Some("DryRun") {
+                return dry_run(&path);
+            }
+            if path.contains(&own) {
+                return answer(path, body).await;
+            }
+            forward_invoke_within_quotas(emulator_port, &method, &path, &body).await
+        }
+    });
+}
+
 /// The invocation type a task asked for, and the Invoke path without it: moto drops a
 /// `lambda:invoke` task's `InvocationType`, so the tests' loader carries it in `Qualifier`
 /// (statemachines::for_moto), which reaches the adapter as `?Qualifier=` on the path; a

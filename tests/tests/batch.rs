@@ -16,10 +16,10 @@ use std::time::{Duration, Instant};
 
 use aws_sdk_sfn::types::ExecutionStatus;
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use leasehold::store::DynamoStore;
 use leasehold::{Config, Coordinator};
-use leasehold_tests::emulator::{next_execution_region, request_id, serve_forever, Emulator, Moto};
+use leasehold_tests::emulator::{next_execution_region, request_id, Emulator, Moto};
 use leasehold_tests::{dynamo_local, free_port, repo_root, sdk_config_for, set_local_credentials, sfn_quotas};
 use serde_json::{json, Value};
 
@@ -111,28 +111,9 @@ struct Stack {
 /// enforced; and a state machine's StartExecution (its continue-as-new), started on moto at
 /// `moto_port` (leasehold_tests::sfn_quotas).
 fn start_invoke_adapter(port: u16, emulator_port: u16, moto_port: u16, work: Arc<Work>) {
-    serve_forever(port, move |req: hyper::Request<hyper::body::Incoming>| {
+    sfn_quotas::serve_invoke_adapter(port, emulator_port, moto_port, "work", move |path, body| {
         let work = work.clone();
         async move {
-            let method = req.method().as_str().to_string();
-            let path = req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or_default();
-            let target = req.headers().get("x-amz-target").and_then(|t| t.to_str().ok()).map(str::to_string);
-            let (path, invocation_type) = sfn_quotas::invocation_type(&path, req.headers());
-            let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
-            let moto = format!("http://127.0.0.1:{moto_port}");
-            if sfn_quotas::is_sfn_call(target.as_deref()) {
-                return sfn_quotas::start_execution_elsewhere(&moto, target.as_deref().unwrap_or(""), &body).await;
-            }
-            if sfn_quotas::is_start_execution_task(&path) {
-                // The ContinueAsNew task (see sfn_quotas: moto cannot run it as written).
-                return sfn_quotas::start_execution_task(&moto, &body).await;
-            }
-            if invocation_type.as_deref() == Some("DryRun") {
-                return sfn_quotas::dry_run(&path);
-            }
-            if !path.contains("/functions/work/") {
-                return sfn_quotas::forward_invoke_within_quotas(emulator_port, &method, &path, &body).await;
-            }
             let builder = hyper::Response::builder()
                 .header("x-amzn-requestid", request_id())
                 .header("content-type", "application/json");

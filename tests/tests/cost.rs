@@ -12,31 +12,15 @@
 //! unnoticed; `--nocapture` prints the table.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
-use leasehold::queue::{Deliver, DeliveryError, Enqueued};
+use leasehold::queue::{Deliver, Enqueued};
 use leasehold::{AcquireOptions, Coordinator, Keepalive, Lease, LeaseId};
 use leasehold_tests::lambda_lab::{read_event, Lab};
 use leasehold_tests::proxy::Proxy;
-use leasehold_tests::{proxied_table, test_config};
+use leasehold_tests::{proxied_table, test_config, DeliveredLeases};
 use serde_json::json;
-
-/// Delivers queued grants in process.
-#[derive(Default)]
-struct Recorder(Mutex<Vec<Lease>>);
-
-#[async_trait]
-impl Deliver for Recorder {
-    async fn success(&self, _: &str, lease: &Lease) -> Result<(), DeliveryError> {
-        self.0.lock().unwrap().push(lease.clone());
-        Ok(())
-    }
-    async fn failure(&self, _: &str, _: &str, _: &str) -> Result<(), DeliveryError> {
-        Ok(())
-    }
-}
 
 /// Requests and capacity units of `n` repetitions of a shape, per repetition.
 #[derive(Debug, Clone, PartialEq)]
@@ -97,10 +81,10 @@ const N: usize = 20;
 /// A coordinator over a fresh table behind the measuring proxy, past its clock check's
 /// first reads (a new process reads a key until it has 3 Date headers: a cold start's cost,
 /// not a lease's).
-async fn coordinator() -> (Arc<Proxy>, Coordinator, Arc<Recorder>) {
+async fn coordinator() -> (Arc<Proxy>, Coordinator, Arc<DeliveredLeases>) {
     let (proxy, table, conf) = proxied_table().await;
     let store = leasehold::store::DynamoStore::new(aws_sdk_dynamodb::Client::new(&conf), table);
-    let rec = Arc::new(Recorder::default());
+    let rec = Arc::new(DeliveredLeases::default());
     let c = Coordinator::new(Arc::new(store), test_config()).with_deliver(rec.clone() as Arc<dyn Deliver>);
     for i in 0..4 {
         let l = c.acquire(&format!("warm/{i}"), "w", Some(Duration::from_secs(30)), AcquireOptions::default()).await;
@@ -256,9 +240,9 @@ async fn requests_and_capacity_per_queued_lease() {
     }
     let handover = per(&proxy, N);
     show("queued: release handing over", &handover);
-    assert_eq!(rec.0.lock().unwrap().len(), N, "every waiter got its lease");
+    assert_eq!(rec.leases().len(), N, "every waiter got its lease");
     start(&proxy);
-    let granted = rec.0.lock().unwrap().clone();
+    let granted = rec.leases();
     for l in granted {
         c.release(&l.key, &l.lease_id).await.unwrap();
     }

@@ -8,10 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use leasehold::store::{Condition, Mutation, Page, QueueCondition, QueueMutation, ScanKind, Store, Write};
-use leasehold::Record;
+use leasehold::store::{Condition, Mutation, QueueCondition, QueueMutation, Store, Write};
 use leasehold::{AcquireOptions, Coordinator, Error, LeaseId, NotHolderReason};
-use leasehold_tests::{both_backends, test_config, Backend, Fault, Faulty};
+use leasehold_tests::{both_backends, test_config, wrap, Backend, Fault, Faulty, Intercept};
 
 both_backends!(
     a_waiter_dropped_while_its_grant_is_written_leaves_the_key_free,
@@ -206,35 +205,22 @@ async fn a_hand_over_never_grants_a_lease_id_twice(b: Backend) {
 /// ambiguous error, and lets it land just before the next write (a request stuck in the
 /// network that arrives late).
 struct LateHandTo {
-    inner: Arc<dyn Store>,
     armed: AtomicBool,
     held: Mutex<Option<(String, Condition, Mutation)>>,
 }
 
 #[async_trait]
-impl Store for LateHandTo {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    async fn get(&self, key: &str) -> leasehold::Result<Option<Record>> {
-        self.inner.get(key).await
-    }
-    async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
+impl Intercept for LateHandTo {
+    async fn update(&self, store: &Arc<dyn Store>, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
         if matches!(c, Condition::Queue(QueueCondition::HandTo { .. })) && self.armed.swap(false, Ordering::SeqCst) {
             *self.held.lock().unwrap() = Some((key.to_string(), c.clone(), m.clone()));
             return Err(Error::StoreUnavailable("injected: the hand-over is stuck in the network".into()));
         }
         let late = self.held.lock().unwrap().take();
         if let Some((k, c, m)) = late {
-            self.inner.update(&k, &c, &m).await?;
+            store.update(&k, &c, &m).await?;
         }
-        self.inner.update(key, c, m).await
-    }
-    async fn delete(&self, key: &str, c: &Condition) -> leasehold::Result<Write> {
-        self.inner.delete(key, c).await
-    }
-    async fn scan(&self, k: &ScanKind, s: Option<&str>, l: u32) -> leasehold::Result<Page> {
-        self.inner.scan(k, s, l).await
+        store.update(key, c, m).await
     }
 }
 
@@ -242,7 +228,7 @@ impl Store for LateHandTo {
 /// follows it: the release answers as done (not `wrong_lease_id`), and the waiter, which
 /// waited for the outcome, holds the key.
 async fn an_ambiguous_hand_over_that_lands_late_is_settled_by_the_release(b: Backend) {
-    let store = Arc::new(LateHandTo { inner: b.store(), armed: AtomicBool::new(false), held: Mutex::new(None) });
+    let store = wrap(b.store(), LateHandTo { armed: AtomicBool::new(false), held: Mutex::new(None) });
     let c = quiet(store.clone());
     // The head withdraws its offer while it polls (an attempt of its own); a release in that
     // window hands nothing over and tests nothing here. Such a round is run again on a new key.
@@ -327,30 +313,16 @@ async fn a_waiter_elsewhere_is_not_passed_over_by_the_line_s_own_waiters(b: Back
 
 /// A store that marks the key for a waiter of another coordinator (`awaited_by`) just before
 /// the in-process hand-over's write: the mark lands between the release's read and its write.
-struct MarkBeforeHandTo {
-    inner: Arc<dyn Store>,
-}
+struct MarkBeforeHandTo;
 
 #[async_trait]
-impl Store for MarkBeforeHandTo {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    async fn get(&self, key: &str) -> leasehold::Result<Option<Record>> {
-        self.inner.get(key).await
-    }
-    async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
+impl Intercept for MarkBeforeHandTo {
+    async fn update(&self, store: &Arc<dyn Store>, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
         if let Condition::Queue(QueueCondition::HandTo { fence, .. }) = c {
             let mark = Mutation::Queue(QueueMutation::WaitsIn { coordinator: "elsewhere".into() });
-            assert!(matches!(self.inner.update(key, &Condition::FenceIs(*fence), &mark).await?, Write::Applied(_)));
+            assert!(matches!(store.update(key, &Condition::FenceIs(*fence), &mark).await?, Write::Applied(_)));
         }
-        self.inner.update(key, c, m).await
-    }
-    async fn delete(&self, key: &str, c: &Condition) -> leasehold::Result<Write> {
-        self.inner.delete(key, c).await
-    }
-    async fn scan(&self, k: &ScanKind, s: Option<&str>, l: u32) -> leasehold::Result<Page> {
-        self.inner.scan(k, s, l).await
+        store.update(key, c, m).await
     }
 }
 
@@ -359,7 +331,7 @@ impl Store for MarkBeforeHandTo {
 /// coordinator), the release goes the ordinary way, and the key is free for that waiter while
 /// this coordinator's waiter holds back.
 async fn a_mark_landing_before_the_hand_over_s_write_leaves_the_key_free(b: Backend) {
-    let c = quiet(Arc::new(MarkBeforeHandTo { inner: b.store() }));
+    let c = quiet(wrap(b.store(), MarkBeforeHandTo));
     let k = "marked-late";
     let h = c.acquire(k, "h", LONG, AcquireOptions::default()).await.unwrap();
     let c2 = c.clone();

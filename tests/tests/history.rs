@@ -7,30 +7,14 @@
 
 mod cli_support;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use cli_support::{http, Server, Target};
-use leasehold::queue::{Deliver, DeliveryError, Enqueued};
-use leasehold::{AcquireOptions, Coordinator, Lease};
-use leasehold_tests::test_config;
+use leasehold::queue::{Deliver, Enqueued};
+use leasehold::{AcquireOptions, Coordinator};
+use leasehold_tests::{test_config, DeliveredLeases};
 use serde_json::Value;
-
-/// Delivers queued grants in process.
-#[derive(Default)]
-struct Recorder(Mutex<Vec<Lease>>);
-
-#[async_trait]
-impl Deliver for Recorder {
-    async fn success(&self, _: &str, lease: &Lease) -> Result<(), DeliveryError> {
-        self.0.lock().unwrap().push(lease.clone());
-        Ok(())
-    }
-    async fn failure(&self, _: &str, _: &str, _: &str) -> Result<(), DeliveryError> {
-        Ok(())
-    }
-}
 
 /// One expected event: kind, holder, fence, state, previous (holder, fence).
 type Expected = (String, String, u64, Option<String>, Option<(String, u64)>);
@@ -40,7 +24,7 @@ fn ev(kind: &str, holder: &str, fence: u64) -> Expected {
 }
 
 /// The scripted run on `key`; returns the events it must leave, in order.
-async fn scripted_run(c: &Coordinator, rec: &Recorder, key: &str) -> Vec<Expected> {
+async fn scripted_run(c: &Coordinator, rec: &DeliveredLeases, key: &str) -> Vec<Expected> {
     let long = Some(Duration::from_secs(60));
     let opts = AcquireOptions::default;
     let mut want = Vec::new();
@@ -73,7 +57,7 @@ async fn scripted_run(c: &Coordinator, rec: &Recorder, key: &str) -> Vec<Expecte
     let q = c.acquire_or_enqueue(key, "q2", d, o, "token-2", None).await.unwrap();
     assert!(matches!(q, Enqueued::Queued { .. }), "{q:?}");
     c.release(key, &q1.lease_id).await.unwrap();
-    let q2 = rec.0.lock().unwrap().last().cloned().expect("q2 was delivered its lease");
+    let q2 = rec.leases().last().cloned().expect("q2 was delivered its lease");
     assert_eq!(q2.holder, "q2");
     want.push(ev("released", "q1", q1.fence));
     want.push(("handed_over".into(), "q2".into(), q2.fence, Some("DONE".into()), None));
@@ -131,7 +115,7 @@ async fn scripted_run_on_the_embedded_store() {
     let target = Target::embedded();
     let db = std::path::PathBuf::from(&target.args[1]);
     let store = leasehold::store::SqliteStore::open(&db).unwrap();
-    let rec = Arc::new(Recorder::default());
+    let rec = Arc::new(DeliveredLeases::default());
     let c = Coordinator::new(Arc::new(store), test_config()).with_deliver(rec.clone() as Arc<dyn Deliver>);
     let key = "orders/42";
     let want = scripted_run(&c, &rec, key).await;
@@ -326,7 +310,7 @@ async fn scripted_run_through_the_stream() {
     leasehold::store::table::create(&client, &table, Duration::from_secs(60)).await.unwrap();
     leasehold::history::dynamo::create_table(&client, &history).await.unwrap();
     let store = leasehold::store::DynamoStore::new(client.clone(), table.clone());
-    let rec = Arc::new(Recorder::default());
+    let rec = Arc::new(DeliveredLeases::default());
     let c = Coordinator::new(Arc::new(store), test_config()).with_deliver(rec.clone() as Arc<dyn Deliver>);
     let key = "orders/42";
     let want = scripted_run(&c, &rec, key).await;

@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use leasehold::queue::{queue_shard, Deliver, DeliveryError, Enqueued, SEPARATOR};
-use leasehold::store::{Condition, Mutation, Page, QueueMutation, ScanKind, Store, Write};
-use leasehold::{AcquireOptions, Clock, ClockSamples, Config, Coordinator, Error, Lease, LeaseId, Record, SystemClock};
-use leasehold_tests::{both_backends, test_config, Backend, Fault, Faulty};
+use leasehold::store::{Condition, Mutation, QueueMutation, Store, Write};
+use leasehold::{AcquireOptions, Clock, Config, Coordinator, Error, Lease, LeaseId, Record, SystemClock};
+use leasehold_tests::{both_backends, test_config, wrap, Backend, Fault, Faulty, Intercept, Wrapped};
 
 both_backends!(
     a_stale_fail_closed_acquire_never_takes_a_key_released_after_it_was_sent,
@@ -227,23 +227,16 @@ async fn a_retried_queued_acquire_keeps_its_slot_behind_a_later_waiter(b: Backen
 /// at once (so the writer retries) and applies the held write when `gate` opens, as a request
 /// stuck in the network lands after its sender moved on.
 struct HeldWaiterWrite {
-    inner: Arc<dyn Store>,
     armed: std::sync::atomic::AtomicBool,
     gate: Arc<tokio::sync::Notify>,
     landed: Arc<tokio::sync::Notify>,
 }
 
 #[async_trait]
-impl Store for HeldWaiterWrite {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    async fn get(&self, key: &str) -> leasehold::Result<Option<Record>> {
-        self.inner.get(key).await
-    }
-    async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
+impl Intercept for HeldWaiterWrite {
+    async fn update(&self, store: &Arc<dyn Store>, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
         if matches!(m, Mutation::Queue(QueueMutation::PutWaiter(_))) && self.armed.swap(false, Ordering::SeqCst) {
-            let (inner, key, c, m) = (self.inner.clone(), key.to_string(), c.clone(), m.clone());
+            let (inner, key, c, m) = (store.clone(), key.to_string(), c.clone(), m.clone());
             let (gate, landed) = (self.gate.clone(), self.landed.clone());
             tokio::spawn(async move {
                 gate.notified().await;
@@ -252,16 +245,10 @@ impl Store for HeldWaiterWrite {
             });
             return Err(Error::StoreUnavailable("injected: request stuck in the network".into()));
         }
-        self.inner.update(key, c, m).await
+        store.update(key, c, m).await
     }
-    async fn delete(&self, key: &str, c: &Condition) -> leasehold::Result<Write> {
-        self.inner.delete(key, c).await
-    }
-    async fn scan(&self, k: &ScanKind, start: Option<&str>, limit: u32) -> leasehold::Result<Page> {
-        self.inner.scan(k, start, limit).await
-    }
-    fn clock(&self) -> Option<&ClockSamples> {
-        self.inner.clock()
+    fn passes_clock(&self) -> bool {
+        true
     }
 }
 
@@ -274,12 +261,8 @@ impl Store for HeldWaiterWrite {
 /// execution waits unserved.
 async fn a_delayed_waiter_write_of_an_earlier_try_keeps_the_retry_s_token(b: Backend) {
     let k = "held-waiter-write";
-    let store = Arc::new(HeldWaiterWrite {
-        inner: b.store(),
-        armed: Default::default(),
-        gate: Default::default(),
-        landed: Default::default(),
-    });
+    let held = HeldWaiterWrite { armed: Default::default(), gate: Default::default(), landed: Default::default() };
+    let store = wrap(b.store(), held);
     let rec = Arc::new(Records::default());
     let c = Coordinator::new(store.clone(), test_config()).with_deliver(rec.clone());
     let d = Duration::from_secs(30);
@@ -374,32 +357,19 @@ async fn a_retried_invocation_takes_over_the_grant_made_to_its_dead_token(b: Bac
 
 /// A store whose reads of waiter items answer 2 s late once `slow` is set.
 struct SlowWaiterReads {
-    inner: Arc<dyn Store>,
     slow: std::sync::atomic::AtomicBool,
 }
 
 #[async_trait]
-impl Store for SlowWaiterReads {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    async fn get(&self, key: &str) -> leasehold::Result<Option<Record>> {
+impl Intercept for SlowWaiterReads {
+    async fn get(&self, store: &Arc<dyn Store>, key: &str) -> leasehold::Result<Option<Record>> {
         if key.contains(SEPARATOR) && self.slow.load(Ordering::SeqCst) {
             tokio::time::sleep(Duration::from_secs(2)).await;
         }
-        self.inner.get(key).await
+        store.get(key).await
     }
-    async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
-        self.inner.update(key, c, m).await
-    }
-    async fn delete(&self, key: &str, c: &Condition) -> leasehold::Result<Write> {
-        self.inner.delete(key, c).await
-    }
-    async fn scan(&self, k: &ScanKind, start: Option<&str>, limit: u32) -> leasehold::Result<Page> {
-        self.inner.scan(k, start, limit).await
-    }
-    fn clock(&self) -> Option<&ClockSamples> {
-        self.inner.clock()
+    fn passes_clock(&self) -> bool {
+        true
     }
 }
 
@@ -427,7 +397,7 @@ impl Deliver for Timed {
 /// held it. The safe time is now counted from the instant the clock was read.
 async fn a_queue_grant_after_a_slow_read_is_told_no_safe_time_past_its_end(b: Backend) {
     let k = "slow-waiter-read";
-    let store = Arc::new(SlowWaiterReads { inner: b.store(), slow: Default::default() });
+    let store = wrap(b.store(), SlowWaiterReads { slow: Default::default() });
     let rec = Arc::new(Timed::default());
     let c = Coordinator::new(store.clone(), test_config()).with_deliver(rec.clone());
     // The holder's process serves no queue: its release leaves the key free for the waiter.
@@ -618,7 +588,6 @@ async fn a_renewal_of_a_work_item_extends_it_without_a_ttl(b: Backend) {
 /// `arrived` when that write comes, sends it once `go` is told, tells `landed` when it landed,
 /// and with `hold_answer` answers only once `answer` is told (the answer held in the network).
 struct Gate {
-    inner: Arc<dyn Store>,
     pick: fn(&Mutation) -> bool,
     hold_answer: bool,
     armed: std::sync::atomic::AtomicBool,
@@ -629,49 +598,39 @@ struct Gate {
 }
 
 impl Gate {
-    fn new(inner: Arc<dyn Store>, pick: fn(&Mutation) -> bool, hold_answer: bool) -> Arc<Gate> {
-        Arc::new(Gate {
+    fn new(inner: Arc<dyn Store>, pick: fn(&Mutation) -> bool, hold_answer: bool) -> Arc<Wrapped<Gate>> {
+        wrap(
             inner,
-            pick,
-            hold_answer,
-            armed: Default::default(),
-            arrived: Default::default(),
-            go: Default::default(),
-            landed: Default::default(),
-            answer: Default::default(),
-        })
+            Gate {
+                pick,
+                hold_answer,
+                armed: Default::default(),
+                arrived: Default::default(),
+                go: Default::default(),
+                landed: Default::default(),
+                answer: Default::default(),
+            },
+        )
     }
 }
 
 #[async_trait]
-impl Store for Gate {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    async fn get(&self, key: &str) -> leasehold::Result<Option<Record>> {
-        self.inner.get(key).await
-    }
-    async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
+impl Intercept for Gate {
+    async fn update(&self, store: &Arc<dyn Store>, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
         if !((self.pick)(m) && self.armed.swap(false, Ordering::SeqCst)) {
-            return self.inner.update(key, c, m).await;
+            return store.update(key, c, m).await;
         }
         self.arrived.notify_one();
         self.go.notified().await;
-        let w = self.inner.update(key, c, m).await;
+        let w = store.update(key, c, m).await;
         self.landed.notify_one();
         if self.hold_answer {
             self.answer.notified().await;
         }
         w
     }
-    async fn delete(&self, key: &str, c: &Condition) -> leasehold::Result<Write> {
-        self.inner.delete(key, c).await
-    }
-    async fn scan(&self, k: &ScanKind, start: Option<&str>, limit: u32) -> leasehold::Result<Page> {
-        self.inner.scan(k, start, limit).await
-    }
-    fn clock(&self) -> Option<&ClockSamples> {
-        self.inner.clock()
+    fn passes_clock(&self) -> bool {
+        true
     }
 }
 

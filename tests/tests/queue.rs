@@ -16,7 +16,7 @@ use leasehold::store::{
     Condition, Mutation, Page, QueueCondition, QueueMutation, ScanKind, Store, WorkMutation, Write,
 };
 use leasehold::{AcquireOptions, Coordinator, Lease, LeaseId, Record};
-use leasehold_tests::{both_backends, test_config, widest_first_margin, Backend, Counting};
+use leasehold_tests::{both_backends, test_config, widest_first_margin, wrap, Backend, Counting, Intercept, Wrapped};
 
 both_backends!(
     waiters_are_served_in_order,
@@ -467,31 +467,18 @@ async fn work_items_keep_their_state_through_the_queue(b: Backend) {
 
 /// Keeps every item a write of the lease key left behind, in order.
 struct Recording {
-    inner: Arc<dyn Store>,
     key: String,
     written: Mutex<Vec<Record>>,
 }
 
 #[async_trait]
-impl Store for Recording {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    async fn get(&self, key: &str) -> leasehold::Result<Option<Record>> {
-        self.inner.get(key).await
-    }
-    async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
-        let w = self.inner.update(key, c, m).await?;
+impl Intercept for Recording {
+    async fn update(&self, store: &Arc<dyn Store>, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
+        let w = store.update(key, c, m).await?;
         if let (true, Write::Applied(r)) = (key == self.key, &w) {
             self.written.lock().unwrap().push(r.clone());
         }
         Ok(w)
-    }
-    async fn delete(&self, key: &str, c: &Condition) -> leasehold::Result<Write> {
-        self.inner.delete(key, c).await
-    }
-    async fn scan(&self, k: &ScanKind, s: Option<&str>, l: u32) -> leasehold::Result<Page> {
-        self.inner.scan(k, s, l).await
     }
 }
 
@@ -501,7 +488,7 @@ impl Store for Recording {
 async fn release_grants_the_head_waiter_in_its_own_write(b: Backend) {
     let rec = Arc::new(Recorder::default());
     let k = key("one-write");
-    let store = Arc::new(Recording { inner: b.store(), key: k.clone(), written: Mutex::new(Vec::new()) });
+    let store = wrap(b.store(), Recording { key: k.clone(), written: Mutex::new(Vec::new()) });
     let c = Coordinator::new(store.clone(), test_config()).with_deliver(rec.clone() as Arc<dyn Deliver>);
     let Enqueued::Granted(held) = enqueue(&c, &k, "t0", Duration::from_secs(30)).await else { panic!() };
     enqueue(&c, &k, "t1", Duration::from_secs(30)).await;
@@ -560,48 +547,23 @@ async fn free_key_grant_whose_delivery_answer_is_lost_is_kept(b: Backend) {
     assert!(!c.get(&k2).await.unwrap().held);
 }
 
-/// The real store as DynamoDB's TTL leaves it at a later time: `purge(at_s)` deletes every item
-/// whose `ttl` (epoch s) is before `at_s`, as the TTL sweeper would have by then.
-struct TtlDeleting {
-    inner: Arc<dyn Store>,
-}
-
-impl TtlDeleting {
-    async fn purge(&self, at_s: u64) -> usize {
-        let (mut n, mut start) = (0, None::<String>);
-        loop {
-            let page = self.inner.scan(&ScanKind::All, start.as_deref(), 100).await.unwrap();
-            for r in page.items.iter().filter(|r| r.ttl.is_some_and(|t| t < at_s)) {
-                let cond =
-                    if r.fence == 0 { Condition::Queue(QueueCondition::NotLease) } else { Condition::FenceIs(r.fence) };
-                if let Write::Applied(_) = self.inner.delete(&r.key, &cond).await.unwrap() {
-                    n += 1;
-                }
-            }
-            match page.next {
-                Some(next) => start = Some(next),
-                None => return n,
+/// The real store as DynamoDB's TTL leaves it at a later time: deletes every item whose `ttl`
+/// (epoch s) is before `at_s`, as the TTL sweeper would have by then; how many.
+async fn purge_expired(store: &dyn Store, at_s: u64) -> usize {
+    let (mut n, mut start) = (0, None::<String>);
+    loop {
+        let page = store.scan(&ScanKind::All, start.as_deref(), 100).await.unwrap();
+        for r in page.items.iter().filter(|r| r.ttl.is_some_and(|t| t < at_s)) {
+            let cond =
+                if r.fence == 0 { Condition::Queue(QueueCondition::NotLease) } else { Condition::FenceIs(r.fence) };
+            if let Write::Applied(_) = store.delete(&r.key, &cond).await.unwrap() {
+                n += 1;
             }
         }
-    }
-}
-
-#[async_trait]
-impl Store for TtlDeleting {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    async fn get(&self, key: &str) -> leasehold::Result<Option<Record>> {
-        self.inner.get(key).await
-    }
-    async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
-        self.inner.update(key, c, m).await
-    }
-    async fn delete(&self, key: &str, c: &Condition) -> leasehold::Result<Write> {
-        self.inner.delete(key, c).await
-    }
-    async fn scan(&self, k: &ScanKind, s: Option<&str>, l: u32) -> leasehold::Result<Page> {
-        self.inner.scan(k, s, l).await
+        match page.next {
+            Some(next) => start = Some(next),
+            None => return n,
+        }
     }
 }
 
@@ -610,7 +572,7 @@ impl Store for TtlDeleting {
 /// fail-closed holder (no TTL of its own).
 async fn waiters_outlive_the_ttl_of_a_day(b: Backend) {
     let rec = Arc::new(Recorder::default());
-    let store = Arc::new(TtlDeleting { inner: b.store() });
+    let store = b.store();
     let c = Coordinator::new(store.clone(), test_config()).with_deliver(rec.clone() as Arc<dyn Deliver>);
     let k = key("long-wait");
     let id = LeaseId::generate();
@@ -620,7 +582,7 @@ async fn waiters_outlive_the_ttl_of_a_day(b: Backend) {
     c.acquire_or_enqueue(&k, "w1", Duration::from_secs(30), AcquireOptions::default(), "w1", None).await.unwrap();
     let timeout = Some(Duration::from_millis(30 * day));
     c.acquire_or_enqueue(&k, "w2", Duration::from_secs(30), AcquireOptions::default(), "w2", timeout).await.unwrap();
-    let purged = store.purge((c.now_ms() + 20 * day) / 1000).await;
+    let purged = purge_expired(&*store, (c.now_ms() + 20 * day) / 1000).await;
     assert_eq!(c.get(&k).await.unwrap().queue_length, 2);
     c.release(&k, &id).await.unwrap();
     assert_eq!(rec.tokens(), ["w1"], "the waiter without a timeout is still queued ({purged} items purged)");
@@ -644,13 +606,12 @@ type Rule = Box<dyn Fn(&str, &Mutation) -> Option<Act> + Send + Sync>;
 /// The real store with a fault on the writes a rule matches (each rule fires once, but a
 /// `Fail` on every matching write).
 struct Faults {
-    inner: Arc<dyn Store>,
     rules: Mutex<Vec<Rule>>,
 }
 
 impl Faults {
-    fn new(inner: Arc<dyn Store>) -> Arc<Faults> {
-        Arc::new(Faults { inner, rules: Mutex::new(Vec::new()) })
+    fn new(inner: Arc<dyn Store>) -> Arc<Wrapped<Faults>> {
+        wrap(inner, Faults { rules: Mutex::new(Vec::new()) })
     }
     fn once(&self, rule: impl Fn(&str, &Mutation) -> Option<Act> + Send + Sync + 'static) {
         self.rules.lock().unwrap().push(Box::new(rule));
@@ -658,14 +619,8 @@ impl Faults {
 }
 
 #[async_trait]
-impl Store for Faults {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    async fn get(&self, key: &str) -> leasehold::Result<Option<Record>> {
-        self.inner.get(key).await
-    }
-    async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
+impl Intercept for Faults {
+    async fn update(&self, store: &Arc<dyn Store>, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
         let act = {
             let mut rules = self.rules.lock().unwrap();
             let hit = rules.iter().position(|r| r(key, m).is_some());
@@ -676,23 +631,17 @@ impl Store for Faults {
             })
         };
         match act {
-            None => self.inner.update(key, c, m).await,
+            None => store.update(key, c, m).await,
             Some(Act::LoseAnswer) => {
-                self.inner.update(key, c, m).await?;
+                store.update(key, c, m).await?;
                 Err(leasehold::Error::StoreUnavailable("injected: the answer was lost".into()))
             }
             Some(Act::Fail) => Err(leasehold::Error::StoreUnavailable("injected: failed".into())),
             Some(Act::Delay(d)) => {
                 tokio::time::sleep(d).await;
-                self.inner.update(key, c, m).await
+                store.update(key, c, m).await
             }
         }
-    }
-    async fn delete(&self, key: &str, c: &Condition) -> leasehold::Result<Write> {
-        self.inner.delete(key, c).await
-    }
-    async fn scan(&self, k: &ScanKind, s: Option<&str>, l: u32) -> leasehold::Result<Page> {
-        self.inner.scan(k, s, l).await
     }
 }
 
@@ -917,27 +866,14 @@ async fn heartbeat_answers_without_waiting_for_the_ttl_removal(b: Backend) {
 
 /// Records which queue shards a sweep reads, in order, and how many entries come back.
 struct ScanLog {
-    inner: Arc<dyn Store>,
     shards: Mutex<Vec<u32>>,
     entries: AtomicUsize,
 }
 
 #[async_trait]
-impl Store for ScanLog {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    async fn get(&self, key: &str) -> leasehold::Result<Option<Record>> {
-        self.inner.get(key).await
-    }
-    async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
-        self.inner.update(key, c, m).await
-    }
-    async fn delete(&self, key: &str, c: &Condition) -> leasehold::Result<Write> {
-        self.inner.delete(key, c).await
-    }
-    async fn scan(&self, k: &ScanKind, s: Option<&str>, l: u32) -> leasehold::Result<Page> {
-        let page = self.inner.scan(k, s, l).await?;
+impl Intercept for ScanLog {
+    async fn scan(&self, store: &Arc<dyn Store>, k: &ScanKind, s: Option<&str>, l: u32) -> leasehold::Result<Page> {
+        let page = store.scan(k, s, l).await?;
         if let ScanKind::Queue { shard } | ScanKind::Keepalive { shard, .. } = k {
             self.shards.lock().unwrap().push(*shard);
             self.entries.fetch_add(page.items.len(), Ordering::SeqCst);
@@ -951,7 +887,7 @@ impl Store for ScanLog {
 /// whose queue emptied leaves the index.
 async fn sweep_reads_one_entry_per_key_and_rotates(b: Backend) {
     let rec = Arc::new(Recorder::default());
-    let log = Arc::new(ScanLog { inner: b.store(), shards: Mutex::new(Vec::new()), entries: AtomicUsize::new(0) });
+    let log = wrap(b.store(), ScanLog { shards: Mutex::new(Vec::new()), entries: AtomicUsize::new(0) });
     let c = Coordinator::new(log.clone(), test_config()).with_deliver(rec.clone() as Arc<dyn Deliver>);
     let k = key("sweep-index");
     let Enqueued::Granted(held) = enqueue(&c, &k, "t0", Duration::from_secs(60)).await else { panic!() };

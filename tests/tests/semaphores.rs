@@ -8,11 +8,11 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use leasehold::store::{
-    Condition, DynamoStore, LeaseMutation, Mutation, Page, QueueCondition, QueueMutation, ScanKind, SemaphoreCondition,
+    Condition, DynamoStore, LeaseMutation, Mutation, QueueCondition, QueueMutation, SemaphoreCondition,
     SemaphoreMutation, Store, Write,
 };
 use leasehold::{AcquireOptions, Coordinator, Error, LeaseId, Record, SlotHolder};
-use leasehold_tests::{both_backends, dynamo_local, test_config, Backend, Counting, Fault, Faulty};
+use leasehold_tests::{both_backends, dynamo_local, test_config, wrap, Backend, Counting, Fault, Faulty, Intercept};
 
 both_backends!(
     takes_cut_at_any_point_strand_no_slot,
@@ -270,7 +270,6 @@ async fn the_first_take_on_a_key_freed_by_a_clock_ahead_waits_for_it_once(b: Bac
 /// Holds a plain force-release's write (`ForceRelease`) until [`HeldForceRelease::open`]: the
 /// operator read the item, and its write is on its way while others act.
 struct HeldForceRelease {
-    inner: Arc<dyn Store>,
     gate: tokio::sync::Semaphore,
     waiting: std::sync::atomic::AtomicBool,
 }
@@ -282,25 +281,13 @@ impl HeldForceRelease {
 }
 
 #[async_trait]
-impl Store for HeldForceRelease {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    async fn get(&self, key: &str) -> leasehold::Result<Option<Record>> {
-        self.inner.get(key).await
-    }
-    async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
+impl Intercept for HeldForceRelease {
+    async fn update(&self, store: &Arc<dyn Store>, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
         if matches!(m, Mutation::Lease(LeaseMutation::ForceRelease { .. })) {
             self.waiting.store(true, Ordering::SeqCst);
             let _ = self.gate.acquire().await;
         }
-        self.inner.update(key, c, m).await
-    }
-    async fn delete(&self, key: &str, c: &Condition) -> leasehold::Result<Write> {
-        self.inner.delete(key, c).await
-    }
-    async fn scan(&self, k: &ScanKind, s: Option<&str>, l: u32) -> leasehold::Result<Page> {
-        self.inner.scan(k, s, l).await
+        store.update(key, c, m).await
     }
 }
 
@@ -311,11 +298,8 @@ impl Store for HeldForceRelease {
 /// believe (4 believers on 3 slots). It is refused (the fence read moved on), and the
 /// operator's force-release, seeing a semaphore, evicts its holders; a plain acquire then waits.
 async fn a_plain_force_release_never_lands_on_a_semaphore_made_meanwhile(b: Backend) {
-    let held = Arc::new(HeldForceRelease {
-        inner: b.store(),
-        gate: tokio::sync::Semaphore::new(0),
-        waiting: std::sync::atomic::AtomicBool::new(false),
-    });
+    let gate = tokio::sync::Semaphore::new(0);
+    let held = wrap(b.store(), HeldForceRelease { gate, waiting: std::sync::atomic::AtomicBool::new(false) });
     let operator = Coordinator::new(held.clone(), test_config());
     let users = b.coordinator(test_config());
     let k = "race/force";

@@ -6,35 +6,22 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use leasehold::store::{Condition, Mutation, Page, ScanKind, Store, Write};
-use leasehold::{AcquireOptions, Coordinator, ExecutionState, Executions, Keepalive, Record, Result};
-use leasehold_tests::{both_backends, test_config, Backend};
+use leasehold::store::{Page, ScanKind, Store};
+use leasehold::{AcquireOptions, Coordinator, ExecutionState, Executions, Keepalive, Result};
+use leasehold_tests::{both_backends, test_config, wrap, Backend, Intercept};
 
 both_backends!(a_stale_index_entry_never_clears_a_renewed_lease, describe_failures_are_counted);
 
 /// The keep-alive index as DynamoDB may serve it: a copy older than the item. Every entry
 /// shows the expiry the lease had before its last renewal (here: already past).
 struct StaleIndex {
-    inner: Arc<dyn Store>,
     shown: AtomicUsize,
 }
 
 #[async_trait]
-impl Store for StaleIndex {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    async fn get(&self, key: &str) -> Result<Option<Record>> {
-        self.inner.get(key).await
-    }
-    async fn update(&self, key: &str, c: &Condition, m: &Mutation) -> Result<Write> {
-        self.inner.update(key, c, m).await
-    }
-    async fn delete(&self, key: &str, c: &Condition) -> Result<Write> {
-        self.inner.delete(key, c).await
-    }
-    async fn scan(&self, kind: &ScanKind, start: Option<&str>, limit: u32) -> Result<Page> {
-        let mut page = self.inner.scan(kind, start, limit).await?;
+impl Intercept for StaleIndex {
+    async fn scan(&self, store: &Arc<dyn Store>, kind: &ScanKind, start: Option<&str>, limit: u32) -> Result<Page> {
+        let mut page = store.scan(kind, start, limit).await?;
         if matches!(kind, ScanKind::Keepalive { .. }) {
             for r in &mut page.items {
                 r.expires_at_ms = Some(r.acquired_at_ms + 1);
@@ -49,7 +36,7 @@ impl Store for StaleIndex {
 /// but must not take the live lease out of the index (the clear is conditioned on the expiry
 /// it read): a later sweep renews it again.
 async fn a_stale_index_entry_never_clears_a_renewed_lease(b: Backend) {
-    let stale = Arc::new(StaleIndex { inner: b.store(), shown: AtomicUsize::new(0) });
+    let stale = wrap(b.store(), StaleIndex { shown: AtomicUsize::new(0) });
     let c = Coordinator::new(stale.clone(), test_config());
     let ka = Keepalive { until_ms: c.now_ms() + 600_000, execution_arn: None };
     let l = c
