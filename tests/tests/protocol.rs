@@ -5,7 +5,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use leasehold::store::{Condition, LeaseMutation, Write};
+use leasehold::store::{
+    keepalive_shard, Condition, LeaseMutation, Mutation, NewLease, Visit, WorkCondition, Write, NO_LEASE,
+};
 use leasehold::{AcquireOptions, Coordinator, Error, Keepalive, LeaseId, Lost, NotHolderReason};
 use leasehold_tests::{
     both_backends, test_config, widest_first_margin, Backend, Counting, Fault, Faulty, Gated, GuardedResource, Holds,
@@ -1717,7 +1719,11 @@ async fn semaphore_map_stays_bounded(b: Backend) {
 // The work-state index's INCLUDE projection and terminal states' TTL (DESIGN.md, "How one
 // state scales", "Terminal states").
 
-both_backends!(batch_listing_reads_whole_items, terminal_states_get_a_ttl);
+both_backends!(
+    batch_listing_reads_whole_items,
+    terminal_states_get_a_ttl,
+    a_put_item_reads_alike_and_a_take_needs_a_higher_fence
+);
 
 /// The work-state index projects only what a batch's candidate needs: a listing of a state
 /// still answers every key whole (metadata included, as `get` answers it), and `next` and
@@ -1748,6 +1754,36 @@ async fn batch_listing_reads_whole_items(b: Backend) {
     // A held key is listed too, with its lease.
     let held = c.list_in_state("LISTED", 10).await.unwrap();
     assert!(held.iter().all(|s| s.held && s.holder == "taker"), "{held:?}");
+}
+
+/// A key put into a state reads the same on both stores (fence 0, the producer, no lease_id a
+/// caller can send, its times all the put's clock), and a take in its visit must bring a fence
+/// above the item's: one equal to it is refused, the next one lands. Store-level, so that the
+/// embedded store's reference semantics and the DynamoDB text are held to the same boundary.
+async fn a_put_item_reads_alike_and_a_take_needs_a_higher_fence(b: Backend) {
+    let c = b.coordinator(test_config());
+    let k = "edge/put";
+    c.put(k, "PENDING", "producer").await.unwrap();
+    let r = c.store().get(k).await.unwrap().expect("the item");
+    assert_eq!((r.fence, r.holder.as_str(), r.lease_id.expose()), (0, "producer", NO_LEASE), "{r:?}");
+    let at = r.work.state_since_ms.expect("entered");
+    assert!(at > 0 && r.acquired_at_ms == at && r.min_hold_until_ms == at && r.expires_at_ms == Some(at), "{r:?}");
+    let shard = format!("PENDING#{}", keepalive_shard(k, test_config().state_shards.max(1)));
+    let visit = Visit { state: "PENDING".into(), shard, since_ms: at, attempts: r.work.attempts.unwrap_or(0) };
+    let take = |fence: u64| {
+        let (id, now) = (LeaseId::generate(), c.now_ms().max(at));
+        let cond = WorkCondition::FreeIn { now_ms: now, fence, lease_id: id.clone(), visit: visit.clone() };
+        let next = Visit { attempts: visit.attempts + 1, ..visit.clone() };
+        let lease = NewLease { visit: Some(next), ..NewLease::new("taker", id, now, Some(30_000), fence) };
+        (Condition::Work(cond), Mutation::Lease(LeaseMutation::Acquire(lease)))
+    };
+    let (cond, m) = take(r.fence);
+    let w = c.store().update(k, &cond, &m).await.unwrap();
+    assert!(matches!(w, Write::Rejected(_)), "a take at the item's own fence: {w:?}");
+    let (cond, m) = take(r.fence + 1);
+    let w = c.store().update(k, &cond, &m).await.unwrap();
+    assert!(matches!(w, Write::Applied(_)), "a take above it: {w:?}");
+    assert_eq!(c.get(k).await.unwrap().holder, "taker");
 }
 
 /// Keys released or put into a terminal state get a TTL `terminal_retention` after they
