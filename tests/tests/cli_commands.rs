@@ -112,10 +112,11 @@ fn every_subcommand(t: &Target) {
     assert!(fc["expires_at_ms"].is_null() && fc["duration_ms"].is_null(), "{fc}");
     assert!(t.run(&["get", "cfg/closed"]).ok().stdout.contains("never (fail-closed"));
 
-    // --wait: a 2 s lease expires and the waiting acquire takes the key. (2 s: a loaded
-    // machine can answer a grant later than a shorter lease's safe time.)
-    t.run(&["acquire", "wait/k", "--holder", "short", "--duration", "2s"]).ok();
-    let w = t.run(&["acquire", "wait/k", "--holder", "patient", "--wait", "10s", "--json"]).ok().json();
+    // --wait: a 4 s lease expires and the waiting acquire takes the key. (4 s: a new process's
+    // safe margin on DynamoDB is up to about 1.3 s, and a loaded machine can answer a grant
+    // later than a 2 s lease's remaining safe time; CI saw it.)
+    t.run(&["acquire", "wait/k", "--holder", "short", "--duration", "4s"]).ok();
+    let w = t.run(&["acquire", "wait/k", "--holder", "patient", "--wait", "15s", "--json"]).ok().json();
     assert_eq!(w["holder"], "patient");
     // ... and without enough wait, LeaseHeld.
     t.run(&["acquire", "wait/k", "--holder", "hasty", "--wait", "200ms"]).code(75);

@@ -461,7 +461,9 @@ struct SlowDelivery;
 #[async_trait]
 impl Deliver for SlowDelivery {
     async fn success(&self, _: &str, _: &Lease) -> Result<(), DeliveryError> {
-        tokio::time::sleep(Duration::from_secs(3)).await;
+        // Longer than the real client's 3 s timeout, so that an acquire held by the delivery
+        // ends well past the bound the test allows (on a loaded machine too).
+        tokio::time::sleep(Duration::from_secs(8)).await;
         Ok(())
     }
     async fn failure(&self, _: &str, _: &str, _: &str) -> Result<(), DeliveryError> {
@@ -488,14 +490,22 @@ async fn dropping_a_late_grant_does_not_wait_for_a_queue_delivery(b: Backend) {
         let c = c.clone();
         tokio::spawn(async move { c.acquire(k, "h", Some(Duration::from_millis(1500)), opts).await })
     };
-    // A waiter joins the queue of the key the late grant holds.
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    // A waiter joins the queue of the key the late grant holds, once the grant has landed (a
+    // fresh coordinator on DynamoDB first reads the key for clock evidence, for up to a second;
+    // the answer then comes 1.6 s after the write).
+    let landed = Instant::now() + Duration::from_secs(10);
+    while !b.store().get(k).await.unwrap().is_some_and(|r| r.holder == "h" && r.released_at_ms.is_none()) {
+        assert!(Instant::now() < landed, "the grant never landed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let q = other.acquire_or_enqueue(k, "w", Duration::from_secs(30), AcquireOptions::default(), "t", None).await;
     assert!(matches!(q, Ok(Enqueued::Queued { .. })), "{q:?}");
     let r = acquire.await.unwrap();
     let ended = start.elapsed();
-    // Its deadline, plus room for a loaded machine: well short of the delivery's 3 s.
-    assert!(ended < Duration::from_millis(2500 + 1500), "the acquire ended after {ended:?}: {r:?}");
+    // Its deadline, plus room for a loaded machine (the clock reads, the slow answer, the
+    // release of the late grant): well short of a wait for the 8 s delivery, which began
+    // after the slow answer.
+    assert!(ended < Duration::from_millis(2500 + 4000), "the acquire ended after {ended:?}: {r:?}");
     assert!(r.is_err(), "the key was handed to the waiter: {r:?}");
 }
 
