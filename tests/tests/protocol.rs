@@ -5,9 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use leasehold::store::{
-    keepalive_shard, Condition, LeaseMutation, Mutation, NewLease, Visit, WorkCondition, Write, NO_LEASE,
-};
+use leasehold::store::{Condition, LeaseMutation, Mutation, NewLease, Visit, WorkCondition, Write, NO_LEASE};
 use leasehold::{AcquireOptions, Coordinator, Error, Keepalive, LeaseId, Lost, NotHolderReason};
 use leasehold_tests::{
     both_backends, test_config, widest_first_margin, Backend, Counting, Fault, Faulty, Gated, GuardedResource, Holds,
@@ -1768,8 +1766,12 @@ async fn a_put_item_reads_alike_and_a_take_needs_a_higher_fence(b: Backend) {
     assert_eq!((r.fence, r.holder.as_str(), r.lease_id.expose()), (0, "producer", NO_LEASE), "{r:?}");
     let at = r.work.state_since_ms.expect("entered");
     assert!(at > 0 && r.acquired_at_ms == at && r.min_hold_until_ms == at && r.expires_at_ms == Some(at), "{r:?}");
-    let shard = format!("PENDING#{}", keepalive_shard(k, test_config().state_shards.max(1)));
-    let visit = Visit { state: "PENDING".into(), shard, since_ms: at, attempts: r.work.attempts.unwrap_or(0) };
+    let visit = Visit {
+        state: "PENDING".into(),
+        shard: c.state_shard(k, "PENDING"),
+        since_ms: at,
+        attempts: r.work.attempts.unwrap_or(0),
+    };
     let take = |fence: u64| {
         let (id, now) = (LeaseId::generate(), c.now_ms().max(at));
         let cond = WorkCondition::FreeIn { now_ms: now, fence, lease_id: id.clone(), visit: visit.clone() };

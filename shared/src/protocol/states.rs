@@ -24,8 +24,9 @@ impl Coordinator {
         r.ttl.is_some() && r.work.state.as_deref().is_some_and(|s| !self.is_terminal(s))
     }
 
-    /// The index partition of `key` in `state`: `STATE#n`, n = FNV-1a(key) mod `state_shards`.
-    pub(crate) fn state_shard(&self, key: &str, state: &str) -> String {
+    /// The index partition of `key` in `state`: `STATE#n`, n = FNV-1a(key) mod `state_shards`
+    /// (a store-level test or tool that writes a visit's condition itself needs it).
+    pub fn state_shard(&self, key: &str, state: &str) -> String {
         format!("{state}#{}", keepalive_shard(key, self.config().state_shards.max(1)))
     }
 
