@@ -12,6 +12,7 @@ use crate::finale;
 use crate::node::{
     clock_jumps, config, crash_functions, crash_node, functions_node, start_node, Jumped, Kind, Running,
 };
+use crate::session::SEMAPHORES;
 use crate::sfn::queue_sweeper;
 use crate::store_log::fault_map;
 use crate::world::{done, draw, key, lock, now, todo, work_key, Event, Shared, World, KEYS, WORK};
@@ -229,7 +230,12 @@ impl Fleet {
     async fn force_release(&mut self, s: &Settings) {
         let i = draw(&self.world, |w| w.below(s.coordinators as u64)) as usize;
         if let Some((node, _)) = &self.nodes[i] {
-            let k = key(draw(&self.world, |w| w.below(KEYS as u64)));
+            let mut k = key(draw(&self.world, |w| w.below(KEYS as u64)));
+            // With semaphores, a quarter land on one: every slot holder is evicted at once.
+            if s.semaphores && draw(&self.world, |w| w.chance(0.25)) {
+                let i = draw(&self.world, |w| w.below(SEMAPHORES.len() as u64)) as usize;
+                k = SEMAPHORES[i].0.to_string();
+            }
             lock(&self.world).fault("force_release");
             // Every belief from before the force-release is cut (the operator evicts whoever
             // held it; it may have landed even when unanswered).

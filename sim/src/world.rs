@@ -16,7 +16,16 @@ use crate::Settings;
 pub(crate) enum Event {
     /// A grant or renewal: the lease is the client's from `at` until `until` (`None`: until
     /// released, fail-closed).
-    Told { key: String, lease: String, fence: u64, at: Instant, until: Option<Instant>, client: String, batch: bool },
+    Told {
+        key: String,
+        lease: String,
+        fence: u64,
+        at: Instant,
+        until: Option<Instant>,
+        client: String,
+        batch: bool,
+        slot: bool,
+    },
     /// The client stopped believing it holds the lease (release sent, told it lost it, crashed).
     End { key: String, lease: String, at: Instant },
     /// An operator force-released the key: whoever held it was evicted without being told.
@@ -219,6 +228,7 @@ pub(crate) fn told(world: &Shared, client: &str, l: &Lease) {
         until: l.safe_until,
         client: client.to_string(),
         batch: l.state.is_some(),
+        slot: l.slots.is_some(),
     });
 }
 

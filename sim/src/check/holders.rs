@@ -1,7 +1,7 @@
 //! One holder at a time: no two leases of a key believed at once (N for a semaphore), the
 //! guarded resource never refusing a holder within its safe time, and no grant told late.
 
-use leasehold::store::LeaseMutation;
+use leasehold::store::{LeaseMutation, SemaphoreMutation};
 use std::collections::BTreeMap;
 use std::time::Instant;
 
@@ -11,6 +11,9 @@ use leasehold::testing::Applied;
 use super::{blind, ms, short};
 use crate::violation::Violation;
 use crate::world::Event;
+
+/// One lease believed: from, until, its lease_id, its client, and whether it is a slot.
+type Belief<'a> = (Instant, Instant, &'a str, &'a str, bool);
 
 /// No two leases of one key believed at once.
 pub(super) fn overlaps(events: &[Event], log: &[Applied], t0: Instant, out: &mut Vec<Violation>) {
@@ -26,9 +29,9 @@ pub(super) fn overlaps(events: &[Event], log: &[Applied], t0: Instant, out: &mut
     fenced_out(events, &forces, out);
     // Per key: belief intervals (start, stop, lease, client).
     let far = t0 + std::time::Duration::from_secs(1 << 30);
-    let mut beliefs: BTreeMap<&str, Vec<(Instant, Instant, &str, &str)>> = BTreeMap::new();
+    let mut beliefs: BTreeMap<&str, Vec<Belief>> = BTreeMap::new();
     for e in events {
-        let Event::Told { key, lease, fence, at, until, client, .. } = e else { continue };
+        let Event::Told { key, lease, fence, at, until, client, slot, .. } = e else { continue };
         let mut stop = until.unwrap_or(far);
         if let Some(end) = ends.get(&(key.as_str(), lease.as_str())) {
             stop = stop.min(*end);
@@ -39,7 +42,7 @@ pub(super) fn overlaps(events: &[Event], log: &[Applied], t0: Instant, out: &mut
             stop = stop.min((*f).max(*at));
         }
         if stop > *at {
-            beliefs.entry(key.as_str()).or_default().push((*at, stop, lease.as_str(), client.as_str()));
+            beliefs.entry(key.as_str()).or_default().push((*at, stop, lease.as_str(), client.as_str(), *slot));
         }
     }
     for (key, mut list) in beliefs {
@@ -49,7 +52,7 @@ pub(super) fn overlaps(events: &[Event], log: &[Applied], t0: Instant, out: &mut
             continue;
         }
         let mut active: Vec<(Instant, &str, &str)> = Vec::new();
-        for (start, stop, lease, client) in list {
+        for (start, stop, lease, client, _) in list {
             active.retain(|(s, _, _)| *s > start);
             // A coordinator with a blind clock takes keys over their holders (see
             // `Settings::blind_clock`): its overlaps are the clock error's, not the protocol's.
@@ -106,21 +109,26 @@ pub(super) fn slots(key: &str) -> Option<u32> {
     crate::session::SEMAPHORES.iter().find(|(k, _)| *k == key).map(|(_, n)| *n)
 }
 
-/// A semaphore of N slots: at no instant do more than N leases believe they hold a slot
-/// (`list`: belief intervals sorted by their start).
+/// A semaphore of N slots: at no instant do more than N leases believe they hold a slot, and a
+/// plain lease on the key (one taken while the semaphore had no holder) is believed alone: it
+/// weighs all N (`list`: belief intervals sorted by their start, each marked if a slot).
 pub(super) fn over_slots(
     key: &str,
     n: u32,
-    list: &[(Instant, Instant, &str, &str)],
+    list: &[Belief],
     t0: Instant,
     out: &mut Vec<Violation>,
 ) {
-    let mut active: Vec<(Instant, &str, &str)> = Vec::new();
-    for &(start, stop, lease, client) in list {
-        active.retain(|(s, l, _)| *s > start && *l != lease);
-        active.push((stop, lease, client));
-        if active.len() > n as usize {
-            let others: Vec<String> = active.iter().map(|(_, l, c)| format!("{c} ({})", short(l))).collect();
+    let mut active: Vec<(Instant, &str, &str, bool)> = Vec::new();
+    for &(start, stop, lease, client, slot) in list {
+        active.retain(|(s, l, _, _)| *s > start && *l != lease);
+        active.push((stop, lease, client, slot));
+        let weight: u32 = active.iter().map(|(_, _, _, slot)| if *slot { 1 } else { n }).sum();
+        if weight > n {
+            let others: Vec<String> = active
+                .iter()
+                .map(|(_, l, c, slot)| format!("{c} ({}{})", short(l), if *slot { "" } else { ", plain" }))
+                .collect();
             let mut v = Violation::new(
                 "over_slots",
                 key,
@@ -142,8 +150,20 @@ pub(super) fn over_slots(
 pub(super) fn forces(log: &[Applied]) -> BTreeMap<&str, Vec<(Instant, u64)>> {
     let mut out: BTreeMap<&str, Vec<(Instant, u64)>> = BTreeMap::new();
     for a in log {
-        if let (Some(Mutation::Lease(LeaseMutation::ForceRelease { .. })), Some(old)) = (&a.mutation, &a.old) {
-            out.entry(a.key.as_str()).or_default().push((a.at, old.fence));
+        let Some(old) = &a.old else { continue };
+        match &a.mutation {
+            Some(Mutation::Lease(LeaseMutation::ForceRelease { .. })) => {
+                out.entry(a.key.as_str()).or_default().push((a.at, old.fence))
+            }
+            // A semaphore's force-release evicts its holders (in writes of a chunk each): every
+            // slot up to the highest fence evicted.
+            Some(Mutation::Semaphore(SemaphoreMutation::EvictSlots { evicted, .. })) => {
+                let holders = old.semaphore.slot_holders.iter();
+                if let Some(f) = holders.filter(|h| evicted.contains(&h.lease_id)).map(|h| h.fence).max() {
+                    out.entry(a.key.as_str()).or_default().push((a.at, f));
+                }
+            }
+            _ => {}
         }
     }
     out

@@ -5,22 +5,34 @@ use std::time::Duration;
 
 use leasehold::{AcquireOptions, LeaseId};
 
+use super::semaphore::SEMAPHORES;
 use super::{acquire, hold, release_unknown};
-use crate::world::{draw, ended, key, now, op, write_resource, Node, Shared, KEYS};
+use crate::world::{draw, ended, key, lock, now, op, write_resource, Node, Shared, KEYS};
 
 /// A plain lease, maybe waited for: work, heartbeats, a pause now and then, release.
 pub(crate) async fn plain(node: &Node, world: &Shared, name: &str) {
-    let (k, wait, dur) = draw(world, |w| {
+    let on_semaphore = lock(world).semaphores && draw(world, |w| w.chance(0.1));
+    let (mut k, wait, dur) = draw(world, |w| {
         let wait = [0u64, 0, 300, 2000, 5000][w.below(5) as usize];
         (key(w.below(KEYS as u64)), wait, w.between(300, 3000))
     });
+    if on_semaphore {
+        // A plain lease on a semaphore's key: taken only while the semaphore has no holder,
+        // and believed alone (the checker's `over_slots` weighs it as all N slots).
+        k = draw(world, |w| SEMAPHORES[w.below(SEMAPHORES.len() as u64) as usize].0).to_string();
+    }
     if !op(world) {
         return;
     }
     let opts =
         AcquireOptions { wait: Some(Duration::from_millis(wait)).filter(|w| !w.is_zero()), ..Default::default() };
     let lease = match acquire(node, world, &k, name, Some(Duration::from_millis(dur)), opts).await {
-        Ok(l) => l,
+        Ok(l) => {
+            if on_semaphore {
+                lock(world).fault("plain_on_semaphore");
+            }
+            l
+        }
         Err(e) => {
             release_unknown(node, world, &k, &e).await;
             return;
