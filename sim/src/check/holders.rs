@@ -110,15 +110,9 @@ pub(super) fn slots(key: &str) -> Option<u32> {
 }
 
 /// A semaphore of N slots: at no instant do more than N leases believe they hold a slot, and a
-/// plain lease on the key (one taken while the semaphore had no holder) is believed alone: it
+/// plain lease on the key (granted where no semaphore item was) is believed alone: it
 /// weighs all N (`list`: belief intervals sorted by their start, each marked if a slot).
-pub(super) fn over_slots(
-    key: &str,
-    n: u32,
-    list: &[Belief],
-    t0: Instant,
-    out: &mut Vec<Violation>,
-) {
+pub(super) fn over_slots(key: &str, n: u32, list: &[Belief], t0: Instant, out: &mut Vec<Violation>) {
     let mut active: Vec<(Instant, &str, &str, bool)> = Vec::new();
     for &(start, stop, lease, client, slot) in list {
         active.retain(|(s, l, _, _)| *s > start && *l != lease);

@@ -17,8 +17,8 @@ pub(crate) async fn plain(node: &Node, world: &Shared, name: &str) {
         (key(w.below(KEYS as u64)), wait, w.between(300, 3000))
     });
     if on_semaphore {
-        // A plain lease on a semaphore's key: taken only while the semaphore has no holder,
-        // and believed alone (the checker's `over_slots` weighs it as all N slots).
+        // A plain lease on a semaphore's key: granted only where no semaphore item is (at the
+        // start, or after TTL deleted it), and believed alone (`over_slots` weighs it as N).
         k = draw(world, |w| SEMAPHORES[w.below(SEMAPHORES.len() as u64) as usize].0).to_string();
     }
     if !op(world) {
