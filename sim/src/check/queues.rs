@@ -3,12 +3,14 @@
 
 use leasehold::store::LeaseMutation;
 use leasehold::store::QueueMutation;
+use leasehold::store::SemaphoreMutation;
 use leasehold::store::WorkMutation;
 use std::collections::BTreeMap;
 use std::time::Instant;
 
 use leasehold::store::Mutation;
 use leasehold::testing::Applied;
+use leasehold::{LeaseId, Record};
 
 use super::{describe, short};
 use crate::violation::Violation;
@@ -16,7 +18,8 @@ use crate::world::Event;
 
 /// A released lease stays as released (DESIGN.md, "Failure cases": a holder releasing after an
 /// operator force-released its lease, or a release retried after its answer was lost, changes
-/// nothing): no release or renewal is applied to an item whose lease is released already.
+/// nothing): no release or renewal is applied to an item whose lease is released already, nor
+/// to a semaphore's holder released already (or no longer on the item).
 pub(super) fn released_once(log: &[Applied], out: &mut Vec<Violation>) {
     for a in log {
         let (Some(m), Some(old)) = (&a.mutation, &a.old) else { continue };
@@ -26,16 +29,32 @@ pub(super) fn released_once(log: &[Applied], out: &mut Vec<Violation>) {
                 | Mutation::Work(WorkMutation::ReleaseTo { .. })
                 | Mutation::Lease(LeaseMutation::Extend { .. })
         );
-        if again && old.released_at_ms.is_some() && old.semaphore.slots.is_none() {
+        let lease = if again && old.released_at_ms.is_some() && old.semaphore.slots.is_none() {
+            Some(&old.lease_id)
+        } else {
+            slot_released_already(m, old)
+        };
+        if let Some(lease) = lease {
             let mut v = Violation::new(
                 "released_lease_changed",
                 &a.key,
-                format!("{} was applied to lease {}, released already", describe(m), short(old.lease_id.expose())),
+                format!("{} was applied to lease {}, released already", describe(m), short(lease.expose())),
             );
             v.at = Some(a.at);
             out.push(v);
         }
     }
+}
+
+/// The holder a slot's renewal or release was applied to, if it was released already or had no
+/// entry on the semaphore.
+fn slot_released_already<'a>(m: &'a Mutation, old: &Record) -> Option<&'a LeaseId> {
+    let (Mutation::Semaphore(SemaphoreMutation::RenewSlot { lease_id, .. })
+    | Mutation::Semaphore(SemaphoreMutation::ReleaseSlot { lease_id, .. })) = m
+    else {
+        return None;
+    };
+    old.slot(lease_id).is_none_or(|h| h.released_at_ms.is_some()).then_some(lease_id)
 }
 
 /// A coordinator's line leaves the key free when a waiter of another coordinator marked the
