@@ -267,11 +267,18 @@ async fn undelivered_grant_is_delivered_by_the_sweep(b: Backend) {
     c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
     assert_eq!(rec.tokens(), ["t0"]);
     tokio::time::sleep(Duration::from_millis(DELIVERY_GRACE_MS + 100)).await;
-    c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    // Its delivery failing once more: counted, and left for the next sweep.
+    rec.transient.store(1, Ordering::SeqCst);
+    let swept = c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    assert_eq!((swept.served.undelivered, swept.served.delivered), (1, 0), "{swept:?}");
+    assert_eq!(rec.tokens(), ["t0"]);
+    let swept = c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
     assert_eq!(rec.tokens(), ["t0", "t1"], "the sweep delivers a grant left undelivered");
     assert_eq!(rec.last().fence, st.fence);
-    c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    assert_eq!(swept.served.delivered, 1, "and counts it: {swept:?}");
+    let swept = c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
     assert_eq!(rec.tokens().len(), 2, "delivered once");
+    assert_eq!(swept.served.delivered, 0, "{swept:?}");
 }
 
 async fn plain_acquire_does_not_jump_the_queue(b: Backend) {
