@@ -24,6 +24,7 @@ both_backends!(
     racing_releases_and_sweeps_grant_once,
     crashed_holder_is_replaced_by_the_sweep,
     undelivered_grant_is_delivered_by_the_sweep,
+    the_sweep_delivers_to_a_rewritten_slot_s_new_token,
     plain_acquire_does_not_jump_the_queue,
     thousand_waiters_constant_requests_per_hand_over,
     in_process_waiters_are_woken_in_order,
@@ -279,6 +280,38 @@ async fn undelivered_grant_is_delivered_by_the_sweep(b: Backend) {
     let swept = c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
     assert_eq!(rec.tokens().len(), 2, "delivered once");
     assert_eq!(swept.served.delivered, 0, "{swept:?}");
+}
+
+/// A grant left undelivered whose waiter's task is gone while its slot's waiter item was written
+/// again with a new token (a retried invocation that stopped after its rewrite): the sweep's
+/// delivery to the old token answers `Gone`, and the same sweep moves the mark to the new token
+/// and delivers there, once.
+async fn the_sweep_delivers_to_a_rewritten_slot_s_new_token(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let c = coord(&b, &rec);
+    let k = key("rewritten");
+    let Enqueued::Granted(lease) = enqueue(&c, &k, "t0", Duration::from_secs(30)).await else { panic!() };
+    let Enqueued::Queued { seq, lease_id, .. } = enqueue(&c, &k, "t1", Duration::from_secs(30)).await else { panic!() };
+    rec.transient.store(100, Ordering::SeqCst);
+    c.release(&k, &lease.lease_id).await.unwrap();
+    rec.transient.store(0, Ordering::SeqCst);
+    // The retried invocation's rewrite of its slot: the same waiter, the new token.
+    let wk = leasehold::store::waiter_key(&k, seq);
+    let mut item = c.store().get(&wk).await.unwrap().expect("the waiter item");
+    item.queue.waiter.as_mut().expect("a waiter").task_token = "t1-retry".into();
+    item.renewed_at_ms = item.renewed_at_ms.map(|t| t + 1);
+    let put = Mutation::Queue(QueueMutation::PutWaiter(Box::new(item)));
+    let w = c.store().update(&wk, &Condition::Queue(QueueCondition::NotLease), &put).await.unwrap();
+    assert!(matches!(w, Write::Applied(_)), "{w:?}");
+    rec.gone.lock().unwrap().insert("t1".into());
+    tokio::time::sleep(Duration::from_millis(DELIVERY_GRACE_MS + 100)).await;
+    let swept = c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    assert_eq!(rec.tokens(), ["t0", "t1-retry"], "delivered to the new token in the same sweep");
+    assert_eq!((rec.last().lease_id.expose(), swept.served.delivered), (lease_id.expose(), 1), "{swept:?}");
+    let r = c.store().get(&k).await.unwrap().unwrap();
+    assert_eq!(r.queue.pending_token, None, "delivered: the mark goes");
+    c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    assert_eq!(rec.tokens().len(), 2, "delivered once");
 }
 
 async fn plain_acquire_does_not_jump_the_queue(b: Backend) {
