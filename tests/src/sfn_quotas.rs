@@ -501,6 +501,14 @@ pub async fn client_for(moto_endpoint: &str, arn: &str) -> aws_sdk_sfn::Client {
 
 /// The execution's whole history (moto's GetExecutionHistory, every page), oldest first.
 pub async fn all_history(client: &aws_sdk_sfn::Client, arn: &str) -> Vec<aws_sdk_sfn::types::HistoryEvent> {
+    try_all_history(client, arn).await.unwrap_or_else(|e| panic!("history of {arn}: {e}"))
+}
+
+/// [`all_history`], or why moto would not answer it.
+pub async fn try_all_history(
+    client: &aws_sdk_sfn::Client,
+    arn: &str,
+) -> Result<Vec<aws_sdk_sfn::types::HistoryEvent>, String> {
     let mut events = Vec::new();
     let mut token: Option<String> = None;
     loop {
@@ -523,13 +531,13 @@ pub async fn all_history(client: &aws_sdk_sfn::Client, arn: &str) -> Vec<aws_sdk
                     tries += 1;
                     tokio::time::sleep(std::time::Duration::from_millis(200 * tries.min(5))).await;
                 }
-                Err(e) => panic!("history of {arn}: {e:?}"),
+                Err(e) => return Err(format!("{e:?}")),
             }
         };
         events.extend(out.events().iter().cloned());
         token = out.next_token().map(str::to_string);
         if token.is_none() {
-            return events;
+            return Ok(events);
         }
     }
 }
@@ -548,7 +556,12 @@ pub async fn check_history(client: &aws_sdk_sfn::Client, arn: &str) -> usize {
 /// [`check_history`] against `limit` events instead of Step Functions' own quota (a test's
 /// lowered quota).
 pub async fn check_history_within(client: &aws_sdk_sfn::Client, arn: &str, limit: usize) -> usize {
-    let events = all_history(client, arn).await;
+    try_check_history_within(client, arn, limit).await.unwrap_or_else(|e| panic!("history of {arn}: {e}"))
+}
+
+/// [`check_history_within`], or why moto would not answer the history.
+pub async fn try_check_history_within(client: &aws_sdk_sfn::Client, arn: &str, limit: usize) -> Result<usize, String> {
+    let events = try_all_history(client, arn).await?;
     let n = events.len();
     let q = Quotas::global();
     for e in &events {
@@ -566,7 +579,7 @@ pub async fn check_history_within(client: &aws_sdk_sfn::Client, arn: &str, limit
         Quotas::global().record(format!("{arn}: {n} history events (limit {limit})"));
         let _ = client.stop_execution().execution_arn(arn).error("States.HistoryLimitExceeded").send().await;
     }
-    n
+    Ok(n)
 }
 
 /// Panics with every recorded violation, if any.
