@@ -354,17 +354,7 @@ async fn end_within(client: &aws_sdk_sfn::Client, arn: &str, timeout: Duration, 
     loop {
         let d = client.describe_execution().execution_arn(arn).send().await.unwrap_or_else(|e| panic!("{e:?}"));
         if *d.status() != ExecutionStatus::Running {
-            let events = match sfn_quotas::try_check_history_within(client, arn, limit).await {
-                Ok(n) => n,
-                // moto has answered every history read of an execution stopped here past
-                // `limit` (inside a Map) with a 500 for half a minute: the count that stopped it,
-                // taken while it ran and recorded then, stands.
-                Err(e) if seen > limit => {
-                    eprintln!("{arn}: history unreadable after its stop ({e}); {seen} events counted before it");
-                    seen
-                }
-                Err(e) => panic!("history of {arn}: {e}"),
-            };
+            let events = sfn_quotas::check_history_after(client, arn, limit, seen).await;
             return End {
                 arn: arn.to_string(),
                 status: d.status().clone(),
@@ -376,12 +366,7 @@ async fn end_within(client: &aws_sdk_sfn::Client, arn: &str, timeout: Duration, 
             };
         }
         if counted.elapsed() >= HISTORY_POLL {
-            match sfn_quotas::try_check_history_within(client, arn, limit).await {
-                Ok(n) => seen = n,
-                // Stopped past `limit` and not yet ended: as above.
-                Err(e) if seen > limit => eprintln!("{arn}: history unreadable while it stops ({e})"),
-                Err(e) => panic!("history of {arn}: {e}"),
-            }
+            seen = sfn_quotas::check_history_after(client, arn, limit, seen).await;
             counted = Instant::now();
         }
         assert!(Instant::now() < deadline, "{arn} still running after {timeout:?}");

@@ -227,12 +227,12 @@ struct End {
 /// its end the history is counted exactly (and every state's data checked against 256 KiB).
 async fn end_within(client: &aws_sdk_sfn::Client, arn: &str, limit: usize) -> End {
     let deadline = Instant::now() + Duration::from_secs(1800);
-    let mut counted = Instant::now();
+    let (mut counted, mut seen) = (Instant::now(), 0);
     let mut every = Duration::from_secs(5);
     loop {
         let d = client.describe_execution().execution_arn(arn).send().await.unwrap_or_else(|e| panic!("{e:?}"));
         if *d.status() != ExecutionStatus::Running {
-            let events = sfn_quotas::check_history_within(client, arn, limit).await;
+            let events = sfn_quotas::check_history_after(client, arn, limit, seen).await;
             return End {
                 arn: arn.to_string(),
                 status: d.status().clone(),
@@ -243,8 +243,8 @@ async fn end_within(client: &aws_sdk_sfn::Client, arn: &str, limit: usize) -> En
             };
         }
         if counted.elapsed() >= every {
-            let n = sfn_quotas::check_history_within(client, arn, limit).await;
-            every = Duration::from_secs(5).max(Duration::from_millis(5 * n as u64));
+            seen = sfn_quotas::check_history_after(client, arn, limit, seen).await;
+            every = Duration::from_secs(5).max(Duration::from_millis(5 * seen as u64));
             counted = Instant::now();
         }
         assert!(Instant::now() < deadline, "{arn} still running");
