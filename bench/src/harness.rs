@@ -324,7 +324,8 @@ pub async fn run_child_counts(
             lib,
             scenario,
             &s.proxy.endpoint(),
-            &s.tables[lib.trim_end_matches("/drop")],
+            // A variant of a library (`/drop`, `/poll=X`) runs on that library's table.
+            &s.tables[lib.split('/').next().unwrap_or(lib)],
             &n.to_string(),
             &secs.to_string(),
             tag,

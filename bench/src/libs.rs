@@ -61,6 +61,13 @@ impl Lib {
             "leasehold" | "leasehold+index" => {
                 Lib::Leasehold(Coordinator::new(Arc::new(DynamoStore::new(client, table)), config()))
             }
+            // `leasehold/poll=X`: leasehold with `Config::poll_attempts` X (M3 with
+            // `LEASEHOLD_BENCH_POLL_ATTEMPTS`).
+            n if n.starts_with("leasehold/poll=") => {
+                let mut c = config();
+                c.poll_attempts = n["leasehold/poll=".len()..].parse().expect("poll attempts");
+                Lib::Leasehold(Coordinator::new(Arc::new(DynamoStore::new(client, table)), c))
+            }
             "raw" => Lib::Raw(client, table.to_string()),
             "raw-shaped" => Lib::RawShaped(client, table.to_string(), Box::new(Shaped::new(Part::Whole))),
             "shaped-bare-condition" => {

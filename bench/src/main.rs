@@ -23,7 +23,9 @@
 //! runs only when named too. With `LEASEHOLD_BENCH_PERF=DIR`, every child runs under `perf
 //! record -F 2999`, its profile in DIR (one file per library, scenario and round). With
 //! `LEASEHOLD_BENCH_RTT_MS=N`, M1 runs (warm-up included) with every request held N ms by the
-//! proxy (a round trip like DynamoDB's, the same for every library).
+//! proxy (a round trip like DynamoDB's, the same for every library). With
+//! `LEASEHOLD_BENCH_POLL_ATTEMPTS=1.2,3`, M3 also runs leasehold with those targets of attempts
+//! per acquisition (`Config::poll_attempts`), as `leasehold/poll=1.2` and so on.
 
 //!
 //! One module per scenario, each with a `run` for both sides of a [`Step`]; the

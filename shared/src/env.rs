@@ -21,11 +21,28 @@ fn env_u64(name: &str) -> Result<Option<u64>> {
     }
 }
 
+/// The decimal number in environment variable `name`, if set.
+fn env_f64(name: &str) -> Result<Option<f64>> {
+    match std::env::var(name) {
+        Err(_) => Ok(None),
+        Ok(v) if v.trim().is_empty() => Ok(None),
+        Ok(v) => v
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|f| f.is_finite())
+            .map(Some)
+            .ok_or_else(|| Error::invalid(format!("environment variable {name}={v:?} is not a number"))),
+    }
+}
+
 /// [`Config`] with overrides from the environment:
 /// `LEASEHOLD_DEFAULT_DURATION_MS`, `LEASEHOLD_MIN_DURATION_MS`, `LEASEHOLD_MAX_DURATION_MS`,
 /// `LEASEHOLD_MAX_WAIT_MS`, `LEASEHOLD_SKEW_MARGIN_MS`, `LEASEHOLD_TTL_GRACE_S`,
 /// `LEASEHOLD_RETRY_BUDGET_MS`, `LEASEHOLD_POLL_MAX_MS` (longest pause between a waiting
-/// acquire's attempts; see DESIGN.md, "Contention"), `LEASEHOLD_SWEEP_PERIOD_MS` (period of
+/// acquire's attempts; see DESIGN.md, "Contention"), `LEASEHOLD_POLL_ATTEMPTS` (the attempts
+/// per acquisition waiters aim at on a key that changes hands quickly, 1.1 to 10, default 2.5;
+/// the same place), `LEASEHOLD_SWEEP_PERIOD_MS` (period of
 /// the scheduled keep-alive sweep: keep-alive leases must last 3 periods; 0 = no sweep),
 /// `LEASEHOLD_DATE_LAG_MS` (allowance for a late store `Date` header in the clock check, 0..=5000;
 /// see DESIGN.md, "Clocks"), `LEASEHOLD_STATE_SHARDS` (partitions of the work-state index per state, 1..=64; see
@@ -61,6 +78,12 @@ pub fn config_from_env() -> Result<Config> {
             return Err(Error::invalid("LEASEHOLD_POLL_MAX_MS must be at least 10"));
         }
         c.poll_max = ms(v);
+    }
+    if let Some(v) = env_f64("LEASEHOLD_POLL_ATTEMPTS")? {
+        if !crate::POLL_ATTEMPTS.contains(&v) {
+            return Err(Error::invalid("LEASEHOLD_POLL_ATTEMPTS must be 1.1 to 10"));
+        }
+        c.poll_attempts = v;
     }
     if let Some(v) = env_u64("LEASEHOLD_SWEEP_PERIOD_MS")? {
         c.limits.keepalive_sweep_period = ms(v);

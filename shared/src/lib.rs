@@ -40,7 +40,7 @@ pub use model::{
     Keepalive, Lease, LeaseId, LeaseState, QueueFields, Record, Released, SemaphoreFields, SlotHolder, SlotState,
     WorkFields,
 };
-pub use protocol::{AcquireOptions, Config, Coordinator};
+pub use protocol::{AcquireOptions, Config, Coordinator, POLL_ATTEMPTS};
 
 #[cfg(feature = "lambda")]
 pub mod lambda;

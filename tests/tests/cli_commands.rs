@@ -395,9 +395,17 @@ fn configuration_from_the_environment_is_validated() {
     let mut c = t.cmd(&["acquire", "cfg/poll", "--json"]);
     c.env("LEASEHOLD_POLL_MAX_MS", "often");
     assert_eq!(output(c).code(2).json()["error"], "InvalidRequest");
+    for bad in ["1", "11", "NaN", "many"] {
+        let mut c = t.cmd(&["acquire", "cfg/poll", "--json"]);
+        c.env("LEASEHOLD_POLL_ATTEMPTS", bad);
+        let o = output(c).code(2);
+        assert_eq!(o.json()["error"], "InvalidRequest", "{bad}");
+        assert!(o.json()["message"].as_str().unwrap().contains("LEASEHOLD_POLL_ATTEMPTS"), "{bad}: {}", o.json());
+    }
     // A valid value is taken: the acquire goes through.
     let mut c = t.cmd(&["acquire", "cfg/poll", "--json"]);
     c.env("LEASEHOLD_POLL_MAX_MS", "50");
+    c.env("LEASEHOLD_POLL_ATTEMPTS", "1.2");
     assert_eq!(output(c).code(0).json()["key"], "cfg/poll");
 }
 

@@ -245,7 +245,7 @@ impl Coordinator {
         if let Some(d) = ask.opts.deadline {
             deadline = deadline.min(d);
         }
-        let mut wait = Waiting::new(&self.pacer, ask.key, self.config.poll_max, start);
+        let mut wait = Waiting::new(&self.pacer, ask.key, self.config.poll_max, self.config.poll_attempts, start);
         // Waiting acquires of this coordinator line up per key: only the head tries, and a
         // release handled here wakes it at once.
         let ticket = (!ask.opts.wait.unwrap_or_default().is_zero()).then(|| InLine {

@@ -16,6 +16,7 @@ pub(crate) mod hooks;
 mod inspect;
 pub(crate) mod line;
 pub(crate) mod pacing;
+pub use pacing::POLL_ATTEMPTS;
 mod release;
 mod retry;
 mod semaphore;
@@ -64,6 +65,12 @@ pub struct Config {
     pub retry_budget: Duration,
     /// Waiting acquires poll at most this often when the holder's expiry is further away.
     pub poll_max: Duration,
+    /// The attempts per acquisition waiting acquires aim at on a key that changes hands
+    /// quickly, the one that succeeds included (DESIGN.md, "Contention"): the key's shared poll
+    /// period is moved towards it. More attempts leave the key free for less time after each
+    /// release, at one request each. Within [`POLL_ATTEMPTS`] (a value outside is taken as
+    /// the nearest bound).
+    pub poll_attempts: f64,
     /// Added to the wall clock (tests use it to play a coordinator with a skewed clock).
     pub clock_offset_ms: i64,
     /// How far ahead of this coordinator's clock a key's last fence may plausibly be. Honest
@@ -100,6 +107,7 @@ impl Default for Config {
             retry_max: Duration::from_secs(1),
             retry_budget: Duration::from_secs(5),
             poll_max: Duration::from_millis(500),
+            poll_attempts: 2.5,
             clock_offset_ms: 0,
             fence_lead: Duration::from_secs(60),
             state_shards: 1,

@@ -7,7 +7,7 @@
 //!   which waiters poll that key, and a rejected attempt returns the item, so every waiter
 //!   polls at the same rate: none gets ahead by polling faster.
 //! - **The period is learned by the acquirers.** An acquire that contended writes the period
-//!   moved towards [`TARGET_ATTEMPTS`] attempts per acquisition: up when it took more
+//!   moved towards `Config::poll_attempts` attempts per acquisition: up when it took more
 //!   attempts, down when it took fewer (a small step each time). As all waiters share the period,
 //!   the average over acquisitions settles near the target, whatever the number of waiters.
 //!   Between attempts a waiter pauses a jittered period while it sees the key change hands,
@@ -26,10 +26,9 @@ use std::time::{Duration, Instant};
 use crate::backoff::uniform;
 use crate::clock::{Clock, SystemClock};
 
-/// Attempts an acquisition should cost under contention, counting the one that succeeds.
-/// With one request per release, a contended key then costs about 2.4 requests per
-/// acquisition.
-pub(crate) const TARGET_ATTEMPTS: f64 = 1.2;
+/// The attempts per acquisition `Config::poll_attempts` accepts: above 1 (at 1 the period
+/// could only grow), and few enough that waiters still pace themselves.
+pub const POLL_ATTEMPTS: std::ops::RangeInclusive<f64> = 1.1..=10.0;
 
 /// How strongly one acquisition moves the period: attempts - target, times this, is the
 /// relative step.
@@ -85,10 +84,10 @@ pub(crate) fn period_of(poll_ms: Option<u64>, max: Duration) -> Duration {
 
 /// The period an acquire that contended writes, when it succeeds with its `attempts`-th
 /// attempt on a key whose period was `period`: a step proportional to how far `attempts` is
-/// from [`TARGET_ATTEMPTS`] (so that the *average* over acquisitions settles on the target),
-/// at most doubling or halving, within `[MIN_PERIOD, max]`.
-pub(crate) fn next_period(period: Duration, attempts: u32, max: Duration) -> Duration {
-    let factor = (1.0 + GAIN * (attempts.max(1) as f64 - TARGET_ATTEMPTS)).clamp(0.5, 2.0);
+/// from `target` (so that the *average* over acquisitions settles on the target), at most
+/// doubling or halving, within `[MIN_PERIOD, max]`.
+pub(crate) fn next_period(period: Duration, attempts: u32, target: f64, max: Duration) -> Duration {
+    let factor = (1.0 + GAIN * (attempts.max(1) as f64 - target)).clamp(0.5, 2.0);
     period.mul_f64(factor).clamp(MIN_PERIOD, max.max(MIN_PERIOD))
 }
 
@@ -108,6 +107,8 @@ pub(crate) struct Waiting<'a> {
     pacer: &'a Pacer,
     key: &'a str,
     poll_max: Duration,
+    /// The attempts per acquisition the period is moved towards (`Config::poll_attempts`).
+    target: f64,
     start: Instant,
     /// Attempts so far, counting the one under way.
     pub attempts: u32,
@@ -122,12 +123,13 @@ pub(crate) struct Waiting<'a> {
 }
 
 impl<'a> Waiting<'a> {
-    pub(crate) fn new(pacer: &'a Pacer, key: &'a str, poll_max: Duration, start: Instant) -> Self {
+    pub(crate) fn new(pacer: &'a Pacer, key: &'a str, poll_max: Duration, target: f64, start: Instant) -> Self {
         let pace = pacer.begin(key);
         Waiting {
             pacer,
             key,
             poll_max,
+            target: if target.is_nan() { 2.5 } else { target.clamp(*POLL_ATTEMPTS.start(), *POLL_ATTEMPTS.end()) },
             start,
             attempts: 0,
             courtesy: pace.courtesy,
@@ -149,7 +151,7 @@ impl<'a> Waiting<'a> {
 
     /// The period this attempt writes with its lease (`poll_ms`), when it contended.
     pub(crate) fn advertise(&self) -> Option<u64> {
-        self.contended.then(|| next_period(self.period, self.attempts, self.poll_max).as_millis() as u64)
+        self.contended.then(|| next_period(self.period, self.attempts, self.target, self.poll_max).as_millis() as u64)
     }
 
     /// Granted by an item advertising `poll_ms`: remembered for this coordinator's next call.
@@ -243,15 +245,21 @@ mod tests {
         assert_eq!(period_of(Some(3), max), MIN_PERIOD);
         assert_eq!(period_of(Some(80), max), Duration::from_millis(80));
         assert_eq!(period_of(Some(u64::MAX), max), max, "advice from the item is bounded");
-        // Many attempts per acquisition: the period grows, at most doubling per step.
-        assert_eq!(next_period(MIN_PERIOD, 20, max), MIN_PERIOD * 2);
-        let up = next_period(Duration::from_millis(100), 2, max);
-        assert!(up > Duration::from_millis(118) && up < Duration::from_millis(122), "{up:?}");
-        // Fewer attempts than the target: it shrinks, never below MIN_PERIOD nor above max.
-        let down = next_period(Duration::from_millis(100), 1, max);
-        assert!(down < Duration::from_millis(97) && down > Duration::from_millis(93), "{down:?}");
-        assert_eq!(next_period(MIN_PERIOD, 1, max), MIN_PERIOD);
-        assert_eq!(next_period(max, 50, max), max);
+        let near = |d: Duration, ms: f64| (d.as_secs_f64() * 1000.0 - ms).abs() < 0.5;
+        for target in [1.2, 2.5] {
+            // Many attempts per acquisition: the period grows, at most doubling per step.
+            assert_eq!(next_period(MIN_PERIOD, 20, target, max), MIN_PERIOD * 2);
+            assert_eq!(next_period(max, 50, target, max), max);
+            // Fewer attempts than the target: it shrinks, never below MIN_PERIOD.
+            assert_eq!(next_period(MIN_PERIOD, 1, target, max), MIN_PERIOD);
+        }
+        // One step is a quarter of how far the attempts were from the target.
+        let p = Duration::from_millis(100);
+        assert!(near(next_period(p, 2, 1.2, max), 120.0), "{:?}", next_period(p, 2, 1.2, max));
+        assert!(near(next_period(p, 1, 1.2, max), 95.0));
+        assert!(near(next_period(p, 2, 2.5, max), 87.5), "a second attempt is below a target of 2.5");
+        assert!(near(next_period(p, 4, 2.5, max), 137.5));
+        assert!(near(next_period(p, 1, 2.5, max), 62.5));
     }
 
     #[test]
