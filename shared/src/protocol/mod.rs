@@ -107,7 +107,7 @@ impl Default for Config {
             retry_max: Duration::from_secs(1),
             retry_budget: Duration::from_secs(5),
             poll_max: Duration::from_millis(500),
-            poll_attempts: 2.5,
+            poll_attempts: pacing::DEFAULT_POLL_ATTEMPTS,
             clock_offset_ms: 0,
             fence_lead: Duration::from_secs(60),
             state_shards: 1,

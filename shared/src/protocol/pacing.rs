@@ -30,6 +30,9 @@ use crate::clock::{Clock, SystemClock};
 /// could only grow), and few enough that waiters still pace themselves.
 pub const POLL_ATTEMPTS: std::ops::RangeInclusive<f64> = 1.1..=10.0;
 
+/// `Config::poll_attempts` by default (DESIGN.md, "Contention": what the target trades).
+pub(crate) const DEFAULT_POLL_ATTEMPTS: f64 = 2.5;
+
 /// How strongly one acquisition moves the period: attempts - target, times this, is the
 /// relative step.
 const GAIN: f64 = 0.25;
@@ -129,7 +132,11 @@ impl<'a> Waiting<'a> {
             pacer,
             key,
             poll_max,
-            target: if target.is_nan() { 2.5 } else { target.clamp(*POLL_ATTEMPTS.start(), *POLL_ATTEMPTS.end()) },
+            target: if target.is_nan() {
+                DEFAULT_POLL_ATTEMPTS
+            } else {
+                target.clamp(*POLL_ATTEMPTS.start(), *POLL_ATTEMPTS.end())
+            },
             start,
             attempts: 0,
             courtesy: pace.courtesy,
