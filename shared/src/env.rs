@@ -9,31 +9,28 @@ use crate::error::{Error, Result};
 use crate::protocol::Config;
 use crate::store::{DynamoStore, SqliteStore, Store};
 
-fn env_u64(name: &str) -> Result<Option<u64>> {
+/// The value of environment variable `name` as a `T` (`None`: unset or blank); `what` names
+/// the kind of value in the error of one that does not parse.
+fn env_parse<T: std::str::FromStr>(name: &str, what: &str) -> Result<Option<T>> {
     match std::env::var(name) {
         Err(_) => Ok(None),
         Ok(v) if v.trim().is_empty() => Ok(None),
         Ok(v) => v
             .trim()
-            .parse::<u64>()
+            .parse::<T>()
             .map(Some)
-            .map_err(|_| Error::invalid(format!("environment variable {name}={v:?} is not a whole number"))),
+            .map_err(|_| Error::invalid(format!("environment variable {name}={v:?} is not {what}"))),
     }
 }
 
-/// The decimal number in environment variable `name`, if set.
+fn env_u64(name: &str) -> Result<Option<u64>> {
+    env_parse(name, "a whole number")
+}
+
+/// The decimal number in environment variable `name`, if set (`NaN` and `inf` parse: the
+/// caller's range refuses them).
 fn env_f64(name: &str) -> Result<Option<f64>> {
-    match std::env::var(name) {
-        Err(_) => Ok(None),
-        Ok(v) if v.trim().is_empty() => Ok(None),
-        Ok(v) => v
-            .trim()
-            .parse::<f64>()
-            .ok()
-            .filter(|f| f.is_finite())
-            .map(Some)
-            .ok_or_else(|| Error::invalid(format!("environment variable {name}={v:?} is not a number"))),
-    }
+    env_parse(name, "a number")
 }
 
 /// [`Config`] with overrides from the environment:
