@@ -8,10 +8,11 @@ use std::time::Instant;
 use async_trait::async_trait;
 use serde::Serialize;
 
+use crate::model::SlotHolder;
 use crate::protocol::Coordinator;
 use crate::store::{
-    Condition, KeepaliveCondition, KeepaliveMutation, LeaseCondition, LeaseMutation, Mutation, ScanKind, Write,
-    KEEPALIVE_SHARDS,
+    Condition, KeepaliveCondition, KeepaliveMutation, LeaseCondition, LeaseMutation, Mutation, ScanKind,
+    SemaphoreCondition, Write, KEEPALIVE_SHARDS,
 };
 use crate::Record;
 
@@ -191,15 +192,22 @@ impl Coordinator {
             for rec in chunk.iter().cloned() {
                 let (c, ex) = (self.clone(), executions.clone());
                 set.spawn(async move {
-                    tokio::time::timeout_at(deadline.into(), c.keep_one(rec, ex))
+                    let kept = async {
+                        match rec.semaphore.slots.is_some() {
+                            true => c.keep_slots(rec, ex, deadline).await,
+                            false => vec![c.keep_one(rec, ex).await],
+                        }
+                    };
+                    tokio::time::timeout_at(deadline.into(), kept)
                         .await
-                        .unwrap_or((Outcome::Error, false))
+                        .unwrap_or_else(|_| vec![(Outcome::Error, false)])
                 });
             }
             while let Some(r) = set.join_next().await {
-                let (outcome, undescribed) = r.unwrap_or((Outcome::Error, false));
-                report.describe_failures += u32::from(undescribed);
-                handled += u32::from(report.count(outcome));
+                for (outcome, undescribed) in r.unwrap_or_else(|_| vec![(Outcome::Error, false)]) {
+                    report.describe_failures += u32::from(undescribed);
+                    handled += u32::from(report.count(outcome));
+                }
             }
         }
         handled
@@ -219,6 +227,50 @@ impl Coordinator {
         };
         let undescribed = state == ExecutionState::Unknown;
         (self.keep_or_release(rec, state).await, undescribed)
+    }
+
+    /// A semaphore in the index: each slot kept alive renewed while its execution runs, and
+    /// released once it has ended, one outcome each; none left to keep, the item leaves the
+    /// index (one outcome, skipped).
+    async fn keep_slots(
+        &self,
+        rec: Record,
+        executions: Option<Arc<dyn Executions>>,
+        deadline: Instant,
+    ) -> Vec<(Outcome, bool)> {
+        let now = self.now_ms();
+        let kept: Vec<&SlotHolder> = rec.semaphore.slot_holders.iter().filter(|h| h.kept_alive(now)).collect();
+        if kept.is_empty() {
+            return vec![(Outcome::Skipped { cleared: self.clear_slots_keepalive(&rec).await }, false)];
+        }
+        let mut outcomes = Vec::with_capacity(kept.len());
+        for h in kept {
+            let state = match (h.keepalive.as_ref().and_then(|k| k.execution_arn.as_ref()), &executions) {
+                (Some(arn), Some(ex)) => ex.state(arn).await,
+                (Some(_), None) => ExecutionState::Unknown,
+                (None, _) => ExecutionState::Running,
+            };
+            let outcome = match state {
+                // The holder's own release, on its behalf: refused once it was released or
+                // evicted meanwhile.
+                ExecutionState::Ended => match self.free_slot(&rec.key, &h.lease_id).await {
+                    Ok(Ok(r)) if !r.already_released => Outcome::Released,
+                    Ok(_) => Outcome::Raced,
+                    Err(_) => Outcome::Error,
+                },
+                // Its heartbeat, by its own duration: refused once it ended meanwhile.
+                _ => match self.renew_slot(&rec.key, &h.lease_id, h.duration_ms, deadline).await {
+                    Ok(Ok(_)) => Outcome::Renewed,
+                    Ok(Err(_)) => Outcome::Raced,
+                    Err(_) => Outcome::Error,
+                },
+            };
+            if !matches!(outcome, Outcome::Raced) {
+                tracing::info!(key = %rec.key, holder = %h.holder, fence = h.fence, outcome = if matches!(outcome, Outcome::Released) { "released" } else if matches!(outcome, Outcome::Renewed) { "renewed" } else { "failed" }, "keep-alive of a slot");
+            }
+            outcomes.push((outcome, state == ExecutionState::Unknown));
+        }
+        outcomes
     }
 
     async fn keep_or_release(&self, rec: Record, state: ExecutionState) -> Outcome {
@@ -290,6 +342,18 @@ impl Coordinator {
             fence: rec.fence,
             expires_at_ms: rec.expires_at_ms,
         });
+        self.clear_index_entry(rec, cond).await
+    }
+
+    /// Takes a semaphore none of whose slots is kept alive any more out of the index. It was
+    /// judged from the index's copy: the condition is the revision read, which every write to
+    /// the semaphore bumps, so a slot taken with keep-alive since keeps the item in the index.
+    async fn clear_slots_keepalive(&self, rec: &Record) -> bool {
+        let rev = rec.semaphore.slots_rev.unwrap_or(0);
+        self.clear_index_entry(rec, Condition::Semaphore(SemaphoreCondition::SlotsAsRead { rev })).await
+    }
+
+    async fn clear_index_entry(&self, rec: &Record, cond: Condition) -> bool {
         match self.store().update(&rec.key, &cond, &Mutation::Keepalive(KeepaliveMutation::ClearKeepalive)).await {
             Ok(Write::Applied(_)) => true,
             Ok(Write::Rejected(_)) => false,

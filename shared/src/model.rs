@@ -200,12 +200,36 @@ pub struct SlotHolder {
     pub released_at_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metadata: Option<Map<String, Value>>,
+    /// Renewed by the keep-alive sweep until `until_ms`, and only while its execution runs;
+    /// released once the execution has ended (DESIGN.md, "Keep-alive on the holder's behalf").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keepalive: Option<Keepalive>,
 }
 
 impl SlotHolder {
     /// Live at `now_ms`: not released and not expired.
     pub fn is_live(&self, now_ms: u64) -> bool {
         self.released_at_ms.is_none() && self.expires_at_ms > now_ms
+    }
+
+    /// What a take of this slot writes into the semaphore item's own keep-alive attributes,
+    /// which place the item in the keep-alive index: nothing for a slot without keep-alive;
+    /// for one with, an entry no slot's deadline outlasts (a deadline is at most
+    /// [`KEEPALIVE_HORIZON_MS`](crate::validate::KEEPALIVE_HORIZON_MS) after its take, a day
+    /// more covers any two takers' clocks). No take ever lowers it; the sweep takes the item out
+    /// of the index once none of its slots is kept alive (DESIGN.md, "Keep-alive on the
+    /// holder's behalf").
+    pub fn index_keepalive(&self) -> Option<Keepalive> {
+        const DAY_MS: u64 = 24 * 3600 * 1000;
+        self.keepalive.as_ref().map(|_| Keepalive {
+            until_ms: self.acquired_at_ms.saturating_add(crate::validate::KEEPALIVE_HORIZON_MS + DAY_MS),
+            execution_arn: None,
+        })
+    }
+
+    /// Kept alive at `now_ms`: live, and with a keep-alive deadline still ahead.
+    pub fn kept_alive(&self, now_ms: u64) -> bool {
+        self.is_live(now_ms) && self.keepalive.as_ref().is_some_and(|k| k.until_ms > now_ms)
     }
 
     /// The holder's view of this slot of `key`, `safe_until` measured as for a lease.
@@ -221,7 +245,7 @@ impl SlotHolder {
             duration_ms: Some(self.duration_ms),
             min_hold_until_ms: self.acquired_at_ms,
             metadata: self.metadata.clone(),
-            keepalive: None,
+            keepalive: self.keepalive.clone(),
             safe_until: Some(sent + std::time::Duration::from_millis(remaining)),
             safe_for_ms: None,
             state: None,
@@ -238,6 +262,9 @@ pub struct SlotState {
     pub fence: u64,
     pub acquired_at_ms: u64,
     pub expires_at_ms: u64,
+    /// The holder's keep-alive, when the sweep renews its slot on its behalf.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keepalive: Option<Keepalive>,
 }
 
 impl Record {
@@ -360,6 +387,7 @@ impl Record {
                 fence: h.fence,
                 acquired_at_ms: h.acquired_at_ms,
                 expires_at_ms: h.expires_at_ms,
+                keepalive: h.keepalive.clone(),
             })
             .collect();
         LeaseState {
@@ -593,6 +621,7 @@ mod record_tests {
             duration_ms: 4,
             released_at_ms: Some(2),
             metadata: Some(md.clone()),
+            keepalive: Some(Keepalive { until_ms: 98, execution_arn: Some("arn2".into()) }),
         };
         Record {
             key: "k".into(),
@@ -646,7 +675,8 @@ mod record_tests {
             r#""metadata":{"a":1},"task_token":"tt","enqueued_at_ms":9,"timeout_at_ms":50},"state":"S","#,
             r#""state_since_ms":8,"attempts":2,"slots":3,"slots_taken":1,"slots_rev":5,"slot_holders":"#,
             r#"[{"lease_id":"id5","fence":7,"holder":"s","acquired_at_ms":1,"renewed_at_ms":2,"#,
-            r#""expires_at_ms":3,"duration_ms":4,"released_at_ms":2,"metadata":{"a":1}}]}"#
+            r#""expires_at_ms":3,"duration_ms":4,"released_at_ms":2,"metadata":{"a":1},"#,
+            r#""keepalive":{"until_ms":98,"execution_arn":"arn2"}}]}"#
         );
         let key_only_json = concat!(
             r#"{"key":"k","fence":0,"holder":"","lease_id":"","acquired_at_ms":0,"expires_at_ms":null,"#,

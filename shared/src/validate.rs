@@ -73,8 +73,8 @@ pub const fn max_slot_metadata_bytes(n: u32) -> usize {
 }
 
 /// A semaphore's `slots`: 1..=[`MAX_SLOTS`]; a holder of two or more slots needs a duration
-/// and takes no min_hold or keep-alive.
-pub(crate) fn slots(slots: Option<u32>, timed: bool, min_hold: bool, keepalive: bool) -> Result<()> {
+/// and takes no min_hold.
+pub(crate) fn slots(slots: Option<u32>, timed: bool, min_hold: bool) -> Result<()> {
     let Some(n) = slots else { return Ok(()) };
     if !(1..=MAX_SLOTS).contains(&n) {
         return Err(Error::invalid(format!(
@@ -84,21 +84,36 @@ pub(crate) fn slots(slots: Option<u32>, timed: bool, min_hold: bool, keepalive: 
     if n >= 2 && !timed {
         return Err(Error::invalid("slots: a semaphore's holder needs a duration (no fail_closed slot)"));
     }
-    if n >= 2 && (min_hold || keepalive) {
-        return Err(Error::invalid("slots: a semaphore's holder takes no min_hold_ms or keepalive"));
+    if n >= 2 && min_hold {
+        return Err(Error::invalid("slots: a semaphore's holder takes no min_hold_ms"));
     }
     Ok(())
 }
 
+/// What a holder's keep-alive adds to its entry in a semaphore's map, by DynamoDB's item size
+/// rules: `ka_until_ms` (its name, a number of at most 21 bytes and 1), and with an execution
+/// `ka_execution_arn` (its name, the ARN and 1).
+pub fn slot_keepalive_bytes(k: &Keepalive) -> usize {
+    let until = "ka_until_ms".len() + 21 + 1;
+    until + k.execution_arn.as_ref().map_or(0, |a| "ka_execution_arn".len() + a.len() + 1)
+}
+
 /// A holder of a semaphore of `n` slots (`n >= 2`) carries at most
-/// [`max_slot_metadata_bytes`]`(n)` bytes of metadata: the item of N holders, each with as
-/// much, fits DynamoDB's 400 KB.
-pub(crate) fn slot_metadata(n: u32, m: &Map<String, Value>) -> Result<()> {
-    let size = serde_json::to_vec(m).map(|v| v.len()).unwrap_or(usize::MAX);
+/// [`max_slot_metadata_bytes`]`(n)` bytes of metadata and keep-alive together (its JSON's
+/// length and [`slot_keepalive_bytes`]): the item of N holders, each with as much, fits
+/// DynamoDB's 400 KB.
+pub(crate) fn slot_extras(n: u32, m: Option<&Map<String, Value>>, k: Option<&Keepalive>) -> Result<()> {
+    let meta = m.map_or(0, |m| serde_json::to_vec(m).map(|v| v.len()).unwrap_or(usize::MAX));
+    let keep = k.map_or(0, slot_keepalive_bytes);
     let max = max_slot_metadata_bytes(n);
-    if n >= 2 && size > max {
+    if n >= 2 && meta.saturating_add(keep) > max {
+        let what = match (m.is_some(), k.is_some()) {
+            (true, true) => format!("metadata ({meta} bytes as JSON) and keepalive ({keep} bytes) take"),
+            (false, true) => format!("keepalive takes {keep} bytes;"),
+            _ => format!("metadata is {meta} bytes as JSON;"),
+        };
         return Err(Error::invalid(format!(
-            "metadata is {size} bytes as JSON; a holder of a semaphore of {n} slots carries at most {max} bytes \
+            "{what} a holder of a semaphore of {n} slots carries at most {max} bytes of metadata and keepalive \
              (N holders' entries share a DynamoDB item of 400 KB)"
         )));
     }
@@ -123,6 +138,9 @@ pub fn check_state(state: &str) -> Result<()> {
     Ok(())
 }
 
+/// Furthest a keep-alive deadline (`keepalive.until_ms`) may be ahead of its acquire: a year,
+/// the longest a standard execution runs, and a day.
+pub const KEEPALIVE_HORIZON_MS: u64 = 366 * 24 * 3600 * 1000;
 /// A keep-alive lease lasts at least this many sweep periods.
 pub const KEEPALIVE_SWEEPS: u32 = 3;
 /// Longest Step Functions execution ARN accepted for keep-alive.
@@ -256,7 +274,7 @@ impl Limits {
         if k.until_ms <= now_ms {
             return Err(Error::invalid(format!("keepalive.until_ms ({}) is in the past", k.until_ms)));
         }
-        let horizon = now_ms + 366 * 24 * 3600 * 1000;
+        let horizon = now_ms + KEEPALIVE_HORIZON_MS;
         if k.until_ms > horizon {
             return Err(Error::invalid("keepalive.until_ms is more than a year away"));
         }

@@ -40,6 +40,10 @@ pub(crate) fn config(clock: Arc<SimClock>, blind: bool) -> Config {
         clock,
         ..Config::default()
     };
+    // The sweeper's period here (`sweeper`: every 200 to 800 ms, now and then late), so that
+    // keep-alive leases of 800 ms and more are accepted: with the product's 60 s a keep-alive
+    // lease needs 180 s, and every one the sessions asked for was refused.
+    c.limits.keepalive_sweep_period = Duration::from_millis(SWEEP_PERIOD_MS);
     if blind {
         // The product's fence lead, longer than the grace here, so that the TTL after the fence
         // is what keeps a copied fence from outliving its item; and leases of at most 30 s, so
@@ -226,6 +230,10 @@ pub(crate) fn crash_node(world: &Shared, node: &Node, tasks: Vec<tokio::task::Jo
         w.events.push(Event::End { key, lease, at });
     }
 }
+
+/// The period the coordinators are configured with for the keep-alive sweep (ms): a keep-alive
+/// lease lasts at least three of them (`KEEPALIVE_SWEEPS`).
+pub(crate) const SWEEP_PERIOD_MS: u64 = 250;
 
 /// The scheduled keep-alive sweep of a process: sometimes late, sometimes twice at once.
 pub(crate) async fn sweeper(node: Arc<Node>, world: Shared) {

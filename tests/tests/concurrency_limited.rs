@@ -378,6 +378,81 @@ async fn concurrency_limited_works_at_most_n_items_at_once() {
     );
 }
 
+/// DescribeExecution through moto for this test's own execution; any other execution (the
+/// other tests', in the same table) is `Unknown`, which the sweep renews and leaves alone.
+struct OnlyThis {
+    arn: String,
+    sfn: leasehold::lambda::StepFunctions,
+}
+
+#[async_trait::async_trait]
+impl leasehold::Executions for OnlyThis {
+    async fn state(&self, arn: &str) -> leasehold::ExecutionState {
+        match arn == self.arn {
+            true => self.sfn.state(arn).await,
+            false => leasehold::ExecutionState::Unknown,
+        }
+    }
+}
+
+/// Each iteration's slot is bound to its execution: an execution stopped while its items work
+/// (StopExecution: no state of it runs again, so no Release) holds its slots only until the
+/// next keep-alive sweep, which asks Step Functions (moto) and frees them, not for duration_ms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_execution_s_slots_are_freed_by_the_next_sweep() {
+    tokio::task::spawn_blocking(stack).await.unwrap();
+    let key = unique("stopped");
+    let input =
+        json!({"key": key, "slots": 2, "items": [{"ms": 20_000}, {"ms": 20_000}], "duration_ms": duration_ms()});
+    let (client, arn) = start(input).await;
+    let coord = coordinator().await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let s = coord.get(&key).await.ok();
+        if s.as_ref().is_some_and(|s| s.slots_taken == Some(2)) {
+            let s = s.unwrap();
+            for h in &s.holders {
+                let bound = h.keepalive.as_ref().and_then(|k| k.execution_arn.as_deref());
+                assert_eq!(bound, Some(arn.as_str()), "{h:?}");
+            }
+            break;
+        }
+        assert!(Instant::now() < deadline, "two slots taken: {s:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    client.stop_execution().execution_arn(&arn).send().await.expect("StopExecution");
+    let end = end_within(&client, &arn, sfn_quotas::MAX_HISTORY_EVENTS).await;
+    // ABORTED on Step Functions; moto's interpreter, stopped inside a Map, fails the execution
+    // (States.Runtime) instead. Either way it ended without running its Release states:
+    assert!(matches!(end.status, ExecutionStatus::Aborted | ExecutionStatus::Failed), "{end:?}");
+    assert_eq!(coord.get(&key).await.unwrap().slots_taken, Some(2));
+    let ex = Arc::new(OnlyThis { arn: arn.clone(), sfn: leasehold::lambda::StepFunctions(client.clone()) });
+    let report = coord.keepalive_sweep(Some(ex), 10_000, Instant::now() + Duration::from_secs(30)).await;
+    assert!(report.released >= 2, "{report:?}");
+    let s = coord.get(&key).await.unwrap();
+    assert_eq!((s.slots_taken, s.held), (Some(0), false), "{s:?}");
+    // The next taker needs no wait.
+    let opts = AcquireOptions { slots: Some(2), ..Default::default() };
+    let l = coord.acquire(&key, "next", Some(Duration::from_secs(60)), opts).await.expect("a freed slot");
+    coord.release(&key, &l.lease_id).await.unwrap();
+}
+
+/// Above 400 slots a holder's entry has no room for the execution's ARN: the slot is taken
+/// without keep-alive (`keepalive` null), and the item works as on fewer slots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn above_400_slots_a_slot_is_taken_unbound() {
+    tokio::task::spawn_blocking(stack).await.unwrap();
+    let key = unique("unbound");
+    let input = json!({"key": key, "slots": 401, "items": [{"ms": 10}], "duration_ms": duration_ms()});
+    let (client, arn) = start(input).await;
+    let ends = follow(client, arn, sfn_quotas::MAX_HISTORY_EVENTS).await;
+    check_chain(&key, 1, 401, &ends, sfn_quotas::MAX_HISTORY_EVENTS).await;
+    let item = coordinator().await.store().get(&key).await.unwrap().expect("the semaphore");
+    let holders = &item.semaphore.slot_holders;
+    assert!(holders.len() == 1 && holders[0].keepalive.is_none(), "{holders:?}");
+    assert!(item.keepalive.is_none(), "not in the keep-alive index: {item:?}");
+}
+
 /// Bad input fails before any slot is taken: a missing `slots`, and a slot duration shorter
 /// than the work step can run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

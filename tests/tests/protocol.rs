@@ -1708,6 +1708,24 @@ async fn semaphore_validation(b: Backend) {
         assert!(matches!(c.acquire("sem/v", "h", d, o).await, Err(Error::InvalidRequest(_))));
     }
     assert!(matches!(c.get("sem/v").await, Err(Error::NotFound { .. })), "nothing written");
+    // A holder's keep-alive shares its entry's budget with its metadata: at 640 slots there is
+    // none; at 300, an execution ARN of 600 bytes does not fit (621 bytes in all, 33 of them
+    // the deadline's), one of 500 does.
+    let kept = |arn_len: usize| Keepalive {
+        until_ms: c.now_ms() + 600_000,
+        execution_arn: Some(format!("arn:{}", "x".repeat(arn_len - 4))),
+    };
+    for (n, len) in [(640, 20), (300, 600)] {
+        let o = AcquireOptions { keepalive: Some(kept(len)), ..slots(n) };
+        match c.acquire("sem/v", "h", secs(300), o).await {
+            Err(Error::InvalidRequest(m)) => assert!(m.contains("keepalive"), "{m}"),
+            other => panic!("N = {n}, ARN of {len}: {other:?}"),
+        }
+    }
+    assert!(matches!(c.get("sem/v").await, Err(Error::NotFound { .. })), "nothing written");
+    let o = AcquireOptions { keepalive: Some(kept(500)), ..slots(300) };
+    let l = c.acquire("sem/v", "h", secs(300), o).await.expect("an ARN of 500 bytes fits at 300 slots");
+    c.release("sem/v", &l.lease_id).await.unwrap();
 }
 
 /// Released holders stay in the map (a retried release answers `already_released`) until a grant

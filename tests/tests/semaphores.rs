@@ -49,6 +49,7 @@ fn semaphore_of(key: &str, holders: usize, meta: usize, now: u64) -> Record {
             duration_ms: 60_000,
             released_at_ms: None,
             metadata: metadata.clone(),
+            keepalive: None,
         })
         .collect();
     let mut r = leasehold::store::NewLease::new("h0", LeaseId::from_string("-"), now, None, holders as u64).record(key);

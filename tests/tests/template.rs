@@ -457,7 +457,7 @@ fn allowed_resource(action: &str, resource: &Value, own_log_group: &str) -> bool
         // A sweep lists the running executions of each state machine once (ListExecutions acts
         // on the state machine).
         "states:ListExecutions" => {
-            MACHINES.iter().any(|m| *resource == json!({"Ref": m}))
+            MACHINES.iter().chain(&["ConcurrencyLimitedStateMachine"]).any(|m| *resource == json!({"Ref": m}))
                 || *resource == json!({"Ref": "KeepaliveStateMachineArns"})
         }
         "logs:CreateLogStream" | "logs:PutLogEvents" => *resource == log_group,
@@ -1019,6 +1019,49 @@ fn concurrency_limited_takes_a_slot_per_item_and_releases_on_every_path() {
         .filter_map(|p| p["LambdaInvokePolicy"]["FunctionName"]["Ref"].as_str().map(str::to_string))
         .collect();
     assert_eq!(invoked, BTreeSet::from(["AcquireFunction".to_string(), "ReleaseFunction".to_string()]));
+}
+
+/// ConcurrencyLimited binds its slots to the execution (keep-alive) up to the number of slots
+/// whose holders' entries still have room for the longest execution ARN this template's state
+/// machine can have, derived from the item's limits; the sweep may describe and list its
+/// executions.
+#[test]
+fn concurrency_limited_binds_its_slots_to_the_execution_where_an_entry_has_room() {
+    use leasehold::validate::{max_slot_metadata_bytes, slot_keepalive_bytes, MAX_SLOTS};
+    const M: &str = "ConcurrencyLimitedStateMachine";
+    let all = states(definition(M));
+    let bind = &all["Bind"]["Choices"][0];
+    assert_eq!((bind["Variable"].as_str(), bind["Next"].as_str()), (Some("$.config.slots"), Some("BindSlots")));
+    let most = bind["NumericLessThanEquals"].as_u64().expect("a bound on the slots bound") as u32;
+    assert_eq!(all["BindSlots"]["Parameters"], json!({"execution_arn.$": "$$.Execution.Id"}));
+    assert_eq!(all["Unbound"]["Result"], Value::Null);
+    for s in ["BindSlots", "Unbound"] {
+        assert_eq!(all[s]["ResultPath"], "$.config.keepalive");
+    }
+    let request = &states(&all["ForEachItem"]["ItemProcessor"])["Request"]["Parameters"];
+    assert_eq!(request["keepalive.$"], "$.config.keepalive");
+    // The longest execution ARN: partition aws-us-gov, a Region of 14, the account, the name
+    // template.yaml gives the state machine (concurrency-limited- and a UUID), a name of 80.
+    let arn = format!(
+        "arn:aws-us-gov:states:{}:{}:execution:concurrency-limited-{}:{}",
+        "x".repeat(14),
+        "1".repeat(12),
+        "u".repeat(36),
+        "n".repeat(80)
+    );
+    let keep = |n: u32| {
+        max_slot_metadata_bytes(n)
+            >= slot_keepalive_bytes(&leasehold::Keepalive { until_ms: 0, execution_arn: Some(arn.clone()) })
+    };
+    assert!(keep(most), "{most} slots: no room for the ARN");
+    let first_without = (most..=MAX_SLOTS).find(|n| !keep(*n)).expect("room runs out below MAX_SLOTS");
+    assert!(first_without > most && first_without - most < 64, "the bound {most} is far below {first_without}");
+    let roles = &raw()["Resources"]["HeartbeatRole"]["Properties"]["Policies"].to_string();
+    assert!(
+        roles.contains("execution:${ConcurrencyLimitedStateMachine.Name}:*"),
+        "DescribeExecution on its executions"
+    );
+    assert!(roles.contains(r#"{"Ref":"ConcurrencyLimitedStateMachine"}"#), "ListExecutions on it");
 }
 
 // ---- hardening ------------------------------------------------------------------------------

@@ -155,9 +155,9 @@ impl Coordinator {
         if let Some(k) = &opts.keepalive {
             limits.keepalive(k, self.now_ms(), duration)?;
         }
-        crate::validate::slots(opts.slots, duration.is_some(), opts.min_hold.is_some(), opts.keepalive.is_some())?;
-        if let (Some(n), Some(m)) = (opts.slots, &opts.metadata) {
-            crate::validate::slot_metadata(n, m)?;
+        crate::validate::slots(opts.slots, duration.is_some(), opts.min_hold.is_some())?;
+        if let Some(n) = opts.slots {
+            crate::validate::slot_extras(n, opts.metadata.as_ref(), opts.keepalive.as_ref())?;
         }
         if duration.is_none() && opts.lease_id.is_none() {
             // A fail-closed lease whose answer is lost would otherwise be held forever under an

@@ -62,6 +62,7 @@ impl Take<'_> {
             duration_ms: self.duration_ms,
             released_at_ms: None,
             metadata: self.opts.metadata.clone(),
+            keepalive: self.opts.keepalive.clone(),
         }
     }
 }
@@ -566,6 +567,7 @@ fn new_semaphore(t: &Take<'_>, slot: SlotHolder, ttl: u64) -> Record {
         acquired_at_ms: slot.acquired_at_ms,
         min_hold_until_ms: slot.acquired_at_ms,
         ttl: Some(ttl),
+        keepalive: slot.index_keepalive(),
         semaphore: SemaphoreFields {
             slots: Some(t.slots),
             slots_taken: Some(1),

@@ -486,6 +486,7 @@ mod tests {
             duration_ms: duration,
             released_at_ms: None,
             metadata: None,
+            keepalive: None,
         }
     }
 

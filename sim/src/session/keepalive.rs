@@ -1,25 +1,29 @@
 //! Keep-alive leases bound to an execution, and the execution that ends with or without a
-//! release.
+//! release; in the semaphore runs, a third of them slots of a semaphore.
 
 use std::time::Duration;
 
 use leasehold::{AcquireOptions, Keepalive, LeaseId};
 
-use super::acquire;
+use super::{acquire, SEMAPHORES};
 use crate::world::{draw, ended, key, lock, now, op, split, write_resource, Node, Shared, KEYS};
 
 /// A keep-alive lease bound to an execution: renewed by the sweep while the execution runs.
+/// A slot of a semaphore is held the same way (the checker counts its holders, `over_slots`).
 pub(crate) async fn keepalive(node: &Node, world: &Shared, name: &str) {
-    let (k, dur, until, arn) = draw(world, |w| {
-        let arn = format!("exec-{:016x}", split(&mut w.rng));
-        (key(w.below(KEYS as u64)), w.between(800, 2000), w.between(2000, 8000), arn)
+    let semaphores = lock(world).semaphores;
+    let (k, dur, until, arn, slots) = draw(world, |w| {
+        let arn = format!("arn:aws:states:us-east-1:123456789012:execution:sim:exec-{:016x}", split(&mut w.rng));
+        let slot = (semaphores && w.chance(1.0 / 3.0)).then(|| SEMAPHORES[w.below(SEMAPHORES.len() as u64) as usize]);
+        let k = slot.map_or_else(|| key(w.below(KEYS as u64)), |(k, _)| k.to_string());
+        (k, w.between(800, 2000), w.between(2000, 8000), arn, slot.map(|(_, n)| n))
     });
     if !op(world) {
         return;
     }
     lock(world).executions.insert(arn.clone(), true);
     let ka = Keepalive { until_ms: node.coord.now_ms() + until, execution_arn: Some(arn.clone()) };
-    let opts = AcquireOptions { keepalive: Some(ka), ..Default::default() };
+    let opts = AcquireOptions { keepalive: Some(ka), slots, ..Default::default() };
     let lease = match acquire(node, world, &k, name, Some(Duration::from_millis(dur)), opts).await {
         Ok(l) => l,
         Err(e) => {
@@ -34,7 +38,8 @@ pub(crate) async fn keepalive(node: &Node, world: &Shared, name: &str) {
     let work = draw(world, |w| w.between(0, dur));
     tokio::time::sleep(Duration::from_millis(work)).await;
     let safe = lease.safe_until.is_none_or(|s| now() < s);
-    if safe {
+    // N holders of a semaphore write side by side: no guarded resource.
+    if safe && slots.is_none() {
         write_resource(world, &k, &lease, true);
     }
     ended(world, name, &k, &lease.lease_id);

@@ -127,6 +127,10 @@ fn slot_holders(item: &Item) -> Result<Vec<SlotHolder>> {
             duration_ms: need(get_n(h, attr::DURATION)?, attr::DURATION)?,
             released_at_ms: get_n(h, attr::RELEASED_AT)?,
             metadata: get_json(h, attr::METADATA, "semaphore item: metadata is not a JSON object")?,
+            keepalive: match get_n(h, attr::KA_UNTIL)? {
+                None => None,
+                Some(until_ms) => Some(Keepalive { until_ms, execution_arn: get_s(h, attr::KA_EXECUTION_ARN)? }),
+            },
         });
     }
     holders.sort_by_key(|h| h.fence);

@@ -80,7 +80,7 @@ pub(super) fn mutation(x: &mut Expr, key: &str, m: &Mutation) -> Result<Request>
         Mutation::Lease(m) => m.render(key, x),
         Mutation::Queue(m) => m.render(key, x)?,
         Mutation::Work(m) => m.render(x),
-        Mutation::Semaphore(m) => m.render(x),
+        Mutation::Semaphore(m) => m.render(key, x),
         Mutation::Keepalive(m) => m.render(x),
     })
 }
@@ -372,6 +372,7 @@ mod tests {
             duration_ms: 4,
             released_at_ms: None,
             metadata: None,
+            keepalive: None,
         }
     }
 

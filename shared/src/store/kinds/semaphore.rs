@@ -9,6 +9,7 @@ use super::lease_item_head;
 use crate::model::{LeaseId, Record, SlotHolder};
 use crate::store::dynamo::expr::{guard, slot_guard, Expr, Guard, Request};
 use crate::store::dynamo::item::{num, str_, Item};
+use crate::store::keys::{keepalive_shard, KEEPALIVE_SHARDS};
 use crate::store::table::attr;
 
 /// Most entries of the holders' map one cleaning take or tidy removes. DynamoDB refuses an
@@ -138,6 +139,9 @@ impl SemaphoreMutation {
                 s.slots = Some(*slots);
                 r.fence = h.fence;
                 r.ttl = Some(*ttl);
+                if let Some(k) = h.index_keepalive() {
+                    r.keepalive = Some(k);
+                }
             }),
             SemaphoreMutation::RenewSlot { lease_id, now_ms, duration_ms, ttl } => revised(old, |r| {
                 let h = entry(r, lease_id);
@@ -172,7 +176,7 @@ impl SemaphoreMutation {
 
     /// The DynamoDB write: the whole item of a new semaphore, or the `UpdateExpression` of the
     /// others rendered into `x`. Each update bumps `sem_rev` and sets the TTL.
-    pub(in crate::store) fn render(&self, x: &mut Expr) -> Request {
+    pub(in crate::store) fn render(&self, key: &str, x: &mut Expr) -> Request {
         match self {
             // Step 9a, the first holder makes the semaphore.
             SemaphoreMutation::PutSemaphore(r) => return Request::Put(semaphore_item(r), (**r).clone()),
@@ -192,6 +196,11 @@ impl SemaphoreMutation {
                 }
                 x.bump(attr::SEM_REV, false);
                 x.set_value(attr::TTL, num(*ttl));
+                // A slot kept alive places the item in the keep-alive index.
+                if let Some(k) = slot.index_keepalive() {
+                    x.set_value(attr::KA_SHARD, num(keepalive_shard(key, KEEPALIVE_SHARDS) as u64));
+                    x.set_value(attr::KA_UNTIL, num(k.until_ms));
+                }
             }
             // Step 9e, heartbeat.
             SemaphoreMutation::RenewSlot { lease_id, now_ms, duration_ms, ttl } => {
@@ -278,6 +287,12 @@ fn slot_holder_value(h: &SlotHolder) -> AttributeValue {
     if let Some(md) = &h.metadata {
         m.insert(attr::METADATA.to_string(), AttributeValue::S(serde_json::Value::Object(md.clone()).to_string()));
     }
+    if let Some(k) = &h.keepalive {
+        m.insert(attr::KA_UNTIL.to_string(), num(k.until_ms));
+        if let Some(arn) = &k.execution_arn {
+            m.insert(attr::KA_EXECUTION_ARN.to_string(), str_(arn));
+        }
+    }
     AttributeValue::M(m)
 }
 
@@ -293,16 +308,22 @@ fn semaphore_item(r: &Record) -> Item {
     put(attr::SEM_TAKEN, num(s.slots_taken.unwrap_or(0) as u64));
     put(attr::SEM_REV, num(s.slots_rev.unwrap_or(0)));
     put(attr::SEM_HOLDERS, AttributeValue::M(holders));
+    if let Some(k) = &r.keepalive {
+        put(attr::KA_SHARD, num(keepalive_shard(&r.key, KEEPALIVE_SHARDS) as u64));
+        put(attr::KA_UNTIL, num(k.until_ms));
+    }
     item
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::Keepalive;
     use crate::store::dynamo::expressions;
     use crate::store::{Condition, Mutation};
     use crate::validate::{
-        max_slot_metadata_bytes, slot_entries, ITEM_LIMIT_BYTES, MAX_SLOTS, SEMAPHORE_BASE_BYTES, SLOT_ENTRY_BYTES,
+        max_slot_metadata_bytes, slot_entries, slot_keepalive_bytes, ITEM_LIMIT_BYTES, MAX_EXECUTION_ARN_LEN,
+        MAX_SLOTS, SEMAPHORE_BASE_BYTES, SLOT_ENTRY_BYTES,
     };
 
     /// DynamoDB's operators in an expression, counted generously: comparators, arithmetic,
@@ -333,6 +354,7 @@ mod tests {
             duration_ms: u64::MAX,
             released_at_ms: Some(u64::MAX),
             metadata: (metadata > 0).then_some(md),
+            keepalive: None,
         }
     }
 
@@ -388,13 +410,33 @@ mod tests {
     /// The largest semaphore `validate` admits fits a DynamoDB item (400 KB): `MAX_SLOTS`
     /// holders' map at its sized bound, every entry at its largest (a 128-byte lease_id, a
     /// 256-byte holder, the metadata allowed at that N), derived from the limits; a key of
-    /// 1,024 bytes. At N = 4 a holder carries the 4 KB of metadata any lease may.
+    /// 1,024 bytes. At N = 4 a holder carries the 4 KB of metadata any lease may. The same with
+    /// every holder kept alive, its execution's ARN as long as the budget left allows (up to
+    /// the 2,048 bytes accepted), the item in the keep-alive index.
     #[test]
     fn the_largest_semaphore_admitted_fits_a_dynamodb_item() {
-        for n in [2, 4, 16, 100, 300, MAX_SLOTS] {
-            let meta = max_slot_metadata_bytes(n).min(4096);
-            let holders: Vec<SlotHolder> = ids(slot_entries(n)).iter().map(|id| holder(id, meta)).collect();
+        let sizes = [2, 4, 16, 100, 300, MAX_SLOTS];
+        for (n, kept) in sizes.iter().map(|n| (*n, false)).chain(sizes.iter().map(|n| (*n, true))) {
+            let budget = max_slot_metadata_bytes(n);
+            let until = slot_keepalive_bytes(&Keepalive { until_ms: 0, execution_arn: None });
+            // The longest ARN the budget leaves room for, and the metadata after it.
+            let arn = (kept && budget >= until + 17 + 5)
+                .then(|| format!("arn:{}", "x".repeat((budget - until - 17).min(MAX_EXECUTION_ARN_LEN) - 4)));
+            let keepalive = arn.map(|a| Keepalive { until_ms: u64::MAX, execution_arn: Some(a) });
+            let keep = keepalive.as_ref().map_or(0, slot_keepalive_bytes);
+            let meta = match (budget - keep).min(4096) {
+                m if m < 9 => 0,
+                m => m,
+            };
+            if kept && keepalive.is_none() {
+                continue;
+            }
+            let holders: Vec<SlotHolder> = ids(slot_entries(n))
+                .iter()
+                .map(|id| SlotHolder { keepalive: keepalive.clone(), ..holder(id, meta) })
+                .collect();
             let mut r = Record::key_only("k".repeat(1024));
+            r.keepalive = holders[0].index_keepalive();
             r.holder = "h".repeat(256);
             (r.fence, r.acquired_at_ms, r.min_hold_until_ms, r.ttl) = (u64::MAX, u64::MAX, u64::MAX, Some(u64::MAX));
             r.semaphore.slots = Some(n);
@@ -402,10 +444,10 @@ mod tests {
             r.semaphore.slot_holders = holders;
             let item = semaphore_item(&r);
             let size: usize = item.iter().map(|(k, v)| k.len() + value_size(v)).sum();
-            assert!(size <= ITEM_LIMIT_BYTES, "N = {n}, metadata {meta}: {size} bytes");
+            assert!(size <= ITEM_LIMIT_BYTES, "N = {n}, metadata {meta}, keep-alive {keep}: {size} bytes");
             // The model is not far off: the base and the entries as counted bound what is sent.
             let entry = |h: &SlotHolder| h.lease_id.expose().len() + value_size(&slot_holder_value(h)) + 1;
-            assert!(r.semaphore.slot_holders.iter().all(|h| entry(h) <= SLOT_ENTRY_BYTES + meta), "N = {n}");
+            assert!(r.semaphore.slot_holders.iter().all(|h| entry(h) <= SLOT_ENTRY_BYTES + meta + keep), "N = {n}");
             let base = size - r.semaphore.slot_holders.iter().map(entry).sum::<usize>();
             assert!(base <= SEMAPHORE_BASE_BYTES, "N = {n}: base {base}");
         }
