@@ -93,6 +93,10 @@ impl Settings {
     }
 }
 
+/// The shapes of the sessions' acquires, each of which some seeds of a run must be granted
+/// (FINDINGS.md, "A class of the simulation that ran nothing").
+pub const GRANTED_SHAPES: [&str; 5] = ["plain", "fail_closed", "kept_alive", "slot", "slot_kept_alive"];
+
 /// What one run did and found.
 #[derive(Debug, Clone)]
 pub struct Outcome {
@@ -103,6 +107,9 @@ pub struct Outcome {
     pub findings: BTreeMap<&'static str, u64>,
     /// Faults injected, by name.
     pub faults: BTreeMap<&'static str, u64>,
+    /// Leases the sessions were granted, by the shape of their acquire ([`GRANTED_SHAPES`]): a
+    /// shape never granted is a class of the run that exercised nothing.
+    pub granted: BTreeMap<&'static str, u64>,
     /// A hash of the run's history: the same on every replay of the seed.
     pub trace_hash: u64,
     /// Virtual time the run took (ms).

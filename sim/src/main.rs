@@ -27,6 +27,7 @@ struct Totals {
     violations: u64,
     faults: BTreeMap<&'static str, u64>,
     findings: BTreeMap<&'static str, u64>,
+    granted: BTreeMap<&'static str, u64>,
     last_hash: u64,
 }
 
@@ -88,6 +89,9 @@ fn add(a: &Args, t: &mut Totals, seed: u64, out: &Outcome) {
         *t.faults.entry(k).or_default() += v;
     }
     t.last_hash = out.trace_hash;
+    for (k, v) in &out.granted {
+        *t.granted.entry(k).or_default() += v;
+    }
     for (k, v) in &out.findings {
         *t.findings.entry(k).or_default() += v;
     }
@@ -120,6 +124,10 @@ fn report(t: &Totals, ran: usize, seconds: f64) {
     for (k, v) in &t.faults {
         println!("  {k:<26} {v}");
     }
+    println!("leases granted, by the shape of the acquire:");
+    for (k, v) in &t.granted {
+        println!("  {k:<26} {v}");
+    }
     if !t.findings.is_empty() {
         println!("known findings (DESIGN.md, \"Simulation\"; --findings shows them):");
         for (k, v) in &t.findings {
@@ -132,6 +140,7 @@ fn report(t: &Totals, ran: usize, seconds: f64) {
         "violations": t.violations,
         "faults": t.faults,
         "findings": t.findings,
+        "granted": t.granted,
         "seconds": (seconds * 10.0).round() / 10.0,
     });
     println!("{summary}");

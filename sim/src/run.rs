@@ -108,6 +108,7 @@ fn outcome(
         violations,
         findings,
         faults,
+        granted: std::mem::take(&mut w.granted),
         trace_hash: check::trace_hash(&events, &log, t0),
         virtual_ms: now().duration_since(t0).as_millis() as u64,
     }

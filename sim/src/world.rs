@@ -65,6 +65,8 @@ pub(crate) struct World {
     /// network: released again at the end.
     pub(crate) released_orphans: Vec<(String, LeaseId)>,
     pub(crate) sim_faults: BTreeMap<&'static str, u64>,
+    /// Leases granted to the sessions, by the shape of the acquire (`GRANTED_SHAPES`).
+    pub(crate) granted: BTreeMap<&'static str, u64>,
     pub(crate) seed: u64,
     /// The simulated Step Functions' tasks waiting on task tokens, by token.
     pub(crate) tasks: BTreeMap<String, Task>,
@@ -152,6 +154,7 @@ impl World {
             released_orphans: Vec::new(),
             fail_closed: BTreeMap::new(),
             sim_faults: BTreeMap::new(),
+            granted: BTreeMap::new(),
             seed: s.seed,
             tasks: BTreeMap::new(),
             exec_tasks: Vec::new(),

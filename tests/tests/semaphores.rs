@@ -25,6 +25,7 @@ both_backends!(
     a_take_cleaning_many_expired_holders_is_one_write,
     slots_and_metadata_past_what_an_item_holds_are_refused_at_acquire,
     a_take_sent_again_after_its_first_try_expired_takes_a_new_lease_id,
+    every_write_leaves_the_item_outliving_its_live_holders,
 );
 
 fn secs(s: u64) -> Option<Duration> {
@@ -487,4 +488,37 @@ async fn a_take_sent_again_after_its_first_try_expired_takes_a_new_lease_id(b: B
     let r = c.store().get(k).await.unwrap().unwrap();
     assert!(r.slot(&first).is_none_or(|h| !h.is_live(c.now_ms())), "the first try's slot is not live");
     c.release(k, &got.lease_id).await.unwrap();
+}
+
+/// The item's TTL (epoch seconds) is never before a live holder's expiry: DynamoDB deletes an
+/// item some time after its TTL, and a semaphore deleted under live holders would be made again
+/// by the next take, N more. Checked after each kind of write: the first take (a put), a take, a
+/// renewal, a release and a force-release of one holder. The item is no lease a plain condition
+/// can match (`lease_id` "-"). With a grace of 1 s, so that the TTL's own terms carry it (the
+/// default grace, a day, outlasts any lease on its own).
+async fn every_write_leaves_the_item_outliving_its_live_holders(b: Backend) {
+    let c = b.coordinator(leasehold::Config { ttl_grace: Duration::from_secs(1), ..test_config() });
+    let k = "sem/ttl";
+    let check = |what: &'static str| {
+        let c = c.clone();
+        async move {
+            let r = c.store().get(k).await.unwrap().expect("the semaphore");
+            assert_eq!(r.lease_id.expose(), leasehold::store::NO_LEASE, "{what}");
+            let latest = r.live_slots(c.now_ms()).map(|h| h.expires_at_ms).max().unwrap_or(0);
+            let ttl_ms = r.ttl.expect("a TTL") * 1000;
+            assert!(ttl_ms > latest, "{what}: TTL {ttl_ms} ms before a live holder's expiry {latest} ms");
+        }
+    };
+    let a = c.acquire(k, "a", secs(600), slots(3)).await.unwrap();
+    check("the first take").await;
+    let b2 = c.acquire(k, "b", secs(900), slots(3)).await.unwrap();
+    check("a take").await;
+    c.heartbeat(k, &a.lease_id, secs(1200)).await.unwrap();
+    check("a renewal").await;
+    c.release(k, &a.lease_id).await.unwrap();
+    check("a release").await;
+    let d = c.acquire(k, "d", secs(60), slots(3)).await.unwrap();
+    c.force_release_slot(k, d.fence).await.unwrap();
+    check("a force-release of one holder").await;
+    c.release(k, &b2.lease_id).await.unwrap();
 }

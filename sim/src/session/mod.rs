@@ -101,6 +101,13 @@ pub(crate) async fn acquire(
     };
     let held_before = own.as_ref().is_some_and(holds_own);
     let opts_waited = opts.wait.is_some_and(|w| !w.is_zero());
+    let shape = match (opts.slots.is_some(), opts.keepalive.is_some(), duration.is_none()) {
+        (true, true, _) => "slot_kept_alive",
+        (true, false, _) => "slot",
+        (false, true, _) => "kept_alive",
+        (false, false, true) => "fail_closed",
+        (false, false, false) => "plain",
+    };
     // Now and then the caller gives up on the acquire at a random instant (a request's own
     // timeout, a Lambda out of time, a dropped task): the future is dropped at whatever await
     // it is in. Nothing it may have taken is believed; the key must stay safe and usable.
@@ -118,6 +125,9 @@ pub(crate) async fn acquire(
         }
     };
     let end = now();
+    if r.is_ok() {
+        *lock(world).granted.entry(shape).or_default() += 1;
+    }
     if let Some(id) = &own {
         answered_by_own_lease(world, k, name, id, &r, held_before && holds_own(id), holds_own(id));
     }
