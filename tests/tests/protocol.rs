@@ -1436,6 +1436,11 @@ async fn semaphore_expiry_frees_exactly_one_slot(b: Backend) {
     while c.now_ms() <= short.expires_at_ms.unwrap() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // Its entry is still in the map, expired, not released: the answer says which.
+    assert!(matches!(
+        c.heartbeat("sem/x", &short.lease_id, None).await,
+        Err(Error::NotHolder { reason: NotHolderReason::Expired, .. })
+    ));
     // Nobody released: expiry alone frees the slot, and only that one.
     let next = c.acquire("sem/x", "next", secs(30), slots(2)).await.unwrap();
     assert!(next.fence > long.fence);
