@@ -342,25 +342,39 @@ impl Coordinator {
             fence: rec.fence,
             expires_at_ms: rec.expires_at_ms,
         });
-        self.clear_index_entry(rec, cond).await
+        matches!(self.clear_index_entry(rec, cond).await, Ok(Write::Applied(_)))
     }
 
     /// Takes a semaphore none of whose slots is kept alive any more out of the index. It was
     /// judged from the index's copy: the condition is the revision read, which every write to
     /// the semaphore bumps, so a slot taken with keep-alive since keeps the item in the index.
+    ///
+    /// A semaphore written more often than the index catches up would have every clear refused
+    /// (the copy's revision is always behind): refused, the clear is sent once more at the
+    /// revision of the item that refused it, if none of its slots is kept alive either.
     async fn clear_slots_keepalive(&self, rec: &Record) -> bool {
-        let rev = rec.semaphore.slots_rev.unwrap_or(0);
-        self.clear_index_entry(rec, Condition::Semaphore(SemaphoreCondition::SlotsAsRead { rev })).await
+        let clear = |r: &Record| {
+            let rev = r.semaphore.slots_rev.unwrap_or(0);
+            Condition::Semaphore(SemaphoreCondition::SlotsAsRead { rev })
+        };
+        match self.clear_index_entry(rec, clear(rec)).await {
+            Ok(Write::Applied(_)) => true,
+            Ok(Write::Rejected(Some(cur)))
+                if cur.semaphore.slots.is_some()
+                    && cur.keepalive.is_some()
+                    && !cur.semaphore.slot_holders.iter().any(|h| h.kept_alive(self.now_ms())) =>
+            {
+                matches!(self.clear_index_entry(&cur, clear(&cur)).await, Ok(Write::Applied(_)))
+            }
+            _ => false,
+        }
     }
 
-    async fn clear_index_entry(&self, rec: &Record, cond: Condition) -> bool {
-        match self.store().update(&rec.key, &cond, &Mutation::Keepalive(KeepaliveMutation::ClearKeepalive)).await {
-            Ok(Write::Applied(_)) => true,
-            Ok(Write::Rejected(_)) => false,
-            Err(e) => {
-                tracing::warn!(key = %rec.key, error = e.name(), "keep-alive clear failed");
-                false
-            }
+    async fn clear_index_entry(&self, rec: &Record, cond: Condition) -> crate::Result<Write> {
+        let r = self.store().update(&rec.key, &cond, &Mutation::Keepalive(KeepaliveMutation::ClearKeepalive)).await;
+        if let Err(e) = &r {
+            tracing::warn!(key = %rec.key, error = e.name(), "keep-alive clear failed");
         }
+        r
     }
 }
