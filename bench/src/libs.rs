@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use aws_sdk_dynamodb::types::AttributeValue;
 use leasehold::store::{DynamoStore, LeaseCondition, LeaseMutation};
-use leasehold::{AcquireOptions, Coordinator};
+use leasehold::{AcquireOptions, Config, Coordinator};
 use leasehold_tests::sdk_config_for;
 
 use crate::harness::{config, LEASE};
@@ -57,16 +57,14 @@ impl Lib {
     pub async fn new(name: &str, endpoint: &str, table: &str) -> Lib {
         let conf = sdk_config_for(endpoint).await;
         let client = aws_sdk_dynamodb::Client::new(&conf);
+        let leasehold = |c| Lib::Leasehold(Coordinator::new(Arc::new(DynamoStore::new(client.clone(), table)), c));
         match name {
-            "leasehold" | "leasehold+index" => {
-                Lib::Leasehold(Coordinator::new(Arc::new(DynamoStore::new(client, table)), config()))
-            }
+            "leasehold" | "leasehold+index" => leasehold(config()),
             // `leasehold/poll=X`: leasehold with `Config::poll_attempts` X (M3 with
             // `LEASEHOLD_BENCH_POLL_ATTEMPTS`).
             n if n.starts_with("leasehold/poll=") => {
-                let mut c = config();
-                c.poll_attempts = n["leasehold/poll=".len()..].parse().expect("poll attempts");
-                Lib::Leasehold(Coordinator::new(Arc::new(DynamoStore::new(client, table)), c))
+                let poll_attempts = n["leasehold/poll=".len()..].parse().expect("poll attempts");
+                leasehold(Config { poll_attempts, ..config() })
             }
             "raw" => Lib::Raw(client, table.to_string()),
             "raw-shaped" => Lib::RawShaped(client, table.to_string(), Box::new(Shaped::new(Part::Whole))),
