@@ -265,8 +265,14 @@ impl Coordinator {
                     Err(_) => Outcome::Error,
                 },
             };
-            if !matches!(outcome, Outcome::Raced) {
-                tracing::info!(key = %rec.key, holder = %h.holder, fence = h.fence, outcome = if matches!(outcome, Outcome::Released) { "released" } else if matches!(outcome, Outcome::Renewed) { "renewed" } else { "failed" }, "keep-alive of a slot");
+            let said = match outcome {
+                Outcome::Released => Some("released"),
+                Outcome::Renewed => Some("renewed"),
+                Outcome::Error => Some("failed"),
+                _ => None,
+            };
+            if let Some(said) = said {
+                tracing::info!(key = %rec.key, holder = %h.holder, fence = h.fence, outcome = said, "keep-alive of a slot");
             }
             outcomes.push((outcome, state == ExecutionState::Unknown));
         }
