@@ -47,6 +47,10 @@ impl fmt::Debug for LeaseId {
     }
 }
 
+/// Furthest a keep-alive deadline (`keepalive.until_ms`) may be ahead of its acquire: a year,
+/// the longest a standard execution runs, and a day (validated at acquire).
+pub const KEEPALIVE_HORIZON_MS: u64 = 366 * 24 * 3600 * 1000;
+
 /// "Renew me until `until_ms`, and only while this Step Functions execution is RUNNING."
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -215,14 +219,14 @@ impl SlotHolder {
     /// What a take of this slot writes into the semaphore item's own keep-alive attributes,
     /// which place the item in the keep-alive index: nothing for a slot without keep-alive;
     /// for one with, an entry no slot's deadline outlasts (a deadline is at most
-    /// [`KEEPALIVE_HORIZON_MS`](crate::validate::KEEPALIVE_HORIZON_MS) after its take, a day
+    /// [`KEEPALIVE_HORIZON_MS`] after its take, a day
     /// more covers any two takers' clocks). No take ever lowers it; the sweep takes the item out
     /// of the index once none of its slots is kept alive (DESIGN.md, "Keep-alive on the
     /// holder's behalf").
     pub fn index_keepalive(&self) -> Option<Keepalive> {
         const DAY_MS: u64 = 24 * 3600 * 1000;
         self.keepalive.as_ref().map(|_| Keepalive {
-            until_ms: self.acquired_at_ms.saturating_add(crate::validate::KEEPALIVE_HORIZON_MS + DAY_MS),
+            until_ms: self.acquired_at_ms.saturating_add(KEEPALIVE_HORIZON_MS + DAY_MS),
             execution_arn: None,
         })
     }

@@ -5,7 +5,7 @@ use std::time::Duration;
 use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
-use crate::model::{Keepalive, LeaseId};
+use crate::model::{Keepalive, LeaseId, KEEPALIVE_HORIZON_MS};
 
 /// Bounds on every input. The defaults are those documented in DESIGN.md.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -138,9 +138,6 @@ pub fn check_state(state: &str) -> Result<()> {
     Ok(())
 }
 
-/// Furthest a keep-alive deadline (`keepalive.until_ms`) may be ahead of its acquire: a year,
-/// the longest a standard execution runs, and a day.
-pub const KEEPALIVE_HORIZON_MS: u64 = 366 * 24 * 3600 * 1000;
 /// A keep-alive lease lasts at least this many sweep periods.
 pub const KEEPALIVE_SWEEPS: u32 = 3;
 /// Longest Step Functions execution ARN accepted for keep-alive.
