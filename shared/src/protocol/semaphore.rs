@@ -338,7 +338,7 @@ impl Coordinator {
         self.note_semaphore(key);
         let now = self.now_ms();
         let Some(h) = r.slot(lease_id).filter(|h| h.is_live(now)) else {
-            return Err(slot_not_holder(key, lease_id, r, now));
+            return Err(slot_not_holder(key, lease_id, r));
         };
         let d = duration.map_or(h.duration_ms, |d| d.as_millis() as u64);
         match self.renew_slot(key, lease_id, d, deadline).await? {
@@ -464,7 +464,7 @@ impl Coordinator {
         now: u64,
     ) -> Error {
         match r {
-            Some(r) if r.semaphore.slots.is_some() => slot_not_holder(key, lease_id, r, now),
+            Some(r) if r.semaphore.slots.is_some() => slot_not_holder(key, lease_id, r),
             r => self.not_holder(key, lease_id, r, now),
         }
     }
@@ -548,11 +548,11 @@ impl Drop for Unanswered {
 }
 
 /// Why `lease_id` holds no slot of the semaphore `r`.
-fn slot_not_holder(key: &str, lease_id: &LeaseId, r: &Record, now: u64) -> Error {
+fn slot_not_holder(key: &str, lease_id: &LeaseId, r: &Record) -> Error {
     let reason = match r.slot(lease_id) {
         None => Reason::Missing,
         Some(h) if h.released_at_ms.is_some() => Reason::Released,
-        Some(h) if !h.is_live(now) => Reason::Expired,
+        // Expired, or (live, by another clock than the store's) refused as if it were.
         Some(_) => Reason::Expired,
     };
     Error::NotHolder { key: key.to_string(), reason }
