@@ -219,7 +219,7 @@ impl SlotHolder {
     /// What a take of this slot writes into the semaphore item's own keep-alive attributes,
     /// which place the item in the keep-alive index: nothing for a slot without keep-alive;
     /// for one with, an entry no slot's deadline outlasts (a deadline is at most
-    /// [`KEEPALIVE_HORIZON_MS`] after its take, a day
+    /// `KEEPALIVE_HORIZON_MS` after its take, a day
     /// more covers any two takers' clocks). No take ever lowers it; the sweep takes the item out
     /// of the index once none of its slots is kept alive (DESIGN.md, "Keep-alive on the
     /// holder's behalf").
