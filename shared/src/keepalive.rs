@@ -220,18 +220,15 @@ impl Coordinator {
         if !rec.is_live_for(&rec.lease_id, now) || ka.until_ms <= now || rec.duration_ms.is_none() {
             return (Outcome::Skipped { cleared: self.clear_keepalive(&rec).await }, false);
         }
-        let state = match (&ka.execution_arn, &executions) {
-            (Some(arn), Some(ex)) => ex.state(arn).await,
-            (Some(_), None) => ExecutionState::Unknown,
-            (None, _) => ExecutionState::Running,
-        };
+        let state = execution_state(ka.execution_arn.as_deref(), &executions).await;
         let undescribed = state == ExecutionState::Unknown;
         (self.keep_or_release(rec, state).await, undescribed)
     }
 
     /// A semaphore in the index: each slot kept alive renewed while its execution runs, and
-    /// released once it has ended, one outcome each; none left to keep, the item leaves the
-    /// index (one outcome, skipped).
+    /// released once it has ended, one outcome each, `CONCURRENCY` slots at a time (each write
+    /// is conditioned on its own entry alone, so they do not refuse each other); none left to
+    /// keep, the item leaves the index (one outcome, skipped).
     async fn keep_slots(
         &self,
         rec: Record,
@@ -239,44 +236,59 @@ impl Coordinator {
         deadline: Instant,
     ) -> Vec<(Outcome, bool)> {
         let now = self.now_ms();
-        let kept: Vec<&SlotHolder> = rec.semaphore.slot_holders.iter().filter(|h| h.kept_alive(now)).collect();
+        let kept: Vec<SlotHolder> = rec.semaphore.slot_holders.iter().filter(|h| h.kept_alive(now)).cloned().collect();
         if kept.is_empty() {
             return vec![(Outcome::Skipped { cleared: self.clear_slots_keepalive(&rec).await }, false)];
         }
         let mut outcomes = Vec::with_capacity(kept.len());
-        for h in kept {
-            let state = match (h.keepalive.as_ref().and_then(|k| k.execution_arn.as_ref()), &executions) {
-                (Some(arn), Some(ex)) => ex.state(arn).await,
-                (Some(_), None) => ExecutionState::Unknown,
-                (None, _) => ExecutionState::Running,
-            };
-            let outcome = match state {
-                // The holder's own release, on its behalf: refused once it was released or
-                // evicted meanwhile.
-                ExecutionState::Ended => match self.free_slot(&rec.key, &h.lease_id).await {
-                    Ok(Ok(r)) if !r.already_released => Outcome::Released,
-                    Ok(_) => Outcome::Raced,
-                    Err(_) => Outcome::Error,
-                },
-                // Its heartbeat, by its own duration: refused once it ended meanwhile.
-                _ => match self.renew_slot(&rec.key, &h.lease_id, h.duration_ms, deadline).await {
-                    Ok(Ok(_)) => Outcome::Renewed,
-                    Ok(Err(_)) => Outcome::Raced,
-                    Err(_) => Outcome::Error,
-                },
-            };
-            let said = match outcome {
-                Outcome::Released => Some("released"),
-                Outcome::Renewed => Some("renewed"),
-                Outcome::Error => Some("failed"),
-                _ => None,
-            };
-            if let Some(said) = said {
-                tracing::info!(key = %rec.key, holder = %h.holder, fence = h.fence, outcome = said, "keep-alive of a slot");
+        for chunk in kept.chunks(CONCURRENCY) {
+            let mut set = tokio::task::JoinSet::new();
+            for h in chunk.iter().cloned() {
+                let (c, ex, key) = (self.clone(), executions.clone(), rec.key.clone());
+                set.spawn(async move { c.keep_slot(&key, h, ex, deadline).await });
             }
-            outcomes.push((outcome, state == ExecutionState::Unknown));
+            while let Some(r) = set.join_next().await {
+                outcomes.push(r.unwrap_or((Outcome::Error, false)));
+            }
         }
         outcomes
+    }
+
+    /// One slot kept alive: its outcome, and whether its execution could not be described.
+    async fn keep_slot(
+        &self,
+        key: &str,
+        h: SlotHolder,
+        executions: Option<Arc<dyn Executions>>,
+        deadline: Instant,
+    ) -> (Outcome, bool) {
+        let arn = h.keepalive.as_ref().and_then(|k| k.execution_arn.as_deref());
+        let state = execution_state(arn, &executions).await;
+        let outcome = match state {
+            // The holder's own release, on its behalf: refused once it was released or
+            // evicted meanwhile.
+            ExecutionState::Ended => match self.free_slot(key, &h.lease_id).await {
+                Ok(Ok(r)) if !r.already_released => Outcome::Released,
+                Ok(_) => Outcome::Raced,
+                Err(_) => Outcome::Error,
+            },
+            // Its heartbeat, by its own duration: refused once it ended meanwhile.
+            _ => match self.renew_slot(key, &h.lease_id, h.duration_ms, deadline).await {
+                Ok(Ok(_)) => Outcome::Renewed,
+                Ok(Err(_)) => Outcome::Raced,
+                Err(_) => Outcome::Error,
+            },
+        };
+        let said = match outcome {
+            Outcome::Released => Some("released"),
+            Outcome::Renewed => Some("renewed"),
+            Outcome::Error => Some("failed"),
+            _ => None,
+        };
+        if let Some(said) = said {
+            tracing::info!(key = %key, holder = %h.holder, fence = h.fence, outcome = said, "keep-alive of a slot");
+        }
+        (outcome, state == ExecutionState::Unknown)
     }
 
     async fn keep_or_release(&self, rec: Record, state: ExecutionState) -> Outcome {
@@ -382,5 +394,16 @@ impl Coordinator {
             tracing::warn!(key = %rec.key, error = e.name(), "keep-alive clear failed");
         }
         r
+    }
+}
+
+/// The state of a kept-alive lease's execution: described when it names one and the sweep has
+/// a source (`Unknown` without one), `Running` when it names none (kept alive until
+/// `until_ms` alone).
+async fn execution_state(arn: Option<&str>, executions: &Option<Arc<dyn Executions>>) -> ExecutionState {
+    match (arn, executions) {
+        (Some(arn), Some(ex)) => ex.state(arn).await,
+        (Some(_), None) => ExecutionState::Unknown,
+        (None, _) => ExecutionState::Running,
     }
 }

@@ -15,7 +15,9 @@ use leasehold::api::{self, Operation};
 use leasehold::store::DynamoStore;
 use leasehold::{AcquireOptions, Config, Coordinator, Error, LeaseId};
 use leasehold_tests::proxy::ProxyFault;
-use leasehold_tests::{both_backends, dynamo_local, proxied_table, test_config, Backend, Fault, Faulty};
+use leasehold_tests::{
+    both_backends, dynamo_local, proxied_table, test_config, wrap, Backend, Fault, Faulty, Intercept, Wrapped,
+};
 use serde_json::{json, Value};
 
 both_backends!(
@@ -175,23 +177,23 @@ impl leasehold::Clock for Stepped {
     }
 }
 
-/// A store that, once armed, steps `clock` 60 s ahead: on the next write, which it answers
-/// "throttled" without sending it (the clock jumps while the write waits for its retry), or,
-/// with `on_read`, during the next read, which it answers as the store does.
+/// Once armed, steps `clock` 60 s ahead: on the next write, which it answers "throttled"
+/// without sending it (the clock jumps while the write waits for its retry), or, with
+/// `on_read`, during the next read, which it answers as the store does.
 struct JumpOnWrite {
-    inner: Arc<dyn leasehold::store::Store>,
     clock: Arc<Stepped>,
     armed: std::sync::atomic::AtomicBool,
     on_read: bool,
 }
 
 #[async_trait::async_trait]
-impl leasehold::store::Store for JumpOnWrite {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    async fn get(&self, key: &str) -> leasehold::Result<Option<leasehold::Record>> {
-        let r = self.inner.get(key).await;
+impl Intercept for JumpOnWrite {
+    async fn get(
+        &self,
+        store: &Arc<dyn leasehold::store::Store>,
+        key: &str,
+    ) -> leasehold::Result<Option<leasehold::Record>> {
+        let r = store.get(key).await;
         if self.on_read && self.armed.swap(false, Ordering::SeqCst) {
             self.clock.0.fetch_add(60_000_000, Ordering::SeqCst);
         }
@@ -199,6 +201,7 @@ impl leasehold::store::Store for JumpOnWrite {
     }
     async fn update(
         &self,
+        store: &Arc<dyn leasehold::store::Store>,
         key: &str,
         c: &leasehold::store::Condition,
         m: &leasehold::store::Mutation,
@@ -207,22 +210,16 @@ impl leasehold::store::Store for JumpOnWrite {
             self.clock.0.fetch_add(60_000_000, Ordering::SeqCst);
             return Err(Error::Throttled("injected".into()));
         }
-        self.inner.update(key, c, m).await
+        store.update(key, c, m).await
     }
-    async fn delete(&self, key: &str, c: &leasehold::store::Condition) -> leasehold::Result<leasehold::store::Write> {
-        self.inner.delete(key, c).await
+    fn passes_clock(&self) -> bool {
+        true
     }
-    async fn scan(
-        &self,
-        k: &leasehold::store::ScanKind,
-        start: Option<&str>,
-        limit: u32,
-    ) -> leasehold::Result<leasehold::store::Page> {
-        self.inner.scan(k, start, limit).await
-    }
-    fn clock(&self) -> Option<&leasehold::ClockSamples> {
-        self.inner.clock()
-    }
+}
+
+/// The store of `b` with a [`JumpOnWrite`] stepping `clock`.
+fn jump_on(b: &Backend, clock: &Arc<Stepped>, on_read: bool) -> Arc<Wrapped<JumpOnWrite>> {
+    wrap(b.store(), JumpOnWrite { clock: clock.clone(), armed: Default::default(), on_read })
 }
 
 /// The simulation's clock jumps (seed 2 of the simulation; FINDINGS.md). The clock
@@ -235,8 +232,7 @@ async fn a_write_retried_after_a_clock_step_checks_the_clock_again() {
     let honest = b.coordinator(test_config());
     let held = honest.acquire("jump", "honest", secs(30), AcquireOptions::default()).await.unwrap();
     let clock = Arc::new(Stepped::default());
-    let store =
-        Arc::new(JumpOnWrite { inner: b.store(), clock: clock.clone(), armed: Default::default(), on_read: false });
+    let store = jump_on(&b, &clock, false);
     let jumper = Coordinator::new(store.clone(), Config { clock: clock.clone(), ..test_config() });
     // Evidence first: the jumper's clock agrees with the store's.
     let other = jumper.acquire("jump-other", "jumper", secs(30), AcquireOptions::default()).await.unwrap();
@@ -268,8 +264,7 @@ async fn a_queue_served_after_a_clock_step_during_its_read_grants_nothing() {
     let q = honest.acquire_or_enqueue(k, "waiter", d, AcquireOptions::default(), "token-w", None).await.unwrap();
     assert!(matches!(q, leasehold::queue::Enqueued::Queued { .. }), "{q:?}");
     let clock = Arc::new(Stepped::default());
-    let store =
-        Arc::new(JumpOnWrite { inner: b.store(), clock: clock.clone(), armed: Default::default(), on_read: true });
+    let store = jump_on(&b, &clock, true);
     let jumper =
         Coordinator::new(store.clone(), Config { clock: clock.clone(), ..test_config() }).with_deliver(rec.clone());
     // Evidence first: the jumper's clock agrees with the store's.

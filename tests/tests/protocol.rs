@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 use leasehold::store::{Condition, LeaseMutation, Mutation, NewLease, Visit, WorkCondition, Write, NO_LEASE};
 use leasehold::{AcquireOptions, Coordinator, Error, Keepalive, LeaseId, Lost, NotHolderReason};
 use leasehold_tests::{
-    both_backends, test_config, widest_first_margin, Backend, Counting, Fault, Faulty, Gated, GuardedResource, Holds,
+    both_backends, test_config, widest_first_margin, wrap, Backend, Counting, Fault, Faulty, Gated, GuardedResource,
+    Holds, Intercept, Wrapped,
 };
 use serde_json::json;
 
@@ -959,29 +960,25 @@ both_backends!(
     batch_concurrent_takers_process_each_item_once,
 );
 
-/// Counts the acquiring writes (`LeaseMutation::Acquire`) a coordinator sends, and how many land.
+/// Counts the acquiring writes (`LeaseMutation::Acquire`) a coordinator sends, and how many
+/// land, and its queries.
+#[derive(Default)]
 struct AcquireWrites {
-    inner: Arc<dyn leasehold::store::Store>,
     sent: std::sync::atomic::AtomicU64,
     applied: std::sync::atomic::AtomicU64,
     queries: std::sync::atomic::AtomicU64,
 }
 
 #[async_trait::async_trait]
-impl leasehold::store::Store for AcquireWrites {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    async fn get(&self, key: &str) -> leasehold::Result<Option<leasehold::Record>> {
-        self.inner.get(key).await
-    }
+impl Intercept for AcquireWrites {
     async fn update(
         &self,
+        store: &Arc<dyn leasehold::store::Store>,
         key: &str,
         c: &Condition,
         m: &leasehold::store::Mutation,
     ) -> leasehold::Result<leasehold::store::Write> {
-        let w = self.inner.update(key, c, m).await;
+        let w = store.update(key, c, m).await;
         if matches!(m, leasehold::store::Mutation::Lease(LeaseMutation::Acquire(_))) {
             self.sent.fetch_add(1, Ordering::SeqCst);
             if matches!(w, Ok(Write::Applied(_))) {
@@ -990,26 +987,24 @@ impl leasehold::store::Store for AcquireWrites {
         }
         w
     }
-    async fn delete(&self, key: &str, c: &Condition) -> leasehold::Result<leasehold::store::Write> {
-        self.inner.delete(key, c).await
-    }
     async fn scan(
         &self,
+        store: &Arc<dyn leasehold::store::Store>,
         k: &leasehold::store::ScanKind,
         s: Option<&str>,
         l: u32,
     ) -> leasehold::Result<leasehold::store::Page> {
         self.queries.fetch_add(1, Ordering::SeqCst);
-        self.inner.scan(k, s, l).await
+        store.scan(k, s, l).await
     }
 }
 
-fn acquire_writes(inner: Arc<dyn leasehold::store::Store>) -> Arc<AcquireWrites> {
-    Arc::new(AcquireWrites { inner, sent: 0.into(), applied: 0.into(), queries: 0.into() })
+fn acquire_writes(inner: Arc<dyn leasehold::store::Store>) -> Arc<Wrapped<AcquireWrites>> {
+    wrap(inner, AcquireWrites::default())
 }
 
 /// Adds one taker's counts to the total when the taker ends.
-struct Added(Arc<AcquireWrites>, Arc<AcquireWrites>);
+struct Added(Arc<Wrapped<AcquireWrites>>, Arc<Wrapped<AcquireWrites>>);
 
 impl Drop for Added {
     fn drop(&mut self) {
