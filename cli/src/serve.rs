@@ -265,7 +265,7 @@ pub struct Ops {
 
 /// How old the snapshot of a DynamoDB table may be before a view scans it again: a scan of
 /// 10,000 items of 500 bytes reads about 640 read units (eventually consistent), so a page
-/// left open costs at most one such scan every 10 s (BENCHMARKS.md, "What it costs").
+/// left open costs at most one such scan every 10 s (COSTS.md).
 const DYNAMO_SCAN_EVERY: Duration = Duration::from_secs(10);
 
 async fn handle(coord: Coordinator, ops: Arc<Ops>, req: Request<Incoming>) -> Result<Response<Answer>, Infallible> {

@@ -716,9 +716,8 @@ async fn transitions_and_invocations(client: &aws_sdk_sfn::Client, arn: &str) ->
     (entered, lambdas)
 }
 
-/// What the BatchProcessor costs in Step Functions and Lambda per key (BENCHMARKS.md, "What it
-/// costs"): drains of 10 and 20 keys in batches of 10, each one execution; the difference is
-/// ten keys and one batch.
+/// What the BatchProcessor costs in Step Functions and Lambda per key (COSTS.md): drains of 10 and
+/// 20 keys in batches of 10, each one execution; the difference is ten keys and one batch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batch_processor_state_transitions_per_key() {
     let s = tokio::task::spawn_blocking(stack).await.unwrap();

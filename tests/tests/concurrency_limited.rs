@@ -541,10 +541,10 @@ async fn concurrency_limited_event_counts_justify_its_bounds() {
     assert!(worst >= sfn_quotas::MAX_HISTORY_EVENTS as i64 / 2, "{worst}");
 }
 
-/// What ConcurrencyLimited costs in Step Functions and Lambda (BENCHMARKS.md, "What it
-/// costs"): runs of 2 and 6 items on enough slots (none waits), one execution each; the
-/// difference is four items. States entered are the billed state transitions; Lambda tasks
-/// scheduled are invocations (per item: acquire, the work function, release).
+/// What ConcurrencyLimited costs in Step Functions and Lambda (COSTS.md): runs of 2 and 6 items on
+/// enough slots (none waits), one execution each; the difference is four items. States entered are
+/// the billed state transitions; Lambda tasks scheduled are invocations (per item: acquire, the
+/// work function, release).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn state_transitions_and_invocations_per_item() {
     tokio::task::spawn_blocking(stack).await.unwrap();

@@ -1,4 +1,4 @@
-//! What a lease costs, measured (BENCHMARKS.md, "What it costs" prices these): for each common
+//! What a lease costs, measured (COSTS.md prices these): for each common
 //! shape, the DynamoDB requests per lease and the capacity units DynamoDB reports for them (a
 //! proxy in front of DynamoDB Local asks each request for its consumed capacity, indexes
 //! included), the requests of the keep-alive sweep per lease and run, and the bytes of log the

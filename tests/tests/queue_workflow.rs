@@ -510,9 +510,9 @@ async fn a_delivery_that_landed_but_timed_out_keeps_the_key() {
     assert!(b.output["fence"].as_u64().unwrap() > a.output["fence"].as_u64().unwrap());
 }
 
-/// What a QueuedSingleFlight execution costs in Step Functions and Lambda (BENCHMARKS.md,
-/// "What it costs"): the states it entered (one transition each) and the Lambda tasks it
-/// scheduled, alone and queued behind another.
+/// What a QueuedSingleFlight execution costs in Step Functions and Lambda (COSTS.md): the states it
+/// entered (one transition each) and the Lambda tasks it scheduled, alone and queued behind
+/// another.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn state_transitions_and_invocations_per_run() {
     stack();

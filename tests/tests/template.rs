@@ -1555,11 +1555,8 @@ fn workflows_back_off_on_clock_skew() {
         }
     }
     let mut seen = 0;
-    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../statemachines");
-    for entry in std::fs::read_dir(dir).unwrap() {
-        let path = entry.unwrap().path();
-        let text = std::fs::read_to_string(&path).unwrap();
-        walk(&serde_json::from_str(&text).unwrap(), &path.display().to_string(), &mut seen);
+    for (name, definition) in leasehold_tests::statemachines::all() {
+        walk(&definition, &name, &mut seen);
     }
     assert!(seen > 0, "some workflow retries ClockSkew");
 }

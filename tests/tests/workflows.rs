@@ -1271,12 +1271,11 @@ fn transitions_and_invocations(end: &Ended) -> (usize, usize) {
     (entered, lambdas)
 }
 
-/// What a SingleFlight run costs in Step Functions and Lambda (BENCHMARKS.md, "What it
-/// costs"): uncontended (the placeholder work step, the default keep-alive) it enters 14 states
-/// (its input checked and configured, acquire, work, release, the outcome) and invokes the
-/// functions twice (acquire, release). ConcurrencyLimited's are measured in
-/// concurrency_limited.rs, the BatchProcessor's in batch.rs, QueuedSingleFlight's in
-/// queue_workflow.rs.
+/// What a SingleFlight run costs in Step Functions and Lambda (COSTS.md): uncontended (the
+/// placeholder work step, the default keep-alive) it enters 14 states (its input checked and
+/// configured, acquire, work, release, the outcome) and invokes the functions twice (acquire,
+/// release). ConcurrencyLimited's are measured in concurrency_limited.rs, the BatchProcessor's in
+/// batch.rs, QueuedSingleFlight's in queue_workflow.rs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn state_transitions_and_invocations_per_run() {
     tokio::task::spawn_blocking(stack).await.unwrap();
