@@ -206,6 +206,11 @@ pub struct AcquireArgs {
     /// A semaphore of N slots: at most N holders of KEY at once (1..=640; 1 is a plain lease)
     #[arg(long, value_name = "N")]
     pub slots: Option<u32>,
+    /// Kept alive this long from now by the keep-alive sweep (the deployment's scheduled
+    /// heartbeat, or `leasehold serve`), which renews the lease (or the slot) by its duration
+    /// until then (`keepalive.until_ms`); the duration must be at least 3 sweep periods
+    #[arg(long, value_parser = duration::parse, value_name = "D", conflicts_with = "fail_closed")]
+    pub keepalive: Option<Duration>,
 }
 
 #[derive(Args, Debug)]
@@ -334,7 +339,10 @@ async fn lease_command(g: &Global, cmd: Cmd) -> i32 {
                 wait_ms: a.wait.map(|d| d.as_millis() as u64),
                 min_hold_ms: a.min_hold.map(|d| d.as_millis() as u64),
                 metadata: a.metadata.clone(),
-                keepalive: None,
+                keepalive: a.keepalive.map(|d| leasehold::Keepalive {
+                    until_ms: output::now_ms() + d.as_millis() as u64,
+                    execution_arn: None,
+                }),
                 // Chosen here, before anything is sent: a lost answer leaves a lease this command
                 // can still name (and a fail-closed lease requires it).
                 lease_id: Some(

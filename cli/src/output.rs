@@ -207,14 +207,31 @@ fn slot_holders(v: &Value, indent: &str) -> Vec<String> {
     holders
         .iter()
         .map(|h| {
+            let kept = kept_alive(h).map(|k| format!("  kept alive {k}")).unwrap_or_default();
             format!(
-                "{indent}{}  fence {}  {} left",
+                "{indent}{}  fence {}  {} left{kept}",
                 s(h, "holder"),
                 n(h, "fence").unwrap_or(0),
                 left(n(h, "expires_at_ms"), now)
             )
         })
         .collect()
+}
+
+/// What keeps a lease or a slot alive on its holder's behalf, from its `keepalive`: `while
+/// EXECUTION runs` (the execution's name, the ARN's last part) and `until TIME` when that is
+/// sooner than a year; `None` without a keep-alive.
+fn kept_alive(v: &Value) -> Option<String> {
+    let ka = v.get("keepalive").filter(|k| k.is_object())?;
+    let until = n(ka, "until_ms");
+    let execution = ka.get("execution_arn").and_then(Value::as_str).map(|a| a.rsplit(':').next().unwrap_or(a));
+    const YEAR_MS: u64 = 365 * 24 * 3600 * 1000;
+    let soon = until.filter(|u| u.saturating_sub(now_ms()) < YEAR_MS - 24 * 3600 * 1000);
+    Some(match (execution, soon) {
+        (Some(e), Some(u)) => format!("while {e} runs, until {}", rfc3339(u)),
+        (Some(e), None) => format!("while {e} runs"),
+        (None, _) => format!("until {}", until.map_or_else(|| "-".into(), rfc3339)),
+    })
 }
 
 /// A semaphore's `get`: slots taken of N, then each live holder.
@@ -261,6 +278,9 @@ fn state(v: &Value) -> String {
             n(v, "fence").unwrap_or(0)
         )
     };
+    if let Some(k) = kept_alive(v).filter(|_| held) {
+        t.push_str(&format!("\n  keepalive {k}"));
+    }
     if let Some(m) = v.get("metadata").filter(|m| !m.is_null()) {
         t.push_str(&format!("\n  metadata  {m}"));
     }
@@ -348,7 +368,7 @@ fn list(v: &Value) -> String {
                 format!("- {}", s(h, "holder")),
                 n(h, "fence").unwrap_or(0).to_string(),
                 left(n(h, "expires_at_ms"), now),
-                String::new(),
+                if kept_alive(h).is_some() { "kept alive".into() } else { String::new() },
             ]);
         }
     }

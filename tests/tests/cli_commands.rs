@@ -260,11 +260,49 @@ fn operators_see_a_semaphore_as_one(t: &Target) {
     assert!(text.contains("2 of 4 slots") && !text.contains("- b "), "{text}");
 }
 
+/// `acquire --keepalive D` asks the keep-alive sweep to renew the lease, or the slot, until D
+/// from now: the lease carries `keepalive.until_ms`, `get` and `list` mark what is kept alive,
+/// and a duration shorter than 3 sweep periods is refused before anything is written.
+fn kept_alive_leases_and_slots_are_marked(t: &Target) {
+    let now_ms = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    let before = now_ms();
+    let a = t.run(&["acquire", "kept/plain", "--duration", "3m", "--keepalive", "1h", "--json"]).ok().json();
+    let until = u(&a["keepalive"], "until_ms");
+    assert!(until >= before + 3_600_000 && until <= now_ms() + 3_600_000, "{a}");
+    let got = t.run(&["get", "kept/plain"]).ok().stdout;
+    assert!(got.lines().any(|l| l.trim_start().starts_with("keepalive until 20")), "{got}");
+    let take = |h: &str, keep: bool| {
+        let mut a = vec!["acquire", "kept/pool", "--holder", h, "--duration", "3m", "--slots", "3", "--json"];
+        if keep {
+            a.extend(["--keepalive", "2h"]);
+        }
+        t.run(&a).ok().json()
+    };
+    let kept = take("k", true);
+    assert!(u(&kept["keepalive"], "until_ms") >= before + 7_200_000, "{kept}");
+    take("p", false);
+    let got = t.run(&["get", "kept/pool"]).ok().stdout;
+    let line =
+        |who: &str| got.lines().find(|l| l.contains(&format!("holder    {who} "))).unwrap_or_else(|| panic!("{got}"));
+    assert!(line("k").contains("kept alive until 20") && !line("p").contains("kept alive"), "{got}");
+    let listed = t.run(&["list"]).ok().stdout;
+    let row =
+        |who: &str| listed.lines().find(|l| l.contains(&format!("- {who} "))).unwrap_or_else(|| panic!("{listed}"));
+    assert!(row("k").ends_with("kept alive") && !row("p").contains("kept alive"), "{listed}");
+    let shown = t.run(&["get", "kept/pool", "--json"]).ok().json();
+    let holders = shown["holders"].as_array().unwrap();
+    assert!(holders.iter().any(|h| h["holder"] == "k" && h["keepalive"]["until_ms"].is_u64()), "{shown}");
+    // Too short to outlive a late sweep: refused, nothing written.
+    let r = t.run(&["acquire", "kept/short", "--duration", "60s", "--keepalive", "1h", "--json"]).code(2).json();
+    assert_eq!(r["error"], "InvalidRequest", "{r}");
+    assert_eq!(t.run(&["get", "kept/short", "--json"]).code(1).json()["error"], "NotFound");
+}
+
 leasehold_tests::variants!(sync [
     embedded => &Target::embedded(),
     dynamodb => &Target::dynamo(),
     served => &Target::served(),
-]: semaphore_subcommands, operators_see_a_semaphore_as_one);
+]: semaphore_subcommands, operators_see_a_semaphore_as_one, kept_alive_leases_and_slots_are_marked);
 
 #[test]
 fn over_http_api_on_dynamodb() {
