@@ -46,6 +46,17 @@ fn collided(state: &str, now: Instant) {
     c.insert(state.to_string(), now);
 }
 
+/// How many candidates a taker that wants `want` more keys reads: `want * SPREAD` (at most
+/// [`MAX_CANDIDATES`]) on a contended state, to choose among; twice what it wants otherwise
+/// (the oldest first, and room for keys that turn out held).
+fn candidates_to_read(spread: bool, want: usize) -> usize {
+    if spread {
+        (want * SPREAD).min(MAX_CANDIDATES)
+    } else {
+        2 * want
+    }
+}
+
 fn random_below(n: usize) -> usize {
     if n <= 1 {
         return 0;
@@ -265,7 +276,7 @@ impl Coordinator {
             // process's allocations decide nothing it does, and a simulated seed replays).
             let memo = format!("{}/{state}", self.id());
             let spread = contended(&memo, self.monotonic());
-            let page = if spread { (want * SPREAD).min(MAX_CANDIDATES) } else { 2 * want };
+            let page = candidates_to_read(spread, want);
             // Keys free by the store's clock as it may be now (`latest`): an item put or released
             // by a coordinator whose clock reading is ahead of this one's is free by its stamp,
             // and its take goes again with the clock raised to that stamp (`Record::freed_by_stamp`).
@@ -390,5 +401,27 @@ impl Coordinator {
             }
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_contended_taker_reads_a_spread_of_candidates_within_bounds() {
+        assert_eq!(candidates_to_read(false, 1), 2);
+        assert_eq!(candidates_to_read(false, 10), 20);
+        assert_eq!(candidates_to_read(true, 1), SPREAD);
+        assert_eq!(candidates_to_read(true, 10), 480);
+        assert_eq!(candidates_to_read(true, 100), MAX_CANDIDATES);
+    }
+
+    #[test]
+    fn a_random_index_stays_below_its_bound_and_reaches_past_zero() {
+        assert_eq!(random_below(0), 0);
+        assert_eq!(random_below(1), 0);
+        let seen: std::collections::BTreeSet<usize> = (0..200).map(|_| random_below(4)).collect();
+        assert!(seen.iter().all(|&i| i < 4) && seen.len() > 1, "{seen:?}");
     }
 }

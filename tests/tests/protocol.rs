@@ -1750,8 +1750,48 @@ async fn semaphore_map_stays_bounded(b: Backend) {
 both_backends!(
     batch_listing_reads_whole_items,
     terminal_states_get_a_ttl,
-    a_put_item_reads_alike_and_a_take_needs_a_higher_fence
+    a_put_item_reads_alike_and_a_take_needs_a_higher_fence,
+    a_state_is_listed_across_pages_up_to_the_limit,
+    takers_of_a_sharded_state_start_at_a_random_shard
 );
+
+/// `list_in_state` reads a state page by page (100 items a page) and partition by partition,
+/// and stops at its limit: all of 230 keys over 2 shards, or exactly the first `limit`; they are
+/// counted once. (The embedded store, which keeps a state in one partition, listed and counted
+/// every key once per configured partition.)
+async fn a_state_is_listed_across_pages_up_to_the_limit(b: Backend) {
+    let c = b.coordinator(leasehold::Config { state_shards: 2, ..test_config() });
+    let keys = put_items(&c, "paged/", 230, "PAGED").await;
+    let all = c.list_in_state("PAGED", 1000).await.unwrap();
+    let mut listed: Vec<&str> = all.iter().map(|s| s.key.as_str()).collect();
+    listed.sort_unstable();
+    assert_eq!(listed, keys.iter().map(String::as_str).collect::<Vec<_>>(), "every key once");
+    assert_eq!(c.count_in_state("PAGED").await.unwrap(), 230, "counted once");
+    for limit in [1, 99, 100, 101, 150] {
+        assert_eq!(c.list_in_state("PAGED", limit).await.unwrap().len(), limit, "limit {limit}");
+    }
+}
+
+/// A taker starts at a random partition of a sharded state (DESIGN.md, "How one state
+/// scales"), so that takers do not all drain the same partition first: 12 single takes of a
+/// state over 4 partitions, each by a new coordinator, come from more than one partition.
+/// (Starting at partition 0 every time, all 12 would come from it: it holds 12 or more.)
+async fn takers_of_a_sharded_state_start_at_a_random_shard(b: Backend) {
+    let config = || leasehold::Config { state_shards: 4, ..test_config() };
+    let c = b.coordinator(config());
+    let keys = put_items(&c, "spread/", 80, "SPREAD").await;
+    let shard_of = |k: &str| c.state_shard(k, "SPREAD");
+    let in_first = keys.iter().filter(|k| shard_of(k) == "SPREAD#0").count();
+    assert!(in_first >= 12, "partition 0 holds {in_first} of 80");
+    let mut shards = std::collections::BTreeSet::new();
+    for i in 0..12 {
+        let taker = b.coordinator(config());
+        let l = taker.acquire_next("SPREAD", 1, &format!("t{i}"), secs(30), AcquireOptions::default()).await.unwrap();
+        assert_eq!(l.len(), 1, "{l:?}");
+        shards.insert(shard_of(&l[0].key));
+    }
+    assert!(shards.len() > 1, "every take came from {shards:?}");
+}
 
 /// The work-state index projects only what a batch's candidate needs: a listing of a state
 /// still answers every key whole (metadata included, as `get` answers it), and `next` and

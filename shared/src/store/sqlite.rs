@@ -607,9 +607,12 @@ impl Store for SqliteStore {
     }
 
     async fn count(&self, kind: &ScanKind) -> Result<u64> {
-        let ScanKind::State { state, free_at_ms, .. } = kind.clone() else {
+        let ScanKind::State { state, free_at_ms, shard } = kind.clone() else {
             return super::count_pages(self, kind).await;
         };
+        if !first_partition(&shard) {
+            return Ok(0);
+        }
         let until = free_at_ms.map_or(i64::MAX, |f| f.min(i64::MAX as u64) as i64);
         self.blocking(move |c| {
             c.query_row("SELECT COUNT(*) FROM leases WHERE state = ?1 AND due_ms <= ?2", params![state, until], |r| {
@@ -626,6 +629,9 @@ impl Store for SqliteStore {
         self.blocking(move |c| {
             let max = limit.max(1) as i64;
             let rows: Vec<(String, String)> = match kind {
+                ScanKind::State { shard, .. } if !first_partition(&shard) => {
+                    return Ok(Page { items: vec![], next: None })
+                }
                 ScanKind::State { state, free_at_ms, .. } => return scan_state(c, &state, free_at_ms, &start, limit),
                 ScanKind::All | ScanKind::Snapshot => {
                     let mut st = c
@@ -664,6 +670,14 @@ impl Store for SqliteStore {
         })
         .await
     }
+}
+
+/// Whether `shard` (`STATE#n`) is a state's first partition. The embedded store keeps each
+/// state in one partition, its index on (`state`, `due_ms`, `key`): the whole state answers as
+/// partition 0 and the others are empty, so a coordinator configured with `state_shards` > 1
+/// reads, lists and counts each key once.
+fn first_partition(shard: &str) -> bool {
+    shard.rsplit_once('#').is_none_or(|(_, n)| n == "0")
 }
 
 /// Keys in `state` (free at `free_at_ms` only, when given), in the order they became free
