@@ -1752,8 +1752,73 @@ both_backends!(
     terminal_states_get_a_ttl,
     a_put_item_reads_alike_and_a_take_needs_a_higher_fence,
     a_state_is_listed_across_pages_up_to_the_limit,
-    takers_of_a_sharded_state_start_at_a_random_shard
+    takers_of_a_sharded_state_start_at_a_random_shard,
+    a_batch_grant_answered_after_its_safe_time_is_released,
+    a_batch_whose_reads_all_fail_answers_the_failure
 );
+
+/// A batch lease whose safe time ended before the batch could answer (a later take's answer
+/// stalled) is of no use to its taker: it is left out of the answer and released at once, not
+/// left to expire, as is the stalled one. (The taker's later takes are refused unsent, so
+/// nothing takes the keys again meanwhile.)
+async fn a_batch_grant_answered_after_its_safe_time_is_released(b: Backend) {
+    let c = b.coordinator(test_config());
+    c.put("late/a", "LATE", "producer").await.unwrap();
+    c.put("late/b", "LATE", "producer").await.unwrap();
+    let takes = |c: &Condition| matches!(c, Condition::Work(leasehold::store::WorkCondition::FreeIn { .. }));
+    let faulty = Faulty::on(b.store(), takes);
+    let taker = Coordinator::new(faulty.clone(), test_config());
+    // The oldest key is taken alone first, then the other, whose answer stalls past both
+    // leases' safe time.
+    let mut plan = vec![Fault::SlowAnswer(Duration::ZERO), Fault::SlowAnswer(Duration::from_millis(1200))];
+    plan.extend(vec![Fault::Unavailable; 64]);
+    faulty.inject(&plan);
+    let got = taker.acquire_next("LATE", 2, "taker", Some(Duration::from_secs(1)), AcquireOptions::default()).await;
+    assert!(got.as_ref().map_or(true, Vec::is_empty), "{got:?}");
+    let until = Instant::now() + Duration::from_secs(5);
+    for key in ["late/a", "late/b"] {
+        loop {
+            let s = c.get(key).await.unwrap();
+            if s.released_at_ms.is_some() {
+                assert_eq!(
+                    (s.holder.as_str(), s.state.as_deref(), s.attempts),
+                    ("taker", Some("LATE"), Some(1)),
+                    "{s:?}"
+                );
+                break;
+            }
+            assert!(Instant::now() < until, "{key}: the late grant was never released: {s:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// A batch whose every read of the state fails answers the store's failure once its budget
+/// is spent: each partition is read once per round, and the round ends.
+async fn a_batch_whose_reads_all_fail_answers_the_failure(b: Backend) {
+    struct NoScans;
+    #[async_trait::async_trait]
+    impl Intercept for NoScans {
+        async fn scan(
+            &self,
+            _: &Arc<dyn leasehold::store::Store>,
+            _: &leasehold::store::ScanKind,
+            _: Option<&str>,
+            _: u32,
+        ) -> leasehold::Result<leasehold::store::Page> {
+            Err(Error::not_sent("injected: the index cannot be read"))
+        }
+    }
+    let c = b.coordinator(test_config());
+    c.put("unread/a", "UNREAD", "producer").await.unwrap();
+    let taker = Coordinator::new(wrap(b.store(), NoScans), leasehold::Config { state_shards: 3, ..test_config() });
+    let opts = AcquireOptions { wait: Some(Duration::from_millis(300)), ..Default::default() };
+    let r = tokio::time::timeout(Duration::from_secs(60), taker.acquire_next("UNREAD", 2, "taker", secs(30), opts))
+        .await
+        .expect("the batch ends");
+    assert!(matches!(r, Err(Error::StoreUnavailable(_))), "{r:?}");
+    assert!(!c.get("unread/a").await.unwrap().held, "nothing taken");
+}
 
 /// `list_in_state` reads a state page by page (100 items a page) and partition by partition,
 /// and stops at its limit: all of 230 keys over 2 shards, or exactly the first `limit`; they are
