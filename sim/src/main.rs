@@ -129,7 +129,7 @@ fn report(t: &Totals, ran: usize, seconds: f64) {
         println!("  {k:<26} {v}");
     }
     if !t.findings.is_empty() {
-        println!("known findings (DESIGN.md, \"Simulation\"; --findings shows them):");
+        println!("known findings (sim/README.md; --findings shows them):");
         for (k, v) in &t.findings {
             println!("  {k:<26} {v}");
         }

@@ -13,7 +13,7 @@ pub struct Violation {
     pub history: Vec<String>,
     /// When it happened, when known (the history shown ends shortly after).
     pub at: Option<Instant>,
-    /// A known finding of the protocol, written down (DESIGN.md, "Simulation") and not yet
+    /// A known finding of the protocol, written down (sim/README.md, "Known findings") and not yet
     /// fixed: reported, not counted as a violation.
     pub known: bool,
 }

@@ -104,7 +104,7 @@ fn granted_again(
     // acquire took a second slot while the waiter item of its first was there, and both slots
     // were granted; only one delivery can reach the task. A retry now keeps its earlier slot
     // when it finds that item; left: the earlier item landing after the retry looked
-    // (DESIGN.md, "Simulation").
+    // (sim/README.md, "Known findings").
     let second_told = told_after.get(&(a.key.as_str(), id)).is_some_and(|t| *t > a.at);
     let queued_untold =
         was_told && !second_told && matches!(a.mutation, Some(Mutation::Queue(QueueMutation::Grant { .. })));
