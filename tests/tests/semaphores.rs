@@ -26,6 +26,7 @@ both_backends!(
     slots_and_metadata_past_what_an_item_holds_are_refused_at_acquire,
     a_take_sent_again_after_its_first_try_expired_takes_a_new_lease_id,
     every_write_leaves_the_item_outliving_its_live_holders,
+    waiters_of_other_processes_get_their_turn_on_a_full_semaphore,
 );
 
 fn secs(s: u64) -> Option<Duration> {
@@ -521,4 +522,38 @@ async fn every_write_leaves_the_item_outliving_its_live_holders(b: Backend) {
     c.force_release_slot(k, d.fence).await.unwrap();
     check("a force-release of one holder").await;
     c.release(k, &b2.lease_id).await.unwrap();
+}
+
+/// Three processes (a coordinator each, on their own handle of the store), one worker each,
+/// share a semaphore of 2 slots: each takes a slot, holds it 5 ms, releases it and asks again,
+/// for 3 s. Before, a holder took its slot back in the same round trip as its release, and the
+/// worker left out could only win a slot when its poll (every `poll_max`, 250..750 ms) landed
+/// in that gap: it got a handful of slots while the other two got hundreds each. Now a releaser
+/// of a full semaphore defers to the waiters for a random part of the semaphore's poll period,
+/// and the waiters read it at that pace: each worker gets its turn.
+async fn waiters_of_other_processes_get_their_turn_on_a_full_semaphore(b: Backend) {
+    let k = "sem/turns";
+    let stop_at = Instant::now() + Duration::from_secs(3);
+    let mut workers = Vec::new();
+    for w in 0..3 {
+        let c = Coordinator::new(b.reopen(), test_config());
+        workers.push(tokio::spawn(async move {
+            let mut mine = 0u32;
+            while Instant::now() < stop_at {
+                let opts = AcquireOptions { wait: secs(10), ..slots(2) };
+                let l = c.acquire(k, &format!("w{w}"), secs(30), opts).await.expect("a slot within the wait");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                c.release(k, &l.lease_id).await.expect("release");
+                mine += 1;
+            }
+            mine
+        }));
+    }
+    let mut per = Vec::new();
+    for w in workers {
+        per.push(w.await.expect("worker"));
+    }
+    let (min, max) = (*per.iter().min().unwrap(), *per.iter().max().unwrap());
+    eprintln!("slots per worker {per:?}");
+    assert!(min * 4 >= max, "slots per worker {per:?}: a worker of another process starved");
 }

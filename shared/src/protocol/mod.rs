@@ -29,7 +29,7 @@ use crate::model::{Keepalive, Lease, LeaseId, LeaseState, Record, Released};
 use crate::protocol::pacing::{Pacer, Waiting};
 use crate::store::{
     Condition, LeaseCondition, LeaseMutation, Mutation, NewLease, QueueCondition, QueueMutation, ScanKind,
-    SemaphoreCondition, SemaphoreMutation, Store, Visit, WorkCondition, WorkMutation, Write,
+    SemaphoreCondition, SemaphoreMutation, SlotCount, Store, Visit, WorkCondition, WorkMutation, Write,
 };
 use crate::validate::Limits;
 pub(crate) use decide::ended_reason;

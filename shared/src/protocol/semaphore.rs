@@ -6,11 +6,17 @@
 use super::*;
 use crate::model::{SemaphoreFields, SlotHolder};
 use crate::protocol::line::Ticket;
+use crate::protocol::pacing::aged;
 use crate::protocol::retry::Lapse;
 use crate::store::{CLEAN_CHUNK, EVICT_CHUNK};
 
 /// A grant that saw more entries than N + this tidies the ended ones away.
 const TIDY_ABOVE: usize = 16;
+
+/// The shortest pause between a full semaphore's polls (SEM, 12 waiters: 50 ms gave per-worker
+/// max/min 1.12 at 4.25 requests per acquisition, 20 ms 1.24 at 6.51, 10 ms 1.44 at 7.37;
+/// BENCHMARKS.md, "Semaphores").
+const SLOT_POLL_MIN: Duration = Duration::from_millis(50);
 
 /// How the next take is written.
 enum How {
@@ -35,6 +41,8 @@ struct Take<'a> {
     landed: bool,
     /// A waiting take's place in this coordinator's line for the key.
     ticket: Option<Ticket>,
+    /// When the call began (the longer it has waited, the more often it polls).
+    start: Instant,
     /// A generated lease_id's first take that may have landed, and when it may have expired
     /// ([`Lapse`]: sent again after that, the lease_id could take a second slot, the first
     /// cleaned away as ended, after a first grant nobody was told of).
@@ -105,7 +113,16 @@ impl Coordinator {
         let ticket = (!opts.wait.unwrap_or_default().is_zero()).then(|| self.wakeups.enter(key));
         let (seen, how, landed) = (None, How::Blind, false);
         let lapse = opts.lease_id.is_none().then(|| Lapse::new(duration_ms));
-        let mut t = Take { key, holder, duration_ms, opts, slots, lease_id, seen, how, landed, ticket, lapse };
+        // A coordinator does not jump the line it just left: a moment after it released a slot
+        // of a full semaphore (or found one full), the head of its line waits a random part of
+        // the key's poll period before its first take, so that a waiter of another process
+        // polling meanwhile finds the slot free. A take that does not wait tries at once.
+        if ticket.as_ref().is_some_and(|t| t.is_head()) {
+            if let Some(c) = self.pacer.begin(key).courtesy {
+                tokio::time::sleep(c.min(wait_deadline.saturating_duration_since(start))).await;
+            }
+        }
+        let mut t = Take { key, holder, duration_ms, opts, slots, lease_id, seen, how, landed, ticket, start, lapse };
         let res = self.takes(&mut t, wait_deadline, deadline).await;
         res.map_err(|e| {
             let open = matches!(
@@ -286,8 +303,13 @@ impl Coordinator {
         Ok(())
     }
 
-    /// Full, or a live plain lease: sleep until the next slot frees (or `poll_max`), or answer
-    /// `LeaseHeld` with when it frees once the wait is over.
+    /// Full, or a live plain lease: wait until a slot may be free, or answer `LeaseHeld` with
+    /// when the next one frees once the wait is over. A full semaphore is polled at its pace
+    /// ([`slot_period`]) by reads of its count ([`Store::slot_count`]) until one shows a slot free
+    /// or the item no semaphore, or the earliest holder's expiry comes (the take then cleans the
+    /// expired ones); the take follows. A read is one read unit on DynamoDB (up to 4 KB of item),
+    /// where a refused take costs a write unit per KB, five times the price each. A plain lease on the key is waited
+    /// for until its expiry, or `poll_max`.
     async fn slot_held(&self, t: &Take<'_>, r: &Record, wait_deadline: Instant) -> Result<()> {
         let now = self.now_ms();
         let (holder, expires) = match r.live_slots(now).min_by_key(|h| h.expires_at_ms) {
@@ -299,15 +321,67 @@ impl Coordinator {
             return Err(Error::LeaseHeld { key: t.key.to_string(), holder, expires_at_ms: expires });
         }
         let until = expires.map_or(self.config.poll_max, |e| Duration::from_millis(e.saturating_sub(now) + 1));
-        let base = until.min(self.config.poll_max);
-        let pause = crate::backoff::uniform(base / 2, base * 3 / 2).min(left);
+        if r.semaphore.slots.is_none() {
+            let base = until.min(self.config.poll_max);
+            self.pause_slot(t, crate::backoff::uniform(base / 2, base * 3 / 2).min(left)).await;
+            return Ok(());
+        }
+        let period = slot_period(r, now, self.config.poll_max);
+        self.pacer.contended(t.key, period);
+        let end = self.monotonic() + until.min(left);
+        loop {
+            let at = self.monotonic();
+            if at >= end {
+                return Ok(());
+            }
+            // The longer this call has waited, the more often it reads (the likeliest to find a
+            // freed slot first is the one that waited longest).
+            let p = aged(period, at.saturating_duration_since(t.start));
+            self.pause_slot(t, crate::backoff::uniform(p / 2, p * 3 / 2).min(end - at)).await;
+            if self.monotonic() >= end {
+                return Ok(());
+            }
+            // A failed read leaves the decision to the take.
+            match self.store.slot_count(t.key).await {
+                Ok(Some(SlotCount { taken, slots: Some(_) })) if taken >= t.slots => {}
+                _ => return Ok(()),
+            }
+        }
+    }
+
+    /// One pause of a waiting take; a slot freed by this coordinator wakes the head of its line
+    /// at once.
+    async fn pause_slot(&self, t: &Take<'_>, pause: Duration) {
         match &t.ticket {
-            // A slot freed by this coordinator wakes the head at once.
             Some(ticket) => ticket.wait_woken(pause).await,
             None => tokio::time::sleep(pause).await,
         }
-        Ok(())
     }
+}
+
+/// The pace at which the waiters of the full semaphore `r` poll it: how often a slot frees,
+/// judged from the map (the median hold of its ended entries, from their take to their release
+/// or expiry, or while none has ended the live holders' median age, over N), within
+/// `[SLOT_POLL_MIN, poll_max]` (`poll_max` alone when it is shorter). Every waiter reads it from
+/// the same item, so all poll at one pace without writing it: the waiters of a semaphore whose
+/// holders keep their slots a few ms poll at the shortest period, those of one whose holders
+/// keep them for minutes at `poll_max`. It is judged by holds, not by the intervals between
+/// grants, which grow with the time freed slots stay idle and would slow the waiters that idle
+/// time waits for; by the median, so that one holder that crashed does not slow them.
+pub(crate) fn slot_period(r: &Record, now: u64, poll_max: Duration) -> Duration {
+    let holders = &r.semaphore.slot_holders;
+    let mut holds: Vec<u64> = holders
+        .iter()
+        .filter(|h| !h.is_live(now))
+        .map(|h| h.released_at_ms.unwrap_or(h.expires_at_ms).saturating_sub(h.acquired_at_ms))
+        .collect();
+    if holds.is_empty() {
+        holds = holders.iter().map(|h| now.saturating_sub(h.acquired_at_ms)).collect();
+    }
+    holds.sort_unstable();
+    let median = holds.get(holds.len() / 2).copied().unwrap_or(u64::MAX);
+    let every = Duration::from_millis(median / r.semaphore.slots.unwrap_or(1).max(1) as u64);
+    every.clamp(SLOT_POLL_MIN.min(poll_max), poll_max)
 }
 
 impl Coordinator {
@@ -447,6 +521,11 @@ impl Coordinator {
         let (r, already) = match w {
             Write::Applied(r) => {
                 self.wakeups.wake(key);
+                // The semaphore was full: waiters of other processes may be polling it, and this
+                // coordinator's next take on it defers to them (`acquire_slot`'s courtesy).
+                if r.semaphore.slots_taken.unwrap_or(0) + 1 >= r.semaphore.slots.unwrap_or(1) {
+                    self.pacer.contended(key, slot_period(&r, now, self.config.poll_max));
+                }
                 (r, false)
             }
             Write::Rejected(Some(r)) if r.slot(lease_id).is_some_and(|h| h.released_at_ms.is_some()) => (r, true),
@@ -575,5 +654,59 @@ fn new_semaphore(t: &Take<'_>, slot: SlotHolder, ttl: u64) -> Record {
             slot_holders: vec![slot],
         },
         ..Record::key_only(t.key.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A semaphore of `n` slots whose entries were taken at `taken` ms and ended (released) at
+    /// `ended` ms, `None`: live.
+    fn semaphore(n: u32, entries: &[(u64, Option<u64>)]) -> Record {
+        let mut r = Record::key_only("k".into());
+        r.semaphore.slots = Some(n);
+        r.semaphore.slot_holders = entries
+            .iter()
+            .map(|&(taken, ended)| SlotHolder {
+                lease_id: LeaseId::generate(),
+                fence: 1,
+                holder: "h".into(),
+                acquired_at_ms: taken,
+                renewed_at_ms: taken,
+                expires_at_ms: ended.unwrap_or(taken + 3_600_000),
+                duration_ms: 3_600_000,
+                released_at_ms: ended,
+                metadata: None,
+                keepalive: None,
+            })
+            .collect();
+        r
+    }
+
+    #[test]
+    fn a_full_semaphore_is_polled_at_how_often_its_slots_free() {
+        let max = Duration::from_millis(500);
+        let now = 10_000_000;
+        // Holds of 5 ms on 4 slots: the shortest period.
+        let fast: Vec<_> = (0..8).map(|i| (now - 100 + i, Some(now - 95 + i))).collect();
+        assert_eq!(slot_period(&semaphore(4, &fast), now, max), SLOT_POLL_MIN);
+        // Holds of 800 ms on 4 slots: a slot frees every 200 ms.
+        let mid: Vec<_> = (0..8).map(|i| (now - 5_000 + i, Some(now - 4_200 + i))).collect();
+        assert_eq!(slot_period(&semaphore(4, &mid), now, max), Duration::from_millis(200));
+        // Holds of a minute: `poll_max`.
+        let slow: Vec<_> = (0..3).map(|i| (now - 90_000 + i, Some(now - 30_000 + i))).collect();
+        assert_eq!(slot_period(&semaphore(3, &slow), now, max), max);
+        // One holder that crashed and expired after an hour does not slow the waiters.
+        let mut crashed = fast.clone();
+        crashed.push((now - 3_600_000, None));
+        assert_eq!(slot_period(&semaphore(4, &crashed), now, max), SLOT_POLL_MIN);
+        // Nothing ended yet: the live holders' age so far (2 s over 4 slots).
+        let live: Vec<_> = (0..4).map(|_| (now - 2_000, None)).collect();
+        assert_eq!(slot_period(&semaphore(4, &live), now, max), max);
+        let live: Vec<_> = (0..4).map(|_| (now - 800, None)).collect();
+        assert_eq!(slot_period(&semaphore(4, &live), now, max), Duration::from_millis(200));
+        // A `poll_max` below the shortest period is kept.
+        assert_eq!(slot_period(&semaphore(4, &fast), now, Duration::from_millis(20)), Duration::from_millis(20));
     }
 }

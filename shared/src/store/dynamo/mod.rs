@@ -27,7 +27,7 @@ use aws_sdk_dynamodb::types::{ReturnValue, ReturnValuesOnConditionCheckFailure};
 use aws_sdk_dynamodb::Client;
 
 use super::table::{self, TableSpec, LEASE_TABLE};
-use super::{Condition, Mutation, Page, ScanKind, Store, Write};
+use super::{Condition, Mutation, Page, ScanKind, SlotCount, Store, Write};
 use crate::clock::ClockSamples;
 use crate::error::{Error, Result};
 use crate::model::Record;
@@ -338,6 +338,24 @@ impl Store for DynamoStore {
             .await
             .map_err(map_err)?;
         out.item().map(record_from_item).transpose()
+    }
+
+    async fn slot_count(&self, key: &str) -> Result<Option<SlotCount>> {
+        let out = self
+            .client
+            .get_item()
+            .table_name(&self.table)
+            .set_key(Some(key_map(key)))
+            .consistent_read(true)
+            .projection_expression("#taken, #slots")
+            .expression_attribute_names("#taken", attr::SEM_TAKEN)
+            .expression_attribute_names("#slots", attr::SEM_SLOTS)
+            .send()
+            .await
+            .map_err(map_err)?;
+        let Some(item) = out.item() else { return Ok(None) };
+        let n = |name| item::get_n(item, name).map(|n| n.map(|n| n.min(u32::MAX as u64) as u32));
+        Ok(Some(SlotCount { taken: n(attr::SEM_TAKEN)?.unwrap_or(0), slots: n(attr::SEM_SLOTS)? }))
     }
 
     async fn update(&self, key: &str, condition: &Condition, mutation: &Mutation) -> Result<Write> {

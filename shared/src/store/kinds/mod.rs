@@ -29,7 +29,7 @@ mod work;
 pub use keepalive::{KeepaliveCondition, KeepaliveMutation};
 pub use lease::{LeaseCondition, LeaseMutation, NewLease, Visit};
 pub use queue::{QueueCondition, QueueMutation};
-pub use semaphore::{SemaphoreCondition, SemaphoreMutation, CLEAN_CHUNK, EVICT_CHUNK};
+pub use semaphore::{SemaphoreCondition, SemaphoreMutation, SlotCount, CLEAN_CHUNK, EVICT_CHUNK};
 pub use work::{WorkCondition, WorkMutation};
 
 /// The attributes every item written whole from a [`Record`] opens with (a waiter's, a new

@@ -18,6 +18,14 @@ use crate::store::table::attr;
 /// within both (`one_write_stays_within_dynamodb_s_expression_limits`); a map with more ended
 /// entries is cleaned by several writes in sequence, each under the item the last one left.
 pub const CLEAN_CHUNK: usize = 100;
+
+/// What a waiter of a full semaphore polls ([`crate::store::Store::slot_count`]): the holders
+/// not released (`sem_taken`) and N (`sem_slots`; `None`: the item is no semaphore).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotCount {
+    pub taken: u32,
+    pub slots: Option<u32>,
+}
 /// Most holders one force-release evicts: each sets two paths (`released_at_ms`,
 /// `expires_at_ms`, 90 bytes and six operators); more are evicted by several writes.
 pub const EVICT_CHUNK: usize = 32;
