@@ -1754,7 +1754,8 @@ both_backends!(
     a_state_is_listed_across_pages_up_to_the_limit,
     takers_of_a_sharded_state_start_at_a_random_shard,
     a_batch_grant_answered_after_its_safe_time_is_released,
-    a_batch_whose_reads_all_fail_answers_the_failure
+    a_batch_whose_reads_all_fail_answers_the_failure,
+    a_batch_candidate_whose_outcome_is_unknown_is_released_when_others_are_answered
 );
 
 /// A batch lease whose safe time ended before the batch could answer (a later take's answer
@@ -1818,6 +1819,43 @@ async fn a_batch_whose_reads_all_fail_answers_the_failure(b: Backend) {
         .expect("the batch ends");
     assert!(matches!(r, Err(Error::StoreUnavailable(_))), "{r:?}");
     assert!(!c.get("unread/a").await.unwrap().held, "nothing taken");
+}
+
+/// A batch that answers with leases has no room for a candidate whose take may have landed
+/// unanswered (every answer lost until the deadline): what that take may have granted is
+/// released at once, not left to expire unused. Here the oldest key is taken alone (the
+/// batch's probe), then the other two together, one of whose answers is always lost.
+async fn a_batch_candidate_whose_outcome_is_unknown_is_released_when_others_are_answered(b: Backend) {
+    struct LostAnswers;
+    #[async_trait::async_trait]
+    impl Intercept for LostAnswers {
+        async fn update(
+            &self,
+            store: &Arc<dyn leasehold::store::Store>,
+            key: &str,
+            c: &Condition,
+            m: &Mutation,
+        ) -> leasehold::Result<Write> {
+            let take = matches!(c, Condition::Work(WorkCondition::FreeIn { .. }));
+            let w = store.update(key, c, m).await?;
+            if take && key == "unknown/b" {
+                return Err(Error::StoreUnavailable("injected: response lost after the write".into()));
+            }
+            Ok(w)
+        }
+    }
+    let c = b.coordinator(test_config());
+    for key in ["unknown/a", "unknown/b", "unknown/c"] {
+        c.put(key, "UNKNOWN", "producer").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let taker = Coordinator::new(wrap(b.store(), LostAnswers), test_config());
+    let got = taker.acquire_next("UNKNOWN", 3, "taker", secs(30), AcquireOptions::default()).await.unwrap();
+    let keys: Vec<&str> = got.iter().map(|l| l.key.as_str()).collect();
+    assert_eq!(keys, ["unknown/a", "unknown/c"], "{got:?}");
+    let s = c.get("unknown/b").await.unwrap();
+    assert_eq!(s.holder, "taker", "the lost answer's take landed: {s:?}");
+    assert!(s.released_at_ms.is_some() && !s.held, "released at once, not left to expire: {s:?}");
 }
 
 /// `list_in_state` reads a state page by page (100 items a page) and partition by partition,
