@@ -716,7 +716,7 @@ async fn sem_holder(sh: Arc<SemShared>, n: usize) {
     let mut conn = Conn::new(&sh.servers[n % sh.servers.len()]);
     let t = &sh.totals;
     // A holder never served by the end keeps trying (the faults go on) for up to SEM_OVERTIME:
-    // the semaphore is not fair, so a waiter is only promised a slot eventually.
+    // the order across processes is not FIFO, so a waiter is only promised a slot eventually.
     let unserved = || sh.served[n].load(Ordering::Relaxed) == 0;
     while Instant::now() < sh.stop_at || (unserved() && Instant::now() < sh.stop_at + SEM_OVERTIME) {
         let lease_id = format!("{:016x}{:016x}", rand(&mut seed), rand(&mut seed));
@@ -823,7 +823,7 @@ fn believers_at(sh: &SemShared, at_ms: i64) -> Vec<String> {
 /// frozen past its slot's expiry. Never more than 4 holders may believe at once, no two grants
 /// may share a fence, no frozen holder's slot may be renewed after its expiry, and every
 /// holder must be served (one not served by the end keeps trying, faults and all, for up to
-/// 30 s more: the semaphore is not fair, it only promises a free slot to some waiter).
+/// 30 s more: the order across processes is not FIFO, only each waiter's turn eventually).
 async fn semaphore_serve_safety_run(store: SemStore, seconds: u64) {
     let dir = leasehold_tests::TempDir::new("sem-safety");
     let mut env = Vec::new();
