@@ -26,6 +26,7 @@ pub struct SlotCount {
     pub taken: u32,
     pub slots: Option<u32>,
 }
+
 /// Most holders one force-release evicts: each sets two paths (`released_at_ms`,
 /// `expires_at_ms`, 90 bytes and six operators); more are evicted by several writes.
 pub const EVICT_CHUNK: usize = 32;
