@@ -528,7 +528,7 @@ async fn every_write_leaves_the_item_outliving_its_live_holders(b: Backend) {
 /// share a semaphore of 2 slots: each takes a slot, holds it 5 ms, releases it and asks again,
 /// for 3 s. Before, a holder took its slot back in the same round trip as its release, and the
 /// worker left out could only win a slot when its poll (every `poll_max`, 250..750 ms) landed
-/// in that gap: it got a handful of slots while the other two got hundreds each. Now a releaser
+/// in that gap: it got one slot or a handful while the other two got hundreds each. Now a releaser
 /// of a full semaphore defers to the waiters for a random part of the semaphore's poll period,
 /// and the waiters read it at that pace: each worker gets its turn.
 async fn waiters_of_other_processes_get_their_turn_on_a_full_semaphore(b: Backend) {
@@ -555,5 +555,7 @@ async fn waiters_of_other_processes_get_their_turn_on_a_full_semaphore(b: Backen
     }
     let (min, max) = (*per.iter().min().unwrap(), *per.iter().max().unwrap());
     eprintln!("slots per worker {per:?}");
-    assert!(min * 4 >= max, "slots per worker {per:?}: a worker of another process starved");
+    // Before: 390, 394 and 1 on the embedded store. The bound leaves room for a loaded
+    // machine's few and uneven turns (a debug client on DynamoDB Local gets 15 to 50 each).
+    assert!(min * 8 >= max && min > 0, "slots per worker {per:?}: a worker of another process starved");
 }
