@@ -227,6 +227,11 @@ where
 }
 
 impl DynamoStore {
+    /// A strongly consistent `GetItem` of `key`'s item, to be sent (with a projection, or not).
+    fn read_item(&self, key: &str) -> aws_sdk_dynamodb::operation::get_item::builders::GetItemFluentBuilder {
+        self.client.get_item().table_name(&self.table).set_key(Some(key_map(key))).consistent_read(true)
+    }
+
     /// An acquire: one conditional PutItem of the whole lease. Nothing of the previous lease
     /// survives by mistake, and DynamoDB Local spends less time on it than on the equivalent
     /// SET/REMOVE update expression (DESIGN.md has the figures).
@@ -328,25 +333,13 @@ impl Store for DynamoStore {
     }
 
     async fn get(&self, key: &str) -> Result<Option<Record>> {
-        let out = self
-            .client
-            .get_item()
-            .table_name(&self.table)
-            .set_key(Some(key_map(key)))
-            .consistent_read(true)
-            .send()
-            .await
-            .map_err(map_err)?;
+        let out = self.read_item(key).send().await.map_err(map_err)?;
         out.item().map(record_from_item).transpose()
     }
 
     async fn slot_count(&self, key: &str) -> Result<Option<SlotCount>> {
         let out = self
-            .client
-            .get_item()
-            .table_name(&self.table)
-            .set_key(Some(key_map(key)))
-            .consistent_read(true)
+            .read_item(key)
             .projection_expression("#taken, #slots")
             .expression_attribute_names("#taken", attr::SEM_TAKEN)
             .expression_attribute_names("#slots", attr::SEM_SLOTS)
