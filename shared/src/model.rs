@@ -188,6 +188,10 @@ pub struct SemaphoreFields {
     /// The semaphore's holders, live and ended but not yet cleaned.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub slot_holders: Vec<SlotHolder>,
+    /// The clock of the last write that cleaned away a holder still counted (expired,
+    /// unreleased): no free slot is taken by a clock behind it (DESIGN.md, "Semaphores").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cleaned_at_ms: Option<u64>,
 }
 
 /// One holder of a semaphore's slot (DESIGN.md, "Semaphores"), keyed by its lease_id.
@@ -661,6 +665,7 @@ mod record_tests {
                 slots_taken: Some(1),
                 slots_rev: Some(5),
                 slot_holders: vec![holder],
+                cleaned_at_ms: Some(9),
             },
         }
     }
@@ -680,7 +685,7 @@ mod record_tests {
             r#""state_since_ms":8,"attempts":2,"slots":3,"slots_taken":1,"slots_rev":5,"slot_holders":"#,
             r#"[{"lease_id":"id5","fence":7,"holder":"s","acquired_at_ms":1,"renewed_at_ms":2,"#,
             r#""expires_at_ms":3,"duration_ms":4,"released_at_ms":2,"metadata":{"a":1},"#,
-            r#""keepalive":{"until_ms":98,"execution_arn":"arn2"}}]}"#
+            r#""keepalive":{"until_ms":98,"execution_arn":"arn2"}}],"cleaned_at_ms":9}"#
         );
         let key_only_json = concat!(
             r#"{"key":"k","fence":0,"holder":"","lease_id":"","acquired_at_ms":0,"expires_at_ms":null,"#,

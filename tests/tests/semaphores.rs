@@ -27,6 +27,7 @@ both_backends!(
     a_take_sent_again_after_its_first_try_expired_takes_a_new_lease_id,
     every_write_leaves_the_item_outliving_its_live_holders,
     waiters_of_other_processes_get_their_turn_on_a_full_semaphore,
+    holders_a_fast_clock_cleaned_away_keep_their_slots_from_the_others,
 );
 
 fn secs(s: u64) -> Option<Duration> {
@@ -95,7 +96,7 @@ async fn a_request_dynamodb_refuses_for_good_is_store_refused_and_sent_once() {
         .await
         .unwrap();
     let ended: Vec<LeaseId> = (0..300).map(|_| LeaseId::generate()).collect();
-    let tidy = Mutation::Semaphore(SemaphoreMutation::TidySlots { ended, taken: 2, ttl: now / 1000 });
+    let tidy = Mutation::Semaphore(SemaphoreMutation::TidySlots { ended, taken: 2, ttl: now / 1000, cleaned_at: None });
     let e = store
         .update("refused/expr", &Condition::Semaphore(SemaphoreCondition::SlotsAsRead { rev: 1 }), &tidy)
         .await
@@ -558,4 +559,39 @@ async fn waiters_of_other_processes_get_their_turn_on_a_full_semaphore(b: Backen
     // Before: 390, 394 and 1 on the embedded store. The bound leaves room for a loaded
     // machine's few and uneven turns (a debug client on DynamoDB Local gets 15 to 50 each).
     assert!(min * 8 >= max && min > 0, "slots per worker {per:?}: a worker of another process starved");
+}
+
+/// A coordinator whose clock runs 6 s fast and which sees no clock evidence (a blind clock: its
+/// check cannot refuse it) judges the two holders of a full semaphore expired and cleans them
+/// away with its take. They still believe they hold their slots: an honest take must not use the
+/// slots so freed until its own clock has passed the cleaner's (`sem_cleaned_at_ms`), by which
+/// time their leases have ended. Before, the honest take was granted at once: 4 believers
+/// (3 honest) of 2 slots. Found by the simulation's blind-clock seeds with semaphores.
+async fn holders_a_fast_clock_cleaned_away_keep_their_slots_from_the_others(b: Backend) {
+    let c = Coordinator::new(b.store(), test_config());
+    let fast = {
+        let mut cfg = test_config();
+        cfg.clock_offset_ms = 6_000;
+        Coordinator::new(Counting::new(b.store()), cfg)
+    };
+    let k = "sem/cleaned-fast";
+    let dur = Some(Duration::from_millis(4_000));
+    let a = c.acquire(k, "a", dur, slots(2)).await.unwrap();
+    let b2 = c.acquire(k, "b", dur, slots(2)).await.unwrap();
+    let safe = a.safe_until.max(b2.safe_until).expect("a timed slot has a safe time");
+    // To the fast clock both expired 2 s ago: its take cleans them and takes a slot.
+    let f = fast.acquire(k, "fast", dur, slots(2)).await.expect("the fast clock sees both expired");
+    let item = b.store().get(k).await.unwrap().expect("the semaphore's item");
+    assert!(item.slot(&a.lease_id).is_none() && item.slot(&b2.lease_id).is_none(), "{item:?}");
+    assert!(item.semaphore.cleaned_at_ms.is_some_and(|t| t >= f.acquired_at_ms), "{item:?}");
+    // An honest take that does not wait is refused while a and b believe (the stamp is further
+    // away than its retry budget of 3 s).
+    let r = c.acquire(k, "c", dur, slots(2)).await;
+    assert!(matches!(r, Err(Error::LeaseHeld { .. })), "granted while a and b believe: {r:?}");
+    assert!(Instant::now() < safe, "the test ran too slowly to judge the refusal");
+    // One that waits is granted once this clock has passed the cleaner's, after a and b ended.
+    let opts = AcquireOptions { wait: secs(12), ..slots(2) };
+    let l = c.acquire(k, "c", dur, opts).await.expect("granted once this clock passed the stamp");
+    assert!(Instant::now() >= safe, "granted before a and b stopped believing");
+    assert!(l.acquired_at_ms >= item.semaphore.cleaned_at_ms.unwrap(), "granted before the stamp");
 }

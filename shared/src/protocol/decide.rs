@@ -154,6 +154,10 @@ pub(crate) enum SlotAnswer {
     /// (`freed_at_ms`, which `Free` refuses: a clock ahead of ours): make the semaphore once
     /// this clock has passed the stamp.
     Early(Record),
+    /// A holder of the semaphore was cleaned away by a clock ahead of ours
+    /// (`sem_cleaned_at_ms` after this take's clock: to ours it may not have expired yet, and
+    /// its holder may still believe): take once this clock has passed the stamp.
+    Cleaned(Record),
     /// A slot may be free but the last fence is not below ours: go again above it.
     Above(u64),
     /// Full only by ended holders: take again, cleaning them under the item as read.
@@ -186,6 +190,9 @@ pub(crate) fn sort_take(w: Write, lease_id: &LeaseId, fence: u64, now: u64, slot
             (Some(_), _) => SlotAnswer::Ended(Reason::Released),
             (None, false) => SlotAnswer::Ended(Reason::Expired),
         };
+    }
+    if r.semaphore.cleaned_at_ms.is_some_and(|t| t > now) {
+        return SlotAnswer::Cleaned(r);
     }
     if r.fence >= fence {
         return SlotAnswer::Above(r.fence);

@@ -89,6 +89,15 @@ fn ended(r: &Record, now: u64) -> (Vec<LeaseId>, u32) {
     (gone, (r.live_slots(now).count() + left) as u32)
 }
 
+/// The `sem_cleaned_at_ms` a write removing the entries `gone` of `r` at `now` sets: when one of
+/// them is still counted (expired unreleased: its holder may believe it holds its slot until a
+/// clock far behind ours passes its expiry), our clock, never below the stamp read; `None`
+/// (left as it is) when all were released.
+fn cleaned_at(r: &Record, gone: &[LeaseId], now: u64) -> Option<u64> {
+    let counted = r.semaphore.slot_holders.iter().any(|h| h.released_at_ms.is_none() && gone.contains(&h.lease_id));
+    counted.then(|| r.semaphore.cleaned_at_ms.unwrap_or(0).max(now))
+}
+
 impl Coordinator {
     /// An acquire with `slots >= 2`: one slot of the semaphore `key` (validated by the caller).
     pub(crate) async fn acquire_slot(
@@ -173,6 +182,10 @@ impl Coordinator {
                     (t.seen, t.how) = (Some(r.fence_floor()), How::Make);
                     self.slot_early(t, &r, now, deadline).await?;
                 }
+                SlotAnswer::Cleaned(r) => {
+                    (t.seen, t.how) = (Some(r.fence), How::Blind);
+                    self.slot_early(t, &r, now, deadline).await?;
+                }
                 SlotAnswer::Above(f) => (t.seen, t.how) = (Some(f), How::Blind),
                 SlotAnswer::Clean(r) => (t.seen, t.how) = (Some(r.fence), How::Clean(Box::new(r))),
                 SlotAnswer::Held(r) => {
@@ -222,8 +235,15 @@ impl Coordinator {
                                 fence,
                                 lease_id: t.lease_id.clone(),
                                 slots: t.slots,
+                                now_ms: now,
                             }),
-                            Mutation::Semaphore(SemaphoreMutation::TakeSlot { slot, slots: t.slots, ttl, clean: None }),
+                            Mutation::Semaphore(SemaphoreMutation::TakeSlot {
+                                slot,
+                                slots: t.slots,
+                                ttl,
+                                clean: None,
+                                cleaned_at: None,
+                            }),
                         ),
                         How::Make => (
                             Condition::Lease(LeaseCondition::Free { now_ms: now, fence, lease_id: t.lease_id.clone() }),
@@ -234,10 +254,17 @@ impl Coordinator {
                         How::Clean(r) => {
                             let (gone, live) = ended(r, now);
                             let rev = r.semaphore.slots_rev.unwrap_or(0);
+                            let cleaned_at = cleaned_at(r, &gone, now);
                             let clean = Some((gone, live + 1));
                             (
                                 Condition::Semaphore(SemaphoreCondition::SlotsAsRead { rev }),
-                                Mutation::Semaphore(SemaphoreMutation::TakeSlot { slot, slots: t.slots, ttl, clean }),
+                                Mutation::Semaphore(SemaphoreMutation::TakeSlot {
+                                    slot,
+                                    slots: t.slots,
+                                    ttl,
+                                    clean,
+                                    cleaned_at,
+                                }),
                             )
                         }
                     })
@@ -278,7 +305,8 @@ impl Coordinator {
                 }
                 let rev = cur.semaphore.slots_rev.unwrap_or(0);
                 let cond = Condition::Semaphore(SemaphoreCondition::SlotsAsRead { rev });
-                let m = Mutation::Semaphore(SemaphoreMutation::TidySlots { ended: gone, taken, ttl });
+                let cleaned_at = cleaned_at(&cur, &gone, now);
+                let m = Mutation::Semaphore(SemaphoreMutation::TidySlots { ended: gone, taken, ttl, cleaned_at });
                 match self.store.update(t.key, &cond, &m).await {
                     Ok(Write::Applied(next)) => cur = next,
                     _ => break,
@@ -291,10 +319,11 @@ impl Coordinator {
     }
 
     /// A free plain lease `r` freed by a clock ahead of ours (its `freed_at_ms` after this
-    /// take's clock `now`): sleep until this clock has passed it (once: no put is sent before),
-    /// or answer `LeaseHeld` when that is past the deadline.
+    /// take's clock `now`), or a semaphore a holder of which a clock ahead of ours cleaned away
+    /// (`sem_cleaned_at_ms`): sleep until this clock has passed it (once: no take is sent
+    /// before), or answer `LeaseHeld` when that is past the deadline.
     async fn slot_early(&self, t: &Take<'_>, r: &Record, now: u64, deadline: Instant) -> Result<()> {
-        let at = r.queue.freed_at_ms.unwrap_or(now);
+        let at = r.semaphore.cleaned_at_ms.filter(|t| *t > now).or(r.queue.freed_at_ms).unwrap_or(now);
         let until = self.monotonic() + Duration::from_millis(at.saturating_sub(now) + 1);
         if until >= deadline {
             return Err(Error::LeaseHeld { key: t.key.to_string(), holder: r.holder.clone(), expires_at_ms: Some(at) });
@@ -652,6 +681,7 @@ fn new_semaphore(t: &Take<'_>, slot: SlotHolder, ttl: u64) -> Record {
             slots_taken: Some(1),
             slots_rev: Some(1),
             slot_holders: vec![slot],
+            cleaned_at_ms: None,
         },
         ..Record::key_only(t.key.to_string())
     }

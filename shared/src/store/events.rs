@@ -491,7 +491,13 @@ mod tests {
     }
 
     fn take(h: SlotHolder, clean: Option<(Vec<LeaseId>, u32)>) -> Mutation {
-        Mutation::Semaphore(SemaphoreMutation::TakeSlot { slot: Box::new(h), slots: 2, ttl: 1, clean })
+        Mutation::Semaphore(SemaphoreMutation::TakeSlot {
+            slot: Box::new(h),
+            slots: 2,
+            ttl: 1,
+            clean,
+            cleaned_at: None,
+        })
     }
 
     /// Each holder of a semaphore has its own events, with its holder, fence and lease_id's
@@ -510,6 +516,7 @@ mod tests {
                 slots_taken: Some(1),
                 slots_rev: Some(1),
                 slot_holders: vec![first],
+                cleaned_at_ms: None,
             },
             fence: 16,
             lease_id: LeaseId::from_string(NO_LEASE),
@@ -558,7 +565,12 @@ mod tests {
         assert_eq!(kinds(&ev), vec![(ForceReleased, "c", 18, 7200), (ForceReleased, "d", 19, 7200)]);
         // A tidy removes ended entries: nothing recorded.
         let (_, ev) = apply(
-            &Mutation::Semaphore(SemaphoreMutation::TidySlots { ended: vec![id("c"), id("d")], taken: 0, ttl: 1 }),
+            &Mutation::Semaphore(SemaphoreMutation::TidySlots {
+                ended: vec![id("c"), id("d")],
+                taken: 0,
+                ttl: 1,
+                cleaned_at: None,
+            }),
             Some(&r),
         );
         assert!(ev.is_empty());

@@ -64,6 +64,8 @@ pub mod attr {
     pub(crate) const SEM_TAKEN: &str = "sem_taken";
     pub(crate) const SEM_REV: &str = "sem_rev";
     pub(crate) const SEM_HOLDERS: &str = "sem_holders";
+    /// The clock of the last write that cleaned away a holder still counted.
+    pub(crate) const SEM_CLEANED_AT: &str = "sem_cleaned_at_ms";
 
     /// Every attribute above.
     pub const ALL: &[&str] = &[
@@ -102,6 +104,7 @@ pub mod attr {
         SEM_TAKEN,
         SEM_REV,
         SEM_HOLDERS,
+        SEM_CLEANED_AT,
     ];
 
     /// The attributes that are DynamoDB reserved words, so an expression must name them through

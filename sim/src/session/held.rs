@@ -1,11 +1,11 @@
 //! Leases held with `HeldLease`: renewed in the background, the work run under `run`, then
-//! released or dropped.
+//! released or dropped; in the semaphore runs, a third of them slots of a semaphore.
 
 use std::time::Duration;
 
 use leasehold::AcquireOptions;
 
-use super::release_unknown;
+use super::{release_unknown, SEMAPHORES};
 use crate::violation::Violation;
 use crate::world::{draw, ended, key, lock, now, op, told, write_resource, Node, Shared, KEYS};
 
@@ -14,12 +14,21 @@ use crate::world::{draw, ended, key, lock, now, op, told, write_resource, Node, 
 /// and writing to the guarded resource when done, then released, or dropped (released in the
 /// background).
 pub(crate) async fn held(node: &Node, world: &Shared, name: &str) {
-    let (k, dur, work, drop_it) =
-        draw(world, |w| (key(w.below(KEYS as u64)), w.between(600, 3000), w.between(100, 6000), w.chance(0.3)));
+    let semaphores = lock(world).semaphores;
+    let (k, dur, work, drop_it, slots) = draw(world, |w| {
+        let (k, dur, work, drop_it) =
+            (key(w.below(KEYS as u64)), w.between(600, 3000), w.between(100, 6000), w.chance(0.3));
+        // In the semaphore runs, a third hold a slot instead.
+        match (semaphores && w.chance(1.0 / 3.0)).then(|| SEMAPHORES[w.below(SEMAPHORES.len() as u64) as usize]) {
+            Some((k, n)) => (k.to_string(), dur, work, drop_it, Some(n)),
+            None => (k, dur, work, drop_it, None),
+        }
+    });
     if !op(world) {
         return;
     }
-    let h = match node.coord.hold(&k, name, Duration::from_millis(dur), AcquireOptions::default()).await {
+    let opts = AcquireOptions { slots, ..Default::default() };
+    let h = match node.coord.hold(&k, name, Duration::from_millis(dur), opts).await {
         Ok(h) => h,
         Err(e) => {
             release_unknown(node, world, &k, &e).await;
@@ -52,7 +61,9 @@ pub(crate) async fn held(node: &Node, world: &Shared, name: &str) {
                     format!("{name}'s work under HeldLease::run went on past the lease's safe time"),
                 ));
             }
-            if let Some(l) = h.lease() {
+            // N holders of a semaphore write side by side: no guarded resource (the checker
+            // counts a slot's holders instead, `over_slots`).
+            if let Some(l) = h.lease().filter(|_| slots.is_none()) {
                 write_resource(world, &k, &l, true);
             }
         })

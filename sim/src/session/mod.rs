@@ -57,12 +57,12 @@ pub(crate) async fn client(node: Arc<Node>, world: Shared, n: usize) {
             plain::hot(&node, &world, &name).await;
             continue;
         }
-        if lock(&world).semaphores && kind < 20 {
-            semaphore::semaphore(&node, &world, &name).await;
-            continue;
-        }
         if lock(&world).held_leases && kind < 10 {
             held::held(&node, &world, &name).await;
+            continue;
+        }
+        if lock(&world).semaphores && kind < 20 {
+            semaphore::semaphore(&node, &world, &name).await;
             continue;
         }
         match kind {

@@ -105,6 +105,7 @@ pub(crate) fn record_from_item(item: &Item) -> Result<Record> {
             slots_taken: get_n(item, attr::SEM_TAKEN)?.map(|a| a.min(u32::MAX as u64) as u32),
             slots_rev: get_n(item, attr::SEM_REV)?,
             slot_holders: slot_holders(item)?,
+            cleaned_at_ms: get_n(item, attr::SEM_CLEANED_AT)?,
         },
     })
 }

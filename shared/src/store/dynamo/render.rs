@@ -293,12 +293,18 @@ mod tests {
             ),
             // Semaphores: take, clean and take, tidy, heartbeat, release, force-release.
             (
-                Condition::Semaphore(SemaphoreCondition::SlotFree { fence: 4, lease_id: id.clone(), slots: 3 }),
+                Condition::Semaphore(SemaphoreCondition::SlotFree {
+                    fence: 4,
+                    lease_id: id.clone(),
+                    slots: 3,
+                    now_ms: now,
+                }),
                 Some(Mutation::Semaphore(SemaphoreMutation::TakeSlot {
                     slot: Box::new(slot(&id)),
                     slots: 3,
                     ttl: 2,
                     clean: None,
+                    cleaned_at: None,
                 })),
             ),
             (
@@ -308,6 +314,7 @@ mod tests {
                     slots: 3,
                     ttl: 2,
                     clean: Some((vec![LeaseId::generate()], 2)),
+                    cleaned_at: Some(now),
                 })),
             ),
             (
@@ -316,6 +323,7 @@ mod tests {
                     ended: vec![LeaseId::generate()],
                     taken: 2,
                     ttl: 2,
+                    cleaned_at: Some(now),
                 })),
             ),
             (
@@ -428,7 +436,7 @@ mod tests {
             Condition::Queue(QueueCondition::Unqueued { lease_id: id.clone() }),
             Condition::Queue(QueueCondition::ReleaseHandOver { lease_id: id.clone(), fence: 3, now_ms: 1, head: 5 }),
             Condition::Queue(QueueCondition::QueueIdle),
-            Condition::Semaphore(SemaphoreCondition::SlotFree { fence: 3, lease_id: id.clone(), slots: 2 }),
+            Condition::Semaphore(SemaphoreCondition::SlotFree { fence: 3, lease_id: id.clone(), slots: 2, now_ms: 1 }),
             Condition::Semaphore(SemaphoreCondition::SlotsAsRead { rev: 3 }),
             Condition::Semaphore(SemaphoreCondition::SlotRenew { lease_id: id.clone(), now_ms: 1, expires_at_ms: 4 }),
             Condition::Semaphore(SemaphoreCondition::SlotUnreleased { lease_id: id.clone() }),

@@ -37,10 +37,13 @@ pub const EVICT_CHUNK: usize = 32;
 #[derive(Debug, Clone, PartialEq)]
 pub enum SemaphoreCondition {
     /// A semaphore has a free slot for `lease_id` at `fence`: the item is a semaphore, fewer
-    /// than `slots` holders are counted, its last fence is below `fence`, and `lease_id` has no
-    /// entry (single-use). DynamoDB: `attribute_exists(sem_slots) AND sem_taken < :slots AND
-    /// fence < :fence AND attribute_not_exists(sem_holders.#lease_id)`
-    SlotFree { fence: u64, lease_id: LeaseId, slots: u32 },
+    /// than `slots` holders are counted, its last fence is below `fence`, `lease_id` has no
+    /// entry (single-use), and no holder was cleaned away by a clock ahead of this take's
+    /// `now_ms` (`sem_cleaned_at_ms`: a holder whose entry a clock far ahead judged expired may
+    /// still believe it holds its slot). DynamoDB: `attribute_exists(sem_slots) AND sem_taken <
+    /// :slots AND fence < :fence AND attribute_not_exists(sem_holders.#lease_id) AND
+    /// (attribute_not_exists(sem_cleaned_at_ms) OR sem_cleaned_at_ms <= :now)`
+    SlotFree { fence: u64, lease_id: LeaseId, slots: u32, now_ms: u64 },
     /// The semaphore is as read: no write since (every one bumps `sem_rev`). DynamoDB:
     /// `sem_rev = :expected_rev`
     SlotsAsRead { rev: u64 },
@@ -65,7 +68,15 @@ pub enum SemaphoreMutation {
     /// Take a slot: the holder's entry, `fence` = its fence, `sem_slots` = `slots`, `sem_rev`
     /// plus one, the TTL; `sem_taken` plus one, or, cleaning (`clean`: the ended entries and the
     /// count left with this holder), the ended entries removed and `sem_taken` set.
-    TakeSlot { slot: Box<SlotHolder>, slots: u32, ttl: u64, clean: Option<(Vec<LeaseId>, u32)> },
+    /// `sem_cleaned_at_ms` = `cleaned_at` when given (a holder counted, expired unreleased, is
+    /// cleaned away: the writer's clock, never below the stamp it read).
+    TakeSlot {
+        slot: Box<SlotHolder>,
+        slots: u32,
+        ttl: u64,
+        clean: Option<(Vec<LeaseId>, u32)>,
+        cleaned_at: Option<u64>,
+    },
     /// Renew holder `lease_id`: expiry `now + duration`, renewed now.
     RenewSlot { lease_id: LeaseId, now_ms: u64, duration_ms: u64, ttl: u64 },
     /// Release holder `lease_id`: released and expired now, `sem_taken` - 1.
@@ -73,8 +84,9 @@ pub enum SemaphoreMutation {
     /// Force-release holders `evicted`: released now, expired at 0, `sem_taken` = `taken`,
     /// fence + 1.
     EvictSlots { evicted: Vec<LeaseId>, now_ms: u64, taken: u32, ttl: u64 },
-    /// Remove the ended entries `ended`, `sem_taken` = `taken`.
-    TidySlots { ended: Vec<LeaseId>, taken: u32, ttl: u64 },
+    /// Remove the ended entries `ended`, `sem_taken` = `taken`; `sem_cleaned_at_ms` =
+    /// `cleaned_at` when given (as [`SemaphoreMutation::TakeSlot`]'s).
+    TidySlots { ended: Vec<LeaseId>, taken: u32, ttl: u64, cleaned_at: Option<u64> },
 }
 
 impl SemaphoreCondition {
@@ -83,11 +95,12 @@ impl SemaphoreCondition {
         let Some(r) = item else { return false };
         let s = &r.semaphore;
         match self {
-            SemaphoreCondition::SlotFree { fence, lease_id, slots } => {
+            SemaphoreCondition::SlotFree { fence, lease_id, slots, now_ms } => {
                 s.slots.is_some()
                     && s.slots_taken.unwrap_or(0) < *slots
                     && r.fence < *fence
                     && r.slot(lease_id).is_none()
+                    && s.cleaned_at_ms.is_none_or(|t| t <= *now_ms)
             }
             SemaphoreCondition::SlotsAsRead { rev } => s.slots_rev == Some(*rev),
             SemaphoreCondition::SlotRenew { lease_id, now_ms, expires_at_ms } => r
@@ -102,14 +115,16 @@ impl SemaphoreCondition {
     /// The DynamoDB `ConditionExpression` (numbered as in `dynamo/render.rs`'s protocol).
     pub(in crate::store) fn guard(&self) -> Guard {
         match self {
-            // Step 9b, take: a semaphore with fewer than N holders counted, a lower last fence, and
+            // Step 9b, take: a semaphore with fewer than N holders counted, a lower last fence,
             // no entry of this lease_id (single-use; a retry finds its entry in the refused
-            // answer).
-            SemaphoreCondition::SlotFree { fence, lease_id, slots } => slot_guard(
+            // answer), and no holder cleaned away by a clock ahead of ours (its holder may
+            // believe until our clock passes the cleaner's).
+            SemaphoreCondition::SlotFree { fence, lease_id, slots, now_ms } => slot_guard(
                 "attribute_exists(sem_slots) AND sem_taken < :slots AND fence < :fence \
-                 AND attribute_not_exists(sem_holders.#lease_id)",
+                 AND attribute_not_exists(sem_holders.#lease_id) \
+                 AND (attribute_not_exists(sem_cleaned_at_ms) OR sem_cleaned_at_ms <= :now)",
                 lease_id,
-                [("slots", num(*slots as u64)), ("fence", num(*fence))],
+                [("slots", num(*slots as u64)), ("fence", num(*fence)), ("now", num(*now_ms))],
             ),
             // Steps 9c, 9d, 9g, the item as read: cleaning, tidying and evicting count what they read.
             SemaphoreCondition::SlotsAsRead { rev } => guard("sem_rev = :expected_rev", [("expected_rev", num(*rev))]),
@@ -136,8 +151,11 @@ impl SemaphoreMutation {
     pub fn apply(&self, old: Option<&Record>) -> Record {
         match self {
             SemaphoreMutation::PutSemaphore(r) => (**r).clone(),
-            SemaphoreMutation::TakeSlot { slot: h, slots, ttl, clean } => revised(old, |r| {
+            SemaphoreMutation::TakeSlot { slot: h, slots, ttl, clean, cleaned_at } => revised(old, |r| {
                 let s = &mut r.semaphore;
+                if cleaned_at.is_some() {
+                    s.cleaned_at_ms = *cleaned_at;
+                }
                 if let Some((ended, taken)) = clean {
                     s.slot_holders.retain(|e| !ended.contains(&e.lease_id));
                     s.slots_taken = Some(*taken);
@@ -175,7 +193,10 @@ impl SemaphoreMutation {
                 r.fence = r.fence.saturating_add(1);
                 r.ttl = Some(*ttl);
             }),
-            SemaphoreMutation::TidySlots { ended, taken, ttl } => revised(old, |r| {
+            SemaphoreMutation::TidySlots { ended, taken, ttl, cleaned_at } => revised(old, |r| {
+                if cleaned_at.is_some() {
+                    r.semaphore.cleaned_at_ms = *cleaned_at;
+                }
                 r.semaphore.slot_holders.retain(|e| !ended.contains(&e.lease_id));
                 r.semaphore.slots_taken = Some(*taken);
                 r.ttl = Some(*ttl);
@@ -190,7 +211,7 @@ impl SemaphoreMutation {
             // Step 9a, the first holder makes the semaphore.
             SemaphoreMutation::PutSemaphore(r) => return Request::Put(semaphore_item(r), (**r).clone()),
             // Steps 9b, 9c, take (cleaning the ended entries first when the semaphore was full).
-            SemaphoreMutation::TakeSlot { slot, slots, ttl, clean } => {
+            SemaphoreMutation::TakeSlot { slot, slots, ttl, clean, cleaned_at } => {
                 let p = x.holder_path("lease_id", &slot.lease_id);
                 let v = x.v("slot_holder", slot_holder_value(slot));
                 x.set_path(p, v);
@@ -202,6 +223,9 @@ impl SemaphoreMutation {
                         remove_holders(x, "ended", ended);
                         x.set_value(attr::SEM_TAKEN, num(*taken as u64));
                     }
+                }
+                if let Some(t) = cleaned_at {
+                    x.set_value(attr::SEM_CLEANED_AT, num(*t));
                 }
                 x.bump(attr::SEM_REV, false);
                 x.set_value(attr::TTL, num(*ttl));
@@ -235,8 +259,11 @@ impl SemaphoreMutation {
             }
             SemaphoreMutation::EvictSlots { evicted, now_ms, taken, ttl } => evict(x, evicted, *now_ms, *taken, *ttl),
             // Step 9d, tidy: the ended entries removed.
-            SemaphoreMutation::TidySlots { ended, taken, ttl } => {
+            SemaphoreMutation::TidySlots { ended, taken, ttl, cleaned_at } => {
                 x.set_value(attr::SEM_TAKEN, num(*taken as u64));
+                if let Some(t) = cleaned_at {
+                    x.set_value(attr::SEM_CLEANED_AT, num(*t));
+                }
                 x.bump(attr::SEM_REV, false);
                 x.set_value(attr::TTL, num(*ttl));
                 remove_holders(x, "ended", ended);
@@ -317,6 +344,9 @@ fn semaphore_item(r: &Record) -> Item {
     put(attr::SEM_TAKEN, num(s.slots_taken.unwrap_or(0) as u64));
     put(attr::SEM_REV, num(s.slots_rev.unwrap_or(0)));
     put(attr::SEM_HOLDERS, AttributeValue::M(holders));
+    if let Some(t) = s.cleaned_at_ms {
+        put(attr::SEM_CLEANED_AT, num(t));
+    }
     if let Some(k) = &r.keepalive {
         put(attr::KA_SHARD, num(keepalive_shard(&r.key, KEEPALIVE_SHARDS) as u64));
         put(attr::KA_UNTIL, num(k.until_ms));
@@ -380,11 +410,13 @@ mod tests {
                 slots: MAX_SLOTS,
                 ttl: u64::MAX,
                 clean: Some((ids(CLEAN_CHUNK), MAX_SLOTS)),
+                cleaned_at: Some(u64::MAX),
             }),
             Mutation::Semaphore(SemaphoreMutation::TidySlots {
                 ended: ids(CLEAN_CHUNK),
                 taken: MAX_SLOTS,
                 ttl: u64::MAX,
+                cleaned_at: Some(u64::MAX),
             }),
             Mutation::Semaphore(SemaphoreMutation::EvictSlots {
                 evicted: ids(EVICT_CHUNK),
@@ -450,6 +482,7 @@ mod tests {
             (r.fence, r.acquired_at_ms, r.min_hold_until_ms, r.ttl) = (u64::MAX, u64::MAX, u64::MAX, Some(u64::MAX));
             r.semaphore.slots = Some(n);
             (r.semaphore.slots_taken, r.semaphore.slots_rev) = (Some(n), Some(u64::MAX));
+            r.semaphore.cleaned_at_ms = Some(u64::MAX);
             r.semaphore.slot_holders = holders;
             let item = semaphore_item(&r);
             let size: usize = item.iter().map(|(k, v)| k.len() + value_size(v)).sum();
