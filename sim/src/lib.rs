@@ -97,7 +97,7 @@ impl Settings {
 
 /// The shapes of the sessions' acquires, each of which some seeds of a run must be granted
 /// (FINDINGS.md, "A class of the simulation that ran nothing").
-pub const GRANTED_SHAPES: [&str; 5] = ["plain", "fail_closed", "kept_alive", "slot", "slot_kept_alive"];
+pub const GRANTED_SHAPES: [&str; 6] = ["plain", "fail_closed", "kept_alive", "slot", "slot_kept_alive", "slot_own_id"];
 
 /// What one run did and found.
 #[derive(Debug, Clone)]

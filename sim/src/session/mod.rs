@@ -103,6 +103,7 @@ pub(crate) async fn acquire(
     let opts_waited = opts.wait.is_some_and(|w| !w.is_zero());
     let shape = match (opts.slots.is_some(), opts.keepalive.is_some(), duration.is_none()) {
         (true, true, _) => "slot_kept_alive",
+        (true, false, _) if opts.lease_id.is_some() => "slot_own_id",
         (true, false, _) => "slot",
         (false, true, _) => "kept_alive",
         (false, false, true) => "fail_closed",
