@@ -39,6 +39,8 @@ pub(crate) enum Event {
     /// An acquire of coordinator `coordinator` waited from `start` and was answered `LeaseHeld`
     /// at `end`.
     WaitedInVain { key: String, coordinator: String, start: Instant, end: Instant },
+    /// A take of a slot by client `client` waited from `start` until its answer at `end`.
+    SlotWaited { key: String, client: String, start: Instant, end: Instant },
     /// A coordinator's clock was stepped by `by_ms` (a jump beyond the margin, or its end).
     ClockJump { node: String, by_ms: i64, at: Instant },
 }

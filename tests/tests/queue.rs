@@ -42,6 +42,7 @@ both_backends!(
     revoke_keeps_a_work_state_without_ttl,
     heartbeat_answers_without_waiting_for_the_ttl_removal,
     sweep_reads_one_entry_per_key_and_rotates,
+    a_key_the_sweep_cannot_serve_is_counted_and_kept,
 );
 
 /// Records deliveries; tokens in `gone` answer `Gone`; the next `transient` attempts fail;
@@ -245,6 +246,11 @@ async fn crashed_holder_is_replaced_by_the_sweep(b: Backend) {
     let report = c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
     assert_eq!(early.served.delivered + report.served.delivered, 1, "{early:?} {report:?}");
     assert_eq!(rec.tokens(), ["crashed", "next"]);
+    // Each run read the one key with waiters; the grant left its queue empty, and the key left
+    // the index in the run that made it.
+    assert_eq!((early.keys, report.keys, early.errors + report.errors), (1, 1, 0), "{early:?} {report:?}");
+    assert_eq!(early.unindexed + report.unindexed, 1, "{early:?} {report:?}");
+    assert_eq!(c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap().keys, 0, "left the index");
     assert!(rec.last().fence > crashed.fence);
     // A force-release hands over the same way.
     enqueue(&c, &k, "after-force", Duration::from_secs(30)).await;
@@ -746,9 +752,13 @@ async fn a_missing_slot_is_skipped_after_its_own_grace(b: Backend) {
     let plain = b.coordinator(test_config());
     let refused = plain.acquire(&lonely, "p", Some(Duration::from_secs(5)), AcquireOptions::default()).await;
     assert!(refused.is_err(), "a free key with a slot is the slot's");
-    c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    let report = c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
     let st = c.get(&lonely).await.unwrap();
     assert!(!st.held && st.queue_length == 0, "the sweep skipped the missing slot: {st:?}");
+    // Both keys read; the missing slot counted as skipped, and its key, idle, left the index
+    // (the other still has a waiter).
+    let counts = (report.keys, report.served.skipped, report.unindexed, report.errors);
+    assert_eq!(counts, (2, 1, 1, 0), "{report:?}");
     plain.acquire(&lonely, "p", Some(Duration::from_secs(5)), AcquireOptions::default()).await.unwrap();
 }
 
@@ -962,4 +972,29 @@ async fn sweep_reads_one_entry_per_key_and_rotates(b: Backend) {
     let shard = leasehold::queue::queue_shard(&k);
     let page = b.store().scan(&ScanKind::Queue { shard }, None, 1000).await.unwrap();
     assert!(page.items.iter().all(|r| r.key != k), "an idle key leaves the queue index");
+}
+
+/// A key the sweep cannot serve (its grant's write failing every try) is counted as an error
+/// and stays in the index; the next run serves it and takes it out.
+async fn a_key_the_sweep_cannot_serve_is_counted_and_kept(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let faults = Faults::new(b.store());
+    let c = Coordinator::new(faults.clone(), test_config()).with_deliver(rec.clone() as Arc<dyn Deliver>);
+    let k = key("unserved");
+    let Enqueued::Granted(crashed) = enqueue(&c, &k, "crashed", Duration::from_millis(1000)).await else { panic!() };
+    enqueue(&c, &k, "next", Duration::from_secs(30)).await;
+    let left = crashed.expires_at_ms.unwrap().saturating_sub(c.now_ms());
+    tokio::time::sleep(Duration::from_millis(left + 100)).await;
+    let failing = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let f = failing.clone();
+    faults.once(move |_, m| {
+        (f.load(Ordering::SeqCst) && matches!(m, Mutation::Queue(QueueMutation::Grant { .. }))).then_some(Act::Fail)
+    });
+    let r = c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    assert_eq!((r.keys, r.errors, r.served.delivered, r.unindexed), (1, 1, 0, 0), "{r:?}");
+    assert_eq!(rec.tokens(), ["crashed"]);
+    failing.store(false, Ordering::SeqCst);
+    let r = c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    assert_eq!((r.keys, r.errors, r.served.delivered, r.unindexed), (1, 0, 1, 1), "{r:?}");
+    assert_eq!(rec.tokens(), ["crashed", "next"]);
 }

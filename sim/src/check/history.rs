@@ -181,7 +181,7 @@ pub(crate) fn trace_hash(events: &[Event], log: &[Applied], t0: Instant) -> u64 
                 eat(&us(*at).to_le_bytes());
             }
             // Not hashed: a checker's annotation, so that every seed's hash stays as it was.
-            Event::WaitedInVain { .. } => {}
+            Event::WaitedInVain { .. } | Event::SlotWaited { .. } => {}
             Event::ClockJump { node, by_ms, at } => {
                 eat(b"J");
                 eat(node.as_bytes());

@@ -62,6 +62,7 @@ pub(crate) fn check(
     queues::queues(log, &mut out);
     queues::releases(events, log, &mut out);
     queues::starvation(events, log, &mut out);
+    queues::slot_starvation(events, log, &mut out);
     queues::marks_kept(log, &mut out);
     queues::released_once(log, &mut out);
     out

@@ -135,6 +135,60 @@ pub(super) fn starvation(events: &[Event], log: &[Applied], out: &mut Vec<Violat
     }
 }
 
+/// How many slots of a semaphore the takes of other processes may be granted in a row while a
+/// waiting take of one process waits. Its takes poll the count at the semaphore's pace and a
+/// releaser defers to them (DESIGN.md, "Semaphores": "Waiting, and what is left for later"),
+/// but a freed slot still goes to whichever take lands first: not FIFO across processes.
+/// Measured on the hot semaphore (BENCHMARKS.md, "Deterministic simulation"): at most 40 in a
+/// row in `--seeds 1000`; with the pacing and the deferring reverted, up to 58 in `--seeds 200`
+/// (`scripts/sim-reverts/slot-waiters-unpaced.patch`).
+const SLOT_STARVED_AFTER: usize = 45;
+
+/// A waiting take of a semaphore's slot in one process is not starved by the takes of other
+/// processes: while it waited (until its answer, a slot or `LeaseHeld`), the semaphore's slots
+/// were not granted [`SLOT_STARVED_AFTER`] times in a row to other processes. A grant to its own
+/// process ends the streak (its own line hands its slots on in arrival order).
+pub(super) fn slot_starvation(events: &[Event], log: &[Applied], out: &mut Vec<Violation>) {
+    // Per semaphore: its grants in store order, when and to which process.
+    let mut grants: BTreeMap<&str, Vec<(Instant, &str)>> = BTreeMap::new();
+    for a in log {
+        let holder = match (&a.mutation, &a.new) {
+            (Some(Mutation::Semaphore(SemaphoreMutation::TakeSlot { slot, .. })), Some(_)) => slot.holder.as_str(),
+            (Some(Mutation::Semaphore(SemaphoreMutation::PutSemaphore(r))), Some(_)) => r.holder.as_str(),
+            _ => continue,
+        };
+        grants.entry(a.key.as_str()).or_default().push((a.at, process(holder)));
+    }
+    for e in events {
+        let Event::SlotWaited { key, client, start, end } = e else { continue };
+        let Some(grants) = grants.get(key.as_str()) else { continue };
+        let own = process(client);
+        let from = grants.partition_point(|(at, _)| at <= start);
+        let (mut streak, mut longest) = (0, 0);
+        for (_, by) in grants[from..].iter().take_while(|(at, _)| at < end) {
+            streak = if *by != own { streak + 1 } else { 0 };
+            longest = longest.max(streak);
+        }
+        if longest >= SLOT_STARVED_AFTER {
+            let mut v = Violation::new(
+                "slot_waiter_starved",
+                key,
+                format!(
+                    "a take of {client} waited {} ms while {longest} slots in a row went to other processes",
+                    end.duration_since(*start).as_millis(),
+                ),
+            );
+            v.at = Some(*end);
+            out.push(v);
+        }
+    }
+}
+
+/// The process of a client (`c1/2`: `c1`).
+fn process(client: &str) -> &str {
+    client.split_once('/').map_or(client, |(p, _)| p)
+}
+
 /// The waiter queue: a key's grants to its waiters go in queue order (each grant's sequence
 /// number above the last, across the key's successive queues: a new queue starts above the
 /// last one's tail), and a waiter takes one slot (an enqueue never lands on a queue whose last

@@ -54,7 +54,12 @@ pub(crate) async fn client(node: Arc<Node>, world: Shared, n: usize) {
         }
         let kind = draw(&world, |w| w.below(100));
         if lock(&world).hot_key && kind < 20 {
-            plain::hot(&node, &world, &name).await;
+            // With semaphores, they loop on a semaphore's slot instead.
+            if lock(&world).semaphores {
+                semaphore::hot(&node, &world, &name).await;
+            } else {
+                plain::hot(&node, &world, &name).await;
+            }
             continue;
         }
         if lock(&world).held_leases && kind < 10 {
@@ -144,6 +149,10 @@ pub(crate) async fn acquire(
     if matches!(r, Err(Error::LeaseHeld { .. })) && opts_waited {
         let coordinator = node.coord.id().to_string();
         lock(world).events.push(Event::WaitedInVain { key: k.to_string(), coordinator, start, end });
+    }
+    if shape.starts_with("slot") && opts_waited {
+        let (key, client) = (k.to_string(), name.to_string());
+        lock(world).events.push(Event::SlotWaited { key, client, start, end });
     }
     if let Ok(l) = &r {
         if node.rogue {

@@ -115,3 +115,30 @@ async fn hold_slot(node: &Node, world: &Shared, name: &str, k: &str, mut lease: 
     op(world);
     let _ = node.coord.release(k, &lease.lease_id).await;
 }
+
+/// Turns on a hot semaphore: a slot of `sem2` taken with a long wait, held briefly, released,
+/// and at once asked for again (a few times), as a worker looping on a limited resource does.
+/// Several clients of one coordinator doing this keep its line busy; a waiting take of another
+/// coordinator must still get slots (the checker's `slot_waiter_starved`).
+pub(crate) async fn hot(node: &Node, world: &Shared, name: &str) {
+    let turns = draw(world, |w| w.between(1, 12));
+    let (k, n) = SEMAPHORES[0];
+    for _ in 0..turns {
+        if !op(world) {
+            return;
+        }
+        let opts = AcquireOptions { wait: Some(Duration::from_secs(8)), slots: Some(n), ..Default::default() };
+        let lease = match acquire(node, world, k, name, Some(Duration::from_secs(3)), opts).await {
+            Ok(l) => l,
+            Err(e) => {
+                release_unknown(node, world, k, &e).await;
+                return;
+            }
+        };
+        let work = draw(world, |w| w.between(20, 300));
+        tokio::time::sleep(Duration::from_millis(work)).await;
+        ended(world, name, k, &lease.lease_id);
+        op(world);
+        let _ = node.coord.release(k, &lease.lease_id).await;
+    }
+}
