@@ -43,6 +43,7 @@ both_backends!(
     heartbeat_answers_without_waiting_for_the_ttl_removal,
     sweep_reads_one_entry_per_key_and_rotates,
     a_key_the_sweep_cannot_serve_is_counted_and_kept,
+    an_index_page_the_sweep_cannot_read_is_counted,
 );
 
 /// Records deliveries; tokens in `gone` answer `Gone`; the next `transient` attempts fail;
@@ -997,4 +998,29 @@ async fn a_key_the_sweep_cannot_serve_is_counted_and_kept(b: Backend) {
     let r = c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
     assert_eq!((r.keys, r.errors, r.served.delivered, r.unindexed), (1, 0, 1, 1), "{r:?}");
     assert_eq!(rec.tokens(), ["crashed", "next"]);
+}
+
+/// Fails every read of an index page.
+struct FailedScans;
+
+#[async_trait]
+impl Intercept for FailedScans {
+    async fn scan(&self, _: &Arc<dyn Store>, _: &ScanKind, _: Option<&str>, _: u32) -> leasehold::Result<Page> {
+        Err(leasehold::Error::StoreUnavailable("injected: the page was not read".into()))
+    }
+}
+
+/// An index page the sweep cannot read is counted as an error, once per shard, and the run is
+/// reported incomplete; the sweep itself answers (the next run reads the index again).
+async fn an_index_page_the_sweep_cannot_read_is_counted(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let k = key("unread");
+    let c = coord(&b, &rec);
+    enqueue(&c, &k, "t0", Duration::from_secs(30)).await;
+    enqueue(&c, &k, "t1", Duration::from_secs(30)).await;
+    let blind = Coordinator::new(wrap(b.store(), FailedScans), test_config()).with_deliver(rec.clone());
+    let r = blind.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    assert_eq!((r.keys, r.errors, r.complete), (0, leasehold::store::QUEUE_SHARDS, false), "{r:?}");
+    let r = c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    assert_eq!((r.keys, r.errors, r.complete), (1, 0, true), "{r:?}");
 }

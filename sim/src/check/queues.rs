@@ -112,12 +112,7 @@ pub(super) fn starvation(events: &[Event], log: &[Applied], out: &mut Vec<Violat
     for e in events {
         let Event::WaitedInVain { key, coordinator, start, end } = e else { continue };
         let Some(grants) = grants.get(key.as_str()) else { continue };
-        let from = grants.partition_point(|(at, _)| at <= start);
-        let (mut streak, mut longest) = (0, 0);
-        for (_, by) in grants[from..].iter().take_while(|(at, _)| at < end) {
-            streak = if by.is_some_and(|c| c != coordinator) { streak + 1 } else { 0 };
-            longest = longest.max(streak);
-        }
+        let longest = longest_run(grants, *start, *end, |by| by.is_some_and(|c| c != coordinator));
         if longest >= STARVED_AFTER {
             let mut v = Violation::new(
                 "waiter_starved",
@@ -163,12 +158,7 @@ pub(super) fn slot_starvation(events: &[Event], log: &[Applied], out: &mut Vec<V
         let Event::SlotWaited { key, client, start, end } = e else { continue };
         let Some(grants) = grants.get(key.as_str()) else { continue };
         let own = process(client);
-        let from = grants.partition_point(|(at, _)| at <= start);
-        let (mut streak, mut longest) = (0, 0);
-        for (_, by) in grants[from..].iter().take_while(|(at, _)| at < end) {
-            streak = if *by != own { streak + 1 } else { 0 };
-            longest = longest.max(streak);
-        }
+        let longest = longest_run(grants, *start, *end, |by| *by != own);
         if longest >= SLOT_STARVED_AFTER {
             let mut v = Violation::new(
                 "slot_waiter_starved",
@@ -182,6 +172,18 @@ pub(super) fn slot_starvation(events: &[Event], log: &[Applied], out: &mut Vec<V
             out.push(v);
         }
     }
+}
+
+/// The longest run of `grants` (in store order) after `start` and before `end` that went to
+/// others (`other`).
+fn longest_run<T>(grants: &[(Instant, T)], start: Instant, end: Instant, other: impl Fn(&T) -> bool) -> usize {
+    let from = grants.partition_point(|(at, _)| *at <= start);
+    let (mut streak, mut longest) = (0, 0);
+    for (_, by) in grants[from..].iter().take_while(|(at, _)| *at < end) {
+        streak = if other(by) { streak + 1 } else { 0 };
+        longest = longest.max(streak);
+    }
+    longest
 }
 
 /// The process of a client (`c1/2`: `c1`).
