@@ -19,6 +19,7 @@ both_backends!(
     a_lease_id_is_single_use,
     stale_release_after_force_release_changes_nothing,
     late_grant_is_released_and_taken_anew_without_spinning,
+    a_late_grant_still_live_is_renewed_in_place,
     remote_callers_are_told_safe_for_ms,
     fence_beyond_2_53_is_refused_before_writing,
     an_implausibly_far_fence_is_never_copied,
@@ -142,6 +143,34 @@ async fn late_grant_is_released_and_taken_anew_without_spinning(b: Backend) {
     let r = c.acquire("late", "h", d, with_id(&id)).await;
     assert!(matches!(r, Err(Error::StoreUnavailable(_))), "{r:?}");
     assert!(!c.get("late").await.unwrap().held, "the late grant was released");
+}
+
+/// A grant answered after its safe time but before its expiry (a safe margin nearly as long as
+/// the lease, and a slow answer: a loaded machine) is renewed by its own lease_id, its safe time
+/// counted from the renewal: the caller's own lease_id is not spent (a shipped workflow retries
+/// its acquire with it: given back, the key could never be taken under it again), the fence is
+/// the grant's, and nothing is released.
+async fn a_late_grant_still_live_is_renewed_in_place(b: Backend) {
+    let counting = Counting::new(b.store());
+    let faulty = Faulty::new(counting.clone());
+    // A 2 s margin on a 5 s lease: 3 s of safe time, and the answer comes at 3.5 s, 1.5 s
+    // before the expiry: room for the renewal on a loaded machine.
+    let cfg = Config { skew_margin: Duration::from_secs(2), retry_budget: Duration::from_secs(10), ..test_config() };
+    let c = Coordinator::new(faulty.clone(), cfg);
+    let id = LeaseId::generate();
+    let before = counting.updates.load(Ordering::SeqCst);
+    faulty.inject(&[Fault::SlowAnswer(Duration::from_millis(3500))]);
+    let t = Instant::now();
+    let l = c.acquire("late-live", "h", secs(5), with_id(&id)).await.expect("renewed, not given back");
+    assert!(t.elapsed() >= Duration::from_millis(3500));
+    assert_eq!(l.lease_id, id, "the caller's own lease_id");
+    assert!(l.safe_until.unwrap() > Instant::now());
+    // Its expiry is the renewal's: about 5 s after the answer, not the grant's 1.5 s.
+    assert!(l.expires_at_ms.unwrap() >= c.now_ms() + 4000, "{l:?}");
+    assert_eq!(counting.updates.load(Ordering::SeqCst) - before, 2, "the grant and its renewal, no release");
+    let s = c.get("late-live").await.unwrap();
+    assert!(s.held && s.fence == l.fence && s.released_at_ms.is_none(), "{s:?}");
+    c.release("late-live", &l.lease_id).await.unwrap();
 }
 
 /// Remote callers cannot read the coordinator's monotonic clock: acquire and heartbeat answers

@@ -221,9 +221,10 @@ fn unique(tag: &str) -> String {
 }
 
 /// The sweep period the functions are told, and the keep-alive duration the template gives
-/// the workflow for it (3 periods).
-const SWEEP_PERIOD_MS: u64 = 500;
-const KEEPALIVE_DURATION_MS: &str = "1500";
+/// the workflow for it (3 periods). Not shorter: a grant may be left with a quarter of its
+/// duration less the write's round trip (see workflows.rs), all of it on a loaded machine at 1.5 s.
+const SWEEP_PERIOD_MS: u64 = 1500;
+const KEEPALIVE_DURATION_MS: &str = "4500";
 
 /// The definition as the template deploys it, with its substitutions replaced by the names the
 /// emulator serves ("" for the work function: the Wait placeholder), as moto runs it (an
@@ -389,7 +390,7 @@ async fn sweep_once() {
     assert!(sweep.error_type.is_none(), "{:?}", sweep.body);
 }
 
-/// The scheduled sweep, run every 400 ms (about one sweep period here) until the guard is
+/// The scheduled sweep, run every 400 ms (several times per sweep period here) until the guard is
 /// dropped, as EventBridge runs it.
 struct Sweeping(tokio::task::JoinHandle<()>);
 

@@ -309,9 +309,13 @@ fn definition_as_written(machine: &str, work: &str) -> String {
 
 const SINGLE_FLIGHT: &str = "SingleFlightStateMachine";
 /// The sweep period the functions are told (LEASEHOLD_SWEEP_PERIOD_MS), and the keep-alive
-/// duration the template's mapping gives the workflow for it (3 periods).
-const SWEEP_PERIOD_MS: &str = "600";
-const KEEPALIVE_DURATION_MS: &str = "1800";
+/// duration the template's mapping gives the workflow for it (3 periods). Not shorter: a grant
+/// is written once its safe margin is at most three quarters of its duration, so a quarter of
+/// it (less the write's round trip) is all a holder may be left with, and a grant answered after
+/// its safe time is given back. At 1.8 s a loaded 2-core machine's round trip took all of it:
+/// the execution's lease_id was spent and it never took the key.
+const SWEEP_PERIOD_MS: &str = "2000";
+const KEEPALIVE_DURATION_MS: &str = "6000";
 const SCHEDULED: &str = "ScheduledJobStateMachine";
 const FENCED: &str = "FencedUpdateStateMachine";
 static FENCED_TARGET: OnceLock<String> = OnceLock::new();
@@ -391,6 +395,8 @@ struct Event {
     /// The state it belongs to (task events carry none: the last entered state's name).
     state: String,
     error: Option<String>,
+    /// A failed or timed-out task's cause, for failure messages.
+    cause: Option<String>,
     output: Option<Value>,
 }
 
@@ -421,7 +427,7 @@ impl Ended {
             self.status, self.error, self.cause, self.output
         );
         for e in &self.history {
-            s.push_str(&format!("  {:?} [{}] {:?}\n", e.kind, e.state, e.error));
+            s.push_str(&format!("  {:?} [{}] {:?} {}\n", e.kind, e.state, e.error, e.cause.as_deref().unwrap_or("")));
         }
         s
     }
@@ -434,18 +440,18 @@ async fn history(run: &Run) -> Vec<Event> {
         if let Some(d) = e.state_entered_event_details() {
             state = d.name().to_string();
         }
-        let (error, output) = if let Some(d) = e.task_failed_event_details() {
-            (d.error().map(str::to_string), None)
+        let (error, cause, output) = if let Some(d) = e.task_failed_event_details() {
+            (d.error().map(str::to_string), d.cause().map(str::to_string), None)
         } else if let Some(d) = e.task_succeeded_event_details() {
-            (None, d.output().and_then(|o| serde_json::from_str(o).ok()))
+            (None, None, d.output().and_then(|o| serde_json::from_str(o).ok()))
         } else if let Some(d) = e.state_exited_event_details() {
-            (None, d.output().and_then(|o| serde_json::from_str(o).ok()))
+            (None, None, d.output().and_then(|o| serde_json::from_str(o).ok()))
         } else if let Some(d) = e.task_timed_out_event_details() {
-            (d.error().map(str::to_string), None)
+            (d.error().map(str::to_string), d.cause().map(str::to_string), None)
         } else {
-            (None, None)
+            (None, None, None)
         };
-        events.push(Event { kind: e.r#type().clone(), state: state.clone(), error, output });
+        events.push(Event { kind: e.r#type().clone(), state: state.clone(), error, cause, output });
     }
     events
 }
@@ -492,7 +498,24 @@ async fn wait_acquired(run: &Run, timeout: Duration) -> Value {
         if let Some(e) = h.iter().find(|e| e.kind == HistoryEventType::TaskSucceeded && e.state == "Acquire") {
             return e.output.as_ref().unwrap()["Payload"].clone();
         }
-        assert!(Instant::now() < deadline, "{} did not acquire within {timeout:?}: {h:#?}", run.arn);
+        let ended = h.iter().any(|e| {
+            matches!(
+                e.kind,
+                HistoryEventType::ExecutionFailed
+                    | HistoryEventType::ExecutionSucceeded
+                    | HistoryEventType::ExecutionAborted
+                    | HistoryEventType::ExecutionTimedOut
+            )
+        });
+        if ended || Instant::now() > deadline {
+            let ended = wait_end(run, Duration::from_secs(5)).await;
+            panic!(
+                "{} ended or ran {timeout:?} without acquiring: {}\nemulator log:\n{}",
+                run.arn,
+                ended.describe(),
+                tail(&stack().emulator.server.log_text())
+            );
+        }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -739,7 +762,7 @@ async fn single_flight_keepalive_lasts_three_sweeps_and_shorter_is_refused() {
     let coord = coordinator().await;
     let until = coord.now_ms() + 10 * 60 * 1000;
     // No duration_ms: the workflow asks for the template's keep-alive duration (3 sweeps),
-    // not its 60 s default... here the test's 600 ms sweep, so 1800 ms.
+    // not its 60 s default... here the test's 2 s sweep, so 6 s.
     let key = unique("keepalive-default");
     let run = start(SINGLE_FLIGHT, "", json!({"key": key, "work_seconds": 0, "keepalive_until_ms": until})).await;
     let end = wait_end(&run, LONG).await;
@@ -993,7 +1016,7 @@ impl RedriveWork {
     }
 }
 
-/// The scheduled keep-alive sweep, run every 500 ms (about one sweep period here) until the
+/// The scheduled keep-alive sweep, run every 500 ms (several times per sweep period here) until the
 /// guard is dropped, as EventBridge runs it.
 struct Sweeping(tokio::task::JoinHandle<()>);
 

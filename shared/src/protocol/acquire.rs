@@ -428,13 +428,20 @@ impl Coordinator {
         Ok((sort_acquire(w, lease_id, fence, now, visit.as_ref(), after)?, sent, now))
     }
 
-    /// The lease is ours, and usable unless the answer came after its safe time (a stalled
-    /// request): then the key is freed again and taken anew with a new lease_id (a lease_id is
-    /// single-use) if ours was generated.
+    /// The lease is ours, and usable unless the answer came after its safe time (a slow answer,
+    /// or a safe margin nearly as long as the lease): then it is renewed in place, its safe time
+    /// counted from the renewal; failing that (it expired, or the renewal came late too), the
+    /// key is freed again and taken anew with a new lease_id (a lease_id is single-use) if ours
+    /// was generated.
     async fn on_granted(&self, a: &mut Attempts<'_>, r: Record, sent: Instant, now: u64) -> Result<Next> {
         check_fence(&r)?;
         let advertised = r.poll_ms;
-        let lease = r.lease(sent, now, self.safe_margin(sent, now));
+        let mut lease = r.lease(sent, now, self.safe_margin(sent, now));
+        if lease.safe_until.is_some_and(|t| t <= self.monotonic()) {
+            if let Some(renewed) = self.renew_late_grant(&lease, a.deadline).await {
+                lease = renewed;
+            }
+        }
         if lease.safe_until.is_none_or(|t| t > self.monotonic()) {
             a.wait.granted(advertised);
             if let Some(t) = a.ticket.as_mut() {
@@ -561,6 +568,29 @@ impl Coordinator {
     /// delivers it (`SendTaskSuccess`, up to its 3 s client timeout and retries), which is no
     /// part of the caller's time (found by the simulation: an acquire that dropped a late grant
     /// ended 3 s past its deadline).
+    /// A grant answered after its safe time, renewed by its own lease_id while time is left: a
+    /// renewal lands only on that very lease still live (no other grant came between: each
+    /// writes its own lease_id), and is judged by its own answer's safe time. One write where
+    /// giving the grant back and taking the key anew takes two, and a caller's own lease_id,
+    /// which a release would spend, stays usable. `None` when it cannot be had in time.
+    async fn renew_late_grant(&self, lease: &Lease, deadline: Instant) -> Option<Lease> {
+        if self.monotonic() >= deadline {
+            return None;
+        }
+        let duration = lease.duration_ms.map(Duration::from_millis);
+        match self.heartbeat_until(&lease.key, &lease.lease_id, duration, deadline).await {
+            Ok(renewed) => Some(renewed),
+            Err(e) => {
+                tracing::info!(
+                    key = lease.key,
+                    error = e.name(),
+                    "a late grant could not be renewed; it is given back"
+                );
+                None
+            }
+        }
+    }
+
     pub(crate) async fn drop_late_grant(&self, key: &str, lease_id: &LeaseId, until: Instant) {
         let (c, k, id) = (self.clone(), key.to_string(), lease_id.clone());
         let release = async move {
