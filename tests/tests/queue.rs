@@ -21,6 +21,8 @@ use leasehold_tests::{both_backends, test_config, widest_first_margin, wrap, Bac
 both_backends!(
     waiters_are_served_in_order,
     gone_and_timed_out_waiters_are_passed_over,
+    the_sweep_passes_over_a_timed_out_waiter_to_one_still_waiting,
+    the_sweep_keeps_an_undelivered_grant_and_revokes_a_gone_one,
     racing_releases_and_sweeps_grant_once,
     crashed_holder_is_replaced_by_the_sweep,
     undelivered_grant_is_delivered_by_the_sweep,
@@ -31,10 +33,12 @@ both_backends!(
     queued_acquire_refuses_bad_input,
     work_items_keep_their_state_through_the_queue,
     release_grants_the_head_waiter_in_its_own_write,
+    a_waiters_grant_carries_its_metadata_keepalive_and_ttl,
     free_key_grant_whose_delivery_answer_is_lost_is_kept,
     waiters_outlive_the_ttl_of_a_day,
     a_retried_enqueue_takes_one_slot,
     a_missing_slot_is_skipped_after_its_own_grace,
+    a_missing_slot_is_waited_for_within_its_grace,
     retried_release_after_a_hand_over_is_already_released,
     an_ambiguous_hand_over_is_recognised_by_its_retry,
     an_expired_undelivered_grant_is_ended_and_the_next_served,
@@ -60,6 +64,8 @@ struct Recorder {
     transient: AtomicUsize,
     landed_but_lost: AtomicUsize,
     attempts: AtomicUsize,
+    /// The next `failing` failure notices fail for a transient reason.
+    failing: AtomicUsize,
 }
 
 #[async_trait]
@@ -84,6 +90,10 @@ impl Deliver for Recorder {
         Ok(())
     }
     async fn failure(&self, token: &str, error: &str, _: &str) -> Result<(), DeliveryError> {
+        if self.failing.load(Ordering::SeqCst) > 0 {
+            self.failing.fetch_sub(1, Ordering::SeqCst);
+            return Err(DeliveryError::Transient("ThrottlingException".into()));
+        }
         self.failed.lock().unwrap().push((token.to_string(), error.to_string()));
         Ok(())
     }
@@ -175,6 +185,68 @@ async fn gone_and_timed_out_waiters_are_passed_over(b: Backend) {
     assert_eq!(rec.attempts.load(Ordering::SeqCst) - attempts, 2, "no delivery to a timed-out waiter");
     let st = c.get(&k).await.unwrap();
     assert!(st.held && st.holder == "live" && st.queue_length == 0, "{st:?}");
+}
+
+/// The sweep serving a crashed holder's key, in one pass: revokes the grant of a waiter that is
+/// gone, passes over one whose task timed out (neither is delivered to; both counted as
+/// skipped) and grants the next, whose task still has a minute to wait (a waiter with a timeout
+/// of its own, as every QueuedSingleFlight waiter has).
+async fn the_sweep_passes_over_a_timed_out_waiter_to_one_still_waiting(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let c = coord(&b, &rec);
+    let k = key("timed-out");
+    let Enqueued::Granted(crashed) = enqueue(&c, &k, "crashed", Duration::from_millis(3000)).await else { panic!() };
+    let minute = Some(Duration::from_secs(60));
+    let (past, long) = (Some(Duration::from_millis(300)), Duration::from_secs(30));
+    enqueue(&c, &k, "gone", long).await;
+    rec.gone.lock().unwrap().insert("gone".into());
+    let late = c.acquire_or_enqueue(&k, "late", long, AcquireOptions::default(), "late", past).await.unwrap();
+    let live = c.acquire_or_enqueue(&k, "live", long, AcquireOptions::default(), "live", minute).await.unwrap();
+    assert!(matches!((&late, &live), (Enqueued::Queued { .. }, Enqueued::Queued { .. })), "{late:?} {live:?}");
+    // Past the crashed holder's expiry (and so the late waiter's timeout) by the widest band
+    // the store's clock may have.
+    let left = crashed.expires_at_ms.unwrap().saturating_sub(c.now_ms());
+    tokio::time::sleep(Duration::from_millis(left + 100) + widest_first_margin(&c, Duration::from_millis(200))).await;
+    let r = c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    assert_eq!((r.keys, r.served.delivered, r.served.skipped, r.errors), (1, 1, 2, 0), "{r:?}");
+    assert_eq!(rec.tokens(), ["crashed", "live"]);
+    let st = c.get(&k).await.unwrap();
+    assert!(st.held && st.holder == "live" && st.queue_length == 0, "{st:?}");
+}
+
+/// After their holders crashed, the sweep grants each key to its waiter: a grant whose delivery
+/// keeps failing is kept, marked undelivered (counted; the next sweep delivers it); one whose
+/// waiter is gone is revoked (counted as skipped), and the key, free, keeps a TTL well after
+/// now (TTL never deletes an item whose fence a later lease must pass).
+async fn the_sweep_keeps_an_undelivered_grant_and_revokes_a_gone_one(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let c = coord(&b, &rec);
+    let (kept, revoked) = (key("sweep-undelivered"), key("sweep-revoked"));
+    let mut expiry = 0;
+    for (k, holder, waiter) in [(&kept, "crashed-1", "slow"), (&revoked, "crashed-2", "gone")] {
+        let Enqueued::Granted(l) = enqueue(&c, k, holder, Duration::from_millis(3000)).await else { panic!() };
+        expiry = expiry.max(l.expires_at_ms.unwrap());
+        let queued = enqueue(&c, k, waiter, Duration::from_secs(30)).await;
+        assert!(matches!(queued, Enqueued::Queued { .. }), "{queued:?}");
+    }
+    rec.gone.lock().unwrap().insert("gone".into());
+    let left = expiry.saturating_sub(c.now_ms());
+    tokio::time::sleep(Duration::from_millis(left + 100) + widest_first_margin(&c, Duration::from_millis(200))).await;
+    rec.transient.store(100, Ordering::SeqCst);
+    let before = c.now_ms();
+    let r = c.sweep_queues(Instant::now() + Duration::from_secs(20)).await.unwrap();
+    rec.transient.store(0, Ordering::SeqCst);
+    let counts = (r.keys, r.served.delivered, r.served.undelivered, r.served.skipped, r.errors);
+    assert_eq!(counts, (2, 0, 1, 1, 0), "{r:?}");
+    let st = c.get(&kept).await.unwrap();
+    assert!(st.held && st.holder == "slow", "kept for its delivery: {st:?}");
+    let item = b.store().get(&revoked).await.unwrap().expect("the item");
+    assert!(item.released_at_ms.is_some() && item.queue_len() == 0, "{item:?}");
+    // The longest lease after the revoke, the fence lead and the TTL grace.
+    let cfg = c.config();
+    let after = cfg.limits.max_duration.as_millis() as u64 + (cfg.fence_lead + cfg.ttl_grace).as_millis() as u64;
+    let ttl_ms = item.ttl.expect("a TTL") * 1000;
+    assert!(ttl_ms >= before + after && ttl_ms <= c.now_ms() + after + 1000, "{item:?}");
 }
 
 async fn racing_releases_and_sweeps_grant_once(b: Backend) {
@@ -540,7 +612,9 @@ async fn release_grants_the_head_waiter_in_its_own_write(b: Backend) {
     let store = wrap(b.store(), Recording { key: k.clone(), written: Mutex::new(Vec::new()) });
     let c = Coordinator::new(store.clone(), test_config()).with_deliver(rec.clone() as Arc<dyn Deliver>);
     let Enqueued::Granted(held) = enqueue(&c, &k, "t0", Duration::from_secs(30)).await else { panic!() };
-    enqueue(&c, &k, "t1", Duration::from_secs(30)).await;
+    // t1's task has a timeout of its own, a minute away (as a QueuedSingleFlight waiter's).
+    let (d, minute) = (Duration::from_secs(30), Some(Duration::from_secs(60)));
+    c.acquire_or_enqueue(&k, "t1", d, AcquireOptions::default(), "t1", minute).await.unwrap();
     enqueue(&c, &k, "t2", Duration::from_secs(30)).await;
     store.written.lock().unwrap().clear();
     let released = c.release(&k, &held.lease_id).await.unwrap();
@@ -562,6 +636,32 @@ async fn release_grants_the_head_waiter_in_its_own_write(b: Backend) {
     let freed = c.release(&k, &last.lease_id).await.unwrap();
     assert!(!freed.already_released);
     assert!(!c.get(&k).await.unwrap().held);
+}
+
+/// The grant a waiter is handed carries what it asked for when it queued: its metadata, its
+/// keep-alive (the sweep renews the lease while its execution runs), and a TTL after its own
+/// expiry (TTL never deletes a live lease; a lease left behind is deleted a grace after it).
+async fn a_waiters_grant_carries_its_metadata_keepalive_and_ttl(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let c = coord(&b, &rec);
+    let k = key("carried");
+    let Enqueued::Granted(held) = enqueue(&c, &k, "t0", Duration::from_secs(30)).await else { panic!() };
+    let metadata = serde_json::json!({"run": "r-1", "attempt": 2}).as_object().cloned();
+    let arn = "arn:aws:states:us-east-1:123456789012:execution:sm:run-1".to_string();
+    let keepalive = Some(leasehold::Keepalive { until_ms: c.now_ms() + 600_000, execution_arn: Some(arn) });
+    let opts = AcquireOptions { metadata: metadata.clone(), keepalive: keepalive.clone(), ..Default::default() };
+    let d = Duration::from_secs(40);
+    c.acquire_or_enqueue(&k, "t1", d, opts, "t1", None).await.unwrap();
+    c.release(&k, &held.lease_id).await.unwrap();
+    assert_eq!(rec.tokens(), ["t0", "t1"]);
+    let lease = rec.last();
+    assert_eq!((&lease.metadata, &lease.keepalive), (&metadata, &keepalive), "{lease:?}");
+    let item = b.store().get(&k).await.unwrap().expect("the item");
+    let (ttl_ms, expiry) = (item.ttl.expect("a TTL") * 1000, item.expires_at_ms.unwrap());
+    let cfg = c.config();
+    let (lead, grace) = (cfg.fence_lead.as_millis() as u64, cfg.ttl_grace.as_millis() as u64);
+    assert!(ttl_ms >= expiry + lead + grace && ttl_ms <= expiry + lead + grace + 1000, "{item:?}");
+    assert_eq!(item.metadata, metadata);
 }
 
 /// Two executions must never hold one key: a queued acquire that took a free key and whose
@@ -698,6 +798,13 @@ fn is_enqueue(m: &Mutation) -> bool {
     matches!(m, Mutation::Queue(QueueMutation::Enqueue { .. }))
 }
 
+/// A coordinator serving queues through `rec`, on `b`'s store behind [`Faults`].
+fn faulty_coord(b: &Backend, rec: &Arc<Recorder>) -> (Arc<Wrapped<Faults>>, Coordinator) {
+    let faults = Faults::new(b.store());
+    let c = Coordinator::new(faults.clone(), test_config()).with_deliver(rec.clone() as Arc<dyn Deliver>);
+    (faults, c)
+}
+
 fn puts_waiter(m: &Mutation, token: &str) -> bool {
     matches!(m, Mutation::Queue(QueueMutation::PutWaiter(r)) if r.queue.waiter.as_ref().is_some_and(|w| w.task_token == token))
 }
@@ -707,8 +814,7 @@ fn puts_waiter(m: &Mutation, token: &str) -> bool {
 /// lease goes to the newer token. A release then serves the waiter at once.
 async fn a_retried_enqueue_takes_one_slot(b: Backend) {
     let rec = Arc::new(Recorder::default());
-    let faults = Faults::new(b.store());
-    let c = Coordinator::new(faults.clone(), test_config()).with_deliver(rec.clone() as Arc<dyn Deliver>);
+    let (faults, c) = faulty_coord(&b, &rec);
     let k = key("idempotent");
     let Enqueued::Granted(held) = enqueue(&c, &k, "t0", Duration::from_secs(30)).await else { panic!() };
     faults.once(|_, m| is_enqueue(m).then_some(Act::LoseAnswer));
@@ -730,8 +836,7 @@ async fn a_retried_enqueue_takes_one_slot(b: Backend) {
 /// the sweep (no waiter item exists to find it by) and freed for plain acquires.
 async fn a_missing_slot_is_skipped_after_its_own_grace(b: Backend) {
     let rec = Arc::new(Recorder::default());
-    let faults = Faults::new(b.store());
-    let c = Coordinator::new(faults.clone(), test_config()).with_deliver(rec.clone() as Arc<dyn Deliver>);
+    let (faults, c) = faulty_coord(&b, &rec);
     let (k, lonely) = (key("missing"), key("lonely"));
     let Enqueued::Granted(held) = enqueue(&c, &k, "t0", Duration::from_secs(60)).await else { panic!() };
     let short = Duration::from_millis(4000);
@@ -763,6 +868,27 @@ async fn a_missing_slot_is_skipped_after_its_own_grace(b: Backend) {
     let counts = (report.keys, report.served.skipped, report.unindexed, report.errors);
     assert_eq!(counts, (2, 1, 1, 0), "{report:?}");
     plain.acquire(&lonely, "p", Some(Duration::from_secs(5)), AcquireOptions::default()).await.unwrap();
+}
+
+/// A slot whose waiter item is missing is not passed over within its grace (its enqueuer may be
+/// between its two writes): neither the release nor the sweep after it serves the waiter behind
+/// it yet, and the free key stays the queue's.
+async fn a_missing_slot_is_waited_for_within_its_grace(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let (faults, c) = faulty_coord(&b, &rec);
+    let k = key("in-grace");
+    let Enqueued::Granted(held) = enqueue(&c, &k, "t0", Duration::from_secs(60)).await else { panic!() };
+    faults.once(move |_, m| puts_waiter(m, "dead").then_some(Act::Fail));
+    let out = c.acquire_or_enqueue(&k, "dead", Duration::from_secs(30), AcquireOptions::default(), "dead", None).await;
+    assert!(out.is_err(), "its put failed: {out:?}");
+    enqueue(&c, &k, "w2", Duration::from_secs(30)).await;
+    // Seconds into the grace (10 s): the failing put was retried for the retry budget (3 s).
+    c.release(&k, &held.lease_id).await.unwrap();
+    let r = c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    assert_eq!(rec.tokens(), ["t0"], "the waiter behind a slot in its grace waits");
+    assert_eq!((r.keys, r.served.delivered, r.served.skipped, r.errors), (1, 0, 0, 0), "{r:?}");
+    let st = c.get(&k).await.unwrap();
+    assert!(!st.held && st.queue_length == 2, "{st:?}");
 }
 
 /// A release that handed the key over (to a queued waiter, or to an in-process waiter in the
@@ -808,8 +934,7 @@ async fn retried_release_after_a_hand_over_is_already_released(b: Backend) {
 /// undelivered, is delivered by the sweep after the grace; nothing is granted twice.
 async fn an_ambiguous_hand_over_is_recognised_by_its_retry(b: Backend) {
     let rec = Arc::new(Recorder::default());
-    let faults = Faults::new(b.store());
-    let c = Coordinator::new(faults.clone(), test_config()).with_deliver(rec.clone() as Arc<dyn Deliver>);
+    let (faults, c) = faulty_coord(&b, &rec);
     let k = key("ambiguous-grant");
     let Enqueued::Granted(held) = enqueue(&c, &k, "t0", Duration::from_secs(30)).await else { panic!() };
     enqueue(&c, &k, "t1", Duration::from_secs(30)).await;
@@ -842,7 +967,15 @@ async fn an_expired_undelivered_grant_is_ended_and_the_next_served(b: Backend) {
     rec.transient.store(0, Ordering::SeqCst);
     assert_eq!(rec.tokens(), ["t0"], "t1's grant was not delivered");
     tokio::time::sleep(Duration::from_millis(700)).await;
-    c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    // The first sweep cannot tell t1 (its failure notice fails): counted undelivered, and the
+    // queue waits for the next sweep, which tells it (skipped) and serves t2.
+    rec.failing.store(1, Ordering::SeqCst);
+    let r = c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    let counts = |r: &leasehold::queue::QueueSweep| (r.served.undelivered, r.served.skipped, r.served.delivered);
+    assert_eq!(counts(&r), (1, 0, 0), "{r:?}");
+    assert!(rec.failed.lock().unwrap().is_empty() && rec.tokens() == ["t0"]);
+    let r = c.sweep_queues(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    assert_eq!(counts(&r), (0, 1, 1), "{r:?}");
     assert_eq!(*rec.failed.lock().unwrap(), [("t1".to_string(), "LeaseExpired".to_string())]);
     assert_eq!(rec.tokens(), ["t0", "t2"]);
     let st = c.get(&k).await.unwrap();
@@ -1014,8 +1147,7 @@ async fn sweep_reads_one_entry_per_key_and_rotates(b: Backend) {
 /// and stays in the index; the next run serves it and takes it out.
 async fn a_key_the_sweep_cannot_serve_is_counted_and_kept(b: Backend) {
     let rec = Arc::new(Recorder::default());
-    let faults = Faults::new(b.store());
-    let c = Coordinator::new(faults.clone(), test_config()).with_deliver(rec.clone() as Arc<dyn Deliver>);
+    let (faults, c) = faulty_coord(&b, &rec);
     let k = key("unserved");
     // 3 s: the next waiter is queued behind a live grant even on a loaded machine (at 1 s the
     // grant could expire first, and the waiter take the key itself).
