@@ -561,13 +561,6 @@ impl Coordinator {
         Ok(lease.safe_until.is_none_or(|s| s > self.monotonic()).then_some((lease, g.poll_ms)))
     }
 
-    /// Releases a grant that arrived too late to be used, so the key does not stay blocked for
-    /// the rest of its duration. Best effort: if it fails, the grant expires on its own. Waited
-    /// for until `until` (the caller's deadline) at most, then left to finish in a task of its
-    /// own: a release on a coordinator that serves queues hands the key to the head waiter and
-    /// delivers it (`SendTaskSuccess`, up to its 3 s client timeout and retries), which is no
-    /// part of the caller's time (found by the simulation: an acquire that dropped a late grant
-    /// ended 3 s past its deadline).
     /// A grant answered after its safe time, renewed by its own lease_id while time is left: a
     /// renewal lands only on that very lease still live (no other grant came between: each
     /// writes its own lease_id), and is judged by its own answer's safe time. One write where
@@ -591,6 +584,13 @@ impl Coordinator {
         }
     }
 
+    /// Releases a grant that arrived too late to be used, so the key does not stay blocked for
+    /// the rest of its duration. Best effort: if it fails, the grant expires on its own. Waited
+    /// for until `until` (the caller's deadline) at most, then left to finish in a task of its
+    /// own: a release on a coordinator that serves queues hands the key to the head waiter and
+    /// delivers it (`SendTaskSuccess`, up to its 3 s client timeout and retries), which is no
+    /// part of the caller's time (found by the simulation: an acquire that dropped a late grant
+    /// ended 3 s past its deadline).
     pub(crate) async fn drop_late_grant(&self, key: &str, lease_id: &LeaseId, until: Instant) {
         let (c, k, id) = (self.clone(), key.to_string(), lease_id.clone());
         let release = async move {
