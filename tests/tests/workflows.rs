@@ -312,8 +312,9 @@ const SINGLE_FLIGHT: &str = "SingleFlightStateMachine";
 /// duration the template's mapping gives the workflow for it (3 periods). Not shorter: a grant
 /// is written once its safe margin is at most three quarters of its duration, so a quarter of
 /// it (less the write's round trip) is all a holder may be left with, and a grant answered after
-/// its safe time is given back. At 1.8 s a loaded 2-core machine's round trip took all of it:
-/// the execution's lease_id was spent and it never took the key.
+/// its safe time must be renewed, or given back. At 1.8 s a loaded 2-core machine's round trip
+/// took all of it (before late grants were renewed, the execution's lease_id was spent by the
+/// give-back, and it never took the key).
 const SWEEP_PERIOD_MS: &str = "2000";
 const KEEPALIVE_DURATION_MS: &str = "6000";
 const SCHEDULED: &str = "ScheduledJobStateMachine";
