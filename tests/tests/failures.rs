@@ -20,6 +20,7 @@ both_backends!(
     stale_release_after_force_release_changes_nothing,
     late_grant_is_released_and_taken_anew_without_spinning,
     a_late_grant_still_live_is_renewed_in_place,
+    a_late_slot_still_live_is_renewed_in_place,
     remote_callers_are_told_safe_for_ms,
     fence_beyond_2_53_is_refused_before_writing,
     an_implausibly_far_fence_is_never_copied,
@@ -171,6 +172,37 @@ async fn a_late_grant_still_live_is_renewed_in_place(b: Backend) {
     let s = c.get("late-live").await.unwrap();
     assert!(s.held && s.fence == l.fence && s.released_at_ms.is_none(), "{s:?}");
     c.release("late-live", &l.lease_id).await.unwrap();
+}
+
+/// The same for a semaphore's slot: taken under the caller's own lease_id and answered after
+/// its safe time, it is renewed by that lease_id, not given back (a ConcurrencyLimited
+/// execution retries its take with its own lease_id: given back, it could never take a slot
+/// under it again).
+async fn a_late_slot_still_live_is_renewed_in_place(b: Backend) {
+    let counting = Counting::new(b.store());
+    let faulty = Faulty::new(counting.clone());
+    let cfg = Config { skew_margin: Duration::from_secs(2), retry_budget: Duration::from_secs(10), ..test_config() };
+    let c = Coordinator::new(faulty.clone(), cfg);
+    let slots = AcquireOptions { slots: Some(3), ..Default::default() };
+    // Another holder made the semaphore: the next write is this take of a slot.
+    let other = c.acquire("late-slot", "other", secs(30), slots.clone()).await.unwrap();
+    let id = LeaseId::generate();
+    let before = counting.updates.load(Ordering::SeqCst);
+    faulty.inject(&[Fault::SlowAnswer(Duration::from_millis(3500))]);
+    let t = Instant::now();
+    let opts = AcquireOptions { lease_id: Some(id.clone()), ..slots };
+    let l = c.acquire("late-slot", "h", secs(5), opts).await.expect("renewed, not given back");
+    assert!(t.elapsed() >= Duration::from_millis(3500));
+    assert_eq!(l.lease_id, id, "the caller's own lease_id");
+    assert!(l.safe_until.unwrap() > Instant::now());
+    assert!(l.expires_at_ms.unwrap() >= c.now_ms() + 4000, "the renewal's expiry: {l:?}");
+    assert_eq!(counting.updates.load(Ordering::SeqCst) - before, 2, "the take and its renewal, no release");
+    let s = c.get("late-slot").await.unwrap();
+    let mine = s.holders.iter().find(|h| h.fence == l.fence).expect("the slot is still taken");
+    assert!(mine.holder == "h" && Some(mine.expires_at_ms) == l.expires_at_ms, "{s:?}");
+    assert_eq!(s.slots_taken, Some(2), "{s:?}");
+    c.release("late-slot", &l.lease_id).await.unwrap();
+    c.release("late-slot", &other.lease_id).await.unwrap();
 }
 
 /// Remote callers cannot read the coordinator's monotonic clock: acquire and heartbeat answers

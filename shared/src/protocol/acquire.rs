@@ -566,7 +566,7 @@ impl Coordinator {
     /// writes its own lease_id), and is judged by its own answer's safe time. One write where
     /// giving the grant back and taking the key anew takes two, and a caller's own lease_id,
     /// which a release would spend, stays usable. `None` when it cannot be had in time.
-    async fn renew_late_grant(&self, lease: &Lease, deadline: Instant) -> Option<Lease> {
+    pub(crate) async fn renew_late_grant(&self, lease: &Lease, deadline: Instant) -> Option<Lease> {
         if self.monotonic() >= deadline {
             return None;
         }

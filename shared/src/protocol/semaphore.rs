@@ -159,12 +159,18 @@ impl Coordinator {
             };
             match sort_take(w, &t.lease_id, fence, now, t.slots) {
                 SlotAnswer::Granted(r) => {
-                    let lease = self.slot_granted(t, r, sent, now).await;
+                    let mut lease = self.slot_granted(t, r, sent, now).await;
+                    // Answered after its safe time (a stalled request), as for a lease: renewed
+                    // in place while it is live (the caller's own lease_id stays usable),
+                    // else of no use to the holder, and the slot is given back and taken anew.
+                    if lease.safe_until.is_some_and(|s| s <= self.monotonic()) {
+                        if let Some(renewed) = self.renew_late_grant(&lease, deadline).await {
+                            lease = renewed;
+                        }
+                    }
                     if lease.safe_until.is_some_and(|s| s > self.monotonic()) {
                         return Ok(lease);
                     }
-                    // Answered after its safe time (a stalled request): of no use to the
-                    // holder; the slot is given back and taken anew, as for a lease.
                     self.drop_late_grant(t.key, &t.lease_id, deadline).await;
                     if t.opts.lease_id.is_some() {
                         return Err(Error::StoreUnavailable("the store answered after the slot's safe time".into()));
