@@ -746,12 +746,16 @@ impl GuardedResource {
     }
 }
 
+/// The longest one case of [`variants!`] may run: a case that hangs (a task it waits for
+/// panicked, a notice never sent) fails after it, instead of holding the whole suite.
+pub const CASE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
+
 /// Runs each named case of the calling test file once per variant, as `case::variant`:
 ///
 /// `variants!(sync [embedded => &Target::embedded(), dynamodb => &Target::dynamo()]: case_a, case_b)`
 /// makes `#[test] fn case_a::embedded() { case_a(&Target::embedded()) }` and so on; `async`
 /// makes multi-threaded `#[tokio::test]`s that await the case (the variant expression may await
-/// too). The variant expressions resolve in the calling file.
+/// too), each within [`CASE_TIMEOUT`]. The variant expressions resolve in the calling file.
 #[macro_export]
 macro_rules! variants {
     (@case sync $case:ident [$($variant:ident => $make:expr),+ $(,)?]) => {
@@ -773,7 +777,10 @@ macro_rules! variants {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn $variant() {
-                    super::$case($make).await
+                    let case = async { super::$case($make).await };
+                    if tokio::time::timeout($crate::CASE_TIMEOUT, case).await.is_err() {
+                        panic!("the case did not end within {:?}: it hangs", $crate::CASE_TIMEOUT);
+                    }
                 }
             )+
         }
