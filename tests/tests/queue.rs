@@ -37,6 +37,7 @@ both_backends!(
     free_key_grant_whose_delivery_answer_is_lost_is_kept,
     waiters_outlive_the_ttl_of_a_day,
     a_retried_enqueue_takes_one_slot,
+    a_retried_invocation_keeps_its_slot_ahead_of_later_waiters,
     a_missing_slot_is_skipped_after_its_own_grace,
     a_missing_slot_is_waited_for_within_its_grace,
     retried_release_after_a_hand_over_is_already_released,
@@ -539,6 +540,15 @@ async fn queued_acquire_refuses_bad_input(b: Backend) {
         let out = leasehold::api::run(&c, leasehold::api::Operation::Acquire, None, body.clone(), None).await;
         assert!(matches!(out, Err(leasehold::Error::InvalidRequest(_))), "{body}: {out:?}");
     }
+    // The library's callers are checked by the core itself: `wait` alone, `min_hold` alone.
+    let d = Duration::from_secs(30);
+    for opts in [
+        AcquireOptions { wait: Some(Duration::from_secs(1)), ..Default::default() },
+        AcquireOptions { min_hold: Some(Duration::from_secs(1)), ..Default::default() },
+    ] {
+        let out = c.acquire_or_enqueue(&k, "h", d, opts.clone(), "t", None).await;
+        assert!(matches!(out, Err(leasehold::Error::InvalidRequest(_))), "{opts:?}: {out:?}");
+    }
     assert!(matches!(c.get(&k).await, Err(leasehold::Error::NotFound { .. })), "nothing was written");
     assert_eq!(rec.attempts.load(Ordering::SeqCst), 0, "nothing was delivered");
     // Without a deliverer (a coordinator that cannot reach Step Functions): refused too.
@@ -547,6 +557,10 @@ async fn queued_acquire_refuses_bad_input(b: Backend) {
     let out = leasehold::api::run(&plain, leasehold::api::Operation::Acquire, None, body, None).await;
     assert!(matches!(out, Err(leasehold::Error::InvalidRequest(_))), "{out:?}");
     assert!(c.get(&k).await.is_err(), "nothing was written");
+    // The longest token Step Functions issues, 2,048 bytes, is taken.
+    let body = serde_json::json!({"key": key("bad-edge"), "holder": "h", "task_token": "t".repeat(2048)});
+    let out = leasehold::api::run(&c, leasehold::api::Operation::Acquire, None, body, None).await;
+    assert!(out.is_ok(), "a 2,048-byte task token: {out:?}");
 }
 
 /// A key in a work state (DESIGN.md, "Work items and batch leases") with queued waiters: a
@@ -748,6 +762,8 @@ enum Act {
     Fail,
     /// Make the write after this long.
     Delay(Duration),
+    /// Make the write and answer it; the next read (of any key) fails, not sent.
+    ThenFailRead,
 }
 
 type Rule = Box<dyn Fn(&str, &Mutation) -> Option<Act> + Send + Sync>;
@@ -756,11 +772,13 @@ type Rule = Box<dyn Fn(&str, &Mutation) -> Option<Act> + Send + Sync>;
 /// `Fail` on every matching write).
 struct Faults {
     rules: Mutex<Vec<Rule>>,
+    /// Reads to fail next ([`Act::ThenFailRead`]).
+    failing_reads: AtomicUsize,
 }
 
 impl Faults {
     fn new(inner: Arc<dyn Store>) -> Arc<Wrapped<Faults>> {
-        wrap(inner, Faults { rules: Mutex::new(Vec::new()) })
+        wrap(inner, Faults { rules: Mutex::new(Vec::new()), failing_reads: AtomicUsize::new(0) })
     }
     fn once(&self, rule: impl Fn(&str, &Mutation) -> Option<Act> + Send + Sync + 'static) {
         self.rules.lock().unwrap().push(Box::new(rule));
@@ -769,6 +787,13 @@ impl Faults {
 
 #[async_trait]
 impl Intercept for Faults {
+    async fn get(&self, store: &Arc<dyn Store>, key: &str) -> leasehold::Result<Option<Record>> {
+        let fail = self.failing_reads.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        if fail.is_ok() {
+            return Err(leasehold::Error::not_sent("injected: the read failed"));
+        }
+        store.get(key).await
+    }
     async fn update(&self, store: &Arc<dyn Store>, key: &str, c: &Condition, m: &Mutation) -> leasehold::Result<Write> {
         let act = {
             let mut rules = self.rules.lock().unwrap();
@@ -789,6 +814,11 @@ impl Intercept for Faults {
             Some(Act::Delay(d)) => {
                 tokio::time::sleep(d).await;
                 store.update(key, c, m).await
+            }
+            Some(Act::ThenFailRead) => {
+                let w = store.update(key, c, m).await;
+                self.failing_reads.fetch_add(1, Ordering::SeqCst);
+                w
             }
         }
     }
@@ -829,6 +859,33 @@ async fn a_retried_enqueue_takes_one_slot(b: Backend) {
     c.release(&k, &held.lease_id).await.unwrap();
     assert_eq!(rec.tokens(), ["t0", "w-retry"], "served at once, to the newer task");
     assert_eq!(rec.last().lease_id, id);
+}
+
+/// A retried invocation whose first try's slot is no longer the queue's tail (another waiter
+/// joined after it) still keeps that slot, ahead of the later waiter, and rewrites its item
+/// with the new token within its retry budget (the rewrite's first answer is lost here), and
+/// then reads the key within it too (that read's first try fails).
+async fn a_retried_invocation_keeps_its_slot_ahead_of_later_waiters(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let (faults, c) = faulty_coord(&b, &rec);
+    let k = key("resume");
+    let Enqueued::Granted(held) = enqueue(&c, &k, "t0", Duration::from_secs(30)).await else { panic!() };
+    let id = LeaseId::generate();
+    let opts = AcquireOptions { lease_id: Some(id.clone()), ..Default::default() };
+    let first = c.acquire_or_enqueue(&k, "w", Duration::from_secs(30), opts.clone(), "w-first", None).await.unwrap();
+    let Enqueued::Queued { seq, position: 1, .. } = first else { panic!("{first:?}") };
+    let later = enqueue(&c, &k, "x", Duration::from_secs(30)).await;
+    assert!(matches!(later, Enqueued::Queued { position: 2, .. }), "{later:?}");
+    faults.once(|_, m| puts_waiter(m, "w-retry").then_some(Act::LoseAnswer));
+    faults.once(|_, m| puts_waiter(m, "w-retry").then_some(Act::ThenFailRead));
+    let again = c.acquire_or_enqueue(&k, "w", Duration::from_secs(30), opts, "w-retry", None).await.unwrap();
+    assert!(matches!(again, Enqueued::Queued { seq: s, position: 1, .. } if s == seq), "{again:?}");
+    assert_eq!(c.get(&k).await.unwrap().queue_length, 2, "the retried invocation took no second slot");
+    c.release(&k, &held.lease_id).await.unwrap();
+    assert_eq!(rec.tokens(), ["t0", "w-retry"], "its own slot, ahead of x, to the newer task");
+    assert_eq!(rec.last().lease_id, id);
+    c.release(&k, &id).await.unwrap();
+    assert_eq!(rec.tokens(), ["t0", "w-retry", "x"]);
 }
 
 /// A slot whose waiter item never came (its put failed) is skipped once ITS grace has passed,
