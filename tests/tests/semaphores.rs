@@ -28,6 +28,7 @@ both_backends!(
     every_write_leaves_the_item_outliving_its_live_holders,
     waiters_of_other_processes_get_their_turn_on_a_full_semaphore,
     holders_a_fast_clock_cleaned_away_keep_their_slots_from_the_others,
+    a_take_by_a_clock_behind_is_fenced_above_the_semaphore_s_maker,
 );
 
 fn secs(s: u64) -> Option<Duration> {
@@ -594,4 +595,25 @@ async fn holders_a_fast_clock_cleaned_away_keep_their_slots_from_the_others(b: B
     let l = c.acquire(k, "c", dur, opts).await.expect("granted once this clock passed the stamp");
     assert!(Instant::now() >= safe, "granted before a and b stopped believing");
     assert!(l.acquired_at_ms >= item.semaphore.cleaned_at_ms.unwrap(), "granted before the stamp");
+}
+
+/// The item of a new semaphore carries its first holder's fence: a take by a coordinator whose
+/// clock, and so the fence it would write, is behind the maker's is refused below it and fenced
+/// above it, never below (a resource would refuse the maker's writes, or accept the other's
+/// older fence after a newer one).
+async fn a_take_by_a_clock_behind_is_fenced_above_the_semaphore_s_maker(b: Backend) {
+    let ahead = {
+        let mut cfg = test_config();
+        cfg.clock_offset_ms = 2_000;
+        Coordinator::new(Counting::new(b.store()), cfg)
+    };
+    let c = Coordinator::new(b.store(), test_config());
+    let k = "sem/fence-behind";
+    let first = ahead.acquire(k, "ahead", secs(30), slots(3)).await.unwrap();
+    let next = c.acquire(k, "behind", secs(30), slots(3)).await.unwrap();
+    assert!(next.fence > first.fence, "fence {} granted after fence {}", next.fence, first.fence);
+    let item = b.store().get(k).await.unwrap().expect("the semaphore's item");
+    assert_eq!(item.fence, next.fence, "the item's fence is its highest slot's: {item:?}");
+    c.release(k, &next.lease_id).await.unwrap();
+    ahead.release(k, &first.lease_id).await.unwrap();
 }
