@@ -364,21 +364,30 @@ impl Coordinator {
         let period = slot_period(r, now, self.config.poll_max);
         self.pacer.contended(t.key, period);
         let end = self.monotonic() + until.min(left);
+        // The item's fence as last seen, and the pause while the same holders keep every slot.
+        let (mut fence, mut changed, mut quiet) = (r.fence, true, period);
         loop {
             let at = self.monotonic();
             if at >= end {
                 return Ok(());
             }
-            // The longer this call has waited, the more often it reads (the likeliest to find a
-            // freed slot first is the one that waited longest).
-            let p = aged(period, at.saturating_duration_since(t.start));
+            // While slots change hands, the longer this call has waited, the more often it
+            // reads (the likeliest to find a freed slot first is the one that waited longest);
+            // while the same holders keep every slot (no take since the last read: the item's
+            // fence did not move), the pause doubles up to `poll_max`, as for a lease held on
+            // ("Contention"): a long hold costs few reads.
+            let p = if changed { aged(period, at.saturating_duration_since(t.start)) } else { quiet };
             self.pause_slot(t, crate::backoff::uniform(p / 2, p * 3 / 2).min(end - at)).await;
             if self.monotonic() >= end {
                 return Ok(());
             }
             // A failed read leaves the decision to the take.
             match self.store.slot_count(t.key).await {
-                Ok(Some(SlotCount { taken, slots: Some(_) })) if taken >= t.slots => {}
+                Ok(Some(SlotCount { taken, slots: Some(_), fence: f })) if taken >= t.slots => {
+                    changed = f != fence;
+                    fence = f;
+                    quiet = if changed { period } else { (quiet * 2).min(self.config.poll_max.max(period)) };
+                }
                 _ => return Ok(()),
             }
         }

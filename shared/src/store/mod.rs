@@ -110,13 +110,14 @@ pub trait Store: Send + Sync + 'static {
     async fn update(&self, key: &str, condition: &Condition, mutation: &Mutation) -> Result<Write>;
 
     /// A semaphore's [`SlotCount`], read alone (`None`: no item): what a waiter of a full
-    /// semaphore polls (DESIGN.md, "Semaphores": Waiting). DynamoDB reads two attributes of the
+    /// semaphore polls (DESIGN.md, "Semaphores": Waiting). DynamoDB reads three attributes of the
     /// item, not the map. By default, from [`Store::get`].
     async fn slot_count(&self, key: &str) -> Result<Option<SlotCount>> {
-        Ok(self
-            .get(key)
-            .await?
-            .map(|r| SlotCount { taken: r.semaphore.slots_taken.unwrap_or(0), slots: r.semaphore.slots }))
+        Ok(self.get(key).await?.map(|r| SlotCount {
+            taken: r.semaphore.slots_taken.unwrap_or(0),
+            slots: r.semaphore.slots,
+            fence: r.fence,
+        }))
     }
 
     /// Delete the item if `condition` holds (a served waiter's item leaves the queue this way).

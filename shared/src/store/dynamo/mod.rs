@@ -340,15 +340,17 @@ impl Store for DynamoStore {
     async fn slot_count(&self, key: &str) -> Result<Option<SlotCount>> {
         let out = self
             .read_item(key)
-            .projection_expression("#taken, #slots")
+            .projection_expression("#taken, #slots, #fence")
             .expression_attribute_names("#taken", attr::SEM_TAKEN)
             .expression_attribute_names("#slots", attr::SEM_SLOTS)
+            .expression_attribute_names("#fence", attr::FENCE)
             .send()
             .await
             .map_err(map_err)?;
         let Some(item) = out.item() else { return Ok(None) };
         let n = |name| item::get_n(item, name).map(|n| n.map(|n| n.min(u32::MAX as u64) as u32));
-        Ok(Some(SlotCount { taken: n(attr::SEM_TAKEN)?.unwrap_or(0), slots: n(attr::SEM_SLOTS)? }))
+        let fence = item::get_n(item, attr::FENCE)?.unwrap_or(0);
+        Ok(Some(SlotCount { taken: n(attr::SEM_TAKEN)?.unwrap_or(0), slots: n(attr::SEM_SLOTS)?, fence }))
     }
 
     async fn update(&self, key: &str, condition: &Condition, mutation: &Mutation) -> Result<Write> {

@@ -20,11 +20,14 @@ use crate::store::table::attr;
 pub const CLEAN_CHUNK: usize = 100;
 
 /// What a waiter of a full semaphore polls ([`crate::store::Store::slot_count`]): the holders
-/// not released (`sem_taken`) and N (`sem_slots`; `None`: the item is no semaphore).
+/// not released (`sem_taken`), N (`sem_slots`; `None`: the item is no semaphore) and the item's
+/// `fence` (its newest holder's: a take raises it, a renewal or a release does not), by which a
+/// waiter tells slots changing hands from the same holders keeping them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SlotCount {
     pub taken: u32,
     pub slots: Option<u32>,
+    pub fence: u64,
 }
 
 /// Most holders one force-release evicts: each sets two paths (`released_at_ms`,
