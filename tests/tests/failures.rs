@@ -322,6 +322,15 @@ async fn a_wrong_clock_is_refused_and_takes_nothing(b: Backend) {
         honest.release(&key, &l.lease_id).await.unwrap();
         honest.acquire(&key, "honest", secs(5), AcquireOptions::default()).await.unwrap();
     }
+    // A slot of a semaphore: refused alike, at once, and the slots stay as they were.
+    let sem = AcquireOptions { slots: Some(3), ..Default::default() };
+    let l = honest.acquire("clock-sem", "honest", secs(30), sem.clone()).await.unwrap();
+    let cfg = Config { clock_offset_ms: 5_000, ..test_config() };
+    let wrong = Coordinator::new(Backend::dynamo_store_like(&b).await, cfg);
+    let r = wrong.acquire("clock-sem", "wrong", secs(2), AcquireOptions { wait: secs(1), ..sem }).await;
+    assert!(matches!(r, Err(Error::ClockSkew(_))), "a slot: {r:?}");
+    assert_eq!(honest.get("clock-sem").await.unwrap().slots_taken, Some(1));
+    honest.release("clock-sem", &l.lease_id).await.unwrap();
     // Within the margin: served.
     let cfg = Config { clock_offset_ms: 20, ..test_config() };
     let near = Coordinator::new(Backend::dynamo_store_like(&b).await, cfg);
