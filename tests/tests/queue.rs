@@ -38,6 +38,8 @@ both_backends!(
     waiters_outlive_the_ttl_of_a_day,
     a_retried_enqueue_takes_one_slot,
     a_retried_invocation_keeps_its_slot_ahead_of_later_waiters,
+    a_new_queue_starts_above_a_fence_ahead_of_this_clock,
+    a_key_freed_while_joining_its_queue_is_taken,
     a_missing_slot_is_skipped_after_its_own_grace,
     a_missing_slot_is_waited_for_within_its_grace,
     retried_release_after_a_hand_over_is_already_released,
@@ -886,6 +888,52 @@ async fn a_retried_invocation_keeps_its_slot_ahead_of_later_waiters(b: Backend) 
     assert_eq!(rec.last().lease_id, id);
     c.release(&k, &id).await.unwrap();
     assert_eq!(rec.tokens(), ["t0", "w-retry", "x"]);
+}
+
+/// A new queue's counters start above the key's fence (the enqueue's condition). A lease
+/// taken by a coordinator whose clock runs ahead carries a fence above this clock's
+/// microseconds: the refused enqueue shows it, and the next starts above it; the waiter is
+/// queued and served with a fence above the holder's.
+async fn a_new_queue_starts_above_a_fence_ahead_of_this_clock(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let c = coord(&b, &rec);
+    let ahead = {
+        let mut cfg = test_config();
+        cfg.clock_offset_ms = 5_000;
+        Coordinator::new(Counting::new(b.store()), cfg)
+    };
+    let k = key("fence-ahead");
+    let held = ahead.acquire(&k, "ahead", Some(Duration::from_secs(30)), AcquireOptions::default()).await.unwrap();
+    assert!(held.fence > c.now_us(), "the holder's fence is ahead of this clock");
+    let out = enqueue(&c, &k, "w", Duration::from_secs(30)).await;
+    assert!(matches!(out, Enqueued::Queued { position: 1, .. }), "{out:?}");
+    // Released through the coordinator that serves the queue: the head waiter is handed it.
+    c.release(&k, &held.lease_id).await.unwrap();
+    assert_eq!(rec.tokens(), ["w"]);
+    assert!(rec.last().fence > held.fence);
+}
+
+/// The key is released between the queued acquire's refused take and its enqueue: the
+/// enqueue is refused (a free key without waiters is taken, not queued for), and the acquire
+/// takes the key and delivers it at once.
+async fn a_key_freed_while_joining_its_queue_is_taken(b: Backend) {
+    let rec = Arc::new(Recorder::default());
+    let (faults, c) = faulty_coord(&b, &rec);
+    let k = key("freed-joining");
+    let held = c.acquire(&k, "h", Some(Duration::from_secs(30)), AcquireOptions::default()).await.unwrap();
+    faults.once(|_, m| is_enqueue(m).then_some(Act::Delay(Duration::from_millis(600))));
+    let releaser = {
+        let (c, k, id) = (c.clone(), k.clone(), held.lease_id.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            c.release(&k, &id).await.unwrap();
+        })
+    };
+    let out = enqueue(&c, &k, "w", Duration::from_secs(30)).await;
+    releaser.await.unwrap();
+    assert!(matches!(out, Enqueued::Granted(_)), "{out:?}");
+    assert_eq!(rec.tokens(), ["w"]);
+    assert_eq!(c.get(&k).await.unwrap().queue_length, 0, "nobody queued");
 }
 
 /// A slot whose waiter item never came (its put failed) is skipped once ITS grace has passed,
