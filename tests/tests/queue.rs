@@ -872,22 +872,24 @@ async fn a_retried_invocation_keeps_its_slot_ahead_of_later_waiters(b: Backend) 
     let (faults, c) = faulty_coord(&b, &rec);
     let k = key("resume");
     let Enqueued::Granted(held) = enqueue(&c, &k, "t0", Duration::from_secs(30)).await else { panic!() };
+    let Enqueued::Queued { position: 1, .. } = enqueue(&c, &k, "v", Duration::from_secs(30)).await else { panic!() };
     let id = LeaseId::generate();
     let opts = AcquireOptions { lease_id: Some(id.clone()), ..Default::default() };
     let first = c.acquire_or_enqueue(&k, "w", Duration::from_secs(30), opts.clone(), "w-first", None).await.unwrap();
-    let Enqueued::Queued { seq, position: 1, .. } = first else { panic!("{first:?}") };
+    let Enqueued::Queued { seq, position: 2, .. } = first else { panic!("{first:?}") };
     let later = enqueue(&c, &k, "x", Duration::from_secs(30)).await;
-    assert!(matches!(later, Enqueued::Queued { position: 2, .. }), "{later:?}");
+    assert!(matches!(later, Enqueued::Queued { position: 3, .. }), "{later:?}");
     faults.once(|_, m| puts_waiter(m, "w-retry").then_some(Act::LoseAnswer));
     faults.once(|_, m| puts_waiter(m, "w-retry").then_some(Act::ThenFailRead));
     let again = c.acquire_or_enqueue(&k, "w", Duration::from_secs(30), opts, "w-retry", None).await.unwrap();
-    assert!(matches!(again, Enqueued::Queued { seq: s, position: 1, .. } if s == seq), "{again:?}");
-    assert_eq!(c.get(&k).await.unwrap().queue_length, 2, "the retried invocation took no second slot");
+    assert!(matches!(again, Enqueued::Queued { seq: s, position: 2, .. } if s == seq), "{again:?}");
+    assert_eq!(c.get(&k).await.unwrap().queue_length, 3, "the retried invocation took no second slot");
     c.release(&k, &held.lease_id).await.unwrap();
-    assert_eq!(rec.tokens(), ["t0", "w-retry"], "its own slot, ahead of x, to the newer task");
+    c.release(&k, &rec.last().lease_id).await.unwrap();
+    assert_eq!(rec.tokens(), ["t0", "v", "w-retry"], "its own slot, ahead of x, to the newer task");
     assert_eq!(rec.last().lease_id, id);
     c.release(&k, &id).await.unwrap();
-    assert_eq!(rec.tokens(), ["t0", "w-retry", "x"]);
+    assert_eq!(rec.tokens(), ["t0", "v", "w-retry", "x"]);
 }
 
 /// A new queue's counters start above the key's fence (the enqueue's condition). A lease
