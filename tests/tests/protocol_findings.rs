@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use leasehold::queue::{queue_shard, Deliver, DeliveryError, Enqueued, SEPARATOR};
-use leasehold::store::{Condition, Mutation, QueueMutation, Store, Write};
+use leasehold::store::{Condition, Mutation, QueueCondition, QueueMutation, Store, Write};
 use leasehold::{AcquireOptions, Clock, Config, Coordinator, Error, Lease, LeaseId, Record, SystemClock};
 use leasehold_tests::{both_backends, test_config, wrap, Backend, Fault, Faulty, Intercept, Wrapped};
 
@@ -18,6 +18,7 @@ both_backends!(
     a_retried_queued_acquire_keeps_its_slot_behind_a_later_waiter,
     a_delayed_waiter_write_of_an_earlier_try_keeps_the_retry_s_token,
     a_retried_invocation_takes_over_the_grant_made_to_its_dead_token,
+    a_take_over_whose_mark_answer_is_lost_is_recognised_by_its_retry,
     a_queue_grant_after_a_slow_read_is_told_no_safe_time_past_its_end,
     a_new_queue_starts_above_the_numbers_of_the_queue_before,
     dropping_a_late_grant_does_not_wait_for_a_queue_delivery,
@@ -322,9 +323,20 @@ impl Deliver for RetriedTask {
 /// token answers `Gone` and revokes the lease under the execution that holds it), but move the
 /// grant's undelivered mark to its token and deliver it, so that the revoke is refused.
 async fn a_retried_invocation_takes_over_the_grant_made_to_its_dead_token(b: Backend) {
+    take_over(b, false).await;
+}
+
+/// The same, with the answer to the take-over's mark lost: its retry, refused (the mark is
+/// this token's already), is recognised as the earlier try landed, within the retry budget.
+async fn a_take_over_whose_mark_answer_is_lost_is_recognised_by_its_retry(b: Backend) {
+    take_over(b, true).await;
+}
+
+async fn take_over(b: Backend, lose_mark_answer: bool) {
     let k = "queued-grant-retry";
     let task = Arc::new(RetriedTask::default());
-    let c = b.coordinator(test_config()).with_deliver(task.clone());
+    let faulty = Faulty::on(b.store(), |c| matches!(c, Condition::Queue(QueueCondition::Undelivered { .. })));
+    let c = Coordinator::new(faulty.clone(), test_config()).with_deliver(task.clone());
     let d = Duration::from_secs(60);
     let held = c.acquire(k, "holder", Some(d), AcquireOptions::default()).await.unwrap();
     let id = LeaseId::generate();
@@ -338,7 +350,11 @@ async fn a_retried_invocation_takes_over_the_grant_made_to_its_dead_token(b: Bac
     };
     task.entered.notified().await;
     // The retried invocation, with its own token, while that delivery is in flight.
+    if lose_mark_answer {
+        faulty.inject(&[Fault::LoseResponse]);
+    }
     let retry = c.acquire_or_enqueue(k, "exec", d, mine, "token-2", None).await.unwrap();
+    assert_eq!(faulty.injected.load(Ordering::SeqCst), usize::from(lose_mark_answer));
     assert!(matches!(&retry, Enqueued::Granted(l) if l.lease_id == id), "{retry:?}");
     // The delivery to the dead token answers `Gone`.
     task.gate.notify_one();
