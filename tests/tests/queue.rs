@@ -895,13 +895,15 @@ async fn a_retried_invocation_keeps_its_slot_ahead_of_later_waiters(b: Backend) 
 /// A new queue's counters start above the key's fence (the enqueue's condition). A lease
 /// taken by a coordinator whose clock runs ahead carries a fence above this clock's
 /// microseconds: the refused enqueue shows it, and the next starts above it; the waiter is
-/// queued and served with a fence above the holder's.
+/// queued and served with a fence above the holder's. (2 s ahead: the lease's min_hold, its
+/// take time by that clock, ends well within what the release waits for before it serves the
+/// queue itself, `MIN_HOLD_WAIT_MS`.)
 async fn a_new_queue_starts_above_a_fence_ahead_of_this_clock(b: Backend) {
     let rec = Arc::new(Recorder::default());
     let c = coord(&b, &rec);
     let ahead = {
         let mut cfg = test_config();
-        cfg.clock_offset_ms = 5_000;
+        cfg.clock_offset_ms = 2_000;
         Coordinator::new(Counting::new(b.store()), cfg)
     };
     let k = key("fence-ahead");
@@ -923,7 +925,9 @@ async fn a_key_freed_while_joining_its_queue_is_taken(b: Backend) {
     let (faults, c) = faulty_coord(&b, &rec);
     let k = key("freed-joining");
     let held = c.acquire(&k, "h", Some(Duration::from_secs(30)), AcquireOptions::default()).await.unwrap();
-    faults.once(|_, m| is_enqueue(m).then_some(Act::Delay(Duration::from_millis(600))));
+    // The release comes 200 ms in, the enqueue lands 1.5 s in: long after, also on a loaded
+    // machine.
+    faults.once(|_, m| is_enqueue(m).then_some(Act::Delay(Duration::from_millis(1500))));
     let releaser = {
         let (c, k, id) = (c.clone(), k.clone(), held.lease_id.clone());
         tokio::spawn(async move {
