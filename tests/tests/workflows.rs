@@ -347,6 +347,12 @@ async fn start_in(region: &str, machine: &str, work: &str, input: Value) -> Run 
 /// execution of it.
 async fn start_definition(region: &str, machine: &str, definition: String, input: Value) -> Run {
     let client = sfn(region).await;
+    // One create at a time: moto parses each definition with an ANTLR parser whose caches are
+    // shared by its server's threads, and two parses at once can fail one of them
+    // (`InvalidDefinition`, "Error=IndexError", seen once in a fresh-clone run; Step Functions
+    // itself has no such limit).
+    static CREATING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    let creating = CREATING.lock().await;
     let sm = client
         .create_state_machine()
         .name(unique(machine))
@@ -355,6 +361,7 @@ async fn start_definition(region: &str, machine: &str, definition: String, input
         .send()
         .await
         .unwrap_or_else(|e| panic!("create {machine}: {}", aws_smithy_types_display(&e)));
+    drop(creating);
     // Named explicitly: the workflows use $$.Execution.Name as the holder (moto leaves it
     // null when StartExecution has no name; Step Functions always makes one).
     let name = unique("run");
